@@ -1,0 +1,1 @@
+//! The lifecycle engine: scale requests, agents, warm pools, backoff, reload; backends behind a trait.

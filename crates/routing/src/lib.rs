@@ -1,0 +1,1 @@
+//! Routes a job's labels to a scaler label set and explains every candidate.
