@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# THE test command (README): every check CI runs, in order.
+#
+#   fmt        cargo fmt --check (workspace and the fuzz crate)
+#   clippy     cargo clippy --workspace --all-targets -- -D warnings
+#   nextest    cargo nextest run --workspace --no-fail-fast (profile `ci` when CI=true)
+#   doctests   cargo test --workspace --doc
+#   benches    cargo bench --workspace --no-run (compiled, never run here)
+#   fuzz       scripts/fuzz.sh $KICI_FUZZ_SECONDS (default 60): nightly cargo fuzz;
+#              fails, never skips, when the fuzz tooling cannot be installed
+#
+# Every stage runs even when an earlier one failed, so one run reports every
+# problem; the script exits 1 if any stage failed. The last line counts the
+# tests that ran: `tests: N passed, N failed, N skipped`.
+set -euo pipefail
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+
+fuzz_seconds="${KICI_FUZZ_SECONDS:-60}"
+nextest_profile=default
+if [ "${CI:-}" = "true" ]; then nextest_profile=ci; fi
+
+logs="$(mktemp -d "${TMPDIR:-/tmp}/kici-test.XXXXXX")"
+trap 'rm -rf "$logs"' EXIT
+
+passed=0
+failed=0
+skipped=0
+summary=()
+failed_stages=0
+
+fmt_duration() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+
+stage() {
+    local name="$1" start status rc
+    shift
+    printf '\n===== test stage: %s\n' "$name"
+    start=$(date +%s)
+    set +e
+    "$@"
+    rc=$?
+    set -e
+    if [ "$rc" -eq 0 ]; then status=ok; else
+        status="FAILED (exit $rc)"
+        failed_stages=$((failed_stages + 1))
+    fi
+    local took=$(($(date +%s) - start))
+    printf '===== test stage: %s: %s in %s\n' "$name" "$status" "$(fmt_duration "$took")"
+    summary+=("$(printf '%-10s %-16s %s' "$name" "$status" "$(fmt_duration "$took")")")
+}
+
+run_fmt() {
+    cargo fmt --all -- --check &&
+        cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+}
+
+run_clippy() {
+    cargo clippy --workspace --all-targets -- -D warnings
+}
+
+run_nextest() {
+    local rc=0 line
+    cargo nextest run --workspace --no-fail-fast --profile "$nextest_profile" 2>&1 |
+        tee "$logs/nextest.log" || rc=$?
+    # "Summary [ 1.2s] 42 tests run: 41 passed, 1 failed, 3 skipped"
+    line="$(grep -E '^ *Summary .* tests? run:' "$logs/nextest.log" | tail -n 1 || true)"
+    if [ -n "$line" ]; then
+        passed=$((passed + $(count_of passed "$line")))
+        failed=$((failed + $(count_of failed "$line") + $(count_of 'timed out' "$line")))
+        skipped=$((skipped + $(count_of skipped "$line")))
+    elif [ "$rc" -ne 0 ]; then
+        failed=$((failed + 1)) # did not even get to run (build error)
+    fi
+    return "$rc"
+}
+
+run_doctests() {
+    local rc=0 line
+    cargo test --workspace --doc 2>&1 | tee "$logs/doctests.log" || rc=$?
+    # "test result: ok. 3 passed; 0 failed; 1 ignored; ..." once per crate
+    while IFS= read -r line; do
+        passed=$((passed + $(count_of passed "$line")))
+        failed=$((failed + $(count_of failed "$line")))
+        skipped=$((skipped + $(count_of ignored "$line")))
+    done < <(grep -E '^test result:' "$logs/doctests.log" || true)
+    if [ "$rc" -ne 0 ] && ! grep -qE '^test result:' "$logs/doctests.log"; then
+        failed=$((failed + 1))
+    fi
+    return "$rc"
+}
+
+# count_of WORD LINE: the number just before WORD in LINE, or 0.
+count_of() {
+    local n
+    n="$(printf '%s\n' "$2" | grep -oE "[0-9]+ $1" | head -n 1 | grep -oE '^[0-9]+' || true)"
+    printf '%s' "${n:-0}"
+}
+
+run_benches() {
+    cargo bench --workspace --no-run
+}
+
+run_fuzz() {
+    scripts/fuzz.sh "$fuzz_seconds"
+}
+
+stage fmt run_fmt
+stage clippy run_clippy
+stage nextest run_nextest
+stage doctests run_doctests
+stage benches run_benches
+stage fuzz run_fuzz
+
+printf '\n===== test summary\n'
+printf '%s\n' "${summary[@]}"
+if [ "$failed_stages" -gt 0 ]; then
+    printf '%d stage(s) failed\n' "$failed_stages"
+fi
+printf 'tests: %d passed, %d failed, %d skipped\n' "$passed" "$failed" "$skipped"
+[ "$failed_stages" -eq 0 ]
