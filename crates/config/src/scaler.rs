@@ -1,0 +1,635 @@
+//! One `scalers[]` entry: identity, counts, warm pool, gates, caps, backend
+//! settings, `x-kici-scaler`, its label sets, and the rules local to it.
+
+use crate::cx::{field_path, Cx, Got, Keys, Obj, Val};
+use crate::label_set::{self, required_truthy, warn_foreign, ParsedLabelSet};
+use crate::resources::{self, NamedCap};
+use crate::yaml::quote;
+use kici_model::{
+    BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime, ContainerSettings,
+    FirecrackerSettings, LabelSet, MachinePool, Origin, ResourceCap, ResourceRequest, Role, Roles,
+    ScalerEntry, ScalerExtension, ScalerName, ScalerType, WarmPoolConfig,
+};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub(crate) const KEYS: [&str; 26] = [
+    "name",
+    "type",
+    "maxAgents",
+    "labelSets",
+    "host",
+    "socketPath",
+    "runtime",
+    "orchestratorUrl",
+    "extraHosts",
+    "networkIsolation",
+    "warmPool",
+    "mandatoryLabels",
+    "roles",
+    "resourceCap",
+    "machinePool",
+    "enforceCgroups",
+    "firecrackerPath",
+    "jailerPath",
+    "kernelPath",
+    "chrootBaseDir",
+    "uid",
+    "gid",
+    "vcpuCount",
+    "memSizeMib",
+    "requireSudo",
+    "x-kici-scaler",
+];
+
+const CONTAINER: &[ScalerType] = &[ScalerType::Container];
+const BARE_METAL: &[ScalerType] = &[ScalerType::BareMetal];
+const FIRECRACKER: &[ScalerType] = &[ScalerType::Firecracker];
+
+const OWNED: [(&str, &[ScalerType]); 14] = [
+    ("host", CONTAINER),
+    ("socketPath", CONTAINER),
+    ("runtime", CONTAINER),
+    ("extraHosts", CONTAINER),
+    ("networkIsolation", CONTAINER),
+    ("enforceCgroups", BARE_METAL),
+    ("firecrackerPath", FIRECRACKER),
+    ("jailerPath", FIRECRACKER),
+    ("kernelPath", FIRECRACKER),
+    ("chrootBaseDir", FIRECRACKER),
+    ("uid", FIRECRACKER),
+    ("gid", FIRECRACKER),
+    ("vcpuCount", FIRECRACKER),
+    ("memSizeMib", FIRECRACKER),
+];
+
+const EXT_KEYS: [&str; 8] = [
+    "provisionTimeoutSeconds",
+    "registrationTimeoutSeconds",
+    "pendingDispatchTimeoutSeconds",
+    "maxLifetimeSeconds",
+    "destroyGraceSeconds",
+    "apiCallTimeoutSeconds",
+    "idleGraceSeconds",
+    "backoff",
+];
+
+const BACKOFF_KEYS: [&str; 4] = [
+    "initialSeconds",
+    "maxSeconds",
+    "breakerThreshold",
+    "breakerOpenSeconds",
+];
+
+/// Longest scaler name accepted: it travels inside the `kici:scaler:<name>`
+/// label, which is bounded too.
+const MAX_NAME_LEN: usize = 200;
+
+fn hint(key: &str) -> Option<&'static str> {
+    match key {
+        "cleanable" | "cleanupScript" => Some("removed upstream"),
+        "dockerHost" => Some("removed upstream; use host"),
+        _ => None,
+    }
+}
+
+/// The settings a scaler is checked against.
+pub(crate) struct Globals<'a> {
+    /// `None` when `globalMaxAgents` itself is invalid.
+    pub global_max_agents: Option<u32>,
+    pub defaults: Option<&'a ResourceRequest>,
+    pub global_cap: Option<&'a ResourceCap>,
+    /// `None` when `machinePools` is invalid: references are then unchecked.
+    pub pools: Option<&'a [MachinePool]>,
+}
+
+/// What the cross-scaler checks need from an entry, valid or not.
+pub(crate) struct ParsedScaler {
+    pub entry: Option<ScalerEntry>,
+    pub name: Option<(String, Origin)>,
+    pub origin: Origin,
+    pub path: String,
+    pub label_sets: Vec<ParsedLabelSet>,
+}
+
+fn name(cx: &mut Cx, v: &Val<'_>) -> Option<String> {
+    let s = cx.string(v)?;
+    let problem = if s.is_empty() {
+        Some("must not be empty".to_owned())
+    } else if s.len() > MAX_NAME_LEN {
+        Some(format!("is longer than {MAX_NAME_LEN} bytes"))
+    } else if s
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || c == ',')
+    {
+        Some("must not contain whitespace, commas or control characters (it becomes the label kici:scaler:<name>)".to_owned())
+    } else {
+        None
+    };
+    match problem {
+        Some(p) => {
+            cx.error(
+                v.origin.clone(),
+                v.path.clone(),
+                format!("scaler name {} {p}", quote(&s)),
+            );
+            None
+        }
+        None => Some(s),
+    }
+}
+
+fn kind(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerType> {
+    let s = cx.string(v)?;
+    if let Ok(t) = s.parse::<ScalerType>() {
+        return Some(t);
+    }
+    let why = match s.as_str() {
+        "docker" => "the legacy type \"docker\" was removed; use \"container\"".to_owned(),
+        "kubernetes" => "type \"kubernetes\" is reserved and not supported".to_owned(),
+        other => format!("unknown type {}", quote(other)),
+    };
+    cx.error(
+        v.origin.clone(),
+        v.path.clone(),
+        format!("{why}: expected \"container\", \"bare-metal\" or \"firecracker\""),
+    );
+    None
+}
+
+fn seconds(cx: &mut Cx, v: &Val<'_>) -> Option<Duration> {
+    let n = cx.positive_number(v)?;
+    match Duration::try_from_secs_f64(n) {
+        Ok(d) => Some(d),
+        Err(_) => {
+            cx.error(
+                v.origin.clone(),
+                v.path.clone(),
+                format!("{n} seconds is too large"),
+            );
+            None
+        }
+    }
+}
+
+fn warm_pool(cx: &mut Cx, v: &Val<'_>) -> Option<WarmPoolConfig> {
+    let obj = cx.obj(v)?;
+    let before = cx.error_count();
+    cx.check_keys(
+        &obj,
+        &["enabled", "size", "idleTimeoutSeconds"],
+        Keys::Lenient,
+        |_| None,
+    );
+    let enabled = cx
+        .opt(&obj, "enabled", |cx, v| cx.bool(v))
+        .value()
+        .unwrap_or(false);
+    let size = cx
+        .opt(&obj, "size", |cx, v| cx.non_negative_int(v))
+        .value()
+        .unwrap_or(0);
+    let idle_timeout = cx
+        .opt(&obj, "idleTimeoutSeconds", seconds)
+        .value()
+        .unwrap_or(WarmPoolConfig::DEFAULT_IDLE_TIMEOUT);
+    (cx.error_count() == before).then_some(WarmPoolConfig {
+        enabled,
+        size,
+        idle_timeout,
+    })
+}
+
+fn roles(cx: &mut Cx, v: &Val<'_>) -> Option<Roles> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum R {
+        One(Role),
+        All,
+    }
+    let items = cx.list(v)?;
+    let before = cx.error_count();
+    let mut out: Vec<Role> = Vec::new();
+    let mut all = false;
+    for item in &items {
+        let r = cx.choice(
+            item,
+            &[
+                ("builder", R::One(Role::Builder)),
+                ("init-runner", R::One(Role::InitRunner)),
+                ("all", R::All),
+            ],
+        );
+        match r {
+            Some(R::All) => all = true,
+            Some(R::One(role)) if !out.contains(&role) => out.push(role),
+            _ => {}
+        }
+    }
+    if cx.error_count() != before {
+        return None;
+    }
+    Some(if all { Roles::All } else { Roles::Only(out) })
+}
+
+fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtension> {
+    let obj = cx.obj(v)?;
+    let before = cx.error_count();
+    cx.check_keys(&obj, &EXT_KEYS, Keys::Strict, |_| None);
+    let mut ext = ScalerExtension::defaults_for(kind);
+    let d = &mut ext.deadlines;
+    for (key, slot) in [
+        ("provisionTimeoutSeconds", &mut d.provision),
+        ("registrationTimeoutSeconds", &mut d.registration),
+        ("pendingDispatchTimeoutSeconds", &mut d.pending_dispatch),
+        ("maxLifetimeSeconds", &mut d.max_lifetime),
+        ("destroyGraceSeconds", &mut d.destroy_grace),
+        ("apiCallTimeoutSeconds", &mut d.api_call),
+        ("idleGraceSeconds", &mut d.idle_grace),
+    ] {
+        if let Some(s) = cx.opt(&obj, key, seconds).value() {
+            *slot = s;
+        }
+    }
+    if let Some(b) = cx.opt(&obj, "backoff", backoff).value() {
+        ext.backoff = b;
+    }
+    (cx.error_count() == before).then_some(ext)
+}
+
+fn backoff(cx: &mut Cx, v: &Val<'_>) -> Option<BackoffPolicy> {
+    let obj = cx.obj(v)?;
+    let before = cx.error_count();
+    cx.check_keys(&obj, &BACKOFF_KEYS, Keys::Strict, |_| None);
+    let mut b = BackoffPolicy::default();
+    if let Some(s) = cx.opt(&obj, "initialSeconds", seconds).value() {
+        b.initial = s;
+    }
+    if let Some(s) = cx.opt(&obj, "maxSeconds", seconds).value() {
+        b.max = s;
+    }
+    if let Some(n) = cx
+        .opt(&obj, "breakerThreshold", |cx, v| cx.int_at_least(v, 1))
+        .value()
+    {
+        b.breaker_threshold = n;
+    }
+    if let Some(s) = cx.opt(&obj, "breakerOpenSeconds", seconds).value() {
+        b.breaker_open = s;
+    }
+    if cx.error_count() != before {
+        return None;
+    }
+    if b.initial > b.max {
+        cx.error(
+            v.origin.clone(),
+            v.path.clone(),
+            format!(
+                "initialSeconds ({}) must not exceed maxSeconds ({})",
+                b.initial.as_secs_f64(),
+                b.max.as_secs_f64()
+            ),
+        );
+        return None;
+    }
+    Some(b)
+}
+
+fn opt_nonempty_string(cx: &mut Cx, obj: &Obj<'_>, key: &str) -> Option<String> {
+    cx.opt(obj, key, |cx, v| cx.string(v))
+        .value()
+        .filter(|s| !s.is_empty())
+}
+
+fn backend(cx: &mut Cx, obj: &Obj<'_>, kind: Option<ScalerType>) -> Option<BackendSettings> {
+    // Every field is type-checked whatever the type (upstream's schema is one
+    // flat object); only the entry's own type's fields are kept.
+    let host = opt_nonempty_string(cx, obj, "host");
+    let socket_path = opt_nonempty_string(cx, obj, "socketPath").map(PathBuf::from);
+    let runtime = cx
+        .opt(obj, "runtime", |cx, v| {
+            cx.choice(
+                v,
+                &[
+                    ("auto", ContainerRuntime::Auto),
+                    ("docker", ContainerRuntime::Docker),
+                    ("podman", ContainerRuntime::Podman),
+                ],
+            )
+        })
+        .value()
+        .unwrap_or(ContainerRuntime::Auto);
+    let extra_hosts = cx
+        .opt(obj, "extraHosts", |cx, v| cx.string_list(v))
+        .value()
+        .unwrap_or_default();
+    let network_isolation = cx
+        .opt(obj, "networkIsolation", |cx, v| cx.bool(v))
+        .value()
+        .unwrap_or(true);
+    let enforce_cgroups = cx
+        .opt(obj, "enforceCgroups", |cx, v| cx.bool(v))
+        .value()
+        .unwrap_or(false);
+    let require_sudo = cx
+        .opt(obj, "requireSudo", |cx, v| cx.bool(v))
+        .value()
+        .unwrap_or(false);
+    let chroot_base_dir = match cx.opt(obj, "chrootBaseDir", |cx, v| {
+        let s = cx.string(v)?;
+        if s.is_empty() {
+            cx.error(
+                v.origin.clone(),
+                v.path.clone(),
+                "chrootBaseDir must not be empty",
+            );
+            return None;
+        }
+        Some(PathBuf::from(s))
+    }) {
+        Got::Value(p) => p,
+        _ => PathBuf::from(FirecrackerSettings::DEFAULT_CHROOT_BASE_DIR),
+    };
+    let fc_paths = ["firecrackerPath", "jailerPath", "kernelPath"];
+    let ids = ["uid", "gid"];
+    let Some(kind) = kind else {
+        for key in fc_paths {
+            let _ = cx.opt(obj, key, |cx, v| cx.string(v));
+        }
+        for key in ids {
+            let _ = cx.opt(obj, key, |cx, v| cx.non_negative_int(v));
+        }
+        return None;
+    };
+    warn_foreign(cx, obj, kind, &OWNED);
+    match kind {
+        ScalerType::Container | ScalerType::BareMetal => {
+            for key in fc_paths {
+                let _ = cx.opt(obj, key, |cx, v| cx.string(v));
+            }
+            for key in ids {
+                let _ = cx.opt(obj, key, |cx, v| cx.non_negative_int(v));
+            }
+            Some(if kind == ScalerType::Container {
+                BackendSettings::Container(ContainerSettings {
+                    host,
+                    socket_path,
+                    runtime,
+                    extra_hosts,
+                    network_isolation,
+                })
+            } else {
+                BackendSettings::BareMetal(BareMetalSettings { enforce_cgroups })
+            })
+        }
+        ScalerType::Firecracker => {
+            let [fc, jailer, kernel] =
+                fc_paths.map(|key| required_truthy(cx, obj, key, kind, false));
+            let [uid, gid] =
+                ids.map(
+                    |key| match cx.opt(obj, key, |cx, v| cx.non_negative_int(v)) {
+                        Got::Value(n) => Some(n),
+                        Got::Bad => None,
+                        Got::Absent => {
+                            cx.error(
+                                obj.origin.clone(),
+                                field_path(&obj.path, key),
+                                format!("a firecracker scaler requires a '{key}' field"),
+                            );
+                            None
+                        }
+                    },
+                );
+            Some(BackendSettings::Firecracker(FirecrackerSettings {
+                firecracker_path: PathBuf::from(fc?),
+                jailer_path: PathBuf::from(jailer?),
+                kernel_path: PathBuf::from(kernel?),
+                chroot_base_dir,
+                uid: uid?,
+                gid: gid?,
+                require_sudo,
+            }))
+        }
+    }
+}
+
+/// Parses `scalers[i]` and checks the rules local to it.
+pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
+    let mut out = ParsedScaler {
+        entry: None,
+        name: None,
+        origin: v.origin.clone(),
+        path: v.path.clone(),
+        label_sets: Vec::new(),
+    };
+    let Some(obj) = cx.obj(v) else { return out };
+    let before = cx.error_count();
+    cx.check_keys(&obj, &KEYS, Keys::Strict, hint);
+
+    let name_val = cx.field(&obj, "name");
+    let name = cx.required(&obj, "name", name);
+    out.name = name.clone().zip(name_val.map(|v| v.origin));
+    let kind = cx.required(&obj, "type", kind);
+    let max_agents = cx.required(&obj, "maxAgents", |cx, v| cx.positive_int(v));
+    let orchestrator_url = opt_nonempty_string(cx, &obj, "orchestratorUrl");
+    let warm_val = cx.field(&obj, "warmPool");
+    let warm = cx.opt(&obj, "warmPool", warm_pool).value();
+    let mandatory = cx
+        .opt(&obj, "mandatoryLabels", label_set::label_list)
+        .value();
+    let mandatory_ok = mandatory.is_some()
+        || cx
+            .field(&obj, "mandatoryLabels")
+            .is_none_or(|v| Cx::is_null(&v));
+    let mandatory = mandatory.unwrap_or_default();
+    let roles = cx.opt(&obj, "roles", roles).value().unwrap_or(Roles::All);
+    let cap_got = cx.opt(&obj, "resourceCap", resources::cap);
+    let cap_ok = !matches!(cap_got, Got::Bad);
+    let resource_cap = cap_got.value();
+    let pool_val = cx.field(&obj, "machinePool");
+    let machine_pool = cx.opt(&obj, "machinePool", |cx, v| cx.string(v)).value();
+    let backend = backend(cx, &obj, kind);
+    let vcpu_count = cx
+        .opt(&obj, "vcpuCount", |cx, v| cx.positive_int(v))
+        .value()
+        .unwrap_or(2);
+    let mem_size_mib = cx
+        .opt(&obj, "memSizeMib", |cx, v| cx.positive_int(v))
+        .value()
+        .unwrap_or(512);
+    let ext = cx
+        .opt(&obj, "x-kici-scaler", |cx, v| {
+            extension(cx, v, kind.unwrap_or(ScalerType::Container))
+        })
+        .value();
+
+    // Label sets.
+    if let Some(list_val) = cx.field(&obj, "labelSets") {
+        if let Some(items) = cx.list(&list_val) {
+            if items.is_empty() {
+                cx.error(
+                    list_val.origin.clone(),
+                    list_val.path.clone(),
+                    "expected at least one label set, got an empty list",
+                );
+            }
+            out.label_sets = items
+                .iter()
+                .map(|i| label_set::parse(cx, i, kind))
+                .collect();
+        }
+    } else {
+        cx.error(
+            obj.origin.clone(),
+            field_path(&obj.path, "labelSets"),
+            "missing required key `labelSets`",
+        );
+    }
+
+    // mandatoryLabels: every label set must carry every gate label, or a job
+    // could reach the scaler through a label set without it.
+    if mandatory_ok {
+        for (i, ls) in out.label_sets.iter().enumerate() {
+            let Some(labels) = &ls.labels else { continue };
+            for m in mandatory.missing_from(labels) {
+                cx.error(
+                    ls.origin.clone(),
+                    field_path(&ls.path, "labels"),
+                    format!(
+                        "mandatoryLabel {} is missing from labelSets[{i}]: every label set must contain every mandatory label",
+                        quote(m.as_str())
+                    ),
+                );
+            }
+        }
+    }
+
+    // Same-scaler duplicate label sets are allowed upstream (the first wins).
+    let mut seen: HashMap<&LabelSet, usize> = HashMap::new();
+    for (i, ls) in out.label_sets.iter().enumerate() {
+        let Some(labels) = &ls.labels else { continue };
+        if let Some(first) = seen.get(labels) {
+            cx.warn(
+                ls.origin.clone(),
+                field_path(&ls.path, "labels"),
+                format!(
+                    "label set [{}] repeats labelSets[{first}] of the same scaler; the first one always wins",
+                    labels.key()
+                ),
+            );
+        } else {
+            seen.insert(labels, i);
+        }
+    }
+
+    if let (Some(w), Some(max)) = (&warm, max_agents) {
+        if w.size > max {
+            let origin = warm_val.map_or(obj.origin.clone(), |v| v.origin);
+            cx.error(
+                origin,
+                field_path(&field_path(&obj.path, "warmPool"), "size"),
+                format!("warmPool.size ({}) exceeds maxAgents ({max})", w.size),
+            );
+        }
+    }
+    if let (Some(max), Some(global)) = (max_agents, g.global_max_agents) {
+        if max > global {
+            let origin = cx
+                .field(&obj, "maxAgents")
+                .map_or(obj.origin.clone(), |v| v.origin);
+            cx.warn(
+                origin,
+                field_path(&obj.path, "maxAgents"),
+                format!("maxAgents ({max}) exceeds globalMaxAgents ({global}); the global limit applies"),
+            );
+        }
+    }
+
+    // machinePool must name a defined pool.
+    let mut pool_cap = None;
+    if let (Some(name), Some(pools), Some(pv)) = (&machine_pool, g.pools, &pool_val) {
+        match pools.iter().find(|p| &p.name == name) {
+            Some(p) => pool_cap = Some(p.cap),
+            None => {
+                let defined: Vec<String> = pools.iter().map(|p| quote(&p.name)).collect();
+                let defined = if defined.is_empty() {
+                    "no machinePools are defined".to_owned()
+                } else {
+                    format!("defined: {}", defined.join(", "))
+                };
+                cx.error(
+                    pv.origin.clone(),
+                    pv.path.clone(),
+                    format!("unknown machinePool {} ({defined})", quote(name)),
+                );
+            }
+        }
+    }
+
+    // A label set whose own request exceeds a cap above it can never be admitted.
+    if cap_ok {
+        let mut caps = Vec::new();
+        if let Some(c) = &resource_cap {
+            caps.push(NamedCap {
+                name: "the scaler's resourceCap".into(),
+                cap: c,
+                global: false,
+            });
+        }
+        if let (Some(c), Some(n)) = (&pool_cap, &machine_pool) {
+            caps.push(NamedCap {
+                name: format!("machinePool {} cap", quote(n)),
+                cap: c,
+                global: false,
+            });
+        }
+        if let Some(c) = g.global_cap {
+            caps.push(NamedCap {
+                name: "globalResourceCap".into(),
+                cap: c,
+                global: true,
+            });
+        }
+        if !caps.is_empty() {
+            for ls in &out.label_sets {
+                if ls.has_resources && ls.resources.is_none() {
+                    continue;
+                }
+                for m in resources::misfits(ls.resources.as_ref(), g.defaults, &caps) {
+                    let (origin, path) = match (&ls.resources_origin, m.from_defaults) {
+                        (Some(o), false) => (o.clone(), field_path(&ls.path, "resources")),
+                        _ => (ls.origin.clone(), ls.path.clone()),
+                    };
+                    cx.error(origin, path, m.message);
+                }
+            }
+        }
+    }
+
+    if cx.error_count() != before {
+        return out;
+    }
+    let configs: Option<Vec<_>> = out.label_sets.iter().map(|l| l.config.clone()).collect();
+    if let (Some(name), Some(kind), Some(max_agents), Some(backend), Some(label_sets)) =
+        (name, kind, max_agents, backend, configs)
+    {
+        out.entry = Some(ScalerEntry {
+            name: ScalerName::new(&name),
+            origin: out.origin.clone(),
+            kind,
+            max_agents,
+            label_sets,
+            orchestrator_url,
+            warm_pool: warm,
+            mandatory_labels: mandatory,
+            roles,
+            resource_cap,
+            machine_pool,
+            backend,
+            vcpu_count,
+            mem_size_mib,
+            ext: ext.unwrap_or_else(|| ScalerExtension::defaults_for(kind)),
+        });
+    }
+    out
+}
