@@ -146,14 +146,17 @@ fn kind(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerType> {
         return Some(t);
     }
     let why = match s.as_str() {
-        "docker" => "the legacy type \"docker\" was removed; use \"container\"".to_owned(),
-        "kubernetes" => "type \"kubernetes\" is reserved and not supported".to_owned(),
-        other => format!("unknown type {}", quote(other)),
+        "docker" => " (the legacy type \"docker\" was removed; use \"container\")",
+        "kubernetes" => " (\"kubernetes\" is reserved upstream and not supported)",
+        _ => "",
     };
     cx.error(
         v.origin.clone(),
         v.path.clone(),
-        format!("{why}: expected \"container\", \"bare-metal\" or \"firecracker\""),
+        format!(
+            "expected \"container\", \"bare-metal\" or \"firecracker\", got {}{why}",
+            quote(&s)
+        ),
     );
     None
 }
