@@ -148,9 +148,12 @@ impl Router {
     }
 
     /// The label set `job` lands on, or `None`. Allocation-free unless the
-    /// job or its exclusions name more than [`INLINE_IDS`] labels.
+    /// job or its exclusions name more than eight labels each.
     pub fn route(&self, job: &LabelSet, exclude: &LabelSet, cordoned: &CordonSet) -> Option<Route> {
-        let mut job_ids = IdBuf::new();
+        let mut job_ids = SmallBuf::<u32>::new();
+        // Per job label, `word + base` indexes its posting word: inside the
+        // window every job posting is present, so no range check is needed.
+        let mut job_bases = SmallBuf::<usize>::new();
         let (mut lo, mut hi) = (0, self.slot_words);
         for label in job {
             // A label no configured set carries matches nothing.
@@ -159,24 +162,29 @@ impl Router {
             lo = lo.max(posting.first_word);
             hi = hi.min(posting.first_word + posting.len);
             job_ids.push(id);
+            job_bases.push(posting.offset.wrapping_sub(posting.first_word));
         }
         if lo >= hi {
             return None;
         }
-        let mut excluded = IdBuf::new();
+        let mut excluded = SmallBuf::<u32>::new();
         for label in exclude {
             if let Some(id) = self.vocabulary.get(label.as_str()) {
                 excluded.push(id);
             }
         }
-        let (job_ids, excluded) = (job_ids.as_slice(), excluded.as_slice());
+        let (job_ids, job_bases, excluded) = (
+            job_ids.as_slice(),
+            job_bases.as_slice(),
+            excluded.as_slice(),
+        );
 
         // (user labels, slot) of the best match so far.
         let mut best: Option<(u32, usize)> = None;
         for word in lo..hi {
             let mut bits = self.live_bits(word);
-            for &id in job_ids {
-                bits &= self.posting_word(id, word);
+            for &base in job_bases {
+                bits &= self.posting_words[base.wrapping_add(word)];
             }
             for &id in excluded {
                 bits &= !self.posting_word(id, word);
@@ -374,44 +382,44 @@ fn to_u32(n: usize) -> u32 {
 
 /// Label ids kept on the stack by [`Router::route`] before spilling to the
 /// heap; runsOn lists are a few labels long.
-pub const INLINE_IDS: usize = 8;
+const INLINE_IDS: usize = 8;
 
-/// A small vector of label ids that only allocates past [`INLINE_IDS`].
-enum IdBuf {
-    Inline { ids: [u32; INLINE_IDS], len: usize },
-    Heap(Vec<u32>),
+/// A small vector that only allocates past [`INLINE_IDS`] elements.
+enum SmallBuf<T: Copy + Default> {
+    Inline { items: [T; INLINE_IDS], len: usize },
+    Heap(Vec<T>),
 }
 
-impl IdBuf {
+impl<T: Copy + Default> SmallBuf<T> {
     #[inline]
     fn new() -> Self {
-        IdBuf::Inline {
-            ids: [0; INLINE_IDS],
+        SmallBuf::Inline {
+            items: [T::default(); INLINE_IDS],
             len: 0,
         }
     }
 
     #[inline]
-    fn push(&mut self, id: u32) {
+    fn push(&mut self, item: T) {
         match self {
-            IdBuf::Inline { ids, len } if *len < INLINE_IDS => {
-                ids[*len] = id;
+            SmallBuf::Inline { items, len } if *len < INLINE_IDS => {
+                items[*len] = item;
                 *len += 1;
             }
-            IdBuf::Inline { ids, .. } => {
-                let mut spilled = ids.to_vec();
-                spilled.push(id);
-                *self = IdBuf::Heap(spilled);
+            SmallBuf::Inline { items, .. } => {
+                let mut spilled = items.to_vec();
+                spilled.push(item);
+                *self = SmallBuf::Heap(spilled);
             }
-            IdBuf::Heap(ids) => ids.push(id),
+            SmallBuf::Heap(items) => items.push(item),
         }
     }
 
     #[inline]
-    fn as_slice(&self) -> &[u32] {
+    fn as_slice(&self) -> &[T] {
         match self {
-            IdBuf::Inline { ids, len } => &ids[..*len],
-            IdBuf::Heap(ids) => ids,
+            SmallBuf::Inline { items, len } => &items[..*len],
+            SmallBuf::Heap(items) => items,
         }
     }
 }
@@ -421,8 +429,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn id_buf_spills_to_heap() {
-        let mut buf = IdBuf::new();
+    fn small_buf_spills_to_heap() {
+        let mut buf = SmallBuf::<u32>::new();
         for i in 0..20 {
             buf.push(i);
         }
