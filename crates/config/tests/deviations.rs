@@ -227,7 +227,7 @@ fn requests_that_can_never_fit_are_rejected() {
     );
     let lines = err_lines(&text);
     assert_eq!(lines.len(), 2, "{lines:#?}");
-    assert!(lines[0].contains("cpus"), "{lines:?}");
+    assert!(lines[0].contains("a request of 32 CPUs"), "{lines:?}");
     assert!(lines
         .iter()
         .any(|l| l.contains("machinePool \"p\" cap maxCpu is 2")));
