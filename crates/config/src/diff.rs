@@ -69,7 +69,11 @@ fn objects(
     out: &mut Vec<FieldChange>,
     top: bool,
 ) {
-    let keys = o.keys().chain(n.keys().filter(|k| !o.contains_key(*k)));
+    // Sorted explicitly: the map's own order depends on serde_json's
+    // `preserve_order` feature, which another crate may switch on.
+    let mut keys: Vec<&String> = o.keys().chain(n.keys()).collect();
+    keys.sort();
+    keys.dedup();
     for key in keys {
         let path = join(parent, key);
         match (o.get(key), n.get(key)) {
