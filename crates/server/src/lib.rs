@@ -2,6 +2,8 @@
 //! binary (`src/main.rs`) stays a thin shell and integration tests can reach
 //! the same code.
 //!
+//! - [`cli`]: argument parsing, the one-shot commands, exit codes, logging.
 //! - [`identity`]: the state dir, its lock and the instance identity.
 
+pub mod cli;
 pub mod identity;

@@ -1,0 +1,493 @@
+//! The `kici-scaler` command line: argument parsing, the one-shot commands
+//! and their exit codes.
+//!
+//! `validate` and `route` read only the configuration: no file existence,
+//! engine or host-capacity checks (those belong to the daemon's start-up).
+//! What a command prints for its user goes to stdout (with `--json`, exactly
+//! one JSON document); diagnostics go to stderr as `file:line:col: path:
+//! message` lines; logs are JSON lines on stderr (see [`init_logging`]).
+
+use clap::{Args, Parser, Subcommand};
+use kici_config::{ConfigErrors, Diagnostic, Loaded};
+use kici_model::{Config, LabelError, LabelSet};
+use kici_routing::{CordonSet, Explanation, HostPlatform, Router};
+use serde::Serialize;
+use std::io::{self, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Exit codes of every command.
+pub mod exit {
+    /// Success; for `route`, a scaler was chosen.
+    pub const OK: u8 = 0;
+    /// Invalid configuration, a bad label, or an I/O failure.
+    pub const ERROR: u8 = 1;
+    /// `route`: the configuration is valid but no label set accepts the job.
+    pub const NO_BACKEND: u8 = 2;
+    /// The command line itself is wrong (unknown flag, missing argument).
+    /// Not clap's default 2, which would read as `no-backend`.
+    pub const USAGE: u8 = 64;
+}
+
+/// Environment variable holding the log filter (`tracing` env-filter syntax).
+pub const LOG_ENV: &str = "KICI_SCALER_LOG";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kici-scaler",
+    version,
+    about = "Provisions ephemeral CI agents routed by job labels.",
+    after_help = "Exit codes: 0 ok; 1 invalid configuration, bad label or I/O error; \
+                  2 route found no backend; 64 bad command line."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Check a configuration and print a one-line summary; every error is
+    /// printed (stderr), not just the first.
+    Validate(ValidateArgs),
+    /// Show where a job with these labels would go, and why every other
+    /// label set was not chosen.
+    Route(RouteArgs),
+}
+
+/// Where the configuration is.
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// The main configuration file (scalers.yaml).
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_CONFIG_PATH")]
+    pub config: PathBuf,
+    /// A drop-in directory whose *.yaml / *.yml files are merged after the
+    /// main file, sorted by name. None unless given (as upstream).
+    #[arg(long, value_name = "DIR", env = "KICI_SCALER_CONFIG_DIR")]
+    pub config_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Print one JSON document instead of the summary line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RouteArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// The job's labels (its runsOn), comma-separated.
+    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
+    pub labels: Vec<String>,
+    /// Labels the job must not land on, comma-separated (repeatable).
+    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
+    pub exclude: Vec<String>,
+    /// Print one JSON document instead of the text explanation.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Why a command failed (exit code [`exit::ERROR`]).
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The configuration has errors; each is printed on its own line.
+    #[error("{0}")]
+    Config(ConfigErrors),
+    #[error("{flag}: {source}")]
+    BadLabel {
+        flag: &'static str,
+        source: LabelError,
+    },
+    #[error("cannot write the output: {0}")]
+    Output(#[from] io::Error),
+    #[error("cannot encode the output as JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// How a command that did not fail ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    NoBackend,
+}
+
+impl Outcome {
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Outcome::Ok => exit::OK,
+            Outcome::NoBackend => exit::NO_BACKEND,
+        }
+    }
+}
+
+/// The binary's whole life: parse `args`, set up logging, run the command,
+/// map the result to an exit code.
+pub fn main_with_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version are not errors.
+            let code = if e.use_stderr() {
+                exit::USAGE
+            } else {
+                exit::OK
+            };
+            // Nothing sensible is left to do if the terminal is gone.
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    init_logging();
+    let stdout = io::stdout();
+    let stderr = io::stderr();
+    let code = match execute(&cli.command, &mut stdout.lock(), &mut stderr.lock()) {
+        Ok(outcome) => outcome.exit_code(),
+        Err(e) => {
+            tracing::debug!(error = %e, "command failed");
+            let mut err = stderr.lock();
+            // If stderr itself is broken the exit code still tells.
+            let _ = writeln!(err, "{}", render_error(&e));
+            exit::ERROR
+        }
+    };
+    ExitCode::from(code)
+}
+
+fn render_error(e: &CliError) -> String {
+    match e {
+        // Already one `file:line:col: path: message` per line.
+        CliError::Config(errors) => errors.to_string(),
+        other => format!("error: {other}"),
+    }
+}
+
+/// JSON logs, one event per line, on stderr only; filter from
+/// [`LOG_ENV`] (default `info`). Calling it twice is harmless.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Err only when a subscriber is already installed, which is fine.
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_writer(io::stderr)
+        .with_env_filter(filter)
+        .with_current_span(false)
+        .try_init();
+}
+
+/// Runs one command, writing its output to `out` and warnings to `err`.
+pub fn execute(
+    command: &Command,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome, CliError> {
+    match command {
+        Command::Validate(args) => validate(args, out, err),
+        Command::Route(args) => route(args, out, err),
+    }
+}
+
+fn load(args: &ConfigArgs, err: &mut dyn Write) -> Result<Loaded, CliError> {
+    let loaded =
+        kici_config::load(&args.config, args.config_dir.as_deref()).map_err(CliError::Config)?;
+    tracing::debug!(
+        files = loaded.files.len(),
+        scalers = loaded.config.scalers.len(),
+        warnings = loaded.warnings.len(),
+        "configuration loaded"
+    );
+    for w in &loaded.warnings {
+        writeln!(err, "warning: {w}")?;
+    }
+    Ok(loaded)
+}
+
+// ---------------------------------------------------------------- validate
+
+fn validate(
+    args: &ValidateArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome, CliError> {
+    let loaded = match load(&args.config, err) {
+        Ok(loaded) => loaded,
+        Err(CliError::Config(errors)) if args.json => {
+            // The JSON document reports the errors too; stderr still lists them.
+            serde_json::to_writer(&mut *out, &ValidateJson::invalid(&errors))?;
+            writeln!(out)?;
+            return Err(CliError::Config(errors));
+        }
+        Err(e) => return Err(e),
+    };
+    if args.json {
+        serde_json::to_writer(&mut *out, &ValidateJson::valid(&loaded))?;
+        writeln!(out)?;
+    } else {
+        writeln!(out, "{}", validate_summary(&loaded))?;
+    }
+    Ok(Outcome::Ok)
+}
+
+/// `ok: 3 scalers, 7 label sets, 0 warnings (scalers.yaml, scalers.d/10-gpu.yaml)`
+pub fn validate_summary(loaded: &Loaded) -> String {
+    let c = &loaded.config;
+    let files: Vec<String> = loaded
+        .files
+        .iter()
+        .map(|f| f.display().to_string())
+        .collect();
+    format!(
+        "ok: {}, {}, {} ({})",
+        plural(c.scalers.len(), "scaler", "scalers"),
+        plural(label_set_count(c), "label set", "label sets"),
+        plural(loaded.warnings.len(), "warning", "warnings"),
+        files.join(", ")
+    )
+}
+
+fn label_set_count(c: &Config) -> usize {
+    c.scalers.iter().map(|s| s.label_sets.len()).sum()
+}
+
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// `validate --json`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ValidateJson {
+    valid: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scalers: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    label_sets: Option<usize>,
+    files: Vec<String>,
+    warnings: Vec<DiagnosticJson>,
+    errors: Vec<DiagnosticJson>,
+}
+
+impl ValidateJson {
+    fn valid(loaded: &Loaded) -> Self {
+        Self {
+            valid: true,
+            scalers: Some(loaded.config.scalers.len()),
+            label_sets: Some(label_set_count(&loaded.config)),
+            files: loaded
+                .files
+                .iter()
+                .map(|f| f.display().to_string())
+                .collect(),
+            warnings: loaded.warnings.iter().map(DiagnosticJson::from).collect(),
+            errors: Vec::new(),
+        }
+    }
+
+    fn invalid(errors: &ConfigErrors) -> Self {
+        Self {
+            valid: false,
+            scalers: None,
+            label_sets: None,
+            files: Vec::new(),
+            warnings: Vec::new(),
+            errors: errors.iter().map(DiagnosticJson::from).collect(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct DiagnosticJson {
+    file: String,
+    line: u32,
+    col: u32,
+    path: String,
+    message: String,
+}
+
+impl From<&Diagnostic> for DiagnosticJson {
+    fn from(d: &Diagnostic) -> Self {
+        Self {
+            file: d.origin.file.to_string(),
+            line: d.origin.line,
+            col: d.origin.col,
+            path: d.path.clone(),
+            message: d.message.clone(),
+        }
+    }
+}
+
+// ------------------------------------------------------------------- route
+
+fn route(args: &RouteArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<Outcome, CliError> {
+    // Labels first: a typo on the command line is reported even when the
+    // configuration is also broken.
+    let job = LabelSet::parse(&args.labels).map_err(|source| CliError::BadLabel {
+        flag: "--labels",
+        source,
+    })?;
+    let exclude = LabelSet::parse(&args.exclude).map_err(|source| CliError::BadLabel {
+        flag: "--exclude",
+        source,
+    })?;
+    let loaded = load(&args.config, err)?;
+    let config = &loaded.config;
+    let host = HostPlatform::current();
+    let router = Router::new(config, &host);
+    let explanation = router.explain(&job, &exclude, &CordonSet::none());
+    tracing::debug!(
+        chosen = explanation.chosen.is_some(),
+        candidates = explanation.candidates.len(),
+        "routed"
+    );
+
+    if args.json {
+        serde_json::to_writer(&mut *out, &RouteJson::new(config, &explanation))?;
+        writeln!(out)?;
+    } else {
+        write_route_text(out, config, &job, &exclude, &explanation)?;
+    }
+    Ok(if explanation.chosen.is_some() {
+        Outcome::Ok
+    } else {
+        Outcome::NoBackend
+    })
+}
+
+/// `route --json`: exactly this shape.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RouteJson {
+    pub scaler: Option<String>,
+    pub label_set_index: Option<usize>,
+    pub candidates: Vec<CandidateJson>,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CandidateJson {
+    pub scaler: String,
+    pub label_set_index: usize,
+    pub reason: String,
+}
+
+impl RouteJson {
+    pub fn new(config: &Config, explanation: &Explanation) -> Self {
+        let chosen = explanation.chosen;
+        Self {
+            scaler: chosen
+                .and_then(|r| config.scalers.get(r.scaler))
+                .map(|s| s.name.to_string()),
+            label_set_index: chosen.map(|r| r.label_set),
+            candidates: explanation
+                .candidates
+                .iter()
+                .map(|c| CandidateJson {
+                    scaler: c.scaler_name.to_string(),
+                    label_set_index: c.label_set,
+                    reason: c.reason.to_string(),
+                })
+                .collect(),
+        }
+    }
+}
+
+fn write_route_text(
+    out: &mut dyn Write,
+    config: &Config,
+    job: &LabelSet,
+    exclude: &LabelSet,
+    explanation: &Explanation,
+) -> io::Result<()> {
+    let labels_of = |scaler: usize, set: usize| {
+        config
+            .scalers
+            .get(scaler)
+            .and_then(|s| s.label_sets.get(set))
+            .map_or_else(String::new, |ls| bracketed(&ls.labels))
+    };
+    let mut asked = format!("labels {}", bracketed(job));
+    if !exclude.is_empty() {
+        asked.push_str(&format!(" excluding {}", bracketed(exclude)));
+    }
+    match explanation.chosen {
+        Some(r) => {
+            let name = config
+                .scalers
+                .get(r.scaler)
+                .map_or_else(String::new, |s| s.name.to_string());
+            writeln!(
+                out,
+                "scaler {name}, label set {} {} for {asked}",
+                r.label_set,
+                labels_of(r.scaler, r.label_set)
+            )?;
+        }
+        None => writeln!(out, "no-backend: no label set accepts {asked}")?,
+    }
+    for c in &explanation.candidates {
+        writeln!(
+            out,
+            "  {}[{}] {}: {}",
+            c.scaler_name,
+            c.label_set,
+            labels_of(c.scaler, c.label_set),
+            c.reason
+        )?;
+    }
+    Ok(())
+}
+
+fn bracketed(labels: &LabelSet) -> String {
+    let names: Vec<&str> = labels.iter().map(|l| l.as_str()).collect();
+    format!("[{}]", names.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn labels_split_on_commas_and_repeat() {
+        let cli = Cli::try_parse_from([
+            "kici-scaler",
+            "route",
+            "--config",
+            "c.yaml",
+            "--labels",
+            "linux,x64",
+            "--exclude",
+            "gpu",
+            "--exclude",
+            "arm64,slow",
+        ])
+        .unwrap();
+        let Command::Route(args) = cli.command else {
+            panic!("not route");
+        };
+        assert_eq!(args.labels, ["linux", "x64"]);
+        assert_eq!(args.exclude, ["gpu", "arm64", "slow"]);
+        assert_eq!(args.config.config_dir, None);
+    }
+
+    #[test]
+    fn summary_pluralises() {
+        assert_eq!(plural(1, "scaler", "scalers"), "1 scaler");
+        assert_eq!(plural(0, "scaler", "scalers"), "0 scalers");
+        assert_eq!(plural(7, "label set", "label sets"), "7 label sets");
+    }
+}
