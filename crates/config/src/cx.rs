@@ -17,21 +17,30 @@ pub(crate) struct Cx {
     pub warnings: Vec<Diagnostic>,
 }
 
-/// A value found in a document: the node, the field path leading to it, and
-/// its position.
-#[derive(Clone)]
-pub(crate) struct Val<'n> {
-    pub node: &'n Node,
-    pub path: String,
-    pub origin: Origin,
+/// One step of a field path.
+#[derive(Clone, Copy)]
+enum Seg<'a> {
+    Root(&'a str),
+    Key(&'a str),
+    Index(usize),
+}
+
+/// A value found in a document: the node, its position, and the chain of
+/// parents that names it. The path and the [`Origin`] are only built when a
+/// finding is reported: a valid configuration never pays for them.
+#[derive(Clone, Copy)]
+pub(crate) struct Val<'a> {
+    pub node: &'a Node,
+    mark: Option<Marker>,
+    seg: Seg<'a>,
+    parent: Option<&'a Val<'a>>,
 }
 
 /// A mapping found in a document.
-#[derive(Clone)]
-pub(crate) struct Obj<'n> {
-    pub map: &'n MarkedMappingNode,
-    pub path: String,
-    pub origin: Origin,
+#[derive(Clone, Copy)]
+pub(crate) struct Obj<'a> {
+    pub map: &'a MarkedMappingNode,
+    pub val: Val<'a>,
 }
 
 /// Whether unknown keys in an object are errors (upstream's strict objects)
@@ -42,21 +51,65 @@ pub(crate) enum Keys {
     Lenient,
 }
 
-/// `parent.key`, or `parent["odd key"]` when the key is not a plain word.
-pub(crate) fn field_path(parent: &str, key: &str) -> String {
-    let plain = !key.is_empty()
+fn is_plain_key(key: &str) -> bool {
+    !key.is_empty()
         && key
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    match (parent.is_empty(), plain) {
-        (true, true) => key.to_owned(),
-        (false, true) => format!("{parent}.{key}"),
-        (_, false) => format!("{parent}[{key:?}]"),
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn push_key(out: &mut String, key: &str) {
+    if is_plain_key(key) {
+        if !out.is_empty() {
+            out.push('.');
+        }
+        out.push_str(key);
+    } else {
+        out.push_str(&format!("[{key:?}]"));
     }
 }
 
-pub(crate) fn index_path(parent: &str, i: usize) -> String {
-    format!("{parent}[{i}]")
+/// `parent.key`, or `parent["odd key"]` when the key is not a plain word.
+pub(crate) fn field_path(parent: &str, key: &str) -> String {
+    let mut out = parent.to_owned();
+    push_key(&mut out, key);
+    out
+}
+
+impl<'a> Val<'a> {
+    /// A value at the root of the walk, named `root` (e.g. `scalers[3]`).
+    pub fn root(node: &'a Node, root: &'a str, cx: &Cx) -> Self {
+        Self {
+            node,
+            mark: cx.node_mark(node),
+            seg: Seg::Root(root),
+            parent: None,
+        }
+    }
+
+    /// The field path, e.g. `scalers[0].labelSets[1].image`.
+    pub fn path(&self) -> String {
+        let mut chain = vec![self.seg];
+        let mut p = self.parent;
+        while let Some(v) = p {
+            chain.push(v.seg);
+            p = v.parent;
+        }
+        let mut out = String::new();
+        for seg in chain.iter().rev() {
+            match seg {
+                Seg::Root(r) => out.push_str(r),
+                Seg::Key(k) => push_key(&mut out, k),
+                Seg::Index(i) => out.push_str(&format!("[{i}]")),
+            }
+        }
+        out
+    }
+
+    /// The path of `key` below this value (for a missing key).
+    pub fn child_path(&self, key: &str) -> String {
+        field_path(&self.path(), key)
+    }
 }
 
 fn earlier(a: Option<&Marker>, b: Option<&Marker>) -> Option<Marker> {
@@ -103,15 +156,45 @@ impl Cx {
 
     /// Where a node starts. A block mapping's own marker sits after its first
     /// key, so the first key's position is used when it is earlier.
-    pub fn node_origin(&self, node: &Node) -> Origin {
-        let m = match node {
+    fn node_mark(&self, node: &Node) -> Option<Marker> {
+        match node {
             Node::Mapping(map) => earlier(
                 map.span().start(),
                 map.keys().next().and_then(|k| k.span().start()),
             ),
             other => other.span().start().copied(),
-        };
-        self.origin_at(m.as_ref())
+        }
+    }
+
+    pub fn origin(&self, v: &Val<'_>) -> Origin {
+        self.origin_at(v.mark.as_ref())
+    }
+
+    /// An error about `v` itself.
+    pub fn err(&mut self, v: &Val<'_>, message: impl Into<String>) {
+        let origin = self.origin(v);
+        self.error(origin, v.path(), message);
+    }
+
+    /// A warning about `v` itself.
+    pub fn warn_at(&mut self, v: &Val<'_>, message: impl Into<String>) {
+        let origin = self.origin(v);
+        self.warn(origin, v.path(), message);
+    }
+
+    /// An error about `key` of `obj` (typically: it is missing).
+    pub fn err_key(&mut self, obj: &Obj<'_>, key: &str, message: impl Into<String>) {
+        let origin = self.origin(&obj.val);
+        self.error(origin, obj.val.child_path(key), message);
+    }
+
+    /// An error about `key` of `obj`: at its value when written, else at
+    /// the object.
+    pub fn err_field(&mut self, obj: &Obj<'_>, key: &str, message: impl Into<String>) {
+        match self.field(obj, key) {
+            Some(v) => self.err(&v, message),
+            None => self.err_key(obj, key, message),
+        }
     }
 
     pub fn error(&mut self, origin: Origin, path: impl Into<String>, message: impl Into<String>) {
@@ -128,22 +211,28 @@ impl Cx {
 
     /// The value of `key` in `obj`. An omitted value (`key:` alone) is
     /// positioned at its key: the parser places it at the next token.
-    pub fn field<'n>(&self, obj: &Obj<'n>, key: &str) -> Option<Val<'n>> {
+    pub fn field<'b>(&self, obj: &'b Obj<'_>, key: &str) -> Option<Val<'b>> {
         let (k, v) = obj.map.iter().find(|(k, _)| k.as_str() == key)?;
-        Some(self.value_of(&obj.path, k, v))
+        Some(self.value_of(&obj.val, k, v))
     }
 
-    pub fn value_of<'n>(&self, parent: &str, k: &MarkedScalarNode, v: &'n Node) -> Val<'n> {
+    pub fn value_of<'b>(
+        &self,
+        parent: &'b Val<'_>,
+        k: &'b MarkedScalarNode,
+        v: &'b Node,
+    ) -> Val<'b> {
         let omitted = matches!(v, Node::Scalar(s) if s.as_str().is_empty() && s.may_coerce());
-        let origin = if omitted {
-            self.origin_at(k.span().start())
+        let mark = if omitted {
+            k.span().start().copied()
         } else {
-            self.node_origin(v)
+            self.node_mark(v)
         };
         Val {
             node: v,
-            path: field_path(parent, k.as_str()),
-            origin,
+            mark,
+            seg: Seg::Key(k.as_str()),
+            parent: Some(parent),
         }
     }
 
@@ -162,7 +251,7 @@ impl Cx {
                 continue;
             }
             let origin = self.origin_at(k.span().start());
-            let path = field_path(&obj.path, key);
+            let path = obj.val.child_path(key);
             let extra = hint(key).map(|h| format!(" ({h})")).unwrap_or_default();
             match mode {
                 Keys::Strict => self.error(
@@ -189,20 +278,12 @@ impl Cx {
 
     fn expected(&mut self, v: &Val<'_>, what: &str) {
         let got = describe(v.node);
-        self.error(
-            v.origin.clone(),
-            v.path.clone(),
-            format!("expected {what}, got {got}"),
-        );
+        self.err(v, format!("expected {what}, got {got}"));
     }
 
-    pub fn obj<'n>(&mut self, v: &Val<'n>) -> Option<Obj<'n>> {
+    pub fn obj<'b>(&mut self, v: &Val<'b>) -> Option<Obj<'b>> {
         match v.node {
-            Node::Mapping(map) => Some(Obj {
-                map,
-                path: v.path.clone(),
-                origin: v.origin.clone(),
-            }),
+            Node::Mapping(map) => Some(Obj { map, val: *v }),
             _ => {
                 self.expected(v, "a mapping");
                 None
@@ -210,15 +291,16 @@ impl Cx {
         }
     }
 
-    pub fn list<'n>(&mut self, v: &Val<'n>) -> Option<Vec<Val<'n>>> {
+    pub fn list<'b>(&mut self, v: &'b Val<'_>) -> Option<Vec<Val<'b>>> {
         match v.node {
             Node::Sequence(seq) => Some(
                 seq.iter()
                     .enumerate()
                     .map(|(i, n)| Val {
                         node: n,
-                        path: index_path(&v.path, i),
-                        origin: self.node_origin(n),
+                        mark: self.node_mark(n),
+                        seg: Seg::Index(i),
+                        parent: Some(v),
                     })
                     .collect(),
             ),
@@ -243,9 +325,8 @@ impl Cx {
             Some(Scalar::Str(s)) => Some(s.to_owned()),
             Some(Scalar::Number(_) | Scalar::Bool(_)) => {
                 let got = describe(v.node);
-                self.error(
-                    v.origin.clone(),
-                    v.path.clone(),
+                self.err(
+                    v,
                     format!("expected a string, got {got} (quote it to use it as a string)"),
                 );
                 None
@@ -375,11 +456,11 @@ impl<T> Got<T> {
 
 impl Cx {
     /// Reads an optional field; null counts as absent.
-    pub fn opt<'n, T>(
+    pub fn opt<'b, T>(
         &mut self,
-        obj: &Obj<'n>,
+        obj: &'b Obj<'_>,
         key: &str,
-        read: impl FnOnce(&mut Self, &Val<'n>) -> Option<T>,
+        read: impl FnOnce(&mut Self, &Val<'b>) -> Option<T>,
     ) -> Got<T> {
         match self.field(obj, key) {
             None => Got::Absent,
@@ -392,20 +473,16 @@ impl Cx {
     }
 
     /// Reads a required field; a missing key is reported at the object.
-    pub fn required<'n, T>(
+    pub fn required<'b, T>(
         &mut self,
-        obj: &Obj<'n>,
+        obj: &'b Obj<'_>,
         key: &str,
-        read: impl FnOnce(&mut Self, &Val<'n>) -> Option<T>,
+        read: impl FnOnce(&mut Self, &Val<'b>) -> Option<T>,
     ) -> Option<T> {
         match self.field(obj, key) {
             Some(v) => read(self, &v),
             None => {
-                self.error(
-                    obj.origin.clone(),
-                    field_path(&obj.path, key),
-                    format!("missing required key `{key}`"),
-                );
+                self.err_key(obj, key, format!("missing required key `{key}`"));
                 None
             }
         }
@@ -425,16 +502,15 @@ mod tests {
             "scalers[0].x-kici-scaler"
         );
         assert_eq!(field_path("a", "odd key"), "a[\"odd key\"]");
-        assert_eq!(index_path("scalers", 3), "scalers[3]");
     }
 
     fn with_value<R>(text: &str, f: impl FnOnce(&mut Cx, &Val<'_>) -> R) -> (R, Vec<String>) {
         let node = crate::yaml::parse(0, &format!("k: {text}\n")).unwrap();
         let mut cx = Cx::new(vec!["f.yaml".into()]);
+        let root = Val::root(&node, "", &cx);
         let obj = Obj {
             map: node.as_mapping().unwrap(),
-            path: String::new(),
-            origin: Origin::synthetic(),
+            val: root,
         };
         let v = cx.field(&obj, "k").unwrap();
         let r = f(&mut cx, &v);

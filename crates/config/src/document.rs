@@ -3,7 +3,7 @@
 //! scalers (duplicate names, label-set overlaps).
 
 use crate::cross;
-use crate::cx::{field_path, index_path, Cx, Got, Keys, Obj, Val};
+use crate::cx::{field_path, Cx, Got, Keys, Obj, Val};
 use crate::diagnostic::{self, ConfigErrors, Diagnostic};
 use crate::resources::{self, NamedCap};
 use crate::scaler::{self, Globals, ParsedScaler};
@@ -84,8 +84,7 @@ fn parse_all(cx: &mut Cx, docs: &[Doc<'_>]) -> Vec<Option<Node>> {
 fn top_obj<'n>(cx: &Cx, node: &'n Node) -> Option<Obj<'n>> {
     node.as_mapping().map(|map| Obj {
         map,
-        path: String::new(),
-        origin: cx.node_origin(node),
+        val: Val::root(node, "", cx),
     })
 }
 
@@ -103,16 +102,17 @@ fn drop_in_scalers<'n>(cx: &mut Cx, obj: &Obj<'n>) -> Vec<&'n Node> {
             );
         }
     }
+    if let Some(Node::Sequence(seq)) = obj.map.get("scalers") {
+        return seq.iter().collect();
+    }
     match cx.field(obj, "scalers") {
         None => Vec::new(),
         Some(v) => match v.node {
-            Node::Sequence(seq) => seq.iter().collect(),
             _ if Cx::is_null(&v) => Vec::new(),
             other => {
                 let got = describe(other);
-                cx.warn(
-                    v.origin.clone(),
-                    v.path.clone(),
+                cx.warn_at(
+                    &v,
                     format!("`scalers` in a drop-in must be a list, got {got}: ignored"),
                 );
                 Vec::new()
@@ -123,20 +123,12 @@ fn drop_in_scalers<'n>(cx: &mut Cx, obj: &Obj<'n>) -> Vec<&'n Node> {
 
 fn version(cx: &mut Cx, top: &Obj<'_>) {
     match cx.field(top, "version") {
-        None => cx.error(
-            top.origin.clone(),
-            "version",
-            "missing required key `version` (must be 1)",
-        ),
+        None => cx.err_key(top, "version", "missing required key `version` (must be 1)"),
         Some(v) => {
             let ok = matches!(v.node, Node::Scalar(s) if classify(s) == Scalar::Number(1.0));
             if !ok {
                 let got = describe(v.node);
-                cx.error(
-                    v.origin,
-                    v.path,
-                    format!("unsupported version: expected 1, got {got}"),
-                );
+                cx.err(&v, format!("unsupported version: expected 1, got {got}"));
             }
         }
     }
@@ -169,16 +161,12 @@ fn machine_pools(cx: &mut Cx, v: &Val<'_>) -> Option<Vec<MachinePool>> {
     for item in &items {
         let Some(obj) = cx.obj(item) else { continue };
         cx.check_keys(&obj, &["name", "cap"], Keys::Strict, |_| None);
-        let name_val = cx.field(&obj, "name");
         let name = cx.required(&obj, "name", |cx, v| {
             let s = cx.string(v)?;
             if valid_pool_name(&s) {
                 Some(s)
             } else {
-                cx.error(
-                    v.origin.clone(),
-                    v.path.clone(),
-                    format!(
+                cx.err(&v, format!(
                         "machinePool name {} must be letters, digits, '.', '_' or '-' and not start with '.' (it names ledger files)",
                         quote(&s)
                     ),
@@ -191,10 +179,9 @@ fn machine_pools(cx: &mut Cx, v: &Val<'_>) -> Option<Vec<MachinePool>> {
             continue;
         };
         if let Some(first) = pools.iter().find(|p| p.name == name) {
-            let origin = name_val.map_or(obj.origin.clone(), |v| v.origin);
-            cx.error(
-                origin,
-                field_path(&obj.path, "name"),
+            cx.err_field(
+                &obj,
+                "name",
                 format!(
                     "Duplicate machinePool name {} (first defined at {})",
                     quote(&name),
@@ -206,7 +193,7 @@ fn machine_pools(cx: &mut Cx, v: &Val<'_>) -> Option<Vec<MachinePool>> {
         pools.push(MachinePool {
             name,
             cap,
-            origin: obj.origin.clone(),
+            origin: cx.origin(&obj.val),
         });
     }
     (cx.error_count() == before).then_some(pools)
@@ -217,11 +204,7 @@ fn ipv4(cx: &mut Cx, v: &Val<'_>, what: &str) -> Option<Ipv4Addr> {
     match s.parse::<Ipv4Addr>() {
         Ok(a) => Some(a),
         Err(_) => {
-            cx.error(
-                v.origin.clone(),
-                v.path.clone(),
-                format!("expected {what}, got {}", quote(&s)),
-            );
+            cx.err(&v, format!("expected {what}, got {}", quote(&s)));
             None
         }
     }
@@ -230,7 +213,7 @@ fn ipv4(cx: &mut Cx, v: &Val<'_>, what: &str) -> Option<Ipv4Addr> {
 fn nonempty(cx: &mut Cx, v: &Val<'_>) -> Option<String> {
     let s = cx.string(v)?;
     if s.is_empty() {
-        cx.error(v.origin.clone(), v.path.clone(), "must not be empty");
+        cx.err(&v, "must not be empty");
         return None;
     }
     Some(s)
@@ -247,26 +230,17 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
     let cidr = match cx.opt(&obj, "cidr", |cx, v| {
         let s = cx.string(v)?;
         let Ok(net) = s.parse::<Ipv4Net>() else {
-            cx.error(
-                v.origin.clone(),
-                v.path.clone(),
-                format!("expected an IPv4 CIDR such as \"10.0.0.0/24\", got {}", quote(&s)),
+            cx.err(&v, format!("expected an IPv4 CIDR such as \"10.0.0.0/24\", got {}", quote(&s)),
             );
             return None;
         };
         if net.prefix_len() > 30 {
-            cx.error(
-                v.origin.clone(),
-                v.path.clone(),
-                format!("cidr {net} leaves no room for the gateway and a VM: the prefix must be /30 or shorter"),
+            cx.err(&v, format!("cidr {net} leaves no room for the gateway and a VM: the prefix must be /30 or shorter"),
             );
             return None;
         }
         if net.addr() != net.network() {
-            cx.warn(
-                v.origin.clone(),
-                v.path.clone(),
-                format!("cidr {net} has host bits set; the network is {}", net.trunc()),
+            cx.warn_at(&v, format!("cidr {net} has host bits set; the network is {}", net.trunc()),
             );
         }
         Some(net)
@@ -275,9 +249,7 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
         Got::Absent => Some(defaults.cidr),
         Got::Bad => None,
     };
-    let gateway_val = cx.field(&obj, "gateway");
     let gateway = cx.opt(&obj, "gateway", |cx, v| ipv4(cx, v, "an IPv4 address"));
-    let netmask_val = cx.field(&obj, "netmask");
     let netmask = cx.opt(&obj, "netmask", |cx, v| {
         ipv4(cx, v, "a dotted IPv4 netmask")
     });
@@ -287,10 +259,7 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
         .unwrap_or(defaults.bridge_name);
     if bridge_name.len() > MAX_IFNAME_LEN {
         if let Some(b) = cx.field(&obj, "bridgeName") {
-            cx.warn(
-                b.origin,
-                b.path,
-                format!("bridgeName {} is longer than the {MAX_IFNAME_LEN} bytes Linux allows for an interface name", quote(&bridge_name)),
+            cx.warn_at(&b, format!("bridgeName {} is longer than the {MAX_IFNAME_LEN} bytes Linux allows for an interface name", quote(&bridge_name)),
             );
         }
     }
@@ -304,13 +273,12 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
     let gateway = match gateway {
         Got::Value(g) => {
             if !net.contains(&g) || g == net.network() || g == net.broadcast() {
-                let origin = gateway_val.map_or(obj.origin.clone(), |v| v.origin);
                 let at = cidr_val
-                    .map(|c| format!(" (cidr at {})", c.origin))
+                    .map(|c| format!(" (cidr at {})", cx.origin(&c)))
                     .unwrap_or_default();
-                cx.error(
-                    origin,
-                    field_path(&obj.path, "gateway"),
+                cx.err_field(
+                    &obj,
+                    "gateway",
                     format!("gateway {g} is not a usable host address of cidr {cidr}{at}"),
                 );
             }
@@ -322,10 +290,9 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
     let netmask = match netmask {
         Got::Value(m) => {
             if m != cidr.netmask() {
-                let origin = netmask_val.map_or(obj.origin.clone(), |v| v.origin);
-                cx.error(
-                    origin,
-                    field_path(&obj.path, "netmask"),
+                cx.err_field(
+                    &obj,
+                    "netmask",
                     format!(
                         "netmask {m} does not match cidr {cidr} (expected {})",
                         cidr.netmask()
@@ -410,11 +377,9 @@ fn walk(cx: &mut Cx, nodes: &[Option<Node>]) -> Option<Config> {
             global: false,
         }];
         for m in resources::misfits(Some(d), None, &caps) {
-            cx.error(
-                dv.origin.clone(),
-                field_path(&dv.path, "resources"),
-                m.message,
-            );
+            if let Some(obj) = dv.node.as_mapping().map(|map| Obj { map, val: *dv }) {
+                cx.err_field(&obj, "resources", m.message);
+            }
         }
     }
 
@@ -439,13 +404,13 @@ fn walk(cx: &mut Cx, nodes: &[Option<Node>]) -> Option<Config> {
         }
     }
     if !main_has_scalers && !drop_ins_add {
-        cx.error(
-            top.origin.clone(),
+        cx.err_key(
+            &top,
             "scalers",
             "missing required key `scalers` (a list of scaler entries)",
         );
     } else if scaler_nodes.is_empty() {
-        let origin = scalers_val.map_or(top.origin.clone(), |v| v.origin);
+        let origin = scalers_val.map_or_else(|| cx.origin(&top.val), |v| cx.origin(&v));
         cx.warn(
             origin,
             "scalers",
@@ -463,17 +428,13 @@ fn walk(cx: &mut Cx, nodes: &[Option<Node>]) -> Option<Config> {
         },
         pools: pools.as_deref(),
     };
+    let roots: Vec<String> = (0..scaler_nodes.len())
+        .map(|i| format!("scalers[{i}]"))
+        .collect();
     let parsed: Vec<ParsedScaler> = scaler_nodes
         .iter()
-        .enumerate()
-        .map(|(i, node)| {
-            let v = Val {
-                node,
-                path: index_path("scalers", i),
-                origin: cx.node_origin(node),
-            };
-            scaler::parse(cx, &v, &globals)
-        })
+        .zip(&roots)
+        .map(|(node, root)| scaler::parse(cx, &Val::root(node, root, cx), &globals))
         .collect();
     cross::check(cx, &parsed);
 

@@ -100,9 +100,8 @@ pub(crate) fn warn_foreign(
                 continue;
             }
             let owners: Vec<&str> = owners.iter().map(|t| t.as_str()).collect();
-            cx.warn(
-                v.origin.clone(),
-                v.path.clone(),
+            cx.warn_at(
+                &v,
                 format!(
                     "`{key}` only applies to {} scalers; ignored for this {kind} scaler",
                     owners.join(" and ")
@@ -135,9 +134,9 @@ pub(crate) fn required_truthy(
             } else {
                 ""
             };
-            cx.error(
-                obj.origin.clone(),
-                crate::cx::field_path(&obj.path, key),
+            cx.err_key(
+                &obj,
+                key,
                 format!("a {kind} scaler requires {article} '{key}' field{scope}"),
             );
             None
@@ -148,11 +147,7 @@ pub(crate) fn required_truthy(
 fn labels(cx: &mut Cx, v: &Val<'_>) -> Option<(LabelSet, Vec<String>)> {
     let items = cx.list(v)?;
     if items.is_empty() {
-        cx.error(
-            v.origin.clone(),
-            v.path.clone(),
-            "expected at least one label, got an empty list",
-        );
+        cx.err(&v, "expected at least one label, got an empty list");
         return None;
     }
     let before = cx.error_count();
@@ -162,7 +157,7 @@ fn labels(cx: &mut Cx, v: &Val<'_>) -> Option<(LabelSet, Vec<String>)> {
         let Some(s) = cx.string(item) else { continue };
         match Label::user(&s) {
             Ok(l) => parsed.push(l),
-            Err(e) => cx.error(item.origin.clone(), item.path.clone(), e.to_string()),
+            Err(e) => cx.err(&item, e.to_string()),
         }
         raw.push(s);
     }
@@ -178,7 +173,7 @@ pub(crate) fn label_list(cx: &mut Cx, v: &Val<'_>) -> Option<LabelSet> {
         let Some(s) = cx.string(item) else { continue };
         match Label::user(&s) {
             Ok(l) => parsed.push(l),
-            Err(e) => cx.error(item.origin.clone(), item.path.clone(), e.to_string()),
+            Err(e) => cx.err(&item, e.to_string()),
         }
     }
     (cx.error_count() == before).then(|| LabelSet::from_labels(parsed))
@@ -189,14 +184,14 @@ fn env(cx: &mut Cx, v: &Val<'_>) -> Option<BTreeMap<EnvName, String>> {
     let before = cx.error_count();
     let mut out = BTreeMap::new();
     for (k, node) in obj.map.iter() {
-        let val = cx.value_of(&obj.path, k, node);
+        let val = cx.value_of(&obj.val, k, node);
         let key_origin = cx.origin_at(k.span().start());
         let name = match EnvName::parse(k.as_str()) {
             Some(n) => n,
             None => {
                 cx.error(
                     key_origin,
-                    val.path.clone(),
+                    val.path(),
                     format!(
                         "environment variable name {} is not POSIX: expected letters, digits and '_', not starting with a digit",
                         quote(k.as_str())
@@ -208,7 +203,7 @@ fn env(cx: &mut Cx, v: &Val<'_>) -> Option<BTreeMap<EnvName, String>> {
         if EnvName::RESERVED.contains(&name.as_str()) {
             cx.error(
                 key_origin,
-                val.path.clone(),
+                val.path(),
                 format!(
                     "{name} is set by kici-scaler for every agent and cannot be overridden (reserved: {})",
                     EnvName::RESERVED.join(", ")
@@ -219,7 +214,7 @@ fn env(cx: &mut Cx, v: &Val<'_>) -> Option<BTreeMap<EnvName, String>> {
         if DERIVED_ENV.contains(&name.as_str()) {
             cx.warn(
                 key_origin,
-                val.path.clone(),
+                val.path(),
                 format!("{name} replaces the value kici-scaler derives from the scaler entry"),
             );
         }
@@ -247,9 +242,8 @@ fn network_policy(cx: &mut Cx, v: &Val<'_>) -> Option<NetworkPolicy> {
                     .or_else(|| s.parse::<IpAddr>().ok().map(IpNet::from));
                 match parsed {
                     Some(n) => nets.push(n),
-                    None => cx.error(
-                        item.origin.clone(),
-                        item.path.clone(),
+                    None => cx.err(
+                        &item,
                         format!(
                             "expected a CIDR such as \"10.1.0.0/16\" or an IP address, got {}",
                             quote(&s)
@@ -295,8 +289,8 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, kind: Option<ScalerType>) -> Parse
         resources: None,
         has_resources: false,
         resources_origin: None,
-        origin: v.origin.clone(),
-        path: v.path.clone(),
+        origin: cx.origin(v),
+        path: v.path(),
     };
     let Some(obj) = cx.obj(v) else { return out };
     let before = cx.error_count();
@@ -306,7 +300,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, kind: Option<ScalerType>) -> Parse
     out.labels = labels.as_ref().map(|(set, _)| set.clone());
     let resources = cx.opt(&obj, "resources", resources::request);
     out.has_resources = !matches!(resources, Got::Absent);
-    out.resources_origin = cx.field(&obj, "resources").map(|v| v.origin);
+    out.resources_origin = cx.field(&obj, "resources").map(|v| cx.origin(&v));
     let resources = resources.value();
     out.resources = resources;
     let env = cx.opt(&obj, "env", env).value().unwrap_or_default();
@@ -378,10 +372,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, kind: Option<ScalerType>) -> Parse
             warn_foreign(cx, &obj, kind, &OWNED);
             if ext.read_only_rootfs && kind != ScalerType::Container {
                 if let Some(x) = cx.field(&obj, "x-kici-scaler") {
-                    cx.warn(
-                        x.origin,
-                        x.path,
-                        format!("readOnlyRootfs only applies to container scalers; ignored for this {kind} scaler"),
+                    cx.warn_at(&x, format!("readOnlyRootfs only applies to container scalers; ignored for this {kind} scaler"),
                     );
                 }
             }

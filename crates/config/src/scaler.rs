@@ -129,11 +129,7 @@ fn name(cx: &mut Cx, v: &Val<'_>) -> Option<String> {
     };
     match problem {
         Some(p) => {
-            cx.error(
-                v.origin.clone(),
-                v.path.clone(),
-                format!("scaler name {} {p}", quote(&s)),
-            );
+            cx.err(&v, format!("scaler name {} {p}", quote(&s)));
             None
         }
         None => Some(s),
@@ -150,9 +146,8 @@ fn kind(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerType> {
         "kubernetes" => " (\"kubernetes\" is reserved upstream and not supported)",
         _ => "",
     };
-    cx.error(
-        v.origin.clone(),
-        v.path.clone(),
+    cx.err(
+        &v,
         format!(
             "expected \"container\", \"bare-metal\" or \"firecracker\", got {}{why}",
             quote(&s)
@@ -166,11 +161,7 @@ fn seconds(cx: &mut Cx, v: &Val<'_>) -> Option<Duration> {
     match Duration::try_from_secs_f64(n) {
         Ok(d) => Some(d),
         Err(_) => {
-            cx.error(
-                v.origin.clone(),
-                v.path.clone(),
-                format!("{n} seconds is too large"),
-            );
+            cx.err(&v, format!("{n} seconds is too large"));
             None
         }
     }
@@ -284,9 +275,8 @@ fn backoff(cx: &mut Cx, v: &Val<'_>) -> Option<BackoffPolicy> {
         return None;
     }
     if b.initial > b.max {
-        cx.error(
-            v.origin.clone(),
-            v.path.clone(),
+        cx.err(
+            &v,
             format!(
                 "initialSeconds ({}) must not exceed maxSeconds ({})",
                 b.initial.as_secs_f64(),
@@ -341,11 +331,7 @@ fn backend(cx: &mut Cx, obj: &Obj<'_>, kind: Option<ScalerType>) -> Option<Backe
     let chroot_base_dir = match cx.opt(obj, "chrootBaseDir", |cx, v| {
         let s = cx.string(v)?;
         if s.is_empty() {
-            cx.error(
-                v.origin.clone(),
-                v.path.clone(),
-                "chrootBaseDir must not be empty",
-            );
+            cx.err(&v, "chrootBaseDir must not be empty");
             return None;
         }
         Some(PathBuf::from(s))
@@ -394,9 +380,9 @@ fn backend(cx: &mut Cx, obj: &Obj<'_>, kind: Option<ScalerType>) -> Option<Backe
                         Got::Value(n) => Some(n),
                         Got::Bad => None,
                         Got::Absent => {
-                            cx.error(
-                                obj.origin.clone(),
-                                field_path(&obj.path, key),
+                            cx.err_key(
+                                &obj,
+                                key,
                                 format!("a firecracker scaler requires a '{key}' field"),
                             );
                             None
@@ -421,8 +407,8 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
     let mut out = ParsedScaler {
         entry: None,
         name: None,
-        origin: v.origin.clone(),
-        path: v.path.clone(),
+        origin: cx.origin(v),
+        path: v.path(),
         label_sets: Vec::new(),
     };
     let Some(obj) = cx.obj(v) else { return out };
@@ -431,7 +417,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
 
     let name_val = cx.field(&obj, "name");
     let name = cx.required(&obj, "name", name);
-    out.name = name.clone().zip(name_val.map(|v| v.origin));
+    out.name = name.clone().zip(name_val.map(|v| cx.origin(&v)));
     let kind = cx.required(&obj, "type", kind);
     let max_agents = cx.required(&obj, "maxAgents", |cx, v| cx.positive_int(v));
     let orchestrator_url = opt_nonempty_string(cx, &obj, "orchestratorUrl");
@@ -470,9 +456,8 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
     if let Some(list_val) = cx.field(&obj, "labelSets") {
         if let Some(items) = cx.list(&list_val) {
             if items.is_empty() {
-                cx.error(
-                    list_val.origin.clone(),
-                    list_val.path.clone(),
+                cx.err(
+                    &list_val,
                     "expected at least one label set, got an empty list",
                 );
             }
@@ -482,11 +467,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
                 .collect();
         }
     } else {
-        cx.error(
-            obj.origin.clone(),
-            field_path(&obj.path, "labelSets"),
-            "missing required key `labelSets`",
-        );
+        cx.err_key(&obj, "labelSets", "missing required key `labelSets`");
     }
 
     // mandatoryLabels: every label set must carry every gate label, or a job
@@ -527,10 +508,10 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
 
     if let (Some(w), Some(max)) = (&warm, max_agents) {
         if w.size > max {
-            let origin = warm_val.map_or(obj.origin.clone(), |v| v.origin);
+            let origin = warm_val.map_or_else(|| cx.origin(&obj.val), |v| cx.origin(&v));
             cx.error(
                 origin,
-                field_path(&field_path(&obj.path, "warmPool"), "size"),
+                obj.val.child_path("warmPool") + ".size",
                 format!("warmPool.size ({}) exceeds maxAgents ({max})", w.size),
             );
         }
@@ -539,10 +520,10 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
         if max > global {
             let origin = cx
                 .field(&obj, "maxAgents")
-                .map_or(obj.origin.clone(), |v| v.origin);
+                .map_or_else(|| cx.origin(&obj.val), |v| cx.origin(&v));
             cx.warn(
                 origin,
-                field_path(&obj.path, "maxAgents"),
+                obj.val.child_path("maxAgents"),
                 format!("maxAgents ({max}) exceeds globalMaxAgents ({global}); the global limit applies"),
             );
         }
@@ -560,9 +541,8 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
                 } else {
                     format!("defined: {}", defined.join(", "))
                 };
-                cx.error(
-                    pv.origin.clone(),
-                    pv.path.clone(),
+                cx.err(
+                    &pv,
                     format!("unknown machinePool {} ({defined})", quote(name)),
                 );
             }
@@ -612,7 +592,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
     if cx.error_count() != before {
         return out;
     }
-    let configs: Option<Vec<_>> = out.label_sets.iter().map(|l| l.config.clone()).collect();
+    let configs: Option<Vec<_>> = out.label_sets.iter_mut().map(|l| l.config.take()).collect();
     if let (Some(name), Some(kind), Some(max_agents), Some(backend), Some(label_sets)) =
         (name, kind, max_agents, backend, configs)
     {

@@ -218,7 +218,7 @@ fn requests_that_can_never_fit_are_rejected() {
     );
     assert_eq!(
         err_lines(&text),
-        ["scalers.yaml:4:3: defaults.resources: a request of 2g memory can never fit: globalResourceCap maxMemory is 1g"]
+        ["scalers.yaml:4:14: defaults.resources: a request of 2g memory can never fit: globalResourceCap maxMemory is 1g"]
     );
     // A label set above the global cap or its machine pool's cap.
     let text = format!(
