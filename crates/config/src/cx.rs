@@ -212,7 +212,7 @@ impl Cx {
     /// The value of `key` in `obj`. An omitted value (`key:` alone) is
     /// positioned at its key: the parser places it at the next token.
     pub fn field<'b>(&self, obj: &'b Obj<'_>, key: &str) -> Option<Val<'b>> {
-        let (k, v) = obj.map.iter().find(|(k, _)| k.as_str() == key)?;
+        let (k, v) = obj.map.get_key_value(key)?;
         Some(self.value_of(&obj.val, k, v))
     }
 

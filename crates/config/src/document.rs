@@ -166,7 +166,7 @@ fn machine_pools(cx: &mut Cx, v: &Val<'_>) -> Option<Vec<MachinePool>> {
             if valid_pool_name(&s) {
                 Some(s)
             } else {
-                cx.err(&v, format!(
+                cx.err(v, format!(
                         "machinePool name {} must be letters, digits, '.', '_' or '-' and not start with '.' (it names ledger files)",
                         quote(&s)
                     ),
@@ -204,7 +204,7 @@ fn ipv4(cx: &mut Cx, v: &Val<'_>, what: &str) -> Option<Ipv4Addr> {
     match s.parse::<Ipv4Addr>() {
         Ok(a) => Some(a),
         Err(_) => {
-            cx.err(&v, format!("expected {what}, got {}", quote(&s)));
+            cx.err(v, format!("expected {what}, got {}", quote(&s)));
             None
         }
     }
@@ -213,7 +213,7 @@ fn ipv4(cx: &mut Cx, v: &Val<'_>, what: &str) -> Option<Ipv4Addr> {
 fn nonempty(cx: &mut Cx, v: &Val<'_>) -> Option<String> {
     let s = cx.string(v)?;
     if s.is_empty() {
-        cx.err(&v, "must not be empty");
+        cx.err(v, "must not be empty");
         return None;
     }
     Some(s)
@@ -230,17 +230,17 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
     let cidr = match cx.opt(&obj, "cidr", |cx, v| {
         let s = cx.string(v)?;
         let Ok(net) = s.parse::<Ipv4Net>() else {
-            cx.err(&v, format!("expected an IPv4 CIDR such as \"10.0.0.0/24\", got {}", quote(&s)),
+            cx.err(v, format!("expected an IPv4 CIDR such as \"10.0.0.0/24\", got {}", quote(&s)),
             );
             return None;
         };
         if net.prefix_len() > 30 {
-            cx.err(&v, format!("cidr {net} leaves no room for the gateway and a VM: the prefix must be /30 or shorter"),
+            cx.err(v, format!("cidr {net} leaves no room for the gateway and a VM: the prefix must be /30 or shorter"),
             );
             return None;
         }
         if net.addr() != net.network() {
-            cx.warn_at(&v, format!("cidr {net} has host bits set; the network is {}", net.trunc()),
+            cx.warn_at(v, format!("cidr {net} has host bits set; the network is {}", net.trunc()),
             );
         }
         Some(net)

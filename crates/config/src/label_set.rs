@@ -135,7 +135,7 @@ pub(crate) fn required_truthy(
                 ""
             };
             cx.err_key(
-                &obj,
+                obj,
                 key,
                 format!("a {kind} scaler requires {article} '{key}' field{scope}"),
             );
@@ -147,7 +147,7 @@ pub(crate) fn required_truthy(
 fn labels(cx: &mut Cx, v: &Val<'_>) -> Option<(LabelSet, Vec<String>)> {
     let items = cx.list(v)?;
     if items.is_empty() {
-        cx.err(&v, "expected at least one label, got an empty list");
+        cx.err(v, "expected at least one label, got an empty list");
         return None;
     }
     let before = cx.error_count();
@@ -157,7 +157,7 @@ fn labels(cx: &mut Cx, v: &Val<'_>) -> Option<(LabelSet, Vec<String>)> {
         let Some(s) = cx.string(item) else { continue };
         match Label::user(&s) {
             Ok(l) => parsed.push(l),
-            Err(e) => cx.err(&item, e.to_string()),
+            Err(e) => cx.err(item, e.to_string()),
         }
         raw.push(s);
     }
@@ -173,7 +173,7 @@ pub(crate) fn label_list(cx: &mut Cx, v: &Val<'_>) -> Option<LabelSet> {
         let Some(s) = cx.string(item) else { continue };
         match Label::user(&s) {
             Ok(l) => parsed.push(l),
-            Err(e) => cx.err(&item, e.to_string()),
+            Err(e) => cx.err(item, e.to_string()),
         }
     }
     (cx.error_count() == before).then(|| LabelSet::from_labels(parsed))
@@ -243,7 +243,7 @@ fn network_policy(cx: &mut Cx, v: &Val<'_>) -> Option<NetworkPolicy> {
                 match parsed {
                     Some(n) => nets.push(n),
                     None => cx.err(
-                        &item,
+                        item,
                         format!(
                             "expected a CIDR such as \"10.1.0.0/16\" or an IP address, got {}",
                             quote(&s)

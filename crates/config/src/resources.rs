@@ -28,7 +28,7 @@ pub(crate) fn memory(cx: &mut Cx, v: &Val<'_>) -> Option<MemoryBytes> {
     let Some(text) = text else {
         let got = describe(v.node);
         cx.err(
-            &v,
+            v,
             format!("expected a memory string such as \"512m\" or \"2g\", got {got}"),
         );
         return None;
@@ -36,7 +36,7 @@ pub(crate) fn memory(cx: &mut Cx, v: &Val<'_>) -> Option<MemoryBytes> {
     match text.parse::<MemoryBytes>() {
         Ok(m) => Some(m),
         Err(e) => {
-            cx.err(&v, e.to_string());
+            cx.err(v, e.to_string());
             None
         }
     }
@@ -51,7 +51,7 @@ fn cores(
     match parse(n) {
         Ok(c) => Some(c),
         Err(e) => {
-            cx.err(&v, e.to_string());
+            cx.err(v, e.to_string());
             None
         }
     }
@@ -79,7 +79,7 @@ pub(crate) fn request(cx: &mut Cx, v: &Val<'_>) -> Option<ResourceRequest> {
     let nested = has(&NESTED_KEYS);
     let flat = has(&SPEC_KEYS);
     if nested && flat {
-        cx.err(&v, "mixes the nested form (requests/limits) with the flat form (cpus/memory); use one of them",
+        cx.err(v, "mixes the nested form (requests/limits) with the flat form (cpus/memory); use one of them",
         );
         return None;
     }
@@ -98,7 +98,7 @@ pub(crate) fn request(cx: &mut Cx, v: &Val<'_>) -> Option<ResourceRequest> {
         return None;
     }
     if let Err(msg) = req.check_requests_within_limits() {
-        cx.err(&v, msg);
+        cx.err(v, msg);
         return None;
     }
     Some(req)

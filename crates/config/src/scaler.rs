@@ -129,7 +129,7 @@ fn name(cx: &mut Cx, v: &Val<'_>) -> Option<String> {
     };
     match problem {
         Some(p) => {
-            cx.err(&v, format!("scaler name {} {p}", quote(&s)));
+            cx.err(v, format!("scaler name {} {p}", quote(&s)));
             None
         }
         None => Some(s),
@@ -147,7 +147,7 @@ fn kind(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerType> {
         _ => "",
     };
     cx.err(
-        &v,
+        v,
         format!(
             "expected \"container\", \"bare-metal\" or \"firecracker\", got {}{why}",
             quote(&s)
@@ -161,7 +161,7 @@ fn seconds(cx: &mut Cx, v: &Val<'_>) -> Option<Duration> {
     match Duration::try_from_secs_f64(n) {
         Ok(d) => Some(d),
         Err(_) => {
-            cx.err(&v, format!("{n} seconds is too large"));
+            cx.err(v, format!("{n} seconds is too large"));
             None
         }
     }
@@ -276,7 +276,7 @@ fn backoff(cx: &mut Cx, v: &Val<'_>) -> Option<BackoffPolicy> {
     }
     if b.initial > b.max {
         cx.err(
-            &v,
+            v,
             format!(
                 "initialSeconds ({}) must not exceed maxSeconds ({})",
                 b.initial.as_secs_f64(),
@@ -331,7 +331,7 @@ fn backend(cx: &mut Cx, obj: &Obj<'_>, kind: Option<ScalerType>) -> Option<Backe
     let chroot_base_dir = match cx.opt(obj, "chrootBaseDir", |cx, v| {
         let s = cx.string(v)?;
         if s.is_empty() {
-            cx.err(&v, "chrootBaseDir must not be empty");
+            cx.err(v, "chrootBaseDir must not be empty");
             return None;
         }
         Some(PathBuf::from(s))
@@ -381,7 +381,7 @@ fn backend(cx: &mut Cx, obj: &Obj<'_>, kind: Option<ScalerType>) -> Option<Backe
                         Got::Bad => None,
                         Got::Absent => {
                             cx.err_key(
-                                &obj,
+                                obj,
                                 key,
                                 format!("a firecracker scaler requires a '{key}' field"),
                             );
@@ -542,7 +542,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
                     format!("defined: {}", defined.join(", "))
                 };
                 cx.err(
-                    &pv,
+                    pv,
                     format!("unknown machinePool {} ({defined})", quote(name)),
                 );
             }
