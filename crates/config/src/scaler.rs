@@ -82,6 +82,10 @@ const BACKOFF_KEYS: [&str; 4] = [
     "breakerOpenSeconds",
 ];
 
+/// Firecracker machine defaults, applied to every entry as upstream does.
+const DEFAULT_VCPU_COUNT: u32 = 2;
+const DEFAULT_MEM_SIZE_MIB: u32 = 512;
+
 /// Longest scaler name accepted: it travels inside the `kici:scaler:<name>`
 /// label, which is bounded too.
 const MAX_NAME_LEN: usize = 200;
@@ -441,11 +445,11 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
     let vcpu_count = cx
         .opt(&obj, "vcpuCount", |cx, v| cx.positive_int(v))
         .value()
-        .unwrap_or(2);
+        .unwrap_or(DEFAULT_VCPU_COUNT);
     let mem_size_mib = cx
         .opt(&obj, "memSizeMib", |cx, v| cx.positive_int(v))
         .value()
-        .unwrap_or(512);
+        .unwrap_or(DEFAULT_MEM_SIZE_MIB);
     let ext = cx
         .opt(&obj, "x-kici-scaler", |cx, v| {
             extension(cx, v, kind.unwrap_or(ScalerType::Container))
@@ -506,12 +510,11 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
         }
     }
 
-    if let (Some(w), Some(max)) = (&warm, max_agents) {
-        if w.size > max {
-            let origin = warm_val.map_or_else(|| cx.origin(&obj.val), |v| cx.origin(&v));
-            cx.error(
-                origin,
-                obj.val.child_path("warmPool") + ".size",
+    if let (Some(w), Some(max), Some(wv)) = (&warm, max_agents, &warm_val) {
+        if let (true, Some(map)) = (w.size > max, wv.node.as_mapping()) {
+            cx.err_field(
+                &Obj { map, val: *wv },
+                "size",
                 format!("warmPool.size ({}) exceeds maxAgents ({max})", w.size),
             );
         }

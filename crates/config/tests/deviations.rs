@@ -338,7 +338,7 @@ fn warm_pool_and_max_agents_bounds() {
     };
     assert_eq!(
         err_lines(&with("{enabled: true, size: 3}")),
-        ["scalers.yaml:6:15: scalers[0].warmPool.size: warmPool.size (3) exceeds maxAgents (2)"]
+        ["scalers.yaml:6:37: scalers[0].warmPool.size: warmPool.size (3) exceeds maxAgents (2)"]
     );
     ok(&with("{enabled: true, size: 2}"));
     for bad in ["0", "-5", ".inf", ".nan", "'60'", "1e300"] {
