@@ -68,6 +68,10 @@ fn bench(c: &mut Criterion) {
             kici_config::load_documents(black_box(&[("scalers.yaml", text.as_str())]))
         })
     });
+    // The floor: parsing (and dropping) the node tree alone, no validation.
+    c.bench_function("marked_yaml::parse_yaml/200 scalers (parse only)", |b| {
+        b.iter(|| marked_yaml::parse_yaml(0, black_box(text.as_str())).is_ok())
+    });
     println!("generated config: {} bytes", text.len());
 }
 
