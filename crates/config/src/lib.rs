@@ -11,6 +11,10 @@
 //! with `marked_yaml` into a node tree that keeps positions, and walked by
 //! hand so that a bad value never hides the next one.
 //!
+//! Known gap: `marked_yaml` refuses YAML anchors/aliases (`&x`, `*x`) and
+//! tags (`!!str`), which upstream's parser accepts; such files get a clear,
+//! positioned error. Each file holds exactly one YAML document.
+//!
 //! ```
 //! let main = "version: 1\nscalers:\n  - name: linux\n    type: container\n    maxAgents: 4\n    labelSets:\n      - labels: [linux]\n        image: kici/agent:1\n";
 //! let loaded = kici_config::load_documents(&[("scalers.yaml", main)]).unwrap();

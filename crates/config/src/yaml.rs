@@ -181,7 +181,8 @@ pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
             ParseFailure::Syntax {
                 line,
                 col,
-                message: "YAML anchors and aliases are not supported".into(),
+                message: "YAML anchors and aliases are not supported: write the value out in full"
+                    .into(),
             }
         }
         LoadError::MappingKeyMustBeScalar(m) => {

@@ -637,7 +637,7 @@ fn empty_and_malformed_files() {
     assert_eq!(err_lines("version: 1\nscalers: [\n"), ["scalers.yaml:3:1: YAML syntax error: while parsing a node, did not find expected node content"]);
     assert_eq!(
         err_lines("a: &x 1\n"),
-        ["scalers.yaml:1:7: YAML anchors and aliases are not supported"]
+        ["scalers.yaml:1:7: YAML anchors and aliases are not supported: write the value out in full"]
     );
     assert_eq!(
         err_lines("a: !!str 1\n"),
@@ -759,6 +759,20 @@ fn null_optional_fields_count_as_absent() {
     assert_eq!(s.roles, kici_model::Roles::All);
     assert!(s.label_sets[0].env.is_empty());
     assert!(s.label_sets[0].resources.is_none());
+}
+
+#[test]
+fn crlf_line_endings_load() {
+    let text = with_scalers(&container("c", "a")).replace('\n', "\r\n");
+    let l = ok(&text);
+    assert_eq!(
+        l.config.scalers[0].label_sets[0].backend,
+        ok(&with_scalers(&container("c", "a"))).config.scalers[0].label_sets[0].backend
+    );
+    assert_eq!(
+        err_lines(&text.replace("maxAgents: 2", "maxAgents: 0")),
+        ["scalers.yaml:5:16: scalers[0].maxAgents: expected an integer > 0, got 0"]
+    );
 }
 
 #[test]
