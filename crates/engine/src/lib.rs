@@ -1,1 +1,29 @@
-//! The lifecycle engine: scale requests, agents, warm pools, backoff, reload; backends behind a trait.
+//! The lifecycle engine of kici-scaler.
+//!
+//! - [`lifecycle`]: the agent state machine (one enum, one `transition`).
+//! - [`breaker`]: per-label-set spawn backoff and circuit breaker.
+//! - [`pending`]: scale requests waiting for capacity.
+//! - [`engine`]: the synchronous engine tying routing, admission, agents,
+//!   warm pools, deadlines and reload together; it emits effects and events.
+//! - [`backend`]: the `Backend` trait backends implement.
+//! - [`runtime`]: the async driver that runs effects against backends and
+//!   fires timers.
+//! - [`memory_backend`]: an in-memory backend with failure injection, for
+//!   tests of everything above the backends.
+
+pub mod backend;
+pub mod breaker;
+pub mod engine;
+pub mod lifecycle;
+pub mod memory_backend;
+pub mod pending;
+pub mod runtime;
+
+pub use backend::{Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec};
+pub use breaker::{Breaker, BreakerState};
+pub use engine::{
+    AgentError, AgentView, DestroyOrder, Effect, Engine, EngineEvent, EngineSettings, Registration,
+    ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
+};
+pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};
+pub use pending::{PendingEnd, ScaleRequest};

@@ -188,7 +188,10 @@ impl Roles {
             Roles::All => &Role::ALL,
             Roles::Only(r) => r,
         };
-        roles.iter().map(|r| Label::auto("role", r.as_str())).collect()
+        roles
+            .iter()
+            .map(|r| Label::auto("role", r.as_str()))
+            .collect()
     }
 
     /// The agent's `KICI_ROLES` value: unset for all roles, `""` for
@@ -254,7 +257,9 @@ pub enum LabelSetBackend {
         volumes: Vec<String>,
     },
     #[serde(rename_all = "camelCase")]
-    BareMetal { binary_path: PathBuf },
+    BareMetal {
+        binary_path: PathBuf,
+    },
     Firecracker(FirecrackerLabelSet),
 }
 

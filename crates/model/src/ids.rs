@@ -241,10 +241,19 @@ mod tests {
             assert_eq!(id.suffix_hex().len(), 8);
         }
         assert_eq!(
-            "scaler-bare-metal-0a1b2c3d".parse::<AgentId>().unwrap().suffix_hex(),
+            "scaler-bare-metal-0a1b2c3d"
+                .parse::<AgentId>()
+                .unwrap()
+                .suffix_hex(),
             "0a1b2c3d"
         );
-        for bad in ["scaler-docker-0a1b2c3d", "scaler-container-0A1B2C3D", "scaler-container-0a1b2c3", "container-0a1b2c3d", ""] {
+        for bad in [
+            "scaler-docker-0a1b2c3d",
+            "scaler-container-0A1B2C3D",
+            "scaler-container-0a1b2c3",
+            "container-0a1b2c3d",
+            "",
+        ] {
             assert!(bad.parse::<AgentId>().is_err(), "{bad}");
         }
     }

@@ -23,7 +23,9 @@ pub enum LabelError {
     TooLong(String),
     #[error("label {0:?} contains whitespace, a comma or a control character")]
     BadCharacter(String),
-    #[error("label {0:?} uses the 'kici:' prefix, which is reserved for labels kici-scaler injects")]
+    #[error(
+        "label {0:?} uses the 'kici:' prefix, which is reserved for labels kici-scaler injects"
+    )]
     Reserved(String),
 }
 
@@ -64,7 +66,9 @@ impl Label {
     /// Builds an auto-injected label without validation of the prefix.
     /// Callers only pass `kici:<kind>:<value>` built from validated parts.
     pub fn auto(kind: &str, value: &str) -> Self {
-        Self(Arc::from(format!("{RESERVED_PREFIX}{kind}:{value}").to_lowercase()))
+        Self(Arc::from(
+            format!("{RESERVED_PREFIX}{kind}:{value}").to_lowercase(),
+        ))
     }
 
     pub fn as_str(&self) -> &str {
@@ -216,11 +220,23 @@ mod tests {
     #[test]
     fn rejects_bad_labels() {
         assert_eq!(Label::parse(""), Err(LabelError::Empty));
-        assert!(matches!(Label::parse("a b"), Err(LabelError::BadCharacter(_))));
-        assert!(matches!(Label::parse("a,b"), Err(LabelError::BadCharacter(_))));
-        assert!(matches!(Label::user("KICI:os:linux"), Err(LabelError::Reserved(_))));
+        assert!(matches!(
+            Label::parse("a b"),
+            Err(LabelError::BadCharacter(_))
+        ));
+        assert!(matches!(
+            Label::parse("a,b"),
+            Err(LabelError::BadCharacter(_))
+        ));
+        assert!(matches!(
+            Label::user("KICI:os:linux"),
+            Err(LabelError::Reserved(_))
+        ));
         assert!(Label::parse("kici:os:linux").is_ok());
-        assert!(matches!(Label::parse(&"x".repeat(300)), Err(LabelError::TooLong(_))));
+        assert!(matches!(
+            Label::parse(&"x".repeat(300)),
+            Err(LabelError::TooLong(_))
+        ));
     }
 
     proptest! {

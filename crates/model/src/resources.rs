@@ -81,7 +81,7 @@ impl MilliCpu {
 
 impl fmt::Display for MilliCpu {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0 % 1000 == 0 {
+        if self.0.is_multiple_of(1000) {
             write!(f, "{}", self.0 / 1000)
         } else {
             write!(f, "{}m", self.0)
@@ -325,8 +325,9 @@ impl EffectiveResources {
     /// Resolves job → label set → defaults, per side and per dimension, each
     /// layer mirrored first (upstream `resolveEffective`). Nothing anywhere → 0.
     pub fn resolve(layers: &[Option<&ResourceRequest>]) -> Self {
-        let mirrored: Vec<_> = layers.iter().flatten().map(|r| r.mirrored()).collect();
-        let pick = |side: fn(&(Option<ResourceSpec>, Option<ResourceSpec>)) -> Option<ResourceSpec>| {
+        type Sides = (Option<ResourceSpec>, Option<ResourceSpec>);
+        let mirrored: Vec<Sides> = layers.iter().flatten().map(|r| r.mirrored()).collect();
+        let pick = |side: fn(&Sides) -> Option<ResourceSpec>| {
             let cpu = mirrored
                 .iter()
                 .find_map(|m| side(m).and_then(|s| s.cpus))
@@ -363,22 +364,37 @@ mod tests {
         assert_eq!(mem("1.5g"), Ok(1_610_612_736));
         assert_eq!(mem("0m"), Ok(0));
         assert_eq!(mem("512 m"), Ok(536_870_912));
-        for bad in ["512", "abc", "", "512b", "1Gi", "1t", " 1g", "1g ", "-1g", "1.g", ".5g", "+1g"] {
+        for bad in [
+            "512", "abc", "", "512b", "1Gi", "1t", " 1g", "1g ", "-1g", "1.g", ".5g", "+1g",
+        ] {
             let err = mem(bad).unwrap_err();
-            assert!(err.to_string().contains("Invalid memory format"), "{bad}: {err}");
+            assert!(
+                err.to_string().contains("Invalid memory format"),
+                "{bad}: {err}"
+            );
         }
-        assert!(matches!(mem("99999999999999999999g"), Err(ResourceError::MemoryOverflow(_))));
+        assert!(matches!(
+            mem("99999999999999999999g"),
+            Err(ResourceError::MemoryOverflow(_))
+        ));
     }
 
     #[test]
     fn cpus_are_integer_millis() {
         assert_eq!(MilliCpu::from_cores(0.5).unwrap().millis(), 500);
-        assert_eq!(MilliCpu::from_cores(0.1).unwrap().millis() + MilliCpu::from_cores(0.2).unwrap().millis(), 300);
+        assert_eq!(
+            MilliCpu::from_cores(0.1).unwrap().millis()
+                + MilliCpu::from_cores(0.2).unwrap().millis(),
+            300
+        );
         assert!(MilliCpu::from_cores(0.0).is_err());
         assert!(MilliCpu::from_cores(-1.0).is_err());
         assert!(MilliCpu::from_cores(257.0).is_err());
         assert!(MilliCpu::from_cores(f64::NAN).is_err());
-        assert!(matches!(MilliCpu::from_cores(0.0001), Err(ResourceError::CpusTooSmall(_))));
+        assert!(matches!(
+            MilliCpu::from_cores(0.0001),
+            Err(ResourceError::CpusTooSmall(_))
+        ));
         assert_eq!(MilliCpu::from_millis(1500).to_string(), "1500m");
         assert_eq!(MilliCpu::from_millis(2000).to_string(), "2");
     }
@@ -393,25 +409,46 @@ mod tests {
     #[test]
     fn resolution_mirrors_and_mixes_per_field() {
         // Job gives requests.cpus only ⇒ mirrored to limits.cpus; memory from the label set.
-        let job = ResourceRequest { requests: Some(spec(Some(500), None)), limits: None };
+        let job = ResourceRequest {
+            requests: Some(spec(Some(500), None)),
+            limits: None,
+        };
         let ls = ResourceRequest::flat(spec(Some(2000), Some(1 << 30)));
         let eff = EffectiveResources::resolve(&[Some(&job), Some(&ls), None]);
-        assert_eq!(eff.requests, Resources::new(MilliCpu::from_millis(500), MemoryBytes::from_bytes(1 << 30)));
+        assert_eq!(
+            eff.requests,
+            Resources::new(MilliCpu::from_millis(500), MemoryBytes::from_bytes(1 << 30))
+        );
         assert_eq!(eff.limits, eff.requests);
         // Limits-only reserves the limits.
-        let job = ResourceRequest { requests: None, limits: Some(spec(Some(2000), None)) };
+        let job = ResourceRequest {
+            requests: None,
+            limits: Some(spec(Some(2000), None)),
+        };
         let eff = EffectiveResources::resolve(&[Some(&job)]);
         assert_eq!(eff.requests.cpu.millis(), 2000);
         // Nothing anywhere ⇒ zero.
-        assert_eq!(EffectiveResources::resolve(&[None, None, None]), EffectiveResources::default());
+        assert_eq!(
+            EffectiveResources::resolve(&[None, None, None]),
+            EffectiveResources::default()
+        );
     }
 
     #[test]
     fn requests_within_limits() {
-        let ok = ResourceRequest { requests: Some(spec(Some(1000), None)), limits: Some(spec(Some(2000), None)) };
+        let ok = ResourceRequest {
+            requests: Some(spec(Some(1000), None)),
+            limits: Some(spec(Some(2000), None)),
+        };
         assert!(ok.check_requests_within_limits().is_ok());
-        let bad = ResourceRequest { requests: Some(spec(None, Some(2))), limits: Some(spec(None, Some(1))) };
-        assert!(bad.check_requests_within_limits().unwrap_err().contains("requests.memory"));
+        let bad = ResourceRequest {
+            requests: Some(spec(None, Some(2))),
+            limits: Some(spec(None, Some(1))),
+        };
+        assert!(bad
+            .check_requests_within_limits()
+            .unwrap_err()
+            .contains("requests.memory"));
     }
 
     proptest! {

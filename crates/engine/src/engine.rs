@@ -1,0 +1,1806 @@
+//! The engine: scale requests, agents, warm pools, deadlines, reload.
+//!
+//! [`Engine`] is a synchronous state machine. Every method takes `now` and
+//! records what must happen outside as [`Effect`]s (spawn, destroy) and what
+//! happened as [`EngineEvent`]s; the async [`crate::runtime`] executes the
+//! effects against real backends and feeds results back. Keeping I/O out of
+//! here makes every timer injectable (tests pass `now`) and every interleaving
+//! reproducible.
+//!
+//! Capacity is held by [`Reservation`] guards owned by agent records: an
+//! agent's reservation is dropped exactly once, when the agent reaches `gone`.
+
+use crate::backend::ResourceHandle;
+use crate::breaker::{Breaker, BreakerState};
+use crate::lifecycle::{
+    transition, AgentEvent, AgentState, FailureReason, IllegalTransition, Mode, StopCause,
+};
+use crate::pending::{PendingEnd, PendingEntry, PendingQueue, ScaleRequest};
+use kici_admission::{Admission, AdmitError, Cap, Demand, Holds, Reservation};
+use kici_model::{
+    AgentId, Config, EffectiveResources, JobId, LabelSet, Resources, ScalerEntry, ScalerName,
+    ScalerType,
+};
+use kici_routing::{CordonSet, HostPlatform, Route, Router};
+use serde::Serialize;
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Daemon-wide engine settings (not per scaler).
+#[derive(Debug, Clone)]
+pub struct EngineSettings {
+    /// How long a pending request waits before it expires.
+    pub pending_ttl: Duration,
+    /// After this long in the queue, a request holds the capacity it needs.
+    pub starvation: Duration,
+    /// Most pending requests kept; beyond, new requests are refused.
+    pub max_pending: usize,
+    /// How many `gone` agents stay visible (`GET /v1/agents?all=true`).
+    pub gone_history: usize,
+    /// A failed destroy is retried after this long.
+    pub destroy_retry: Duration,
+    /// The agent's own idle window after a job when no warm pool sets one
+    /// (`KICI_SCALER_IDLE_TIMEOUT`'s contract default, 5 s).
+    pub agent_idle_default: Duration,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self {
+            pending_ttl: Duration::from_secs(3600),
+            starvation: Duration::from_secs(300),
+            max_pending: 10_000,
+            gone_history: 1000,
+            destroy_retry: Duration::from_secs(30),
+            agent_idle_default: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The answer to a scale request (DESIGN.md, `POST /v1/scale`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "kebab-case")]
+pub enum ScaleOutcome {
+    #[serde(rename_all = "camelCase")]
+    Spawning {
+        agent_id: AgentId,
+        scaler: ScalerName,
+        backend: ScalerType,
+        warm: bool,
+    },
+    Pending {
+        position: usize,
+    },
+    TooLarge {
+        cap: Cap,
+        detail: String,
+    },
+    NoBackend {
+        explanation: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScaleError {
+    #[error("job {0} was already requested with a different body")]
+    Conflict(JobId),
+    #[error("the pending queue is full ({0} requests)")]
+    QueueFull(usize),
+    /// The machine-pool ledger (or the admission layer) failed; nothing
+    /// was reserved.
+    #[error("admission failed: {0}")]
+    Admission(String),
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AgentError {
+    #[error("agent {0} is not managed by this instance")]
+    NotOurs(AgentId),
+    #[error("agent {0} is gone")]
+    Gone(AgentId),
+    #[error("scaler {0:?} is not configured")]
+    UnknownScaler(String),
+    #[error("agent {agent} is busy with job {current}, not {given}")]
+    WrongJob {
+        agent: AgentId,
+        current: JobId,
+        given: JobId,
+    },
+    #[error(transparent)]
+    Illegal(#[from] IllegalTransition),
+}
+
+/// What a registering agent is told (`POST /v1/agents/{id}/registered`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Registration {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound_job_id: Option<JobId>,
+    pub mandatory_labels: LabelSet,
+}
+
+/// What the outside world must do.
+#[derive(Debug, Clone)]
+pub enum Effect {
+    Spawn(SpawnOrder),
+    Destroy(DestroyOrder),
+}
+
+/// Ask a backend to bring an agent up.
+#[derive(Debug, Clone)]
+pub struct SpawnOrder {
+    pub agent: AgentId,
+    pub config: Arc<Config>,
+    pub scaler_index: usize,
+    pub label_set_index: usize,
+    pub agent_labels: Vec<String>,
+    pub resources: EffectiveResources,
+    pub job: Option<JobId>,
+    pub run_id: Option<String>,
+    pub mode: Mode,
+    pub warm: bool,
+    pub idle_timeout_ms: Option<u128>,
+}
+
+impl SpawnOrder {
+    pub fn scaler(&self) -> &ScalerEntry {
+        &self.config.scalers[self.scaler_index]
+    }
+}
+
+/// Ask a backend to tear an agent down.
+#[derive(Debug, Clone)]
+pub struct DestroyOrder {
+    pub agent: AgentId,
+    pub backend: ScalerType,
+    pub handle: Option<ResourceHandle>,
+    pub grace: Duration,
+}
+
+/// Something that happened; the source of SSE events, metrics and the store.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum EngineEvent {
+    #[serde(rename_all = "camelCase")]
+    AgentTransition {
+        agent_id: AgentId,
+        scaler: ScalerName,
+        backend: ScalerType,
+        from: AgentState,
+        to: AgentState,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        job_id: Option<JobId>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        failure_reason: Option<FailureReason>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cause: Option<&'static str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        detail: Option<String>,
+        /// Seconds spent in `from`.
+        seconds_in_state: f64,
+    },
+    #[serde(rename_all = "camelCase")]
+    Refused {
+        job_id: JobId,
+        scaler: ScalerName,
+        cap: Cap,
+        detail: String,
+    },
+    #[serde(rename_all = "camelCase")]
+    PendingEnded {
+        job_id: JobId,
+        scaler: ScalerName,
+        end: PendingEnd,
+        waited_seconds: f64,
+    },
+    #[serde(rename_all = "camelCase")]
+    BreakerChanged {
+        scaler: ScalerName,
+        label_set: usize,
+        state: BreakerState,
+    },
+    #[serde(rename_all = "camelCase")]
+    ScalerCordon {
+        scaler: ScalerName,
+        cordoned: bool,
+        draining: bool,
+    },
+    #[serde(rename_all = "camelCase")]
+    Reloaded {
+        added: Vec<String>,
+        removed: Vec<String>,
+    },
+}
+
+/// One managed agent.
+#[derive(Debug)]
+struct Agent {
+    id: AgentId,
+    /// The config snapshot the agent was created under; it keeps its
+    /// deadlines and label set even if a reload removes its scaler.
+    config: Arc<Config>,
+    scaler_index: usize,
+    label_set: usize,
+    state: AgentState,
+    since: Instant,
+    created: Instant,
+    /// Creation order; breaks ties between agents created at the same instant.
+    seq: u64,
+    /// Released exactly once, when the agent reaches `gone`.
+    reservation: Option<Reservation>,
+    job: Option<JobId>,
+    run_id: Option<String>,
+    mode: Mode,
+    /// Counts toward its label set's warm pool (spawned warm, not yet taken).
+    warm: bool,
+    /// Was taken from the warm pool by a job (reported as `warm: true`).
+    from_pool: bool,
+    handle: Option<ResourceHandle>,
+    failure: Option<FailureReason>,
+    /// Destroy after the current job (scaler draining, scaler removed).
+    drain_after_job: bool,
+    destroy_issued: Option<Instant>,
+    last_exit_code: Option<i32>,
+}
+
+impl Agent {
+    fn scaler(&self) -> &ScalerEntry {
+        &self.config.scalers[self.scaler_index]
+    }
+
+    fn name(&self) -> &ScalerName {
+        &self.scaler().name
+    }
+
+    fn requests(&self) -> Resources {
+        self.reservation
+            .as_ref()
+            .map(|r| r.requests())
+            .unwrap_or_default()
+    }
+
+    fn idle_ttl(&self, settings: &EngineSettings) -> Duration {
+        let scaler = self.scaler();
+        let own = match (&scaler.warm_pool, self.warm) {
+            (Some(w), true) => w.idle_timeout,
+            _ => settings.agent_idle_default,
+        };
+        own + scaler.ext.deadlines.idle_grace
+    }
+
+    /// The next instant at which this agent's state must change on its own.
+    fn deadline(&self, settings: &EngineSettings) -> Option<Instant> {
+        let d = &self.scaler().ext.deadlines;
+        let lifetime = self.created + d.max_lifetime;
+        let own = match self.state {
+            AgentState::Requested | AgentState::Provisioning => Some(self.created + d.provision),
+            AgentState::Booted => Some(self.since + d.registration),
+            AgentState::Registered => Some(self.since + d.pending_dispatch),
+            AgentState::Idle => Some(self.since + self.idle_ttl(settings)),
+            AgentState::Busy | AgentState::Draining => None,
+            AgentState::Destroying => {
+                return self.destroy_issued.map(|t| t + settings.destroy_retry)
+            }
+            AgentState::Gone => return None,
+        };
+        Some(own.map_or(lifetime, |o| o.min(lifetime)))
+    }
+}
+
+/// A read-only view of an agent for the API.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentView {
+    pub agent_id: AgentId,
+    pub state: AgentState,
+    pub scaler: ScalerName,
+    pub backend: ScalerType,
+    pub label_set_index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<JobId>,
+    pub resources: Resources,
+    pub warm: bool,
+    pub mode: Mode,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<FailureReason>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    pub age_seconds: f64,
+    pub state_seconds: f64,
+}
+
+/// Where a job is (a job id has at most one record while unfinished).
+#[derive(Debug, Clone)]
+struct JobRecord {
+    request: ScaleRequest,
+    agent: Option<AgentId>,
+}
+
+/// Per-scaler operator switches, kept across reloads by name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ScalerSwitches {
+    cordoned: bool,
+    draining: bool,
+}
+
+/// The engine state.
+pub struct Engine {
+    config: Arc<Config>,
+    router: Router,
+    host: HostPlatform,
+    admission: Admission,
+    settings: EngineSettings,
+    agents: HashMap<AgentId, Agent>,
+    gone: VecDeque<AgentView>,
+    jobs: HashMap<JobId, JobRecord>,
+    pending: PendingQueue,
+    /// Keyed by (scaler name, normalised label set) so history survives reload.
+    breakers: HashMap<(ScalerName, LabelSet), Breaker>,
+    switches: HashMap<ScalerName, ScalerSwitches>,
+    cordons: CordonSet,
+    effects: Vec<Effect>,
+    events: Vec<EngineEvent>,
+    shutting_down: bool,
+    next_seq: u64,
+}
+
+impl Engine {
+    pub fn new(
+        config: Arc<Config>,
+        admission: Admission,
+        host: HostPlatform,
+        settings: EngineSettings,
+    ) -> Self {
+        let router = Router::new(&config, &host);
+        let mut engine = Self {
+            config,
+            router,
+            host,
+            admission,
+            settings,
+            agents: HashMap::new(),
+            gone: VecDeque::new(),
+            jobs: HashMap::new(),
+            pending: PendingQueue::default(),
+            breakers: HashMap::new(),
+            switches: HashMap::new(),
+            cordons: CordonSet::none(),
+            effects: Vec::new(),
+            events: Vec::new(),
+            shutting_down: false,
+            next_seq: 0,
+        };
+        engine.rebuild_breakers();
+        engine
+    }
+
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    pub fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    pub fn settings(&self) -> &EngineSettings {
+        &self.settings
+    }
+
+    /// Effects recorded since the last call.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// Events recorded since the last call.
+    pub fn take_events(&mut self) -> Vec<EngineEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    // ----- scale requests ---------------------------------------------------
+
+    /// Routes, admits and (when capacity allows) spawns for one job.
+    pub fn request_scale(
+        &mut self,
+        request: ScaleRequest,
+        now: Instant,
+    ) -> Result<ScaleOutcome, ScaleError> {
+        if self.shutting_down {
+            return Err(ScaleError::ShuttingDown);
+        }
+        if let Some(record) = self.jobs.get(&request.job) {
+            if record.request != request {
+                return Err(ScaleError::Conflict(request.job));
+            }
+            return Ok(self.current_outcome(&request.job, record.agent));
+        }
+        let Some(route) = self
+            .router
+            .route(&request.labels, &request.exclude, &self.cordons)
+        else {
+            return Ok(ScaleOutcome::NoBackend {
+                explanation: self.explain_no_backend(&request),
+            });
+        };
+        let resources = self.resolve_resources(&request, route);
+        let config = Arc::clone(&self.config);
+        let scaler = &config.scalers[route.scaler];
+        if let Some(too_large) = self.admission.too_large(
+            scaler.name.as_str(),
+            resources.requests,
+            scaler.machine_pool.as_deref(),
+        ) {
+            return Ok(ScaleOutcome::TooLarge {
+                cap: too_large.cap,
+                detail: too_large.detail,
+            });
+        }
+        if let Some(agent) = self.take_warm(route, &request, resources, now) {
+            return Ok(self.current_outcome(&request.job, Some(agent)));
+        }
+        if self.pending.len() >= self.settings.max_pending {
+            return Err(ScaleError::QueueFull(self.pending.len()));
+        }
+        let job = request.job.clone();
+        self.jobs.insert(
+            job.clone(),
+            JobRecord {
+                request: request.clone(),
+                agent: None,
+            },
+        );
+        self.pending.insert(PendingEntry {
+            scaler: scaler.name.clone(),
+            scaler_index: route.scaler,
+            label_set: route.label_set,
+            resources,
+            enqueued: now,
+            expires: now + self.settings.pending_ttl,
+            request,
+        });
+        if let Err(e) = self.serve_pending(now) {
+            // The ledger failed: undo this request entirely, report it.
+            self.pending.remove(&job);
+            self.jobs.remove(&job);
+            return Err(e);
+        }
+        let agent = self.jobs.get(&job).and_then(|r| r.agent);
+        Ok(self.current_outcome(&job, agent))
+    }
+
+    fn current_outcome(&self, job: &JobId, agent: Option<AgentId>) -> ScaleOutcome {
+        if let Some(a) = agent.and_then(|id| self.agents.get(&id)) {
+            return ScaleOutcome::Spawning {
+                agent_id: a.id,
+                scaler: a.name().clone(),
+                backend: a.scaler().kind,
+                warm: a.warm || a.from_pool,
+            };
+        }
+        ScaleOutcome::Pending {
+            position: self.pending.position(job).unwrap_or(0),
+        }
+    }
+
+    fn explain_no_backend(&self, request: &ScaleRequest) -> String {
+        let explanation = self
+            .router
+            .explain(&request.labels, &request.exclude, &self.cordons);
+        let reasons: Vec<String> = explanation
+            .candidates
+            .iter()
+            .map(|c| format!("{}[{}]: {}", c.scaler_name, c.label_set, c.reason))
+            .collect();
+        if reasons.is_empty() {
+            format!("no scaler is configured for labels [{}]", request.labels)
+        } else {
+            format!(
+                "no label set accepts labels [{}] (exclude [{}]): {}",
+                request.labels,
+                request.exclude,
+                reasons.join("; ")
+            )
+        }
+    }
+
+    fn resolve_resources(&self, request: &ScaleRequest, route: Route) -> EffectiveResources {
+        let scaler = &self.config.scalers[route.scaler];
+        let ls = &scaler.label_sets[route.label_set];
+        EffectiveResources::resolve(&[
+            request.resources.as_ref(),
+            ls.resources.as_ref(),
+            self.config.defaults.as_ref(),
+        ])
+    }
+
+    /// Cancels a pending request, or the bound agent if it has not registered.
+    /// Returns whether anything was cancelled.
+    pub fn cancel_scale(&mut self, job: &JobId, now: Instant) -> bool {
+        if let Some(entry) = self.pending.remove(job) {
+            self.jobs.remove(job);
+            self.pending_ended(&entry, PendingEnd::Cancelled, now);
+            return true;
+        }
+        let Some(agent) = self.jobs.get(job).and_then(|r| r.agent) else {
+            return false;
+        };
+        let early = self
+            .agents
+            .get(&agent)
+            .is_some_and(|a| a.state.is_spawning());
+        if early {
+            self.jobs.remove(job);
+            if let Some(a) = self.agents.get_mut(&agent) {
+                a.job = None;
+            }
+            self.stop(agent, StopCause::Cancelled, now);
+        }
+        early
+    }
+
+    /// Serves the pending queue: oldest first among those that fit; a request
+    /// older than the starvation threshold that does not fit holds what it
+    /// needs so younger ones cannot take it.
+    fn serve_pending(&mut self, now: Instant) -> Result<(), ScaleError> {
+        if self.pending.is_empty() || self.shutting_down {
+            return Ok(());
+        }
+        let mut holds = Holds::none();
+        let mut admitted: Vec<(PendingEntry, Reservation, AgentId)> = Vec::new();
+        let mut refused: Vec<(JobId, ScalerName, Cap, String)> = Vec::new();
+        let mut too_large: Vec<(JobId, String)> = Vec::new();
+        let mut ledger_error = None;
+        for entry in self.pending.iter() {
+            let switches = self
+                .switches
+                .get(&entry.scaler)
+                .copied()
+                .unwrap_or_default();
+            if switches.cordoned || switches.draining {
+                continue;
+            }
+            let key = (
+                entry.scaler.clone(),
+                self.config.scalers[entry.scaler_index].label_sets[entry.label_set]
+                    .labels
+                    .clone(),
+            );
+            if self
+                .breakers
+                .get(&key)
+                .is_some_and(|b| b.check(now).is_err())
+            {
+                continue;
+            }
+            let scaler = &self.config.scalers[entry.scaler_index];
+            let agent = self.fresh_agent_id(scaler.kind, &admitted);
+            let demand = Demand {
+                agent,
+                scaler: scaler.name.clone(),
+                requests: entry.resources.requests,
+                pool: scaler.machine_pool.clone(),
+            };
+            match self.admission.try_reserve(demand, &holds) {
+                Ok(reservation) => admitted.push((entry.clone(), reservation, agent)),
+                Err(AdmitError::Refused(refusal)) => {
+                    if now.saturating_duration_since(entry.enqueued) >= self.settings.starvation {
+                        holds.add(
+                            &scaler.name,
+                            entry.resources.requests,
+                            scaler.machine_pool.as_deref(),
+                        );
+                    }
+                    refused.push((
+                        entry.request.job.clone(),
+                        entry.scaler.clone(),
+                        refusal.cap,
+                        refusal.to_string(),
+                    ));
+                }
+                Err(AdmitError::TooLarge(t)) => {
+                    too_large.push((entry.request.job.clone(), t.detail))
+                }
+                // A colliding id: the next pass draws another.
+                Err(AdmitError::DuplicateAgent(_)) => {}
+                Err(
+                    e @ (AdmitError::Ledger(_)
+                    | AdmitError::UnknownScaler(_)
+                    | AdmitError::PoolMismatch { .. }),
+                ) => {
+                    ledger_error = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        for (job, scaler, cap, detail) in refused {
+            self.events.push(EngineEvent::Refused {
+                job_id: job,
+                scaler,
+                cap,
+                detail,
+            });
+        }
+        for (job, _) in too_large {
+            if let Some(entry) = self.pending.remove(&job) {
+                self.jobs.remove(&job);
+                self.pending_ended(&entry, PendingEnd::TooLarge, now);
+            }
+        }
+        for (entry, reservation, agent) in admitted {
+            self.pending.remove(&entry.request.job);
+            self.pending_ended(&entry, PendingEnd::Admitted, now);
+            if let Some(record) = self.jobs.get_mut(&entry.request.job) {
+                record.agent = Some(agent);
+            }
+            self.start_agent(
+                agent,
+                entry.scaler_index,
+                entry.label_set,
+                reservation,
+                Some(entry.request),
+                false,
+                now,
+            );
+        }
+        match ledger_error {
+            Some(e) => Err(ScaleError::Admission(e)),
+            None => Ok(()),
+        }
+    }
+
+    fn fresh_agent_id(
+        &self,
+        kind: ScalerType,
+        also: &[(PendingEntry, Reservation, AgentId)],
+    ) -> AgentId {
+        loop {
+            let id = AgentId::random(kind);
+            let taken = self.agents.contains_key(&id)
+                || self.gone.iter().any(|g| g.agent_id == id)
+                || also.iter().any(|(_, _, a)| *a == id);
+            if !taken {
+                return id;
+            }
+        }
+    }
+
+    fn pending_ended(&mut self, entry: &PendingEntry, end: PendingEnd, now: Instant) {
+        self.events.push(EngineEvent::PendingEnded {
+            job_id: entry.request.job.clone(),
+            scaler: entry.scaler.clone(),
+            end,
+            waited_seconds: now.saturating_duration_since(entry.enqueued).as_secs_f64(),
+        });
+    }
+
+    /// Creates the agent record (it owns the reservation) and asks for a spawn.
+    #[allow(clippy::too_many_arguments)]
+    fn start_agent(
+        &mut self,
+        id: AgentId,
+        scaler_index: usize,
+        label_set: usize,
+        reservation: Reservation,
+        request: Option<ScaleRequest>,
+        warm: bool,
+        now: Instant,
+    ) {
+        let config = Arc::clone(&self.config);
+        let scaler = &config.scalers[scaler_index];
+        let key = (
+            scaler.name.clone(),
+            scaler.label_sets[label_set].labels.clone(),
+        );
+        if let Some(b) = self.breakers.get_mut(&key) {
+            b.on_attempt(now);
+        }
+        let resources = match &request {
+            Some(r) => self.resolve_resources(
+                r,
+                Route {
+                    scaler: scaler_index,
+                    label_set,
+                },
+            ),
+            None => EffectiveResources::resolve(&[
+                scaler.label_sets[label_set].resources.as_ref(),
+                config.defaults.as_ref(),
+            ]),
+        };
+        let idle_timeout_ms = match (&scaler.warm_pool, warm) {
+            (Some(w), true) => Some(w.agent_idle_timeout_ms()),
+            _ => None,
+        };
+        let (job, run_id, mode) = match request {
+            Some(r) => (Some(r.job), r.run_id, r.mode),
+            None => (None, None, Mode::Orchestrator),
+        };
+        let order = SpawnOrder {
+            agent: id,
+            config: Arc::clone(&config),
+            scaler_index,
+            label_set_index: label_set,
+            agent_labels: self.router.agent_labels(scaler_index, label_set),
+            resources,
+            job: job.clone(),
+            run_id: run_id.clone(),
+            mode,
+            warm,
+            idle_timeout_ms,
+        };
+        let agent = Agent {
+            id,
+            config,
+            scaler_index,
+            label_set,
+            state: AgentState::Requested,
+            since: now,
+            created: now,
+            seq: self.next_seq,
+            reservation: Some(reservation),
+            job,
+            run_id,
+            mode,
+            warm,
+            from_pool: false,
+            handle: None,
+            failure: None,
+            drain_after_job: false,
+            destroy_issued: None,
+            last_exit_code: None,
+        };
+        self.next_seq += 1;
+        self.agents.insert(id, agent);
+        self.effects.push(Effect::Spawn(order));
+        self.step(id, AgentEvent::ProvisionStarted, now);
+    }
+
+    // ----- warm pools -------------------------------------------------------
+
+    /// Binds the job to an idle warm agent of the routed label set whose
+    /// reservation covers exactly the job's requests; one replacement follows.
+    fn take_warm(
+        &mut self,
+        route: Route,
+        request: &ScaleRequest,
+        resources: EffectiveResources,
+        now: Instant,
+    ) -> Option<AgentId> {
+        let name = &self.config.scalers[route.scaler].name;
+        let id = self
+            .agents
+            .values()
+            .filter(|a| {
+                a.warm
+                    && a.state == AgentState::Idle
+                    && a.job.is_none()
+                    && a.name() == name
+                    && a.label_set == route.label_set
+                    && a.requests() == resources.requests
+            })
+            .min_by_key(|a| (a.since, a.seq))
+            .map(|a| a.id)?;
+        self.jobs.insert(
+            request.job.clone(),
+            JobRecord {
+                request: request.clone(),
+                agent: Some(id),
+            },
+        );
+        if let Some(a) = self.agents.get_mut(&id) {
+            a.job = Some(request.job.clone());
+            a.run_id.clone_from(&request.run_id);
+            a.mode = request.mode;
+            // The agent leaves the pool: it is a job agent from now on.
+            a.warm = false;
+            a.from_pool = true;
+        }
+        self.step(id, AgentEvent::JobStarted, now);
+        self.refill_warm(now);
+        Some(id)
+    }
+
+    /// Spawns warm agents until every warm label set has `size` idle or
+    /// in-flight warm agents. Never ahead of pending requests of the same
+    /// scaler, never past a cap, never while the label set backs off.
+    fn refill_warm(&mut self, now: Instant) {
+        if self.shutting_down {
+            return;
+        }
+        let config = Arc::clone(&self.config);
+        for (si, scaler) in config.scalers.iter().enumerate() {
+            let target = scaler.warm_target() as usize;
+            let switches = self.switches.get(&scaler.name).copied().unwrap_or_default();
+            if target == 0 || switches.cordoned || switches.draining {
+                continue;
+            }
+            if self.pending.count_for(scaler.name.as_str()) > 0 {
+                continue;
+            }
+            for (li, ls) in scaler.label_sets.iter().enumerate() {
+                let have = self
+                    .agents
+                    .values()
+                    .filter(|a| {
+                        a.warm
+                            && a.name() == &scaler.name
+                            && a.label_set == li
+                            && !matches!(
+                                a.state,
+                                AgentState::Draining | AgentState::Destroying | AgentState::Gone
+                            )
+                    })
+                    .count();
+                let key = (scaler.name.clone(), ls.labels.clone());
+                for _ in have..target {
+                    if self
+                        .breakers
+                        .get(&key)
+                        .is_some_and(|b| b.check(now).is_err())
+                    {
+                        break;
+                    }
+                    let requests = EffectiveResources::resolve(&[
+                        ls.resources.as_ref(),
+                        config.defaults.as_ref(),
+                    ])
+                    .requests;
+                    let agent = self.fresh_agent_id(scaler.kind, &[]);
+                    let demand = Demand {
+                        agent,
+                        scaler: scaler.name.clone(),
+                        requests,
+                        pool: scaler.machine_pool.clone(),
+                    };
+                    match self.admission.try_reserve(demand, &Holds::none()) {
+                        Ok(reservation) => {
+                            self.start_agent(agent, si, li, reservation, None, true, now)
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+    }
+
+    // ----- reports from backends and agents ---------------------------------
+
+    /// The backend reports the resource up.
+    pub fn spawn_succeeded(&mut self, agent: AgentId, handle: ResourceHandle, now: Instant) {
+        let Some(a) = self.agents.get_mut(&agent) else {
+            return;
+        };
+        a.handle = Some(handle);
+        if matches!(a.state, AgentState::Requested | AgentState::Provisioning) {
+            self.step(agent, AgentEvent::Booted, now);
+        }
+    }
+
+    /// The backend could not create the resource.
+    pub fn spawn_failed(&mut self, agent: AgentId, detail: String, now: Instant) {
+        self.fail(agent, FailureReason::ProvisionError, Some(detail), now);
+    }
+
+    /// The agent's process/container/VM ended, or the guest failed to boot.
+    pub fn agent_exited(
+        &mut self,
+        agent: AgentId,
+        boot_failure: bool,
+        detail: String,
+        now: Instant,
+    ) {
+        let Some(a) = self.agents.get(&agent) else {
+            return;
+        };
+        if a.state.is_spawning() {
+            let reason = if boot_failure {
+                FailureReason::BootFailure
+            } else {
+                FailureReason::ExitedEarly
+            };
+            self.fail(agent, reason, Some(detail), now);
+        } else if !matches!(a.state, AgentState::Destroying | AgentState::Gone) {
+            self.stop(agent, StopCause::Disconnected, now);
+        }
+    }
+
+    /// A valid registration (the token was checked by the caller).
+    pub fn agent_registered(
+        &mut self,
+        agent: AgentId,
+        now: Instant,
+    ) -> Result<Registration, AgentError> {
+        let a = self.agents.get(&agent).ok_or_else(|| self.unknown(agent))?;
+        let state = a.state;
+        let registration = Registration {
+            bound_job_id: a.job.clone(),
+            mandatory_labels: a.scaler().mandatory_labels.clone(),
+        };
+        match state {
+            // Idempotent: a retried call gets the same answer.
+            AgentState::Registered | AgentState::Idle | AgentState::Busy => {
+                return Ok(registration)
+            }
+            AgentState::Requested => {
+                self.step(agent, AgentEvent::ProvisionStarted, now);
+            }
+            _ => {}
+        }
+        let key = self.breaker_key(agent);
+        self.apply(agent, AgentEvent::Registered, now, None, None)?;
+        if let Some(b) = key.and_then(|k| self.breakers.get_mut(&k)) {
+            let was = b.state(now);
+            b.on_success();
+            if was != BreakerState::Closed {
+                self.breaker_changed(agent, BreakerState::Closed);
+            }
+        }
+        if registration.bound_job_id.is_none() {
+            self.apply(agent, AgentEvent::NoJobBound, now, None, None)?;
+            // An unbound agent of a draining or removed scaler leaves at once.
+            if self.should_leave_idle(agent) {
+                self.drain_idle(agent, StopCause::ScaleIn, now);
+            }
+        }
+        Ok(registration)
+    }
+
+    fn should_leave_idle(&self, agent: AgentId) -> bool {
+        let Some(a) = self.agents.get(&agent) else {
+            return false;
+        };
+        a.drain_after_job
+            || self.switches.get(a.name()).is_some_and(|s| s.draining)
+            || self.config.scaler(a.name().as_str()).is_none()
+    }
+
+    /// The orchestrator (or our gateway) handed `job` to the agent.
+    pub fn job_started(
+        &mut self,
+        agent: AgentId,
+        job: JobId,
+        now: Instant,
+    ) -> Result<(), AgentError> {
+        let a = self
+            .agents
+            .get_mut(&agent)
+            .ok_or(AgentError::NotOurs(agent))?;
+        match a.state {
+            AgentState::Busy if a.job.as_ref() == Some(&job) => Ok(()),
+            AgentState::Busy => Err(AgentError::WrongJob {
+                agent,
+                current: a.job.clone().unwrap_or_else(|| job.clone()),
+                given: job,
+            }),
+            _ => {
+                a.job = Some(job);
+                a.warm = false;
+                self.apply(agent, AgentEvent::JobStarted, now, None, None)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The job ended. Standalone: the agent is destroyed; orchestrator mode:
+    /// it goes idle and may take another job (unless its scaler drains).
+    pub fn job_completed(
+        &mut self,
+        agent: AgentId,
+        job: &JobId,
+        exit_code: Option<i32>,
+        now: Instant,
+    ) -> Result<(), AgentError> {
+        let a = self
+            .agents
+            .get_mut(&agent)
+            .ok_or(AgentError::NotOurs(agent))?;
+        if a.state != AgentState::Busy {
+            // Idempotent: a retried completion, or one after disconnect.
+            return Ok(());
+        }
+        if a.job.as_ref() != Some(job) {
+            return Err(AgentError::WrongJob {
+                agent,
+                current: a.job.clone().unwrap_or_else(|| job.clone()),
+                given: job.clone(),
+            });
+        }
+        a.last_exit_code = exit_code;
+        a.job = None;
+        let mode = a.mode;
+        let drain = a.drain_after_job;
+        let name = a.name().clone();
+        let draining = self.switches.get(&name).is_some_and(|s| s.draining)
+            || self.config.scaler(name.as_str()).is_none();
+        self.jobs.remove(job);
+        let event = AgentEvent::JobCompleted {
+            mode,
+            drain: drain || draining,
+        };
+        self.apply(agent, event, now, None, None)?;
+        if self
+            .agents
+            .get(&agent)
+            .is_some_and(|a| a.state == AgentState::Destroying)
+        {
+            self.issue_destroy(agent, now);
+        }
+        Ok(())
+    }
+
+    /// The agent's connection closed: destroy it (every mode).
+    pub fn agent_disconnected(&mut self, agent: AgentId, now: Instant) -> Result<(), AgentError> {
+        let a = self.agents.get(&agent).ok_or_else(|| self.unknown(agent))?;
+        if !matches!(a.state, AgentState::Destroying | AgentState::Gone) {
+            self.stop(agent, StopCause::Disconnected, now);
+        }
+        Ok(())
+    }
+
+    /// Operator DELETE.
+    pub fn destroy_agent(&mut self, agent: AgentId, now: Instant) -> Result<(), AgentError> {
+        let a = self.agents.get(&agent).ok_or_else(|| self.unknown(agent))?;
+        if !matches!(a.state, AgentState::Destroying | AgentState::Gone) {
+            self.stop(agent, StopCause::Operator, now);
+        }
+        Ok(())
+    }
+
+    /// Every release step of the backend finished: the agent is gone and its
+    /// reservation is released, which may admit pending requests.
+    pub fn destroy_finished(&mut self, agent: AgentId, now: Instant) {
+        let Some(a) = self.agents.get(&agent) else {
+            return;
+        };
+        if a.state != AgentState::Destroying {
+            return;
+        }
+        self.step(agent, AgentEvent::Released, now);
+        if let Some(mut a) = self.agents.remove(&agent) {
+            // The single release of this agent's capacity.
+            drop(a.reservation.take());
+            if let Some(job) = a.job.take() {
+                if self.jobs.get(&job).is_some_and(|r| r.agent == Some(agent)) {
+                    self.jobs.remove(&job);
+                }
+            }
+            let view = self.view(&a, now);
+            self.gone.push_back(view);
+            while self.gone.len() > self.settings.gone_history {
+                self.gone.pop_front();
+            }
+        }
+        self.after_release(now);
+    }
+
+    /// The backend could not finish destroying; it is retried later.
+    pub fn destroy_failed(&mut self, agent: AgentId, detail: String, now: Instant) {
+        if let Some(a) = self.agents.get_mut(&agent) {
+            if a.state == AgentState::Destroying {
+                a.destroy_issued = Some(now);
+                let (scaler, backend) = (a.name().clone(), a.scaler().kind);
+                self.events.push(EngineEvent::AgentTransition {
+                    agent_id: agent,
+                    scaler,
+                    backend,
+                    from: AgentState::Destroying,
+                    to: AgentState::Destroying,
+                    job_id: None,
+                    failure_reason: None,
+                    cause: Some("destroy-retry"),
+                    detail: Some(detail),
+                    seconds_in_state: 0.0,
+                });
+            }
+        }
+    }
+
+    fn after_release(&mut self, now: Instant) {
+        // A ledger failure here leaves requests pending; they are retried on
+        // the next release or tick.
+        let _ = self.serve_pending(now);
+        self.refill_warm(now);
+    }
+
+    fn unknown(&self, agent: AgentId) -> AgentError {
+        if self.gone.iter().any(|g| g.agent_id == agent) {
+            AgentError::Gone(agent)
+        } else {
+            AgentError::NotOurs(agent)
+        }
+    }
+
+    // ----- transitions ------------------------------------------------------
+
+    /// Applies one lifecycle event and records it.
+    fn apply(
+        &mut self,
+        agent: AgentId,
+        event: AgentEvent,
+        now: Instant,
+        cause: Option<&'static str>,
+        detail: Option<String>,
+    ) -> Result<AgentState, AgentError> {
+        let a = self
+            .agents
+            .get_mut(&agent)
+            .ok_or(AgentError::NotOurs(agent))?;
+        let from = a.state;
+        let to = transition(from, event)?;
+        let seconds_in_state = now.saturating_duration_since(a.since).as_secs_f64();
+        a.state = to;
+        a.since = now;
+        let failure = match event {
+            AgentEvent::Failed(r) => {
+                a.failure = Some(r);
+                Some(r)
+            }
+            _ => None,
+        };
+        self.events.push(EngineEvent::AgentTransition {
+            agent_id: agent,
+            scaler: a.name().clone(),
+            backend: a.scaler().kind,
+            from,
+            to,
+            job_id: a.job.clone(),
+            failure_reason: failure,
+            cause,
+            detail,
+            seconds_in_state,
+        });
+        Ok(to)
+    }
+
+    /// Applies an event the engine itself knows to be legal here; an error
+    /// is a bug, logged loudly rather than ignored.
+    fn step(&mut self, agent: AgentId, event: AgentEvent, now: Instant) {
+        if let Err(e) = self.apply(agent, event, now, None, None) {
+            tracing::error!(agent = %agent, error = %e, "engine bug: illegal internal transition");
+        }
+    }
+
+    fn breaker_key(&self, agent: AgentId) -> Option<(ScalerName, LabelSet)> {
+        let a = self.agents.get(&agent)?;
+        Some((
+            a.name().clone(),
+            a.scaler().label_sets[a.label_set].labels.clone(),
+        ))
+    }
+
+    fn breaker_changed(&mut self, agent: AgentId, state: BreakerState) {
+        if let Some(a) = self.agents.get(&agent) {
+            self.events.push(EngineEvent::BreakerChanged {
+                scaler: a.name().clone(),
+                label_set: a.label_set,
+                state,
+            });
+        }
+    }
+
+    /// A failure: destroy, back off the label set, re-queue an unstarted job.
+    fn fail(
+        &mut self,
+        agent: AgentId,
+        reason: FailureReason,
+        detail: Option<String>,
+        now: Instant,
+    ) {
+        let Ok(_) = self.apply(agent, AgentEvent::Failed(reason), now, None, detail) else {
+            return;
+        };
+        if reason.counts_against_label_set() {
+            if let Some(key) = self.breaker_key(agent) {
+                let mut opened = None;
+                if let Some(b) = self.breakers.get_mut(&key) {
+                    let was = b.state(now);
+                    b.on_failure(now);
+                    let is = b.state(now);
+                    if was != is {
+                        opened = Some(is);
+                    }
+                }
+                if let Some(state) = opened {
+                    self.breaker_changed(agent, state);
+                }
+            }
+        }
+        self.requeue_unstarted_job(agent, now);
+        self.issue_destroy(agent, now);
+    }
+
+    /// A job whose agent failed before starting it is not lost: it goes back
+    /// to the queue with its original arrival time (and waits for backoff).
+    fn requeue_unstarted_job(&mut self, agent: AgentId, now: Instant) {
+        let Some(a) = self.agents.get_mut(&agent) else {
+            return;
+        };
+        let Some(job) = a.job.take() else {
+            return;
+        };
+        let Some(record) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        record.agent = None;
+        let request = record.request.clone();
+        let enqueued = a.created;
+        let Some(route) = self
+            .router
+            .route(&request.labels, &request.exclude, &self.cordons)
+        else {
+            self.jobs.remove(&job);
+            return;
+        };
+        let resources = self.resolve_resources(&request, route);
+        self.pending.insert(PendingEntry {
+            scaler: self.config.scalers[route.scaler].name.clone(),
+            scaler_index: route.scaler,
+            label_set: route.label_set,
+            resources,
+            enqueued,
+            expires: (enqueued + self.settings.pending_ttl).max(now),
+            request,
+        });
+    }
+
+    fn stop(&mut self, agent: AgentId, cause: StopCause, now: Instant) {
+        if self
+            .apply(
+                agent,
+                AgentEvent::Stop(cause),
+                now,
+                Some(cause.as_str()),
+                None,
+            )
+            .is_ok()
+        {
+            self.issue_destroy(agent, now);
+        }
+    }
+
+    fn drain_idle(&mut self, agent: AgentId, cause: StopCause, now: Instant) {
+        if self
+            .apply(
+                agent,
+                AgentEvent::Drain(cause),
+                now,
+                Some(cause.as_str()),
+                None,
+            )
+            .is_ok()
+        {
+            self.stop(agent, cause, now);
+        }
+    }
+
+    fn issue_destroy(&mut self, agent: AgentId, now: Instant) {
+        let Some(a) = self.agents.get_mut(&agent) else {
+            return;
+        };
+        a.destroy_issued = Some(now);
+        self.effects.push(Effect::Destroy(DestroyOrder {
+            agent,
+            backend: a.scaler().kind,
+            handle: a.handle.clone(),
+            grace: a.scaler().ext.deadlines.destroy_grace,
+        }));
+    }
+
+    // ----- timers -------------------------------------------------------------
+
+    /// The earliest instant at which [`Engine::tick`] has something to do.
+    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        let agents = self
+            .agents
+            .values()
+            .filter_map(|a| a.deadline(&self.settings));
+        let pending = self.pending.next_expiry();
+        // Only breakers that hold back a waiting request matter.
+        let breakers = self
+            .breakers
+            .values()
+            .filter_map(|b| b.next_change(now))
+            .filter(|_| {
+                !self.pending.is_empty() || self.config.scalers.iter().any(|s| s.warm_target() > 0)
+            });
+        agents.chain(pending).chain(breakers).min()
+    }
+
+    /// Fires every deadline that has passed.
+    pub fn tick(&mut self, now: Instant) {
+        let due: Vec<(AgentId, AgentState)> = self
+            .agents
+            .values()
+            .filter(|a| a.deadline(&self.settings).is_some_and(|d| d <= now))
+            .map(|a| (a.id, a.state))
+            .collect();
+        for (id, state) in due {
+            let Some(a) = self.agents.get(&id) else {
+                continue;
+            };
+            let lifetime_over = now >= a.created + a.scaler().ext.deadlines.max_lifetime;
+            match state {
+                AgentState::Destroying => self.issue_destroy(id, now),
+                _ if lifetime_over => {
+                    self.fail(id, FailureReason::LifetimeExceeded, None, now);
+                }
+                AgentState::Requested | AgentState::Provisioning => {
+                    self.fail(id, FailureReason::ProvisionTimeout, None, now)
+                }
+                AgentState::Booted => self.fail(id, FailureReason::RegistrationTimeout, None, now),
+                AgentState::Registered => {
+                    self.fail(id, FailureReason::PendingDispatchTimeout, None, now)
+                }
+                AgentState::Idle => self.drain_idle(id, StopCause::IdleExpired, now),
+                AgentState::Busy | AgentState::Draining | AgentState::Gone => {}
+            }
+        }
+        let expired = self.pending.take_where(|e| e.expires <= now);
+        for entry in expired {
+            self.jobs.remove(&entry.request.job);
+            self.pending_ended(&entry, PendingEnd::Expired, now);
+        }
+        self.after_release(now);
+    }
+
+    // ----- operator switches ------------------------------------------------
+
+    fn scaler_index(&self, name: &str) -> Result<usize, AgentError> {
+        self.router
+            .scaler_index(name)
+            .ok_or_else(|| AgentError::UnknownScaler(name.to_owned()))
+    }
+
+    /// Stop routing new requests to a scaler; running agents are untouched.
+    pub fn cordon(&mut self, name: &str) -> Result<(), AgentError> {
+        self.set_switches(name, |s| s.cordoned = true)
+    }
+
+    pub fn uncordon(&mut self, name: &str, now: Instant) -> Result<(), AgentError> {
+        self.set_switches(name, |s| *s = ScalerSwitches::default())?;
+        self.after_release(now);
+        Ok(())
+    }
+
+    /// Cordon, cancel the scaler's pending requests, destroy its idle agents,
+    /// let busy ones finish their job and then leave.
+    pub fn drain(&mut self, name: &str, now: Instant) -> Result<(), AgentError> {
+        self.set_switches(name, |s| {
+            s.cordoned = true;
+            s.draining = true;
+        })?;
+        let cancelled = self.pending.take_where(|e| e.scaler.as_str() == name);
+        for entry in cancelled {
+            self.jobs.remove(&entry.request.job);
+            self.pending_ended(&entry, PendingEnd::Cancelled, now);
+        }
+        self.drain_agents_of(name, now);
+        Ok(())
+    }
+
+    fn drain_agents_of(&mut self, name: &str, now: Instant) {
+        let ids: Vec<AgentId> = self
+            .agents
+            .values()
+            .filter(|a| a.name().as_str() == name)
+            .map(|a| a.id)
+            .collect();
+        for id in ids {
+            let Some(a) = self.agents.get_mut(&id) else {
+                continue;
+            };
+            a.drain_after_job = true;
+            match a.state {
+                AgentState::Idle => self.drain_idle(id, StopCause::ScaleIn, now),
+                // Unbound (warm) agents still coming up are not needed.
+                s if s.is_spawning() && a.job.is_none() => self.stop(id, StopCause::ScaleIn, now),
+                _ => {}
+            }
+        }
+    }
+
+    fn set_switches(
+        &mut self,
+        name: &str,
+        f: impl FnOnce(&mut ScalerSwitches),
+    ) -> Result<(), AgentError> {
+        let index = self.scaler_index(name)?;
+        let key = self.config.scalers[index].name.clone();
+        let switches = self.switches.entry(key.clone()).or_default();
+        f(switches);
+        let s = *switches;
+        if s.cordoned {
+            self.cordons.insert(index);
+        } else {
+            self.cordons.remove(index);
+        }
+        self.events.push(EngineEvent::ScalerCordon {
+            scaler: key,
+            cordoned: s.cordoned,
+            draining: s.draining,
+        });
+        Ok(())
+    }
+
+    // ----- reload -------------------------------------------------------------
+
+    /// Applies a new, fully validated configuration atomically. Removed
+    /// scalers (and scalers whose `type` changed) stop routing at once, their
+    /// pending requests are cancelled and their agents finish and leave.
+    pub fn reload(
+        &mut self,
+        config: Arc<Config>,
+        now: Instant,
+    ) -> Result<ReloadReport, ReloadError> {
+        self.admission
+            .reconfigure(&config)
+            .map_err(|e| ReloadError::Admission(e.to_string()))?;
+        let old = std::mem::replace(&mut self.config, Arc::clone(&config));
+        self.router = Router::new(&config, &self.host);
+        let kept = |name: &ScalerName, kind: ScalerType| {
+            config.scaler(name.as_str()).is_some_and(|s| s.kind == kind)
+        };
+        let removed: Vec<ScalerName> = old
+            .scalers
+            .iter()
+            .filter(|s| !kept(&s.name, s.kind))
+            .map(|s| s.name.clone())
+            .collect();
+        let added: Vec<ScalerName> = config
+            .scalers
+            .iter()
+            .filter(|s| old.scaler(s.name.as_str()).is_none_or(|o| o.kind != s.kind))
+            .map(|s| s.name.clone())
+            .collect();
+        // Switches survive for scalers that stay.
+        self.switches
+            .retain(|name, _| !removed.contains(name) && config.scaler(name.as_str()).is_some());
+        self.cordons = CordonSet::from_indices(
+            config
+                .scalers
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| self.switches.get(&s.name).is_some_and(|w| w.cordoned))
+                .map(|(i, _)| i),
+        );
+        // Agents of removed scalers finish and leave.
+        for name in &removed {
+            let ids: Vec<AgentId> = self
+                .agents
+                .values()
+                .filter(|a| {
+                    a.name() == name
+                        && a.scaler().kind
+                            == old
+                                .scaler(name.as_str())
+                                .map_or(a.scaler().kind, |s| s.kind)
+                })
+                .map(|a| a.id)
+                .collect();
+            for id in ids {
+                if let Some(a) = self.agents.get_mut(&id) {
+                    a.drain_after_job = true;
+                }
+            }
+            self.drain_agents_of(name.as_str(), now);
+        }
+        // Re-route every pending request against the new config.
+        let entries = self.pending.take_where(|_| true);
+        let mut report = ReloadReport {
+            added: added.iter().map(|n| n.to_string()).collect(),
+            removed: removed.iter().map(|n| n.to_string()).collect(),
+            cancelled: Vec::new(),
+        };
+        for mut entry in entries {
+            let was_removed = removed.contains(&entry.scaler);
+            let route = self.router.route(
+                &entry.request.labels,
+                &entry.request.exclude,
+                &CordonSet::none(),
+            );
+            match route {
+                Some(route)
+                    if !was_removed || config.scalers[route.scaler].name != entry.scaler =>
+                {
+                    entry.scaler = config.scalers[route.scaler].name.clone();
+                    entry.scaler_index = route.scaler;
+                    entry.label_set = route.label_set;
+                    entry.resources = self.resolve_resources(&entry.request, route);
+                    self.pending.insert(entry);
+                }
+                _ => {
+                    self.jobs.remove(&entry.request.job);
+                    report.cancelled.push(entry.request.job.to_string());
+                    let end = if was_removed {
+                        PendingEnd::Cancelled
+                    } else {
+                        PendingEnd::NoBackend
+                    };
+                    self.pending_ended(&entry, end, now);
+                }
+            }
+        }
+        self.rebuild_breakers();
+        self.shrink_warm(now);
+        self.events.push(EngineEvent::Reloaded {
+            added: report.added.clone(),
+            removed: report.removed.clone(),
+        });
+        self.after_release(now);
+        Ok(report)
+    }
+
+    fn rebuild_breakers(&mut self) {
+        let mut live = HashSet::new();
+        for scaler in &self.config.scalers {
+            for ls in &scaler.label_sets {
+                let key = (scaler.name.clone(), ls.labels.clone());
+                self.breakers
+                    .entry(key.clone())
+                    .and_modify(|b| b.set_policy(scaler.ext.backoff))
+                    .or_insert_with(|| Breaker::new(scaler.ext.backoff));
+                live.insert(key);
+            }
+        }
+        self.breakers.retain(|k, _| live.contains(k));
+    }
+
+    /// A smaller warm target destroys the newest idle warm agents first.
+    fn shrink_warm(&mut self, now: Instant) {
+        let config = Arc::clone(&self.config);
+        for scaler in &config.scalers {
+            let target = scaler.warm_target() as usize;
+            for li in 0..scaler.label_sets.len() {
+                let mut warm: Vec<((Instant, u64), AgentId, AgentState)> = self
+                    .agents
+                    .values()
+                    .filter(|a| {
+                        a.warm
+                            && a.name() == &scaler.name
+                            && a.label_set == li
+                            && !matches!(
+                                a.state,
+                                AgentState::Draining | AgentState::Destroying | AgentState::Gone
+                            )
+                    })
+                    .map(|a| ((a.created, a.seq), a.id, a.state))
+                    .collect();
+                if warm.len() <= target {
+                    continue;
+                }
+                warm.sort_by_key(|w| w.0);
+                for (_, id, state) in warm.split_off(target) {
+                    match state {
+                        AgentState::Idle => self.drain_idle(id, StopCause::ScaleIn, now),
+                        s if s.is_spawning() => self.stop(id, StopCause::ScaleIn, now),
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    // ----- shutdown -----------------------------------------------------------
+
+    /// Stop admitting, cancel every pending request, destroy every agent.
+    pub fn shutdown(&mut self, now: Instant) {
+        self.shutting_down = true;
+        let entries = self.pending.take_where(|_| true);
+        for entry in entries {
+            self.jobs.remove(&entry.request.job);
+            self.pending_ended(&entry, PendingEnd::Cancelled, now);
+        }
+        let ids: Vec<AgentId> = self
+            .agents
+            .values()
+            .filter(|a| !matches!(a.state, AgentState::Destroying | AgentState::Gone))
+            .map(|a| a.id)
+            .collect();
+        for id in ids {
+            self.stop(id, StopCause::Shutdown, now);
+        }
+    }
+
+    /// True once shut down and every agent is gone.
+    pub fn is_idle(&self) -> bool {
+        self.agents.is_empty()
+    }
+
+    // ----- views ---------------------------------------------------------------
+
+    fn view(&self, a: &Agent, now: Instant) -> AgentView {
+        AgentView {
+            agent_id: a.id,
+            state: a.state,
+            scaler: a.name().clone(),
+            backend: a.scaler().kind,
+            label_set_index: a.label_set,
+            job_id: a.job.clone(),
+            resources: a.requests(),
+            warm: a.warm,
+            mode: a.mode,
+            failure_reason: a.failure,
+            exit_code: a.last_exit_code,
+            age_seconds: now.saturating_duration_since(a.created).as_secs_f64(),
+            state_seconds: now.saturating_duration_since(a.since).as_secs_f64(),
+        }
+    }
+
+    /// Live agents (and, with `all`, recently gone ones).
+    pub fn agents(&self, all: bool, now: Instant) -> Vec<AgentView> {
+        let mut v: Vec<AgentView> = self.agents.values().map(|a| self.view(a, now)).collect();
+        v.sort_by(|a, b| b.age_seconds.total_cmp(&a.age_seconds));
+        if all {
+            v.extend(self.gone.iter().cloned());
+        }
+        v
+    }
+
+    pub fn agent(&self, id: AgentId, now: Instant) -> Option<AgentView> {
+        self.agents
+            .get(&id)
+            .map(|a| self.view(a, now))
+            .or_else(|| self.gone.iter().find(|g| g.agent_id == id).cloned())
+    }
+
+    /// The backend handle of a live agent (for the runtime).
+    pub fn handle_of(&self, id: AgentId) -> Option<&ResourceHandle> {
+        self.agents.get(&id).and_then(|a| a.handle.as_ref())
+    }
+
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Per-scaler status (DESIGN.md, `GET /v1/status`).
+    pub fn status(&self, now: Instant) -> Status {
+        let usage = self.admission.usage();
+        let scalers = self
+            .config
+            .scalers
+            .iter()
+            .enumerate()
+            .map(|(si, s)| {
+                let mut counts = StateCounts::default();
+                for a in self.agents.values().filter(|a| a.name() == &s.name) {
+                    counts.add(a.state);
+                }
+                let warm_idle = self
+                    .agents
+                    .values()
+                    .filter(|a| a.name() == &s.name && a.warm && a.state == AgentState::Idle)
+                    .count();
+                let switches = self.switches.get(&s.name).copied().unwrap_or_default();
+                let label_sets = s
+                    .label_sets
+                    .iter()
+                    .enumerate()
+                    .map(|(li, ls)| {
+                        let b = self.breakers.get(&(s.name.clone(), ls.labels.clone()));
+                        LabelSetStatus {
+                            index: li,
+                            labels: self.router.enriched(si, li).clone(),
+                            breaker: b.map_or(BreakerState::Closed, |b| b.state(now)),
+                            consecutive_failures: b.map_or(0, |b| b.consecutive_failures()),
+                        }
+                    })
+                    .collect();
+                ScalerStatus {
+                    name: s.name.clone(),
+                    backend: s.kind,
+                    agents: counts,
+                    usage: usage.scalers.get(&s.name).cloned(),
+                    warm_target: s.warm_target() * s.label_sets.len() as u32,
+                    warm_idle,
+                    pending: self.pending.count_for(s.name.as_str()),
+                    cordoned: switches.cordoned,
+                    draining: switches.draining,
+                    label_sets,
+                }
+            })
+            .collect();
+        Status {
+            global: usage.global,
+            global_max_agents: self.config.global_max_agents,
+            pending: self.pending.len(),
+            scalers,
+        }
+    }
+
+    /// Scalers named in pending requests, for metrics.
+    pub fn pending_ages(&self, now: Instant) -> Vec<(ScalerName, Duration)> {
+        self.pending
+            .iter()
+            .map(|e| (e.scaler.clone(), now.saturating_duration_since(e.enqueued)))
+            .collect()
+    }
+
+    /// Names of every scaler with at least one live agent (for reconcile).
+    pub fn live_agent_ids(&self) -> BTreeSet<AgentId> {
+        self.agents.keys().copied().collect()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReloadError {
+    #[error("admission: {0}")]
+    Admission(String),
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReloadReport {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Pending jobs that no longer have a scaler.
+    pub cancelled: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StateCounts {
+    pub spawning: usize,
+    pub registered: usize,
+    pub idle: usize,
+    pub busy: usize,
+    pub draining: usize,
+    pub destroying: usize,
+    pub active: usize,
+}
+
+impl StateCounts {
+    fn add(&mut self, s: AgentState) {
+        match s {
+            AgentState::Requested | AgentState::Provisioning | AgentState::Booted => {
+                self.spawning += 1
+            }
+            AgentState::Registered => self.registered += 1,
+            AgentState::Idle => self.idle += 1,
+            AgentState::Busy => self.busy += 1,
+            AgentState::Draining => self.draining += 1,
+            AgentState::Destroying => self.destroying += 1,
+            AgentState::Gone => return,
+        }
+        self.active += 1;
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LabelSetStatus {
+    pub index: usize,
+    pub labels: LabelSet,
+    pub breaker: BreakerState,
+    pub consecutive_failures: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalerStatus {
+    pub name: ScalerName,
+    pub backend: ScalerType,
+    pub agents: StateCounts,
+    /// `None` until the admission layer knows the scaler.
+    pub usage: Option<kici_admission::ScopeUsage>,
+    pub warm_target: u32,
+    pub warm_idle: usize,
+    pub pending: usize,
+    pub cordoned: bool,
+    pub draining: bool,
+    pub label_sets: Vec<LabelSetStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Status {
+    pub global: kici_admission::ScopeUsage,
+    pub global_max_agents: u32,
+    pub pending: usize,
+    pub scalers: Vec<ScalerStatus>,
+}

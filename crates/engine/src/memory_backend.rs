@@ -1,0 +1,165 @@
+//! An in-memory [`Backend`] with failure injection.
+//!
+//! It stands in for containers, processes and VMs in the engine's own tests
+//! (the real backends are tested against the real Docker, processes and the
+//! Firecracker simulator in their own crates). It records every call and can
+//! be told to fail or hang the next spawns or destroys, or to report an
+//! agent's exit.
+
+use crate::backend::{
+    Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+};
+use async_trait::async_trait;
+use kici_model::{AgentId, ScalerEntry, ScalerType};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+#[derive(Default)]
+struct State {
+    live: BTreeMap<AgentId, SpawnSpec>,
+    spawned: Vec<AgentId>,
+    destroyed: Vec<AgentId>,
+    fail_spawns: u32,
+    fail_destroys: u32,
+    hang_spawns: bool,
+    validate_errors: Vec<String>,
+}
+
+pub struct MemoryBackend {
+    kind: ScalerType,
+    state: Mutex<State>,
+}
+
+impl MemoryBackend {
+    pub fn new(kind: ScalerType) -> Self {
+        Self {
+            kind,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// The next `n` spawns fail with a provision error.
+    pub fn fail_next_spawns(&self, n: u32) {
+        self.state.lock().fail_spawns = n;
+    }
+
+    /// The next `n` destroys fail (the resource stays).
+    pub fn fail_next_destroys(&self, n: u32) {
+        self.state.lock().fail_destroys = n;
+    }
+
+    /// Spawns never return (a hung image pull or boot).
+    pub fn hang_spawns(&self, hang: bool) {
+        self.state.lock().hang_spawns = hang;
+    }
+
+    /// `validate` reports these errors for every scaler.
+    pub fn set_validate_errors(&self, errors: Vec<String>) {
+        self.state.lock().validate_errors = errors;
+    }
+
+    /// Agents whose resource exists now.
+    pub fn live(&self) -> Vec<AgentId> {
+        self.state.lock().live.keys().copied().collect()
+    }
+
+    /// The spec of a live agent.
+    pub fn spec(&self, agent: AgentId) -> Option<SpawnSpec> {
+        self.state.lock().live.get(&agent).cloned()
+    }
+
+    /// Every agent `spawn` was called for, in order.
+    pub fn spawned(&self) -> Vec<AgentId> {
+        self.state.lock().spawned.clone()
+    }
+
+    /// Every agent whose destroy succeeded, in order.
+    pub fn destroyed(&self) -> Vec<AgentId> {
+        self.state.lock().destroyed.clone()
+    }
+
+    /// The agent's process ends by itself (reported, resource kept until destroy).
+    pub fn exit(&self, agent: AgentId, detail: &str) -> bool {
+        let state = self.state.lock();
+        let Some(spec) = state.live.get(&agent) else {
+            return false;
+        };
+        spec.reports
+            .send(BackendReport::Exited {
+                agent,
+                detail: detail.to_owned(),
+            })
+            .is_ok()
+    }
+}
+
+#[async_trait]
+impl Backend for MemoryBackend {
+    fn kind(&self) -> ScalerType {
+        self.kind
+    }
+
+    async fn validate(&self, _scaler: &ScalerEntry) -> Result<(), Vec<String>> {
+        let errors = self.state.lock().validate_errors.clone();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
+        let hang = {
+            let mut s = self.state.lock();
+            s.spawned.push(spec.agent);
+            if s.fail_spawns > 0 {
+                s.fail_spawns -= 1;
+                return Err(BackendError::Provision("injected spawn failure".into()));
+            }
+            s.hang_spawns
+        };
+        if hang {
+            std::future::pending::<()>().await;
+        }
+        let handle = ResourceHandle {
+            id: format!("mem-{}", spec.agent),
+            extra: BTreeMap::new(),
+        };
+        self.state.lock().live.insert(spec.agent, spec);
+        Ok(handle)
+    }
+
+    async fn destroy(
+        &self,
+        agent: &AgentId,
+        _handle: Option<&ResourceHandle>,
+        _grace: Duration,
+    ) -> Result<(), BackendError> {
+        let mut s = self.state.lock();
+        if s.fail_destroys > 0 {
+            s.fail_destroys -= 1;
+            return Err(BackendError::Destroy("injected destroy failure".into()));
+        }
+        s.live.remove(agent);
+        s.destroyed.push(*agent);
+        Ok(())
+    }
+
+    async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError> {
+        Ok(self
+            .state
+            .lock()
+            .live
+            .keys()
+            .map(|a| OwnedResource {
+                agent: Some(*a),
+                handle: ResourceHandle {
+                    id: format!("mem-{a}"),
+                    extra: BTreeMap::new(),
+                },
+                created_at: SystemTime::now(),
+            })
+            .collect())
+    }
+}
