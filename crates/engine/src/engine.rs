@@ -1443,6 +1443,13 @@ impl Engine {
             .map_err(|e| ReloadError::Admission(e.to_string()))?;
         let old = std::mem::replace(&mut self.config, Arc::clone(&config));
         self.router = Router::new(&config, &self.host);
+        let changes: Vec<String> = kici_config::diff(&old, &config)
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        for change in &changes {
+            tracing::info!(change = %change, "config reload: field changed");
+        }
         let kept = |name: &ScalerName, kind: ScalerType| {
             config.scaler(name.as_str()).is_some_and(|s| s.kind == kind)
         };
@@ -1496,6 +1503,7 @@ impl Engine {
             added: added.iter().map(|n| n.to_string()).collect(),
             removed: removed.iter().map(|n| n.to_string()).collect(),
             cancelled: Vec::new(),
+            changes,
         };
         for mut entry in entries {
             let was_removed = removed.contains(&entry.scaler);
@@ -1740,6 +1748,8 @@ pub struct ReloadReport {
     pub removed: Vec<String>,
     /// Pending jobs that no longer have a scaler.
     pub cancelled: Vec<String>,
+    /// Every changed field, `path: old -> new`.
+    pub changes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]

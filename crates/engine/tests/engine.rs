@@ -646,6 +646,14 @@ scalers:
 "#;
     let report = e.reload(config(without_local), now).unwrap();
     assert_eq!(report.removed, ["local"]);
+    assert!(
+        report
+            .changes
+            .iter()
+            .any(|c| c.contains("scalers[name=local]")),
+        "{:?}",
+        report.changes
+    );
     assert_eq!(report.cancelled, ["j3"]);
     assert_eq!(e.pending_len(), 0);
     // Busy finishes, then leaves; it is not killed by the reload.
