@@ -11,7 +11,8 @@
 #
 # Every stage runs even when an earlier one failed, so one run reports every
 # problem; the script exits 1 if any stage failed. The last line counts the
-# tests that ran: `tests: N passed, N failed, N skipped`.
+# tests that ran: `tests: N passed, N failed, N skipped` (also written to
+# $KICI_TEST_COUNTS_FILE when set: .ci/run ends with it).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -47,12 +48,16 @@ stage() {
     fi
     local took=$(($(date +%s) - start))
     printf '===== test stage: %s: %s in %s\n' "$name" "$status" "$(fmt_duration "$took")"
-    summary+=("$(printf '%-10s %-16s %s' "$name" "$status" "$(fmt_duration "$took")")")
+    summary+=("$(printf '%-10s %-18s %s' "$name" "$status" "$(fmt_duration "$took")")")
 }
 
+# rustfmt colours its diff whenever TERM says it may, even into a CI log.
+fmt_color=never
+if [ -t 1 ]; then fmt_color=auto; fi
+
 run_fmt() {
-    cargo fmt --all -- --check &&
-        cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+    cargo fmt --all -- --check --color "$fmt_color" &&
+        cargo fmt --manifest-path fuzz/Cargo.toml -- --check --color "$fmt_color"
 }
 
 run_clippy() {
@@ -98,7 +103,9 @@ count_of() {
 }
 
 run_benches() {
-    cargo bench --workspace --no-run
+    # Only a compile check: the bench profile's debug info (kept for
+    # profiling real runs) would just slow the build down here.
+    CARGO_PROFILE_BENCH_DEBUG=false cargo bench --workspace --no-run
 }
 
 run_fuzz() {
@@ -117,5 +124,7 @@ printf '%s\n' "${summary[@]}"
 if [ "$failed_stages" -gt 0 ]; then
     printf '%d stage(s) failed\n' "$failed_stages"
 fi
-printf 'tests: %d passed, %d failed, %d skipped\n' "$passed" "$failed" "$skipped"
+counts="$(printf 'tests: %d passed, %d failed, %d skipped' "$passed" "$failed" "$skipped")"
+printf '%s\n' "$counts"
+if [ -n "${KICI_TEST_COUNTS_FILE:-}" ]; then printf '%s\n' "$counts" >"$KICI_TEST_COUNTS_FILE"; fi
 [ "$failed_stages" -eq 0 ]
