@@ -60,6 +60,9 @@ pub enum IdentityError {
     #[error("{path} is corrupt: {source}; restore it, or start with --reset-identity to mint a new instance id (resources the old id owns are then no longer recognised as ours)")]
     CorruptInstanceId { path: PathBuf, source: IdError },
 
+    #[error("cannot read the machine id from {path}: {source} (create one with `systemd-machine-id-setup` or `dbus-uuidgen --ensure={path}`)")]
+    MachineIdUnreadable { path: PathBuf, source: io::Error },
+
     #[error("{path} does not hold a machine id (expected 32 hex digits, found {found:?})")]
     BadMachineId { path: PathBuf, found: String },
 
@@ -265,7 +268,7 @@ fn read_lock_holder(path: &Path) -> LockHolder {
 
 /// The live machine id: 32 hex digits (systemd's format; D-Bus's is the same).
 fn read_machine_id(path: &Path) -> Result<String, IdentityError> {
-    let raw = fs::read_to_string(path).map_err(|source| IdentityError::Read {
+    let raw = fs::read_to_string(path).map_err(|source| IdentityError::MachineIdUnreadable {
         path: path.to_owned(),
         source,
     })?;

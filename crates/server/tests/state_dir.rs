@@ -308,12 +308,15 @@ fn an_unusable_live_machine_id_is_a_clear_error() {
     fs::remove_file(fx.machine_id_file()).unwrap();
     let err = fx.open(false).unwrap_err();
     assert!(
-        matches!(&err, IdentityError::Read { path, .. } if path == &fx.machine_id_file()),
+        matches!(&err, IdentityError::MachineIdUnreadable { path, .. } if path == &fx.machine_id_file()),
         "{err:?}"
     );
-    assert!(err
-        .to_string()
-        .contains(&fx.machine_id_file().display().to_string()));
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&fx.machine_id_file().display().to_string()),
+        "{msg}"
+    );
+    assert!(msg.contains("systemd-machine-id-setup"), "{msg}");
     // Nothing was minted by the failed starts.
     assert!(!fx.state().join(INSTANCE_ID_FILE).exists());
 }
