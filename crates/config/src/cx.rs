@@ -3,10 +3,9 @@
 //! objects that report what they expected.
 
 use crate::diagnostic::Diagnostic;
+use crate::node::{MappingNode, Marker, Node, ScalarNode};
 use crate::yaml::{classify, describe, quote, Scalar};
 use kici_model::Origin;
-use marked_yaml::types::{MarkedMappingNode, MarkedScalarNode};
-use marked_yaml::{Marker, Node};
 use std::sync::Arc;
 
 /// Collects findings while the schema walk goes on; nothing stops at the
@@ -31,7 +30,7 @@ enum Seg<'a> {
 #[derive(Clone, Copy)]
 pub(crate) struct Val<'a> {
     pub node: &'a Node,
-    mark: Option<Marker>,
+    mark: Marker,
     seg: Seg<'a>,
     parent: Option<&'a Val<'a>>,
 }
@@ -39,7 +38,7 @@ pub(crate) struct Val<'a> {
 /// A mapping found in a document.
 #[derive(Clone, Copy)]
 pub(crate) struct Obj<'a> {
-    pub map: &'a MarkedMappingNode,
+    pub map: &'a MappingNode,
     pub val: Val<'a>,
 }
 
@@ -78,10 +77,10 @@ pub(crate) fn field_path(parent: &str, key: &str) -> String {
 
 impl<'a> Val<'a> {
     /// A value at the root of the walk, named `root` (e.g. `scalers[3]`).
-    pub fn root(node: &'a Node, root: &'a str, cx: &Cx) -> Self {
+    pub fn root(node: &'a Node, root: &'a str) -> Self {
         Self {
             node,
-            mark: cx.node_mark(node),
+            mark: node.mark(),
             seg: Seg::Root(root),
             parent: None,
         }
@@ -112,17 +111,6 @@ impl<'a> Val<'a> {
     }
 }
 
-fn earlier(a: Option<&Marker>, b: Option<&Marker>) -> Option<Marker> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(if (b.line(), b.column()) < (a.line(), a.column()) {
-            *b
-        } else {
-            *a
-        }),
-        (a, b) => a.or(b).copied(),
-    }
-}
-
 impl Cx {
     pub fn new(files: Vec<Arc<str>>) -> Self {
         Self {
@@ -143,31 +131,12 @@ impl Cx {
             .unwrap_or_else(|| Arc::from("<unknown>"))
     }
 
-    pub fn origin_at(&self, m: Option<&Marker>) -> Origin {
-        match m {
-            Some(m) => Origin::new(
-                self.file(m.source()),
-                u32::try_from(m.line()).unwrap_or(u32::MAX),
-                u32::try_from(m.column()).unwrap_or(u32::MAX),
-            ),
-            None => Origin::synthetic(),
-        }
-    }
-
-    /// Where a node starts. A block mapping's own marker sits after its first
-    /// key, so the first key's position is used when it is earlier.
-    fn node_mark(&self, node: &Node) -> Option<Marker> {
-        match node {
-            Node::Mapping(map) => earlier(
-                map.span().start(),
-                map.keys().next().and_then(|k| k.span().start()),
-            ),
-            other => other.span().start().copied(),
-        }
+    pub fn origin_at(&self, m: Marker) -> Origin {
+        Origin::new(self.file(m.source()), m.line(), m.column())
     }
 
     pub fn origin(&self, v: &Val<'_>) -> Origin {
-        self.origin_at(v.mark.as_ref())
+        self.origin_at(v.mark)
     }
 
     /// An error about `v` itself.
@@ -216,18 +185,9 @@ impl Cx {
         Some(self.value_of(&obj.val, k, v))
     }
 
-    pub fn value_of<'b>(
-        &self,
-        parent: &'b Val<'_>,
-        k: &'b MarkedScalarNode,
-        v: &'b Node,
-    ) -> Val<'b> {
-        let omitted = matches!(v, Node::Scalar(s) if s.as_str().is_empty() && s.may_coerce());
-        let mark = if omitted {
-            k.span().start().copied()
-        } else {
-            self.node_mark(v)
-        };
+    pub fn value_of<'b>(&self, parent: &'b Val<'_>, k: &'b ScalarNode, v: &'b Node) -> Val<'b> {
+        let omitted = matches!(v, Node::Scalar(s) if s.as_str().is_empty() && s.is_plain());
+        let mark = if omitted { k.mark() } else { v.mark() };
         Val {
             node: v,
             mark,
@@ -250,7 +210,7 @@ impl Cx {
             if accepted.contains(&key) {
                 continue;
             }
-            let origin = self.origin_at(k.span().start());
+            let origin = self.origin_at(k.mark());
             let path = obj.val.child_path(key);
             let extra = hint(key).map(|h| format!(" ({h})")).unwrap_or_default();
             match mode {
@@ -298,7 +258,7 @@ impl Cx {
                     .enumerate()
                     .map(|(i, n)| Val {
                         node: n,
-                        mark: self.node_mark(n),
+                        mark: n.mark(),
                         seg: Seg::Index(i),
                         parent: Some(v),
                     })
@@ -507,7 +467,7 @@ mod tests {
     fn with_value<R>(text: &str, f: impl FnOnce(&mut Cx, &Val<'_>) -> R) -> (R, Vec<String>) {
         let node = crate::yaml::parse(0, &format!("k: {text}\n")).unwrap();
         let mut cx = Cx::new(vec!["f.yaml".into()]);
-        let root = Val::root(&node, "", &cx);
+        let root = Val::root(&node, "");
         let obj = Obj {
             map: node.as_mapping().unwrap(),
             val: root,

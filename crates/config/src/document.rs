@@ -5,13 +5,13 @@
 use crate::cross;
 use crate::cx::{field_path, Cx, Got, Keys, Obj, Val};
 use crate::diagnostic::{self, ConfigErrors, Diagnostic};
+use crate::node::Node;
 use crate::resources::{self, NamedCap};
 use crate::scaler::{self, Globals, ParsedScaler};
 use crate::yaml::{self, classify, describe, quote, ParseFailure, Scalar};
 use crate::Loaded;
 use ipnet::Ipv4Net;
 use kici_model::{Config, FirecrackerNetwork, MachinePool, Origin, ResourceRequest};
-use marked_yaml::Node;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -81,10 +81,10 @@ fn parse_all(cx: &mut Cx, docs: &[Doc<'_>]) -> Vec<Option<Node>> {
         .collect()
 }
 
-fn top_obj<'n>(cx: &Cx, node: &'n Node) -> Option<Obj<'n>> {
+fn top_obj(node: &Node) -> Option<Obj<'_>> {
     node.as_mapping().map(|map| Obj {
         map,
-        val: Val::root(node, "", cx),
+        val: Val::root(node, ""),
     })
 }
 
@@ -93,7 +93,7 @@ fn drop_in_scalers<'n>(cx: &mut Cx, obj: &Obj<'n>) -> Vec<&'n Node> {
     for k in obj.map.keys() {
         if k.as_str() != "scalers" {
             cx.warn(
-                cx.origin_at(k.span().start()),
+                cx.origin_at(k.mark()),
                 field_path("", k.as_str()),
                 format!(
                     "{} is ignored in a drop-in file: only `scalers` is read from scalers.d (set it in the main file)",
@@ -347,7 +347,7 @@ pub(crate) fn load(
 
 fn walk(cx: &mut Cx, nodes: &[Option<Node>]) -> Option<Config> {
     let main = nodes.first()?.as_ref()?;
-    let top = top_obj(cx, main)?;
+    let top = top_obj(main)?;
     cx.check_keys(&top, &TOP_KEYS, Keys::Lenient, |_| None);
     version(cx, &top);
     let global_max_agents = match cx.opt(&top, "globalMaxAgents", |cx, v| cx.positive_int(v)) {
@@ -397,7 +397,7 @@ fn walk(cx: &mut Cx, nodes: &[Option<Node>]) -> Option<Config> {
     }
     let mut drop_ins_add = false;
     for node in nodes.iter().skip(1).flatten() {
-        if let Some(obj) = top_obj(cx, node) {
+        if let Some(obj) = top_obj(node) {
             let added = drop_in_scalers(cx, &obj);
             drop_ins_add |= !added.is_empty();
             scaler_nodes.extend(added);
@@ -434,7 +434,7 @@ fn walk(cx: &mut Cx, nodes: &[Option<Node>]) -> Option<Config> {
     let parsed: Vec<ParsedScaler> = scaler_nodes
         .iter()
         .zip(&roots)
-        .map(|(node, root)| scaler::parse(cx, &Val::root(node, root, cx), &globals))
+        .map(|(node, root)| scaler::parse(cx, &Val::root(node, root), &globals))
         .collect();
     cross::check(cx, &parsed);
 

@@ -185,7 +185,7 @@ fn env(cx: &mut Cx, v: &Val<'_>) -> Option<BTreeMap<EnvName, String>> {
     let mut out = BTreeMap::new();
     for (k, node) in obj.map.iter() {
         let val = cx.value_of(&obj.val, k, node);
-        let key_origin = cx.origin_at(k.span().start());
+        let key_origin = cx.origin_at(k.mark());
         let name = match EnvName::parse(k.as_str()) {
             Some(n) => n,
             None => {

@@ -8,11 +8,14 @@
 //! (label-set overlaps, machine-pool references) and the reload [`diff`].
 //!
 //! Every finding carries `file:line:col` and a field path. The YAML is parsed
-//! with `marked_yaml` into a node tree that keeps positions, and walked by
-//! hand so that a bad value never hides the next one.
+//! (from `saphyr_parser` events) into a node tree of our own that keeps
+//! positions, and walked by hand so that a bad value never hides the next
+//! one.
 //!
-//! Known gap: `marked_yaml` refuses YAML anchors/aliases (`&x`, `*x`) and
-//! tags (`!!str`), which upstream's parser accepts; such files get a clear,
+//! Anchors, aliases and merge keys (`&x`, `*x`, `<<: *x`) are read as
+//! upstream's js-yaml reads them; anchors are per file, and a finding inside
+//! an aliased value points at the anchored definition (see the `yaml`
+//! module). Known gap: tags (`!!str`), which upstream accepts, get a clear,
 //! positioned error. Each file holds exactly one YAML document.
 //!
 //! ```
@@ -29,6 +32,7 @@ mod diff;
 mod document;
 mod files;
 mod label_set;
+mod node;
 mod resources;
 mod scaler;
 mod yaml;

@@ -2,9 +2,9 @@
 //! "can never fit" check of a label set's request against the caps above it.
 
 use crate::cx::{Cx, Keys, Val};
+use crate::node::Node;
 use crate::yaml::{classify, describe, Scalar};
 use kici_model::{MemoryBytes, MilliCpu, ResourceCap, ResourceRequest, ResourceSpec};
-use marked_yaml::Node;
 
 const SPEC_KEYS: [&str; 2] = ["cpus", "memory"];
 const NESTED_KEYS: [&str; 2] = ["requests", "limits"];

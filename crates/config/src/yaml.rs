@@ -1,13 +1,32 @@
-//! YAML text → `marked_yaml` node tree, with the guards the parser lacks, and
-//! the YAML 1.2 core-schema reading of plain scalars.
+//! YAML text → positioned [`Node`] tree, and the YAML 1.2 core-schema
+//! reading of plain scalars.
 //!
-//! `marked_yaml` keeps every node's position but reads only the first
-//! document, recurses once per nesting level (deep input overflows the
-//! stack), and treats an empty file like `{}`. [`prescan`] closes those gaps
-//! with one cheap pass over the text before the parser sees it.
+//! The events come from `saphyr_parser` (the maintained successor of
+//! yaml-rust's parser: a non-recursive state machine that reports a span for
+//! every event and borrows plain scalars from the text). This module builds
+//! the tree from them, as js-yaml (upstream's loader) reads the document:
+//!
+//! - Anchors and aliases: `*x` is the node anchored `&x` earlier in the same
+//!   file. Anchors are per file; an alias to an anchor that is not defined
+//!   yet, or to the node the alias sits in, is an error.
+//! - An aliased value keeps the positions of its definition: an error inside
+//!   `*x` points at the file:line:col where `&x` wrote it, while its field
+//!   path names the place the alias is used.
+//! - Merge keys: `<<: *base` and `<<: [*a, *b]` (or inline mappings) copy
+//!   the entries of the mappings in; keys written explicitly win over merged
+//!   ones wherever they appear, and an earlier merge source wins over a later
+//!   one. A quoted `"<<"` is an ordinary key.
+//! - Duplicate keys are errors naming both positions; a second document is
+//!   an error; tags (`!!str`) are refused.
+//! - Guards: [`MAX_FILE_BYTES`], [`MAX_INDENT_COLUMNS`] (checked by
+//!   [`prescan`] before the parser runs), [`MAX_NODES`] counting every alias
+//!   at its full size (alias bombs), [`MAX_DEPTH`] and [`MAX_ALIAS_DEPTH`].
 
-use marked_yaml::types::MarkedScalarNode;
-use marked_yaml::{LoadError, LoaderOptions, Marker, Node};
+use crate::node::{
+    self, KeyIndex, MappingNode, Marker, Node, ScalarNode, SequenceNode, LINEAR_LOOKUP_MAX,
+};
+use saphyr_parser::{Event, Parser, ScalarStyle, ScanError, Span};
+use std::rc::Rc;
 
 /// Largest file accepted, in bytes. Configurations are a few hundred KiB at
 /// most; the bound keeps a mistaken path (a log, an image) from being parsed.
@@ -106,9 +125,25 @@ pub enum ParseFailure {
     },
 }
 
-fn pos(m: &Marker) -> (u32, u32) {
-    let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-    (c(m.line()), c(m.column()))
+/// Most nodes a document may expand to, each alias counting as many nodes
+/// as the value it stands for. A configuration has a few tens of thousands;
+/// the cap stops alias bombs ("billion laughs") and absurdly large lists.
+pub const MAX_NODES: usize = 1_000_000;
+
+/// Deepest nesting an alias may produce (the text alone stays below it: see
+/// [`MAX_INDENT_COLUMNS`]). Keeps dropping the tree well inside a small stack.
+pub const MAX_DEPTH: usize = 512;
+
+/// Most aliases that may stand inside one another: an alias to a node that
+/// holds an alias to a node that holds an alias, ...
+pub const MAX_ALIAS_DEPTH: u32 = 32;
+
+fn fail(at: Marker, message: impl Into<String>) -> ParseFailure {
+    ParseFailure::Syntax {
+        line: at.line(),
+        col: at.column(),
+        message: message.into(),
+    }
 }
 
 /// Parses one document whose markers carry `source`. The top level must be a
@@ -140,20 +175,11 @@ pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
         return Err(ParseFailure::Empty);
     }
     if let Some(line) = scan.second_document {
-        return Err(ParseFailure::Syntax {
-            line,
-            col: 1,
-            message: "a second YAML document starts here; a configuration file holds exactly one"
-                .into(),
-        });
+        return Err(second_document(line));
     }
-    let options = LoaderOptions::default()
-        .error_on_duplicate_keys(true)
-        .prevent_coercion(true);
-    let result =
-        std::panic::catch_unwind(|| marked_yaml::parse_yaml_with_options(source, text, options));
-    let result = match result {
-        Ok(r) => r,
+    let result = std::panic::catch_unwind(|| Builder::new(source, text).run());
+    let root = match result {
+        Ok(r) => r?,
         Err(_) => {
             return Err(ParseFailure::Syntax {
                 line: 0,
@@ -163,65 +189,481 @@ pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
             })
         }
     };
-    result.map_err(|e| match e {
-        LoadError::TopLevelMustBeMapping(m) => {
-            let (line, col) = pos(&m);
-            ParseFailure::NotAMapping { line, col }
+    match root {
+        Node::Mapping(_) => Ok(root),
+        other => {
+            let at = other.mark();
+            Err(ParseFailure::NotAMapping {
+                line: at.line(),
+                col: at.column(),
+            })
         }
-        LoadError::TopLevelMustBeSequence(m) => {
-            let (line, col) = pos(&m);
-            ParseFailure::Syntax {
-                line,
-                col,
-                message: "unexpected top level".into(),
+    }
+}
+
+fn second_document(line: u32) -> ParseFailure {
+    ParseFailure::Syntax {
+        line,
+        col: 1,
+        message: "a second YAML document starts here; a configuration file holds exactly one"
+            .into(),
+    }
+}
+
+/// What the node cap and the depth guards need to know of a finished node.
+#[derive(Debug, Clone, Copy)]
+struct Extent {
+    /// Nodes in the subtree, aliases expanded.
+    size: usize,
+    /// Levels in the subtree (a scalar is 1).
+    height: usize,
+    /// Aliases standing inside one another within the subtree.
+    alias_depth: u32,
+}
+
+impl Extent {
+    const LEAF: Extent = Extent {
+        size: 1,
+        height: 1,
+        alias_depth: 0,
+    };
+
+    fn absorb(&mut self, child: Extent) {
+        self.size = self.size.saturating_add(child.size);
+        self.height = self.height.max(child.height + 1);
+        self.alias_depth = self.alias_depth.max(child.alias_depth);
+    }
+}
+
+/// A collection being read.
+struct Open {
+    kind: OpenKind,
+    mark: Marker,
+    /// The anchor id to define when the collection ends (0: none).
+    anchor: usize,
+    extent: Extent,
+}
+
+enum OpenKind {
+    Seq(Vec<Node>),
+    Map(OpenMap),
+}
+
+/// A mapping being read: its entries so far and a key awaiting its value.
+struct OpenMap {
+    entries: Vec<(ScalarNode, Node)>,
+    index: Option<KeyIndex>,
+    /// `merged[i]`: entry `i` came from a merge key and an explicit key may
+    /// still replace it. Empty unless the mapping merges.
+    merged: Vec<bool>,
+    /// A key awaiting its value, and where it appears in the text.
+    key: Option<(ScalarNode, Marker)>,
+}
+
+impl OpenMap {
+    fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+            index: None,
+            merged: Vec::new(),
+            key: None,
+        }
+    }
+
+    fn position(&self, key: &str) -> Option<usize> {
+        node::position(&self.entries, self.index.as_ref(), key)
+    }
+
+    fn is_merged(&self, i: usize) -> bool {
+        self.merged.get(i).copied().unwrap_or(false)
+    }
+
+    fn append(&mut self, key: ScalarNode, value: Node, merged: bool) {
+        let i = self.entries.len();
+        if let Some(index) = &mut self.index {
+            index.insert(key.as_str().into(), i);
+        }
+        self.entries.push((key, value));
+        if merged {
+            self.merged.resize(i + 1, false);
+            self.merged[i] = true;
+        }
+        if self.index.is_none() && self.entries.len() > LINEAR_LOOKUP_MAX {
+            let index: KeyIndex = self
+                .entries
+                .iter()
+                .enumerate()
+                .map(|(i, (k, _))| (Box::from(k.as_str()), i))
+                .collect();
+            self.index = Some(index);
+        }
+    }
+
+    /// An explicit `key: value`: duplicates are errors, except over a merged
+    /// entry, which the explicit one replaces in place (js-yaml keeps the
+    /// first insertion's order too).
+    fn insert(
+        &mut self,
+        (key, key_at): (ScalarNode, Marker),
+        value: Node,
+        value_at: Marker,
+    ) -> Result<(), ParseFailure> {
+        if key.is_plain() && key.as_str() == "<<" {
+            return self.merge(&value, value_at);
+        }
+        match self.position(key.as_str()) {
+            Some(i) if self.is_merged(i) => {
+                self.merged[i] = false;
+                self.entries[i] = (key, value);
+                Ok(())
+            }
+            Some(i) => {
+                let first = self.entries[i].0.mark();
+                Err(fail(
+                    key_at,
+                    format!(
+                        "duplicate key {:?} (first at line {}, column {})",
+                        key.as_str(),
+                        first.line(),
+                        first.column()
+                    ),
+                ))
+            }
+            None => {
+                self.append(key, value, false);
+                Ok(())
             }
         }
-        LoadError::UnexpectedAnchor(m) => {
-            let (line, col) = pos(&m);
-            ParseFailure::Syntax {
-                line,
-                col,
-                message: "YAML anchors and aliases are not supported: write the value out in full"
-                    .into(),
+    }
+
+    /// `<<: *base` or `<<: [*a, *b]`, as js-yaml reads them: keys already
+    /// present (explicit or from an earlier source) win; explicit keys that
+    /// come later replace merged ones.
+    fn merge(&mut self, value: &Node, at: Marker) -> Result<(), ParseFailure> {
+        const WHAT: &str = "a merge key `<<` takes a mapping or a list of mappings (such as `*base` or `[*a, *b]`)";
+        match value {
+            Node::Mapping(source) => {
+                self.merge_from(source);
+                Ok(())
+            }
+            Node::Sequence(seq) => {
+                if let Some(bad) = seq.iter().find(|n| n.as_mapping().is_none()) {
+                    return Err(fail(
+                        bad.mark(),
+                        format!("{WHAT}, got {} in the list", describe(bad)),
+                    ));
+                }
+                for source in seq.iter().filter_map(Node::as_mapping) {
+                    self.merge_from(source);
+                }
+                Ok(())
+            }
+            Node::Scalar(_) => Err(fail(at, format!("{WHAT}, got {}", describe(value)))),
+        }
+    }
+
+    fn merge_from(&mut self, source: &MappingNode) {
+        for (k, v) in source.iter() {
+            if self.position(k.as_str()).is_none() {
+                self.append(k.clone(), v.clone(), true);
             }
         }
-        LoadError::MappingKeyMustBeScalar(m) => {
-            let (line, col) = pos(&m);
-            ParseFailure::Syntax {
-                line,
-                col,
-                message: "mapping keys must be plain strings".into(),
+    }
+}
+
+/// Turns parser events into a [`Node`] tree, resolving aliases and merge
+/// keys, counting nodes and guarding depth on the way.
+struct Builder<'t> {
+    source: usize,
+    text: &'t str,
+    ascii: bool,
+    /// A (character index, byte offset) pair of `text` reached before, so
+    /// that positions given in characters map to bytes without rescanning.
+    cursor: (usize, usize),
+    open: Vec<Open>,
+    /// Finished anchored nodes by the parser's anchor id; `None` while the
+    /// anchored collection is still open.
+    anchors: Vec<Option<(Node, Extent)>>,
+    produced: usize,
+    root: Option<Node>,
+}
+
+impl<'t> Builder<'t> {
+    fn new(source: usize, text: &'t str) -> Self {
+        Self {
+            source,
+            text,
+            ascii: text.is_ascii(),
+            cursor: (0, 0),
+            open: Vec::new(),
+            anchors: Vec::new(),
+            produced: 0,
+            root: None,
+        }
+    }
+
+    fn run(mut self) -> Result<Node, ParseFailure> {
+        let mut parser = Parser::new_from_str(self.text);
+        while let Some(next) = parser.next_event() {
+            let (event, span) = next.map_err(|e| self.scan_error(&e))?;
+            match event {
+                Event::StreamEnd => break,
+                Event::DocumentStart(_) if self.root.is_some() => {
+                    return Err(second_document(self.mark(span.start).line()));
+                }
+                Event::Nothing
+                | Event::StreamStart
+                | Event::DocumentStart(_)
+                | Event::DocumentEnd => {}
+                Event::Alias(id) => self.alias(id, &span)?,
+                Event::Scalar(value, style, anchor, tag) => {
+                    let mark = self.content_mark(&span, anchor != 0 || tag.is_some());
+                    if tag.is_some() {
+                        return Err(tag_error(mark));
+                    }
+                    self.count(1, mark)?;
+                    let node = Node::Scalar(ScalarNode::new(
+                        value.into_owned(),
+                        style == ScalarStyle::Plain,
+                        mark,
+                    ));
+                    self.define(anchor, &node, Extent::LEAF);
+                    self.push(node, Extent::LEAF, mark)?;
+                }
+                Event::SequenceStart(anchor, tag) => {
+                    self.start(OpenKind::Seq(Vec::new()), anchor, tag.is_some(), &span)?;
+                }
+                Event::MappingStart(anchor, tag) => {
+                    self.start(OpenKind::Map(OpenMap::new()), anchor, tag.is_some(), &span)?;
+                }
+                Event::SequenceEnd | Event::MappingEnd => {
+                    let Some(open) = self.open.pop() else {
+                        return Err(fail(
+                            self.mark(span.start),
+                            "YAML syntax error: unbalanced collection end",
+                        ));
+                    };
+                    let node = match open.kind {
+                        OpenKind::Seq(items) => {
+                            Node::Sequence(Rc::new(SequenceNode::new(items, open.mark)))
+                        }
+                        OpenKind::Map(map) => Node::Mapping(Rc::new(MappingNode::new(
+                            map.entries,
+                            map.index,
+                            open.mark,
+                        ))),
+                    };
+                    self.define(open.anchor, &node, open.extent);
+                    self.push(node, open.extent, open.mark)?;
+                }
             }
         }
-        LoadError::UnexpectedTag(m) => {
-            let (line, col) = pos(&m);
-            ParseFailure::Syntax {
-                line,
-                col,
-                message: "YAML tags (`!…`) are not supported".into(),
+        self.root.ok_or(ParseFailure::Empty)
+    }
+
+    fn start(
+        &mut self,
+        kind: OpenKind,
+        anchor: usize,
+        tagged: bool,
+        span: &Span,
+    ) -> Result<(), ParseFailure> {
+        let mark = self.content_mark(span, anchor != 0 || tagged);
+        if tagged {
+            return Err(tag_error(mark));
+        }
+        self.count(1, mark)?;
+        self.open.push(Open {
+            kind,
+            mark,
+            anchor,
+            extent: Extent::LEAF,
+        });
+        Ok(())
+    }
+
+    fn mark(&self, m: saphyr_parser::Marker) -> Marker {
+        let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        Marker::new(self.source, c(m.line()), c(m.col()).saturating_add(1))
+    }
+
+    /// The byte offset of the character at `index` (clamped to the text).
+    fn byte_offset(&mut self, index: usize) -> usize {
+        if self.ascii {
+            return index.min(self.text.len());
+        }
+        if index < self.cursor.0 {
+            self.cursor = (0, 0);
+        }
+        let (mut chars, mut bytes) = self.cursor;
+        for c in self.text[bytes..].chars() {
+            if chars == index {
+                break;
+            }
+            chars += 1;
+            bytes += c.len_utf8();
+        }
+        self.cursor = (chars, bytes);
+        bytes
+    }
+
+    /// Where a node's content starts. The parser's span of a node with an
+    /// anchor or a tag starts at those properties; positions point past them
+    /// (at `1` in `&x 1`, at the first key of an anchored block mapping).
+    fn content_mark(&mut self, span: &Span, has_properties: bool) -> Marker {
+        let start = self.mark(span.start);
+        if !has_properties {
+            return start;
+        }
+        let begin = self.byte_offset(span.start.index());
+        let end = self.byte_offset(span.end.index()).max(begin);
+        let Some(props) = self.text.get(begin..end) else {
+            return start;
+        };
+        let (mut line, mut col) = (start.line(), start.column());
+        let mut chars = props.chars().peekable();
+        while let Some(&c) = chars.peek() {
+            match c {
+                '&' | '!' | '#' => {
+                    // A property or a comment runs to the next blank (a
+                    // comment to the end of the line).
+                    let comment = c == '#';
+                    while let Some(&c) = chars.peek() {
+                        if c == '\n' || c == '\r' || (!comment && (c == ' ' || c == '\t')) {
+                            break;
+                        }
+                        chars.next();
+                        col = col.saturating_add(1);
+                    }
+                }
+                ' ' | '\t' => {
+                    chars.next();
+                    col = col.saturating_add(1);
+                }
+                '\r' => {
+                    chars.next();
+                }
+                '\n' => {
+                    chars.next();
+                    line = line.saturating_add(1);
+                    col = 1;
+                }
+                _ => break,
             }
         }
-        LoadError::ScanError(m, e) => {
-            let (line, col) = pos(&m);
-            ParseFailure::Syntax {
-                line,
-                col,
-                message: format!("YAML syntax error: {}", e.info()),
-            }
-        }
-        LoadError::DuplicateKey(d) => {
-            let (line, col) = d.key.span().start().map_or((0, 0), pos);
-            let (pl, pc) = d.prev_key.span().start().map_or((0, 0), pos);
-            ParseFailure::Syntax {
-                line,
-                col,
-                message: format!(
-                    "duplicate key {:?} (first at line {pl}, column {pc})",
-                    d.key.as_str()
+        Marker::new(self.source, line, col)
+    }
+
+    /// The alias name (`*name`) starting at the character `index`.
+    fn alias_name(&mut self, index: usize) -> String {
+        let at = self.byte_offset(index);
+        let rest = self.text.get(at..).unwrap_or("");
+        let end = rest
+            .char_indices()
+            .skip(1)
+            .find(|(_, c)| c.is_whitespace() || matches!(c, ',' | '[' | ']' | '{' | '}'))
+            .map_or(rest.len(), |(i, _)| i);
+        truncate(&rest[..end])
+    }
+
+    fn scan_error(&mut self, e: &ScanError) -> ParseFailure {
+        let at = self.mark(*e.marker());
+        if e.info() == "while parsing node, found unknown anchor" {
+            let name = self.alias_name(e.marker().index());
+            return fail(
+                at,
+                format!(
+                    "unknown alias {name}: no anchor of that name is defined before it in this file (anchors do not carry over between files)"
                 ),
-            }
+            );
         }
-    })
+        fail(at, format!("YAML syntax error: {}", e.info()))
+    }
+
+    fn count(&mut self, nodes: usize, at: Marker) -> Result<(), ParseFailure> {
+        self.produced = self.produced.saturating_add(nodes);
+        if self.produced > MAX_NODES {
+            return Err(fail(
+                at,
+                format!("the document expands to more than {MAX_NODES} YAML nodes (aliases counted at their full size): refused"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn define(&mut self, anchor: usize, node: &Node, extent: Extent) {
+        if anchor == 0 {
+            return;
+        }
+        if self.anchors.len() <= anchor {
+            self.anchors.resize(anchor + 1, None);
+        }
+        self.anchors[anchor] = Some((node.clone(), extent));
+    }
+
+    /// `*name`: the anchored node itself (shared), keeping the positions of
+    /// its definition.
+    fn alias(&mut self, id: usize, span: &Span) -> Result<(), ParseFailure> {
+        let at = self.mark(span.start);
+        let Some(Some((node, extent))) = self.anchors.get(id) else {
+            let name = self.alias_name(span.start.index());
+            return Err(fail(
+                at,
+                format!("alias {name} refers to a node that contains it (recursive aliases are not supported)"),
+            ));
+        };
+        let node = node.clone();
+        let extent = Extent {
+            alias_depth: extent.alias_depth + 1,
+            ..*extent
+        };
+        if extent.alias_depth > MAX_ALIAS_DEPTH {
+            return Err(fail(
+                at,
+                format!("aliases nest more than {MAX_ALIAS_DEPTH} deep here (an alias to a node holding an alias to ...): refused"),
+            ));
+        }
+        if self.open.len() + extent.height > MAX_DEPTH {
+            return Err(fail(
+                at,
+                format!(
+                    "this alias would nest the document more than {MAX_DEPTH} levels deep: refused"
+                ),
+            ));
+        }
+        self.count(extent.size, at)?;
+        self.push(node, extent, at)
+    }
+
+    /// Adds a finished node to the open collection (or makes it the root).
+    /// `at` is where it appears in the text (the alias, for an alias).
+    fn push(&mut self, node: Node, extent: Extent, at: Marker) -> Result<(), ParseFailure> {
+        let Some(open) = self.open.last_mut() else {
+            self.root = Some(node);
+            return Ok(());
+        };
+        open.extent.absorb(extent);
+        match &mut open.kind {
+            OpenKind::Seq(items) => {
+                items.push(node);
+                Ok(())
+            }
+            OpenKind::Map(map) => match map.key.take() {
+                Some(key) => map.insert(key, node, at),
+                None => match node {
+                    Node::Scalar(key) => {
+                        map.key = Some((key, at));
+                        Ok(())
+                    }
+                    _ => Err(fail(at, "mapping keys must be plain strings")),
+                },
+            },
+        }
+    }
+}
+
+fn tag_error(at: Marker) -> ParseFailure {
+    fail(at, "YAML tags (`!…`) are not supported")
 }
 
 /// A scalar read with the YAML 1.2 core schema (what upstream's parser
@@ -257,9 +699,9 @@ fn is_core_float(s: &str) -> bool {
     mantissa_ok && exponent_ok
 }
 
-pub fn classify(s: &MarkedScalarNode) -> Scalar<'_> {
+pub fn classify(s: &ScalarNode) -> Scalar<'_> {
     let v = s.as_str();
-    if !s.may_coerce() {
+    if !s.is_plain() {
         return Scalar::Str(v);
     }
     match v {
