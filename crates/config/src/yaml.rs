@@ -866,4 +866,148 @@ mod tests {
             Err(ParseFailure::Syntax { line: 2, .. })
         ));
     }
+
+    fn at<'n>(node: &'n Node, key: &str) -> &'n Node {
+        node.as_mapping().unwrap().get(key).unwrap()
+    }
+
+    fn text_of(node: &Node) -> &str {
+        match node {
+            Node::Scalar(s) => s.as_str(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn pos(node: &Node) -> (u32, u32) {
+        (node.mark().line(), node.mark().column())
+    }
+
+    #[test]
+    fn aliases_are_the_anchored_node_with_its_positions() {
+        let n = parse(3, "a: &x {k: v}\nb: *x\nc: &s 'q'\nd: *s\n").unwrap();
+        assert_eq!(at(&n, "a"), at(&n, "b"));
+        assert_eq!(pos(at(&n, "b")), (1, 7));
+        assert_eq!(at(&n, "b").mark().source(), 3);
+        assert_eq!(pos(at(at(&n, "b"), "k")), (1, 11));
+        let d = match at(&n, "d") {
+            Node::Scalar(s) => s,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            (d.as_str(), d.is_plain(), pos(at(&n, "d"))),
+            ("q", false, (3, 7))
+        );
+    }
+
+    #[test]
+    fn merge_keys_keep_order_and_precedence() {
+        let n = parse(
+            0,
+            "a: &a {x: 1, y: 1}\nb: &b {y: 2, z: 2}\nm:\n  w: 0\n  <<: [*a, *b]\n  x: 3\n",
+        )
+        .unwrap();
+        let m = at(&n, "m").as_mapping().unwrap();
+        let got: Vec<(&str, &str)> = m.iter().map(|(k, v)| (k.as_str(), text_of(v))).collect();
+        // Explicit keys win wherever they are; the earlier source wins; the
+        // order is that of first insertion, as in a JavaScript object.
+        assert_eq!(got, [("w", "0"), ("x", "3"), ("y", "1"), ("z", "2")]);
+        // The replaced entry is the explicit one, at its own position.
+        assert_eq!(
+            m.keys()
+                .nth(1)
+                .map(|k| (k.mark().line(), k.mark().column())),
+            Some((6, 3))
+        );
+        // Merge keys may repeat (js-yaml allows it); later ones add, never replace.
+        let n = parse(0, "a: &a {x: 1}\nm: {<<: {y: 1}, <<: *a, y: 2}\n").unwrap();
+        let m = at(&n, "m").as_mapping().unwrap();
+        let got: Vec<(&str, &str)> = m.iter().map(|(k, v)| (k.as_str(), text_of(v))).collect();
+        assert_eq!(got, [("y", "2"), ("x", "1")]);
+    }
+
+    #[test]
+    fn positions_skip_anchors_comments_and_non_ascii_text() {
+        let n = parse(
+            0,
+            "é: \"ü\"\na: &x # the anchor\n  k: v\nb: &y\n  - 1\nc: &z\n\u{1F600}: &w 5\n",
+        )
+        .unwrap();
+        assert_eq!(pos(at(&n, "a")), (3, 3));
+        assert_eq!(pos(at(&n, "b")), (5, 3));
+        assert_eq!(pos(at(&n, "\u{1F600}")), (7, 7));
+        // An empty anchored value sits at the end of its anchor.
+        assert_eq!(pos(at(&n, "c")), (6, 6));
+        let crlf = parse(0, "\u{feff}a: &x\r\n  k: v\r\nb: *x\r\n").unwrap();
+        assert_eq!(pos(at(&crlf, "b")), (2, 3));
+    }
+
+    #[test]
+    fn tags_are_refused_where_the_value_starts() {
+        assert_eq!(
+            parse(0, "a: &x !!map {k: v}\n"),
+            Err(ParseFailure::Syntax {
+                line: 1,
+                col: 13,
+                message: "YAML tags (`!…`) are not supported".into()
+            })
+        );
+    }
+
+    #[test]
+    fn large_mappings_are_indexed() {
+        let mut text = String::from("m:\n");
+        for i in 0..100 {
+            text.push_str(&format!("  k{i}: {i}\n"));
+        }
+        let n = parse(0, &text).unwrap();
+        let m = at(&n, "m").as_mapping().unwrap();
+        assert_eq!(m.keys().count(), 100);
+        assert_eq!(text_of(m.get("k73").unwrap()), "73");
+        assert!(m.get("k100").is_none());
+        text.push_str("  k42: again\n");
+        assert_eq!(
+            parse(0, &text),
+            Err(ParseFailure::Syntax {
+                line: 102,
+                col: 3,
+                message: "duplicate key \"k42\" (first at line 44, column 3)".into()
+            })
+        );
+        // Merging into a large mapping keeps explicit keys.
+        let merged = format!("b: &b {{k5: merged, z: merged}}\n{text}")
+            .replace("  k42: again\n", "  <<: *b\n");
+        let n = parse(0, &merged).unwrap();
+        let m = at(&n, "m").as_mapping().unwrap();
+        assert_eq!(
+            (text_of(m.get("k5").unwrap()), text_of(m.get("z").unwrap())),
+            ("5", "merged")
+        );
+    }
+
+    #[test]
+    fn deepest_alias_expansion_fits_a_small_stack() {
+        // Just inside MAX_DEPTH, built through an alias, parsed and dropped
+        // on a 2 MiB thread.
+        let (open, close) = ("[".repeat(250), "]".repeat(250));
+        let text = format!("a: &a {open}x{close}\nb: {open}*a{close}\n");
+        let h = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || parse(0, &text).is_ok())
+            .unwrap();
+        assert!(h.join().unwrap());
+    }
+
+    #[test]
+    fn the_builder_refuses_a_second_document_itself() {
+        // The prescan catches every second document first; the builder does
+        // not rely on it.
+        match Builder::new(0, "a: 1\n--- # two\nb: 2\n").run() {
+            Err(ParseFailure::Syntax {
+                line: 2, message, ..
+            }) => {
+                assert!(message.contains("second YAML document"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
