@@ -245,13 +245,21 @@ struct Open {
 }
 
 enum OpenKind {
-    Seq(Vec<Node>),
+    /// A list whose items so far are `Builder::items[start..]`.
+    Seq {
+        start: usize,
+    },
     Map(OpenMap),
 }
 
-/// A mapping being read: its entries so far and a key awaiting its value.
+type Entry = (ScalarNode, Node);
+
+/// A mapping being read: its entries so far are `Builder::entries[start..]`
+/// (one scratch stack serves every open collection, so that each finished
+/// one is allocated once, at its exact size).
 struct OpenMap {
-    entries: Vec<(ScalarNode, Node)>,
+    start: usize,
+    /// Key → position relative to `start`, once the mapping is large.
     index: Option<KeyIndex>,
     /// `merged[i]`: entry `i` came from a merge key and an explicit key may
     /// still replace it. Empty unless the mapping merges.
@@ -261,36 +269,35 @@ struct OpenMap {
 }
 
 impl OpenMap {
-    fn new() -> Self {
+    fn new(start: usize) -> Self {
         Self {
-            entries: Vec::new(),
+            start,
             index: None,
             merged: Vec::new(),
             key: None,
         }
     }
 
-    fn position(&self, key: &str) -> Option<usize> {
-        node::position(&self.entries, self.index.as_ref(), key)
+    fn position(&self, all: &[Entry], key: &str) -> Option<usize> {
+        node::position(all.get(self.start..)?, self.index.as_ref(), key)
     }
 
     fn is_merged(&self, i: usize) -> bool {
         self.merged.get(i).copied().unwrap_or(false)
     }
 
-    fn append(&mut self, key: ScalarNode, value: Node, merged: bool) {
-        let i = self.entries.len();
+    fn append(&mut self, all: &mut Vec<Entry>, key: ScalarNode, value: Node, merged: bool) {
+        let i = all.len() - self.start;
         if let Some(index) = &mut self.index {
             index.insert(key.as_str().into(), i);
         }
-        self.entries.push((key, value));
+        all.push((key, value));
         if merged {
             self.merged.resize(i + 1, false);
             self.merged[i] = true;
         }
-        if self.index.is_none() && self.entries.len() > LINEAR_LOOKUP_MAX {
-            let index: KeyIndex = self
-                .entries
+        if self.index.is_none() && i + 1 > LINEAR_LOOKUP_MAX {
+            let index: KeyIndex = all[self.start..]
                 .iter()
                 .enumerate()
                 .map(|(i, (k, _))| (Box::from(k.as_str()), i))
@@ -304,21 +311,22 @@ impl OpenMap {
     /// first insertion's order too).
     fn insert(
         &mut self,
+        all: &mut Vec<Entry>,
         (key, key_at): (ScalarNode, Marker),
         value: Node,
         value_at: Marker,
     ) -> Result<(), ParseFailure> {
         if key.is_plain() && key.as_str() == "<<" {
-            return self.merge(&value, value_at);
+            return self.merge(all, &value, value_at);
         }
-        match self.position(key.as_str()) {
+        match self.position(all, key.as_str()) {
             Some(i) if self.is_merged(i) => {
                 self.merged[i] = false;
-                self.entries[i] = (key, value);
+                all[self.start + i] = (key, value);
                 Ok(())
             }
             Some(i) => {
-                let first = self.entries[i].0.mark();
+                let first = all[self.start + i].0.mark();
                 Err(fail(
                     key_at,
                     format!(
@@ -330,7 +338,7 @@ impl OpenMap {
                 ))
             }
             None => {
-                self.append(key, value, false);
+                self.append(all, key, value, false);
                 Ok(())
             }
         }
@@ -339,11 +347,16 @@ impl OpenMap {
     /// `<<: *base` or `<<: [*a, *b]`, as js-yaml reads them: keys already
     /// present (explicit or from an earlier source) win; explicit keys that
     /// come later replace merged ones.
-    fn merge(&mut self, value: &Node, at: Marker) -> Result<(), ParseFailure> {
+    fn merge(
+        &mut self,
+        all: &mut Vec<Entry>,
+        value: &Node,
+        at: Marker,
+    ) -> Result<(), ParseFailure> {
         const WHAT: &str = "a merge key `<<` takes a mapping or a list of mappings (such as `*base` or `[*a, *b]`)";
         match value {
             Node::Mapping(source) => {
-                self.merge_from(source);
+                self.merge_from(all, source);
                 Ok(())
             }
             Node::Sequence(seq) => {
@@ -354,7 +367,7 @@ impl OpenMap {
                     ));
                 }
                 for source in seq.iter().filter_map(Node::as_mapping) {
-                    self.merge_from(source);
+                    self.merge_from(all, source);
                 }
                 Ok(())
             }
@@ -362,10 +375,10 @@ impl OpenMap {
         }
     }
 
-    fn merge_from(&mut self, source: &MappingNode) {
+    fn merge_from(&mut self, all: &mut Vec<Entry>, source: &MappingNode) {
         for (k, v) in source.iter() {
-            if self.position(k.as_str()).is_none() {
-                self.append(k.clone(), v.clone(), true);
+            if self.position(all, k.as_str()).is_none() {
+                self.append(all, k.clone(), v.clone(), true);
             }
         }
     }
@@ -381,6 +394,10 @@ struct Builder<'t> {
     /// that positions given in characters map to bytes without rescanning.
     cursor: (usize, usize),
     open: Vec<Open>,
+    /// The items of every open list, innermost last.
+    items: Vec<Node>,
+    /// The entries of every open mapping, innermost last.
+    entries: Vec<Entry>,
     /// Finished anchored nodes by the parser's anchor id; `None` while the
     /// anchored collection is still open.
     anchors: Vec<Option<(Node, Extent)>>,
@@ -396,6 +413,8 @@ impl<'t> Builder<'t> {
             ascii: text.is_ascii(),
             cursor: (0, 0),
             open: Vec::new(),
+            items: Vec::with_capacity(64),
+            entries: Vec::with_capacity(64),
             anchors: Vec::new(),
             produced: 0,
             root: None,
@@ -431,10 +450,14 @@ impl<'t> Builder<'t> {
                     self.push(node, Extent::LEAF, mark)?;
                 }
                 Event::SequenceStart(anchor, tag) => {
-                    self.start(OpenKind::Seq(Vec::new()), anchor, tag.is_some(), &span)?;
+                    let kind = OpenKind::Seq {
+                        start: self.items.len(),
+                    };
+                    self.start(kind, anchor, tag.is_some(), &span)?;
                 }
                 Event::MappingStart(anchor, tag) => {
-                    self.start(OpenKind::Map(OpenMap::new()), anchor, tag.is_some(), &span)?;
+                    let kind = OpenKind::Map(OpenMap::new(self.entries.len()));
+                    self.start(kind, anchor, tag.is_some(), &span)?;
                 }
                 Event::SequenceEnd | Event::MappingEnd => {
                     let Some(open) = self.open.pop() else {
@@ -444,14 +467,14 @@ impl<'t> Builder<'t> {
                         ));
                     };
                     let node = match open.kind {
-                        OpenKind::Seq(items) => {
+                        OpenKind::Seq { start } => {
+                            let items = self.items.drain(start..).collect();
                             Node::Sequence(Rc::new(SequenceNode::new(items, open.mark)))
                         }
-                        OpenKind::Map(map) => Node::Mapping(Rc::new(MappingNode::new(
-                            map.entries,
-                            map.index,
-                            open.mark,
-                        ))),
+                        OpenKind::Map(map) => {
+                            let entries = self.entries.drain(map.start..).collect();
+                            Node::Mapping(Rc::new(MappingNode::new(entries, map.index, open.mark)))
+                        }
                     };
                     self.define(open.anchor, &node, open.extent);
                     self.push(node, open.extent, open.mark)?;
@@ -644,12 +667,12 @@ impl<'t> Builder<'t> {
         };
         open.extent.absorb(extent);
         match &mut open.kind {
-            OpenKind::Seq(items) => {
-                items.push(node);
+            OpenKind::Seq { .. } => {
+                self.items.push(node);
                 Ok(())
             }
             OpenKind::Map(map) => match map.key.take() {
-                Some(key) => map.insert(key, node, at),
+                Some(key) => map.insert(&mut self.entries, key, node, at),
                 None => match node {
                     Node::Scalar(key) => {
                         map.key = Some((key, at));
