@@ -2,9 +2,9 @@
 //! reading of plain scalars.
 //!
 //! The events come from `saphyr_parser` (the maintained successor of
-//! yaml-rust's parser: a non-recursive state machine that reports a span for
-//! every event and borrows plain scalars from the text). This module builds
-//! the tree from them, as js-yaml (upstream's loader) reads the document:
+//! yaml-rust's parser: a non-recursive state machine that reports a start
+//! and an end position for every event). This module builds the tree from
+//! them without recursion, as js-yaml (upstream's loader) reads a document:
 //!
 //! - Anchors and aliases: `*x` is the node anchored `&x` earlier in the same
 //!   file. Anchors are per file; an alias to an anchor that is not defined
@@ -34,8 +34,9 @@ pub const MAX_FILE_BYTES: usize = 8 << 20;
 
 /// Most columns of indentation (spaces plus `- `, `? `, `: ` indicators) a
 /// line may start with. Block nesting depth is at most about twice this, and
-/// flow nesting is capped at 255 by the scanner; together they keep the
-/// parser's recursion well inside a 2 MiB thread stack, even in debug builds.
+/// flow nesting is capped at 255 by the scanner; together they bound the
+/// tree's depth, and so the recursion of dropping it, well inside a 2 MiB
+/// thread stack, even in debug builds.
 pub const MAX_INDENT_COLUMNS: usize = 128;
 
 /// What [`prescan`] learned about a text.
@@ -131,7 +132,8 @@ pub enum ParseFailure {
 pub const MAX_NODES: usize = 1_000_000;
 
 /// Deepest nesting an alias may produce (the text alone stays below it: see
-/// [`MAX_INDENT_COLUMNS`]). Keeps dropping the tree well inside a small stack.
+/// [`MAX_INDENT_COLUMNS`]); an alias placed deep down adds its own depth.
+/// Keeps dropping the tree well inside a small stack.
 pub const MAX_DEPTH: usize = 512;
 
 /// Most aliases that may stand inside one another: an alias to a node that
