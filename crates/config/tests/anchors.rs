@@ -293,6 +293,34 @@ fn alias_mistakes_are_positioned() {
     assert_eq!(l.config.global_max_agents, 7);
 }
 
+#[test]
+fn the_anchors_fixture_reads_as_written_out() {
+    let l = ok(include_str!("fixtures/valid/anchors.yaml"));
+    let s = &l.config.scalers;
+    assert_eq!(
+        (s[0].max_agents, s[1].max_agents, s[1].kind),
+        (4, 2, ScalerType::Container)
+    );
+    let large = &s[1].label_sets[0];
+    assert_eq!(large.raw_labels, ["linux", "x64", "large"]);
+    assert_eq!(large.env, s[0].label_sets[0].env);
+    assert_ne!(large.resources, s[0].label_sets[0].resources);
+    let arm = &s[1].label_sets[1];
+    let env: Vec<(&str, &str)> = arm
+        .env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    assert_eq!(
+        env,
+        [
+            ("ARCH", "arm64"),
+            ("CI", "true"),
+            ("NODE_OPTIONS", "--max-old-space-size=2048")
+        ]
+    );
+}
+
 /// Ten lists of ten, each made of aliases to the one before: 10^9 nodes.
 fn billion_laughs() -> String {
     let mut text = String::from("version: 1\na: &a [x, x, x, x, x, x, x, x, x, x]\n");
