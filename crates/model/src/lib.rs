@@ -10,6 +10,7 @@
 //! It does no I/O. Parsing YAML into a [`Config`] belongs to `kici-config`.
 
 pub mod config;
+pub mod contract;
 pub mod ids;
 pub mod labels;
 pub mod origin;
