@@ -211,6 +211,18 @@ fn env(cx: &mut Cx, v: &Val<'_>) -> Option<BTreeMap<EnvName, String>> {
             );
             continue;
         }
+        if !kici_model::contract::agent_accepts(name.as_str()) {
+            // The KiCI agent refuses to start on a KICI_* name outside its
+            // schema: catch it here instead of at every spawn.
+            cx.error(
+                key_origin,
+                val.path(),
+                format!(
+                    "{name} is not a variable the KiCI agent accepts: it refuses to start on unknown KICI_* names (see the agent bootstrap contract)"
+                ),
+            );
+            continue;
+        }
         if DERIVED_ENV.contains(&name.as_str()) {
             cx.warn(
                 key_origin,

@@ -326,6 +326,12 @@ fn env_names_posix_and_not_reserved() {
     assert_error(&with("{A: 1}"), &["env.A: expected a string, got 1"]);
     let l = ok(&with("{KICI_ROLES: builder}"));
     assert!(warning_lines(&l)[0].contains("KICI_ROLES replaces the value kici-scaler derives"));
+    // The KiCI agent refuses unknown KICI_* names: so does the loader.
+    assert_error(
+        &with("{KICI_MADE_UP: x}"),
+        &["env.KICI_MADE_UP: KICI_MADE_UP is not a variable the KiCI agent accepts"],
+    );
+    ok(&with("{KICI_LOG_LEVEL: debug, KICI_E2E_FLAG: '1'}"));
 }
 
 #[test]
