@@ -187,43 +187,37 @@ impl ConfigLimits {
         };
         let pool_name = pool.unwrap_or_default();
         let checks = [
-            (Cap::GlobalCount, self.global.agents, 1, "globalMaxAgents".to_owned()),
-            (Cap::ScalerCount, s.limits.agents, 1, format!("scaler {scaler} maxAgents")),
-            (Cap::ScalerCpu, s.limits.cpu, cpu, format!("scaler {scaler} resourceCap.maxCpu")),
-            (
-                Cap::ScalerMemory,
-                s.limits.memory,
-                mem,
-                format!("scaler {scaler} resourceCap.maxMemory"),
-            ),
-            (Cap::GlobalCpu, self.global.cpu, cpu, "globalResourceCap.maxCpu".to_owned()),
-            (
-                Cap::GlobalMemory,
-                self.global.memory,
-                mem,
-                "globalResourceCap.maxMemory".to_owned(),
-            ),
-            (Cap::PoolCpu, pool_limits.cpu, cpu, format!("machine pool {pool_name} cap.maxCpu")),
-            (
-                Cap::PoolMemory,
-                pool_limits.memory,
-                mem,
-                format!("machine pool {pool_name} cap.maxMemory"),
-            ),
+            (Cap::GlobalCount, self.global.agents, 1),
+            (Cap::ScalerCount, s.limits.agents, 1),
+            (Cap::ScalerCpu, s.limits.cpu, cpu),
+            (Cap::ScalerMemory, s.limits.memory, mem),
+            (Cap::GlobalCpu, self.global.cpu, cpu),
+            (Cap::GlobalMemory, self.global.memory, mem),
+            (Cap::PoolCpu, pool_limits.cpu, cpu),
+            (Cap::PoolMemory, pool_limits.memory, mem),
         ];
-        checks.into_iter().find_map(|(cap, limit, requested, what)| {
-            let limit = limit?;
-            (requested > limit).then(|| {
-                let u = cap.unit();
-                TooLarge {
-                    cap,
-                    detail: format!(
-                        "requests {} but {what} is {}",
-                        u.format(requested),
-                        u.format(limit)
-                    ),
-                }
-            })
+        let (cap, limit, requested) = checks
+            .into_iter()
+            .find(|&(_, limit, requested)| limit.is_some_and(|l| requested > l))?;
+        // Only now, on the rare path, build the message.
+        let what = match cap {
+            Cap::GlobalCount => "globalMaxAgents".to_owned(),
+            Cap::ScalerCount => format!("scaler {scaler} maxAgents"),
+            Cap::ScalerCpu => format!("scaler {scaler} resourceCap.maxCpu"),
+            Cap::ScalerMemory => format!("scaler {scaler} resourceCap.maxMemory"),
+            Cap::GlobalCpu => "globalResourceCap.maxCpu".to_owned(),
+            Cap::GlobalMemory => "globalResourceCap.maxMemory".to_owned(),
+            Cap::PoolCpu => format!("machine pool {pool_name} cap.maxCpu"),
+            Cap::PoolMemory => format!("machine pool {pool_name} cap.maxMemory"),
+        };
+        let u = cap.unit();
+        Some(TooLarge {
+            cap,
+            detail: format!(
+                "requests {} but {what} is {}",
+                u.format(requested),
+                u.format(limit.unwrap_or_default())
+            ),
         })
     }
 }
@@ -257,7 +251,13 @@ impl Used {
 }
 
 /// `used + held + requested > limit` ⇒ refused; an unset limit never refuses.
-fn check(cap: Cap, limit: Option<u64>, used: u64, held: u64, requested: u64) -> Result<(), Refusal> {
+fn check(
+    cap: Cap,
+    limit: Option<u64>,
+    used: u64,
+    held: u64,
+    requested: u64,
+) -> Result<(), Refusal> {
     let Some(limit) = limit else { return Ok(()) };
     if u128::from(used) + u128::from(held) + u128::from(requested) > u128::from(limit) {
         return Err(Refusal {
@@ -297,18 +297,48 @@ impl State {
             .unwrap_or_default();
         let scaler = self.scalers.get(&d.scaler).copied().unwrap_or_default();
         let (g, hg, hs) = (self.global, holds.global(), holds.scaler(d.scaler.as_str()));
-        check(Cap::GlobalCount, limits.global.agents, g.agents, hg.agents, 1)?;
-        check(Cap::ScalerCount, scaler_limits.agents, scaler.agents, hs.agents, 1)?;
+        check(
+            Cap::GlobalCount,
+            limits.global.agents,
+            g.agents,
+            hg.agents,
+            1,
+        )?;
+        check(
+            Cap::ScalerCount,
+            scaler_limits.agents,
+            scaler.agents,
+            hs.agents,
+            1,
+        )?;
         check(Cap::ScalerCpu, scaler_limits.cpu, scaler.cpu, hs.cpu, cpu)?;
-        check(Cap::ScalerMemory, scaler_limits.memory, scaler.memory, hs.memory, mem)?;
+        check(
+            Cap::ScalerMemory,
+            scaler_limits.memory,
+            scaler.memory,
+            hs.memory,
+            mem,
+        )?;
         check(Cap::GlobalCpu, limits.global.cpu, g.cpu, hg.cpu, cpu)?;
-        check(Cap::GlobalMemory, limits.global.memory, g.memory, hg.memory, mem)?;
+        check(
+            Cap::GlobalMemory,
+            limits.global.memory,
+            g.memory,
+            hg.memory,
+            mem,
+        )?;
         if let (true, Some(pool)) = (check_pool, d.pool.as_deref()) {
             let pool_limits = limits.pools.get(pool).copied().unwrap_or_default();
             let used = self.pools.get(pool).copied().unwrap_or_default();
             let hp: Held = holds.pool(pool);
             check(Cap::PoolCpu, pool_limits.cpu, used.cpu, hp.cpu, cpu)?;
-            check(Cap::PoolMemory, pool_limits.memory, used.memory, hp.memory, mem)?;
+            check(
+                Cap::PoolMemory,
+                pool_limits.memory,
+                used.memory,
+                hp.memory,
+                mem,
+            )?;
         }
         Ok(())
     }
@@ -326,14 +356,19 @@ impl State {
         self.global.sub(r);
         if let Some(u) = self.scalers.get_mut(scaler) {
             u.sub(r);
+            if u.is_zero() && !self.limits.scalers.contains_key(scaler) {
+                self.scalers.remove(scaler);
+            }
         }
         if let Some(pool) = pool {
             if let Some(u) = self.pools.get_mut(pool) {
                 u.sub(r);
+                if u.is_zero() && !self.limits.pools.contains_key(pool) {
+                    self.pools.remove(pool);
+                }
             }
         }
         self.live.remove(&agent);
-        self.forget_idle_removed();
     }
 
     /// Drops the counters of scalers and pools that a reload removed once
@@ -364,7 +399,10 @@ impl Admission {
     /// Builds the limits of `config`. With a ledger, its pools are
     /// registered (each pool file must agree on the cap); without one, pool
     /// caps are enforced for this process only.
-    pub fn new(config: &Config, ledger: Option<MachineLedger>) -> Result<Admission, AdmissionError> {
+    pub fn new(
+        config: &Config,
+        ledger: Option<MachineLedger>,
+    ) -> Result<Admission, AdmissionError> {
         let limits = ConfigLimits::from_config(config)?;
         if let Some(ledger) = &ledger {
             ledger.register_pools(limits.pool_caps())?;
@@ -385,6 +423,11 @@ impl Admission {
     }
 
     /// Checks every cap and reserves, atomically. On `Err`, nothing changed.
+    ///
+    /// With a machine pool and a ledger, the ledger's read-modify-write
+    /// (a `flock` and an fsync) happens inside the critical section, so this
+    /// blocks for milliseconds; without a pool it is a few hundred
+    /// nanoseconds.
     pub fn try_reserve(&self, demand: Demand, holds: &Holds) -> Result<Reservation, AdmitError> {
         #[cfg_attr(not(feature = "check-then-act-mutant"), allow(unused_mut))]
         let mut state = lock(&self.shared.state);
@@ -402,11 +445,11 @@ impl Admission {
         if state.live.contains(&demand.agent) {
             return Err(AdmitError::DuplicateAgent(demand.agent));
         }
-        if let Some(t) =
-            state
-                .limits
-                .too_large(demand.scaler.as_str(), demand.requests, demand.pool.as_deref())
-        {
+        if let Some(t) = state.limits.too_large(
+            demand.scaler.as_str(),
+            demand.requests,
+            demand.pool.as_deref(),
+        ) {
             return Err(AdmitError::TooLarge(t));
         }
         let ledger = self.shared.ledger.as_ref();
@@ -495,8 +538,15 @@ impl Admission {
     /// with nothing else running? `Some` means it can never be admitted
     /// under the current configuration (an unknown scaler or pool counts as
     /// a cap of zero).
-    pub fn too_large(&self, scaler: &str, requests: Resources, pool: Option<&str>) -> Option<TooLarge> {
-        lock(&self.shared.state).limits.too_large(scaler, requests, pool)
+    pub fn too_large(
+        &self,
+        scaler: &str,
+        requests: Resources,
+        pool: Option<&str>,
+    ) -> Option<TooLarge> {
+        lock(&self.shared.state)
+            .limits
+            .too_large(scaler, requests, pool)
     }
 
     /// Applies a reloaded configuration's limits. Usage is kept; live
@@ -569,6 +619,11 @@ impl Admission {
 /// Reserved capacity for one agent. Not `Clone`: it is released exactly
 /// once, when dropped (or by [`Reservation::release`], which consumes it) —
 /// counts, CPU, memory and the ledger row together.
+///
+/// With a machine pool and a ledger, dropping does file I/O (one `flock`ed,
+/// fsynced write, milliseconds): drop it where blocking is acceptable (a
+/// blocking task). If that write fails, the in-memory counters are released
+/// anyway and the row removal is queued ([`MachineLedger::maintain`]).
 pub struct Reservation {
     shared: Arc<Shared>,
     agent: AgentId,

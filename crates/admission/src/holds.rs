@@ -49,7 +49,10 @@ impl Holds {
             .or_default()
             .add(1, requests);
         if let Some(pool) = pool {
-            self.pools.entry(pool.to_owned()).or_default().add(1, requests);
+            self.pools
+                .entry(pool.to_owned())
+                .or_default()
+                .add(1, requests);
         }
     }
 

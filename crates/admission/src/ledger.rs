@@ -355,7 +355,13 @@ impl MachineLedger {
             self.reap(rows, now);
             let (cpu, mem) = sums(rows);
             let checks = [
-                (Cap::PoolCpu, cap.max_cpu_millis, cpu, held.cpu.millis(), requests.cpu.millis()),
+                (
+                    Cap::PoolCpu,
+                    cap.max_cpu_millis,
+                    cpu,
+                    held.cpu.millis(),
+                    requests.cpu.millis(),
+                ),
                 (
                     Cap::PoolMemory,
                     cap.max_memory_bytes,
@@ -703,7 +709,10 @@ fn cap_mismatch(pool: &str, path: PathBuf, file: PoolCap, configured: PoolCap) -
 
 fn sums(rows: &[LedgerRow]) -> (u64, u64) {
     rows.iter().fold((0u64, 0u64), |(c, m), r| {
-        (c.saturating_add(r.cpu_millis), m.saturating_add(r.memory_bytes))
+        (
+            c.saturating_add(r.cpu_millis),
+            m.saturating_add(r.memory_bytes),
+        )
     })
 }
 
@@ -787,7 +796,10 @@ mod tests {
         }
         for bad in ["", "a/b", "../x", ".hidden", "..", "a b", "ü"] {
             assert!(
-                matches!(validate_pool_name(bad), Err(LedgerError::InvalidPoolName(_))),
+                matches!(
+                    validate_pool_name(bad),
+                    Err(LedgerError::InvalidPoolName(_))
+                ),
                 "{bad}"
             );
         }

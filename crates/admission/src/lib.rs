@@ -26,7 +26,7 @@ mod signal;
 mod sync;
 
 pub use admission::{
-    AdmissionError, AdmitError, Admission, Demand, Reservation, ScopeUsage, UsageSnapshot,
+    Admission, AdmissionError, AdmitError, Demand, Reservation, ScopeUsage, UsageSnapshot,
 };
 pub use cap::{Cap, CapUnit, Caps, Refusal, TooLarge};
 pub use holds::Holds;

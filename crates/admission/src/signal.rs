@@ -13,28 +13,38 @@ use std::task::{Context, Poll, Waker};
 #[derive(Debug)]
 pub(crate) struct SignalShared {
     generation: AtomicU64,
-    /// Async waiters. The generation is bumped and checked under this lock,
-    /// so a waiter cannot miss a bump between its check and its registration.
-    waiters: Mutex<Vec<Waker>>,
+    /// The generation is bumped and checked under this lock, so a waiter
+    /// cannot miss a bump between its check and its registration.
+    waiters: Mutex<Waiters>,
     condvar: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Waiters {
+    wakers: Vec<Waker>,
+    /// Threads blocked in `wait_timeout`: without any, a release skips the
+    /// condvar (a futex wake system call) entirely.
+    blocked: usize,
 }
 
 impl SignalShared {
     pub(crate) fn new() -> Self {
         Self {
             generation: AtomicU64::new(0),
-            waiters: Mutex::new(Vec::new()),
+            waiters: Mutex::new(Waiters::default()),
             condvar: Condvar::new(),
         }
     }
 
     pub(crate) fn bump(&self) {
-        let wakers = {
+        let (wakers, blocked) = {
             let mut waiters = lock(&self.waiters);
             self.generation.fetch_add(1, Ordering::AcqRel);
-            std::mem::take(&mut *waiters)
+            (std::mem::take(&mut waiters.wakers), waiters.blocked)
         };
-        self.condvar.notify_all();
+        if blocked > 0 {
+            self.condvar.notify_all();
+        }
         for waker in wakers {
             waker.wake();
         }
@@ -97,10 +107,12 @@ impl ReleaseSignal {
             if now >= deadline {
                 return false;
             }
+            waiters.blocked += 1;
             waiters = match self.shared.condvar.wait_timeout(waiters, deadline - now) {
                 Ok((guard, _)) => guard,
                 Err(poisoned) => poisoned.into_inner().0,
             };
+            waiters.blocked -= 1;
         }
     }
 }
@@ -122,8 +134,8 @@ impl Future for Released<'_> {
             this.signal.seen = now;
             return Poll::Ready(());
         }
-        if !waiters.iter().any(|w| w.will_wake(cx.waker())) {
-            waiters.push(cx.waker().clone());
+        if !waiters.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            waiters.wakers.push(cx.waker().clone());
         }
         Poll::Pending
     }
@@ -148,7 +160,10 @@ mod tests {
         let shared = Arc::new(SignalShared::new());
         shared.bump();
         let mut sig = ReleaseSignal::new(shared.clone());
-        assert!(!sig.take_released(), "a bump before subscribing is not reported");
+        assert!(
+            !sig.take_released(),
+            "a bump before subscribing is not reported"
+        );
 
         let flag = std::sync::Arc::new(Flag(AtomicBool::new(false)));
         let waker = Waker::from(flag.clone());

@@ -1,12 +1,14 @@
 //! The machine-pool ledger: upstream's checklist (§11.5) adapted to our
 //! format, plus liveness, expiry, reconciliation and failure paths.
+// Under `--cfg loom` the sync primitives only work inside `loom::model`.
+#![cfg(not(loom))]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use common::{agent, demand, res, ConfigBuilder, GIB};
 use kici_admission::ledger::{Clock, LedgerOptions, PoolCap, ReserveOutcome};
-use kici_admission::{AdmitError, Admission, Cap, Holds, LedgerError, MachineLedger};
+use kici_admission::{Admission, AdmitError, Cap, Holds, LedgerError, MachineLedger};
 use kici_model::{AgentId, InstanceId, Resources};
 use std::collections::HashSet;
 use std::path::Path;
@@ -42,7 +44,8 @@ fn fast_options() -> LedgerOptions {
 }
 
 fn reserve(l: &MachineLedger, a: u32, cpu: u64, mem: u64) -> ReserveOutcome {
-    l.try_reserve("pool", agent(a), res(cpu, mem), Resources::ZERO, DAY).unwrap()
+    l.try_reserve("pool", agent(a), res(cpu, mem), Resources::ZERO, DAY)
+        .unwrap()
 }
 
 fn refused_cap(o: ReserveOutcome) -> Cap {
@@ -62,10 +65,16 @@ fn first_reservation_is_granted_and_counted() {
     assert_eq!(u.cap, Some(cap4()));
     assert_eq!(u.rows[0].instance, inst("0000000a"));
     assert_eq!(u.rows[0].agent, agent(1));
-    assert_eq!(u.rows[0].expires_at_ms - u.rows[0].reserved_at_ms, DAY.as_millis() as u64);
+    assert_eq!(
+        u.rows[0].expires_at_ms - u.rows[0].reserved_at_ms,
+        DAY.as_millis() as u64
+    );
     // The file is version 2, readable by people.
     let text = std::fs::read_to_string(dir.path().join("pool.json")).unwrap();
-    assert!(text.contains("\"version\": 2") && text.contains("\"maxCpuMillis\": 4000"), "{text}");
+    assert!(
+        text.contains("\"version\": 2") && text.contains("\"maxCpuMillis\": 4000"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -74,18 +83,27 @@ fn cpu_and_memory_caps() {
     let a = open(dir.path(), "0000000a");
     assert_eq!(reserve(&a, 1, 3000, 0), ReserveOutcome::Reserved);
     assert_eq!(refused_cap(reserve(&a, 2, 2000, 0)), Cap::PoolCpu);
-    assert_eq!(reserve(&a, 3, 1000, 0), ReserveOutcome::Reserved, "exactly the cap fits");
+    assert_eq!(
+        reserve(&a, 3, 1000, 0),
+        ReserveOutcome::Reserved,
+        "exactly the cap fits"
+    );
     let b = open(dir.path(), "0000000b");
     assert_eq!(reserve(&b, 4, 0, 3 * GIB), ReserveOutcome::Reserved);
     match reserve(&b, 5, 0, 2 * GIB) {
         ReserveOutcome::Refused(r) => {
-            assert_eq!((r.cap, r.requested, r.used, r.held, r.limit), (Cap::PoolMemory, 2 * GIB, 3 * GIB, 0, 4 * GIB))
+            assert_eq!(
+                (r.cap, r.requested, r.used, r.held, r.limit),
+                (Cap::PoolMemory, 2 * GIB, 3 * GIB, 0, 4 * GIB)
+            )
         }
         other => panic!("{other:?}"),
     }
     // Held capacity counts against the pool.
     let held = res(0, GIB);
-    let o = b.try_reserve("pool", agent(6), res(0, 1), held, DAY).unwrap();
+    let o = b
+        .try_reserve("pool", agent(6), res(0, 1), held, DAY)
+        .unwrap();
     assert_eq!(refused_cap(o), Cap::PoolMemory);
 }
 
@@ -115,8 +133,14 @@ fn release_only_touches_own_rows() {
     assert!(b.release("pool", agent(1)).unwrap());
     let rows = a.usage("pool").unwrap().rows;
     assert_eq!(rows.len(), 1);
-    assert_eq!((rows[0].instance, rows[0].agent), (inst("0000000a"), agent(1)));
-    assert!(!b.release("pool", agent(1)).unwrap(), "B has nothing left; A's row stays");
+    assert_eq!(
+        (rows[0].instance, rows[0].agent),
+        (inst("0000000a"), agent(1))
+    );
+    assert!(
+        !b.release("pool", agent(1)).unwrap(),
+        "B has nothing left; A's row stays"
+    );
 
     // release_all_own only clears own rows.
     assert_eq!(reserve(&b, 2, 500, 0), ReserveOutcome::Reserved);
@@ -132,7 +156,9 @@ fn release_only_touches_own_rows() {
 fn unregistered_pool_and_bad_names_are_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let a = open(dir.path(), "0000000a");
-    let err = a.try_reserve("other", agent(1), res(1, 1), Resources::ZERO, DAY).unwrap_err();
+    let err = a
+        .try_reserve("other", agent(1), res(1, 1), Resources::ZERO, DAY)
+        .unwrap_err();
     assert!(matches!(err, LedgerError::NotRegistered { .. }), "{err}");
     assert!(err.to_string().contains("not registered"));
     let err = a.register_pools([("../escape", cap4())]).unwrap_err();
@@ -154,7 +180,9 @@ fn cap_mismatch_with_the_file_is_rejected_and_changes_nothing() {
         max_memory_bytes: Some(4 * GIB),
     };
     // All or nothing: a good new pool listed first is not registered either.
-    let err = c.register_pools([("fresh", cap4()), ("pool", other)]).unwrap_err();
+    let err = c
+        .register_pools([("fresh", cap4()), ("pool", other)])
+        .unwrap_err();
     assert!(matches!(err, LedgerError::CapMismatch { .. }), "{err}");
     assert!(err.to_string().contains("cap"), "{err}");
     assert_eq!(c.registered_cap("fresh"), None);
@@ -169,7 +197,10 @@ fn cap_mismatch_with_the_file_is_rejected_and_changes_nothing() {
     let err = a.register_pools([("fresh", other)]).unwrap_err();
     assert!(matches!(err, LedgerError::CapMismatch { .. }));
     // Through Admission: start-up refused.
-    let config = ConfigBuilder::new(10).pool("pool", Some(8000), Some(4 * GIB)).scaler("s", 5, None, None, Some("pool")).build();
+    let config = ConfigBuilder::new(10)
+        .pool("pool", Some(8000), Some(4 * GIB))
+        .scaler("s", 5, None, None, Some("pool"))
+        .build();
     let d = MachineLedger::open_with(Some(dir.path()), inst("0000000d"), fast_options()).unwrap();
     let err = Admission::new(&config, Some(d)).unwrap_err();
     assert!(err.to_string().contains("cap"), "{err}");
@@ -205,10 +236,17 @@ fn upstream_version_1_files_and_lock_dirs_are_refused_loudly() {
     let err = a.register_pools([("pool", cap4())]).unwrap_err();
     assert!(matches!(err, LedgerError::ForeignVersion1 { .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("version 1") && msg.contains("different"), "{msg}");
+    assert!(
+        msg.contains("version 1") && msg.contains("different"),
+        "{msg}"
+    );
     let err = a.release("pool", agent(1)).unwrap_err();
     assert!(matches!(err, LedgerError::ForeignVersion1 { .. }), "{err}");
-    assert_eq!(std::fs::read_to_string(dir.path().join("pool.json")).unwrap(), v1, "untouched");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("pool.json")).unwrap(),
+        v1,
+        "untouched"
+    );
     // Pools we do not use are skipped by reconciliation, not fatal.
     assert!(a.reconcile_own(&HashSet::new()).unwrap().is_empty());
 
@@ -218,23 +256,33 @@ fn upstream_version_1_files_and_lock_dirs_are_refused_loudly() {
 
     std::fs::write(dir.path().join("v3.json"), r#"{"version":3}"#).unwrap();
     let err = a.register_pools([("v3", cap4())]).unwrap_err();
-    assert!(matches!(err, LedgerError::UnsupportedVersion { .. }), "{err}");
+    assert!(
+        matches!(err, LedgerError::UnsupportedVersion { .. }),
+        "{err}"
+    );
     std::fs::write(dir.path().join("bad.json"), "{not json").unwrap();
     let err = a.register_pools([("bad", cap4())]).unwrap_err();
     assert!(matches!(err, LedgerError::Corrupt { .. }), "{err}");
-    assert_eq!(std::fs::read_to_string(dir.path().join("bad.json")).unwrap(), "{not json");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("bad.json")).unwrap(),
+        "{not json"
+    );
 }
 
 #[test]
 fn an_instance_can_be_open_only_once() {
     let dir = tempfile::tempdir().unwrap();
     let a = open(dir.path(), "0000000a");
-    let err = MachineLedger::open_with(Some(dir.path()), inst("0000000a"), fast_options()).unwrap_err();
+    let err =
+        MachineLedger::open_with(Some(dir.path()), inst("0000000a"), fast_options()).unwrap_err();
     assert!(matches!(err, LedgerError::InstanceInUse { .. }), "{err}");
     assert!(err.to_string().contains("already open"), "{err}");
     let clone = a.clone();
     drop(a);
-    assert!(MachineLedger::open_with(Some(dir.path()), inst("0000000a"), fast_options()).is_err(), "a clone keeps the lock");
+    assert!(
+        MachineLedger::open_with(Some(dir.path()), inst("0000000a"), fast_options()).is_err(),
+        "a clone keeps the lock"
+    );
     drop(clone);
     assert!(MachineLedger::open_with(Some(dir.path()), inst("0000000a"), fast_options()).is_ok());
 }
@@ -261,10 +309,24 @@ fn dead_owners_rows_are_kept_until_they_expire() {
     let dir = tempfile::tempdir().unwrap();
     let (clock, now) = manual_clock(1_000_000);
     let dead = open_at(dir.path(), "0000dead", clock.clone());
-    dead.try_reserve("pool", agent(1), res(3000, 0), Resources::ZERO, Duration::from_secs(60)).unwrap();
+    dead.try_reserve(
+        "pool",
+        agent(1),
+        res(3000, 0),
+        Resources::ZERO,
+        Duration::from_secs(60),
+    )
+    .unwrap();
     drop(dead);
     let live = open_at(dir.path(), "00000a11", clock.clone());
-    live.try_reserve("pool", agent(2), res(1000, 0), Resources::ZERO, Duration::from_secs(1)).unwrap();
+    live.try_reserve(
+        "pool",
+        agent(2),
+        res(1000, 0),
+        Resources::ZERO,
+        Duration::from_secs(1),
+    )
+    .unwrap();
     let watcher = open_at(dir.path(), "0000000b", clock);
 
     // Not expired: a dead owner's row still counts (its agent may run).
@@ -276,7 +338,10 @@ fn dead_owners_rows_are_kept_until_they_expire() {
     now.fetch_add(60_001, Ordering::SeqCst);
     let reaped = watcher.reap_expired("pool").unwrap();
     assert_eq!(reaped.len(), 1);
-    assert_eq!((reaped[0].pool.as_str(), reaped[0].row.agent), ("pool", agent(1)));
+    assert_eq!(
+        (reaped[0].pool.as_str(), reaped[0].row.agent),
+        ("pool", agent(1))
+    );
     let rows = watcher.usage("pool").unwrap().rows;
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].instance, inst("00000a11"));
@@ -294,11 +359,13 @@ fn dead_owners_rows_are_kept_until_they_expire() {
 fn reconcile_own_drops_only_this_instances_unkept_rows() {
     let dir = tempfile::tempdir().unwrap();
     let a = open(dir.path(), "0000000a");
-    a.register_pools([("pool", cap4()), ("second", cap4())]).unwrap();
+    a.register_pools([("pool", cap4()), ("second", cap4())])
+        .unwrap();
     for i in 1..=3 {
         assert_eq!(reserve(&a, i, 500, 0), ReserveOutcome::Reserved);
     }
-    a.try_reserve("second", agent(4), res(500, 0), Resources::ZERO, DAY).unwrap();
+    a.try_reserve("second", agent(4), res(500, 0), Resources::ZERO, DAY)
+        .unwrap();
     let b = open(dir.path(), "0000000b");
     assert_eq!(reserve(&b, 1, 500, 0), ReserveOutcome::Reserved);
     drop(a); // "crash"
@@ -314,12 +381,19 @@ fn reconcile_own_drops_only_this_instances_unkept_rows() {
     dropped.sort();
     assert_eq!(
         dropped,
-        [("pool".to_owned(), agent(1)), ("pool".to_owned(), agent(3)), ("second".to_owned(), agent(4))]
+        [
+            ("pool".to_owned(), agent(1)),
+            ("pool".to_owned(), agent(3)),
+            ("second".to_owned(), agent(4))
+        ]
     );
     let rows = a.usage("pool").unwrap().rows;
     let mut left: Vec<_> = rows.iter().map(|r| (r.instance, r.agent)).collect();
     left.sort();
-    assert_eq!(left, [(inst("0000000a"), agent(2)), (inst("0000000b"), agent(1))]);
+    assert_eq!(
+        left,
+        [(inst("0000000a"), agent(2)), (inst("0000000b"), agent(1))]
+    );
     assert!(a.reconcile_own(&keep).unwrap().is_empty(), "idempotent");
 }
 
@@ -344,7 +418,11 @@ fn a_failed_release_is_queued_and_applied_later() {
 
     // The row is still on disk, but the next write of the pool applies the
     // queued release first: agent 2 fits.
-    assert_eq!(a.usage("pool").unwrap().rows.len(), 0, "applied by the next access");
+    assert_eq!(
+        a.usage("pool").unwrap().rows.len(),
+        0,
+        "applied by the next access"
+    );
     assert_eq!(reserve(&a, 2, 4000, 0), ReserveOutcome::Reserved);
 
     // Re-using an id whose release is queued: the new row survives.
@@ -367,34 +445,66 @@ fn admission_reserves_and_releases_ledger_rows() {
     let other = open(dir.path(), "0000000b");
     assert_eq!(reserve(&other, 9, 2000, 0), ReserveOutcome::Reserved);
 
-    let ledger = MachineLedger::open_with(Some(dir.path()), inst("0000000a"), fast_options()).unwrap();
+    let ledger =
+        MachineLedger::open_with(Some(dir.path()), inst("0000000a"), fast_options()).unwrap();
     let adm = Admission::new(&config, Some(ledger.clone())).unwrap();
-    let r1 = adm.try_reserve(demand(1, "s", 1000, GIB, Some("pool")), &Holds::none()).unwrap();
+    let r1 = adm
+        .try_reserve(demand(1, "s", 1000, GIB, Some("pool")), &Holds::none())
+        .unwrap();
     // The other process's 2000m counts: 1000 + 2000 + 1500 > 4000.
-    let err = adm.try_reserve(demand(2, "s", 1500, 0, Some("pool")), &Holds::none()).unwrap_err();
+    let err = adm
+        .try_reserve(demand(2, "s", 1500, 0, Some("pool")), &Holds::none())
+        .unwrap_err();
     match err {
         AdmitError::Refused(r) => assert_eq!((r.cap, r.used, r.limit), (Cap::PoolCpu, 3000, 4000)),
         other => panic!("{other}"),
     }
-    assert_eq!(adm.usage().global.agents, 1, "the pool refusal reserved nothing");
-    assert_eq!(adm.usage().pools["pool"].cpu.millis(), 1000, "this process's share");
+    assert_eq!(
+        adm.usage().global.agents,
+        1,
+        "the pool refusal reserved nothing"
+    );
+    assert_eq!(
+        adm.usage().pools["pool"].cpu.millis(),
+        1000,
+        "this process's share"
+    );
     let rows = ledger.usage("pool").unwrap().rows;
     assert_eq!(rows.len(), 2);
-    let ours = rows.iter().find(|r| r.instance == inst("0000000a")).unwrap();
-    assert_eq!(ours.expires_at_ms - ours.reserved_at_ms, 24 * 3600 * 1000, "maxLifetime of the scaler");
+    let ours = rows
+        .iter()
+        .find(|r| r.instance == inst("0000000a"))
+        .unwrap();
+    assert_eq!(
+        ours.expires_at_ms - ours.reserved_at_ms,
+        24 * 3600 * 1000,
+        "maxLifetime of the scaler"
+    );
 
     drop(r1);
-    assert_eq!(ledger.usage("pool").unwrap().rows.len(), 1, "drop removed our row");
+    assert_eq!(
+        ledger.usage("pool").unwrap().rows.len(),
+        1,
+        "drop removed our row"
+    );
     assert_eq!(adm.usage().global.agents, 0);
 
     // A ledger failure (here: the file became unreadable) reserves nothing
     // anywhere.
     std::fs::write(dir.path().join("pool.json"), "garbage").unwrap();
-    let err = adm.try_reserve(demand(3, "s", 100, 0, Some("pool")), &Holds::none()).unwrap_err();
-    assert!(matches!(err, AdmitError::Ledger(LedgerError::Corrupt { .. })), "{err}");
+    let err = adm
+        .try_reserve(demand(3, "s", 100, 0, Some("pool")), &Holds::none())
+        .unwrap_err();
+    assert!(
+        matches!(err, AdmitError::Ledger(LedgerError::Corrupt { .. })),
+        "{err}"
+    );
     let u = adm.usage();
     assert_eq!((u.global.agents, u.pools["pool"].agents), (0, 0));
-    assert_eq!(std::fs::read_to_string(dir.path().join("pool.json")).unwrap(), "garbage");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("pool.json")).unwrap(),
+        "garbage"
+    );
 }
 
 #[test]
@@ -410,7 +520,9 @@ fn admission_drop_releases_counters_even_when_the_ledger_is_stuck() {
     };
     let ledger = MachineLedger::open_with(Some(dir.path()), inst("0000000a"), options).unwrap();
     let adm = Admission::new(&config, Some(ledger.clone())).unwrap();
-    let r = adm.try_reserve(demand(1, "s", 4000, 0, Some("pool")), &Holds::none()).unwrap();
+    let r = adm
+        .try_reserve(demand(1, "s", 4000, 0, Some("pool")), &Holds::none())
+        .unwrap();
     let blocker = std::fs::File::open(dir.path().join("pool.lock")).unwrap();
     rustix::fs::flock(&blocker, rustix::fs::FlockOperation::LockExclusive).unwrap();
     let mut signal = adm.subscribe_releases();
@@ -422,7 +534,9 @@ fn admission_drop_releases_counters_even_when_the_ledger_is_stuck() {
     let report = ledger.maintain();
     assert!(report.errors.is_empty());
     assert!(ledger.usage("pool").unwrap().rows.is_empty());
-    assert!(adm.try_reserve(demand(2, "s", 4000, 0, Some("pool")), &Holds::none()).is_ok());
+    assert!(adm
+        .try_reserve(demand(2, "s", 4000, 0, Some("pool")), &Holds::none())
+        .is_ok());
 }
 
 #[test]
@@ -434,17 +548,26 @@ fn adopt_keeps_an_existing_row_and_drop_releases_it() {
         .build();
     let (clock, _now) = manual_clock(5_000);
     let first = open_at(dir.path(), "0000000a", clock.clone());
-    first.try_reserve("pool", agent(1), res(1000, 0), Resources::ZERO, DAY).unwrap();
+    first
+        .try_reserve("pool", agent(1), res(1000, 0), Resources::ZERO, DAY)
+        .unwrap();
     drop(first);
 
     let (later, _) = manual_clock(9_000);
-    let options = LedgerOptions { clock: later, ..fast_options() };
+    let options = LedgerOptions {
+        clock: later,
+        ..fast_options()
+    };
     let ledger = MachineLedger::open_with(Some(dir.path()), inst("0000000a"), options).unwrap();
     let adm = Admission::new(&config, Some(ledger.clone())).unwrap();
     ledger.reconcile_own(&[agent(1)].into()).unwrap();
     let r = adm.adopt(demand(1, "s", 1000, 0, Some("pool"))).unwrap();
     let rows = ledger.usage("pool").unwrap().rows;
-    assert_eq!((rows.len(), rows[0].reserved_at_ms), (1, 5_000), "the original row is kept");
+    assert_eq!(
+        (rows.len(), rows[0].reserved_at_ms),
+        (1, 5_000),
+        "the original row is kept"
+    );
     // Adopting an agent whose row was lost restores it.
     let r2 = adm.adopt(demand(2, "s", 500, 0, Some("pool"))).unwrap();
     assert_eq!(ledger.usage("pool").unwrap().cpu_millis, 1500);

@@ -5,12 +5,14 @@
 //! With `--features check-then-act-mutant` admission checks and reserves in
 //! two critical sections, as upstream did; the same stress test then sees
 //! violations, which proves it can catch that race.
+// Under `--cfg loom` the sync primitives only work inside `loom::model`.
+#![cfg(not(loom))]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use common::{demand, ConfigBuilder, GIB};
-use kici_admission::{AdmitError, Admission, Holds};
+use kici_admission::{Admission, AdmitError, Holds};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -106,7 +108,11 @@ fn stress() -> (u64, u64, u64) {
     }
     let u = adm.usage();
     assert_eq!(
-        (u.global.agents, u.global.cpu.millis(), u.global.memory.bytes()),
+        (
+            u.global.agents,
+            u.global.cpu.millis(),
+            u.global.memory.bytes()
+        ),
         (0, 0, 0),
         "usage returns to zero"
     );
@@ -123,7 +129,10 @@ fn eight_threads_never_exceed_any_cap() {
     let (violations, admitted, refused) = stress();
     assert_eq!(violations, 0, "cap violations: {violations}");
     // The caps really were contended.
-    assert!(admitted > 0 && refused > 0, "admitted {admitted}, refused {refused}");
+    assert!(
+        admitted > 0 && refused > 0,
+        "admitted {admitted}, refused {refused}"
+    );
 }
 
 /// Proof that the stress test catches the check-then-act race: with the

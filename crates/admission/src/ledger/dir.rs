@@ -46,16 +46,17 @@ pub(crate) fn resolve_dir_with(
     env: impl Fn(&str) -> Option<OsString>,
     candidates: &[PathBuf],
 ) -> Result<PathBuf, LedgerError> {
-    let chosen = explicit
-        .map(Path::to_path_buf)
-        .or_else(|| env(LEDGER_DIR_ENV).filter(|v| !v.is_empty()).map(PathBuf::from));
+    let chosen = explicit.map(Path::to_path_buf).or_else(|| {
+        env(LEDGER_DIR_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
     if let Some(dir) = chosen {
         // Named by the operator: it must work, no silent fallback (two
         // processes falling back differently would stop sharing the pool).
-        return usable(&dir).map(|()| dir.clone()).map_err(|source| LedgerError::Dir {
-            path: dir,
-            source,
-        });
+        return usable(&dir)
+            .map(|()| dir.clone())
+            .map_err(|source| LedgerError::Dir { path: dir, source });
     }
     let mut tried = Vec::new();
     for dir in candidates {
@@ -91,7 +92,10 @@ mod tests {
         let env_set = |k: &str| (k == LEDGER_DIR_ENV).then(|| from_env.clone().into_os_string());
         let no_env = |_: &str| None;
 
-        assert_eq!(resolve_dir_with(Some(&explicit), env_set, &[]).unwrap(), explicit);
+        assert_eq!(
+            resolve_dir_with(Some(&explicit), env_set, &[]).unwrap(),
+            explicit
+        );
         assert!(explicit.is_dir());
         assert_eq!(resolve_dir_with(None, env_set, &[]).unwrap(), from_env);
 
@@ -105,7 +109,10 @@ mod tests {
             fallback
         );
         let err = resolve_dir_with(None, no_env, std::slice::from_ref(&blocked)).unwrap_err();
-        assert!(matches!(&err, LedgerError::NoUsableDir { tried } if tried.len() == 1), "{err}");
+        assert!(
+            matches!(&err, LedgerError::NoUsableDir { tried } if tried.len() == 1),
+            "{err}"
+        );
         // An unusable explicit dir is an error naming it, not a fallback.
         let err = resolve_dir_with(Some(&blocked), no_env, &[fallback]).unwrap_err();
         assert!(err.to_string().contains("a-file/ledger"), "{err}");

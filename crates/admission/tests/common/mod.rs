@@ -4,9 +4,9 @@
 
 use kici_admission::Demand;
 use kici_model::{
-    AgentId, BareMetalSettings, BackendSettings, Config, FirecrackerNetwork, LabelSet,
-    MachinePool, MemoryBytes, MilliCpu, Origin, ResourceCap, Resources, Roles, ScalerEntry,
-    ScalerExtension, ScalerName, ScalerType,
+    AgentId, BackendSettings, BareMetalSettings, Config, FirecrackerNetwork, LabelSet, MachinePool,
+    MemoryBytes, MilliCpu, Origin, ResourceCap, Resources, Roles, ScalerEntry, ScalerExtension,
+    ScalerName, ScalerType,
 };
 
 pub const GIB: u64 = 1 << 30;
@@ -97,7 +97,13 @@ pub fn agent(n: u32) -> AgentId {
     AgentId::new(ScalerType::BareMetal, n.to_be_bytes())
 }
 
-pub fn demand(n: u32, scaler: &str, cpu_millis: u64, memory_bytes: u64, pool: Option<&str>) -> Demand {
+pub fn demand(
+    n: u32,
+    scaler: &str,
+    cpu_millis: u64,
+    memory_bytes: u64,
+    pool: Option<&str>,
+) -> Demand {
     Demand {
         agent: agent(n),
         scaler: ScalerName::new(scaler),
