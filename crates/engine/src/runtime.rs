@@ -22,6 +22,9 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{broadcast, mpsc, Notify};
 use tokio::task::AbortHandle;
 
+/// How often the machine-pool ledger's upkeep runs.
+const LEDGER_MAINTENANCE: Duration = Duration::from_secs(30);
+
 /// The agent-facing half of a spawn: where to connect and with what token.
 /// The daemon mints tokens; the default connects to the local gateway.
 pub trait Bootstrapper: Send + Sync {
@@ -99,6 +102,7 @@ impl Runtime {
         backends: Vec<Arc<dyn Backend>>,
         bootstrap: Arc<dyn Bootstrapper>,
     ) -> Self {
+        let ledger = engine.admission().ledger().cloned();
         let (reports, mut report_rx) = mpsc::unbounded_channel();
         let (events, _) = broadcast::channel(4096);
         let inner = Arc::new(Inner {
@@ -128,6 +132,23 @@ impl Runtime {
                 });
             }
         });
+        if let Some(ledger) = ledger {
+            // Retries queued ledger releases and reaps expired rows of dead
+            // instances; file I/O, so off the async workers.
+            let stopped = rt.clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(LEDGER_MAINTENANCE);
+                while !stopped.inner.stopped.load(Ordering::Acquire) {
+                    every.tick().await;
+                    let l = ledger.clone();
+                    if let Ok(report) = tokio::task::spawn_blocking(move || l.maintain()).await {
+                        for (pool, error) in report.errors {
+                            tracing::warn!(pool = %pool, error = %error, "machine-pool ledger upkeep failed");
+                        }
+                    }
+                }
+            });
+        }
         // Warm pools fill from the start.
         rt.call(|e, now| e.tick(now));
         rt
