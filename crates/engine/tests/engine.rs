@@ -793,3 +793,57 @@ scalers:
         "exactly at the cap is allowed"
     );
 }
+
+#[test]
+fn reload_shrinking_the_warm_pool_destroys_the_newest_idle_agents() {
+    let yaml = WARM
+        .replace("maxAgents: 3", "maxAgents: 6")
+        .replace("size: 2", "size: 4");
+    let now = Clock::new().now();
+    let mut e = engine(&yaml);
+    e.tick(now);
+    let warm = spawn_orders(&mut e);
+    assert_eq!(warm.len(), 4);
+    for a in &warm {
+        bring_up(&mut e, *a, now);
+    }
+    let report = e
+        .reload(config(&yaml.replace("size: 4", "size: 2")), now)
+        .unwrap();
+    assert!(
+        report
+            .changes
+            .iter()
+            .any(|c| c.contains("warmPool.size: 4 -> 2")),
+        "{:?}",
+        report.changes
+    );
+    let mut destroyed = destroy_orders(&mut e);
+    destroyed.sort();
+    let mut newest = warm[2..].to_vec();
+    newest.sort();
+    assert_eq!(destroyed, newest, "the two newest go, the two oldest stay");
+    for a in &warm[..2] {
+        assert_eq!(state(&e, *a, now), AgentState::Idle);
+    }
+}
+
+#[test]
+fn warm_spawns_respect_the_breaker() {
+    let now = Clock::new().now();
+    let mut e = engine(WARM);
+    e.tick(now);
+    let warm = spawn_orders(&mut e);
+    assert_eq!(warm.len(), 2);
+    for a in &warm {
+        e.spawn_failed(*a, "no such binary".into(), now);
+    }
+    for a in destroy_orders(&mut e) {
+        e.destroy_finished(a, now);
+    }
+    // Backing off: no immediate re-spawn storm.
+    e.tick(now);
+    assert!(spawn_orders(&mut e).is_empty());
+    let status = e.status(now);
+    assert_eq!(status.scalers[0].label_sets[0].consecutive_failures, 2);
+}
