@@ -1,0 +1,830 @@
+//! The bare-metal backend: agents as host processes.
+//!
+//! Each agent is the label set's `binaryPath`, exec'd with exactly the
+//! environment of [`crate::env::agent_env`] (nothing inherited; the token
+//! only in the environment, never in argv), in its own session and process
+//! group, stdin from `/dev/null`, stdout and stderr appended to
+//! `<state dir>/agents/<agent id>/{stdout,stderr}.log`, working directory
+//! `<state dir>/agents/<agent id>/work`. Before it execs, the child moves
+//! itself into its tracking cgroup (and its v1 limit cgroups), so nothing it
+//! forks can escape ([`crate::cgroup`]).
+//!
+//! The backend owns, per agent: the tracking cgroup and its limits, the log
+//! directory, the exit watch (a pidfd: the exit is reported at once and the
+//! child reaped) and the log tailer. Destroy verifies the pid's start time
+//! before signalling the process group, kills whatever remains in the cgroup
+//! after the grace, and removes everything; it works from the agent id alone
+//! (after a daemon restart) and when the agent is long gone.
+
+use crate::cgroup::{self, AgentCgroups, CgroupLayout, Controllers, LimitPlan};
+use crate::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
+use crate::logs::{self, LogContext, Tailer};
+use crate::notify::FileWatch;
+use crate::process::ProcessIdentity;
+use async_trait::async_trait;
+use kici_engine::{
+    Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+};
+use kici_engine::backend::ReportSender;
+use kici_model::{
+    AgentId, BackendSettings, InstanceId, LabelSetBackend, ScalerEntry, ScalerType,
+};
+use parking_lot::{Mutex, RwLock};
+use rustix::fs::Access;
+use rustix::io::Errno;
+use rustix::process::{Pid, Signal};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::watch;
+
+/// `logsSource` of forwarded lines (upstream §6.6).
+pub const LOG_SOURCE: &str = "bare-metal";
+
+/// How long destroy waits for the kernel to remove killed processes before
+/// it reports failure (a process in uninterruptible sleep can take a while;
+/// the reconciler retries).
+const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often cgroup emptiness is re-checked when no inotify event came.
+const EMPTY_POLL: Duration = Duration::from_millis(50);
+
+/// The marker file in an agent's directory: its `pid:<pid>:<start>`.
+const PROCESS_MARKER: &str = "process";
+/// The directory under `agents/` holding retired agents' logs.
+const RETIRED: &str = "retired";
+
+/// Construction settings.
+#[derive(Debug, Clone)]
+pub struct BareMetalOptions {
+    pub instance: InstanceId,
+    /// Per-agent directories go under `<state_dir>/agents/<agent id>/`.
+    pub state_dir: PathBuf,
+    /// The cgroup v2 mount (tracking, and limits where it has controllers).
+    pub cgroup_root: PathBuf,
+    /// Where the cgroup v1 hierarchies are mounted (`<root>/memory`,
+    /// `<root>/cpu`): limits when v2 lacks the controller.
+    pub cgroup_v1_root: PathBuf,
+    /// The daemon's `KICI_AGENT_ENV_*` variables (other names are ignored,
+    /// so the whole environment may be passed), captured once.
+    pub forwarded_env: Vec<(String, String)>,
+    /// The daemon's environment; only the allowlist reaches agents.
+    pub system_env: Vec<(String, String)>,
+}
+
+impl BareMetalOptions {
+    pub const DEFAULT_CGROUP_ROOT: &'static str = "/sys/fs/cgroup/unified";
+    pub const DEFAULT_CGROUP_V1_ROOT: &'static str = "/sys/fs/cgroup";
+
+    /// Default cgroup roots; both env lists from `daemon_env` (usually
+    /// `std::env::vars()`).
+    pub fn new(
+        instance: InstanceId,
+        state_dir: PathBuf,
+        daemon_env: Vec<(String, String)>,
+    ) -> Self {
+        Self {
+            instance,
+            state_dir,
+            cgroup_root: PathBuf::from(Self::DEFAULT_CGROUP_ROOT),
+            cgroup_v1_root: PathBuf::from(Self::DEFAULT_CGROUP_V1_ROOT),
+            forwarded_env: daemon_env.clone(),
+            system_env: daemon_env,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BareMetalSetupError {
+    #[error(transparent)]
+    ForwardedEnv(#[from] ForwardedEnvError),
+    #[error("cannot create the agents directory {}: {source}", path.display())]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What one spawned agent holds while this daemon follows it.
+struct Tracked {
+    identity: ProcessIdentity,
+    cgroups: AgentCgroups,
+    exit: Arc<ExitWatch>,
+    tailer: Tailer,
+}
+
+/// Shared between the exit watcher and destroy.
+struct ExitWatch {
+    /// Set by destroy before it signals: the exit is then expected and not
+    /// reported (the engine is already destroying the agent).
+    destroying: AtomicBool,
+    /// `Some(detail)` once the leader exited and was reaped (its pid may be
+    /// reused from then on).
+    exited: watch::Sender<Option<String>>,
+}
+
+struct Inner {
+    layout: CgroupLayout,
+    agents_dir: PathBuf,
+    system: SystemEnv,
+    forwarded: ForwardedEnv,
+    tracked: Mutex<HashMap<AgentId, Tracked>>,
+    /// Spawns create cgroup parents under a read lock; pruning empty parents
+    /// takes the write lock, so it never removes a directory a spawn is about
+    /// to use.
+    tree: RwLock<()>,
+}
+
+/// The bare-metal [`Backend`]. Cheap to clone.
+#[derive(Clone)]
+pub struct BareMetalBackend {
+    inner: Arc<Inner>,
+}
+
+impl BareMetalBackend {
+    pub fn new(options: BareMetalOptions) -> Result<Self, BareMetalSetupError> {
+        let forwarded = ForwardedEnv::from_vars(options.forwarded_env)?;
+        let system = SystemEnv::from_vars(options.system_env);
+        let agents_dir = options.state_dir.join("agents");
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&agents_dir)
+            .map_err(|source| BareMetalSetupError::StateDir {
+                path: agents_dir.clone(),
+                source,
+            })?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                layout: CgroupLayout::new(
+                    options.cgroup_root,
+                    options.cgroup_v1_root,
+                    options.instance,
+                ),
+                agents_dir,
+                system,
+                forwarded,
+                tracked: Mutex::new(HashMap::new()),
+                tree: RwLock::new(()),
+            }),
+        })
+    }
+
+    pub fn layout(&self) -> &CgroupLayout {
+        &self.inner.layout
+    }
+
+    /// `<state dir>/agents/<agent id>`.
+    pub fn agent_dir(&self, agent: AgentId) -> PathBuf {
+        self.inner.agents_dir.join(agent.to_string())
+    }
+
+    /// Where destroyed agents' logs are kept (bounded, see [`crate::logs`]).
+    pub fn retired_dir(&self) -> PathBuf {
+        self.inner.agents_dir.join(RETIRED)
+    }
+
+    /// Removes this instance's empty cgroup directories (scaler and instance
+    /// level, v2 and v1). For shutdown, after every agent is destroyed.
+    pub fn prune_empty_cgroups(&self) {
+        let _tree = self.inner.tree.write();
+        self.inner.layout.prune_empty();
+    }
+
+    fn start_agent(&self, spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
+        let inner = &self.inner;
+        let BackendSettings::BareMetal(settings) = &spec.scaler.backend else {
+            return Err(SpawnError::NotBareMetal(spec.scaler.name.to_string()));
+        };
+        let LabelSetBackend::BareMetal { binary_path } = &spec.label_set.backend else {
+            return Err(SpawnError::NotBareMetal(spec.scaler.name.to_string()));
+        };
+        let plan = if settings.enforce_cgroups {
+            LimitPlan::for_limits(
+                spec.resources.limits,
+                &Controllers::detect(&inner.layout),
+                &inner.layout,
+            )?
+        } else {
+            LimitPlan::default()
+        };
+        let env = agent_env(spec, ScalerType::BareMetal, &inner.system, &inner.forwarded);
+
+        let dir = self.agent_dir(spec.agent);
+        let files = AgentFiles::create(&dir).map_err(|source| SpawnError::Files {
+            path: dir.clone(),
+            source,
+        })?;
+        let cgroups = {
+            let _tree = inner.tree.read();
+            AgentCgroups::create(&inner.layout, spec.scaler.name.as_str(), spec.agent, &plan)
+        };
+        let cgroups = match cgroups {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(e.into());
+            }
+        };
+        let started = start_process(binary_path, env, &files, &cgroups);
+        match started {
+            Ok((child, identity)) => {
+                // Lets a later daemon (or destroy without handle) verify the pid.
+                if let Err(e) = fs::write(dir.join(PROCESS_MARKER), identity.to_string()) {
+                    tracing::warn!(agent_id = %spec.agent, error = %e, "cannot record the agent's pid");
+                }
+                Ok(Spawned {
+                    child,
+                    identity,
+                    cgroups,
+                    dir,
+                })
+            }
+            Err(e) => {
+                let _ = cgroups.remove();
+                let _ = fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    async fn destroy_inner(
+        &self,
+        agent: AgentId,
+        handle: Option<&ResourceHandle>,
+        grace: Duration,
+    ) -> Result<(), DestroyError> {
+        let tracked = self.inner.tracked.lock().remove(&agent);
+        let dir = self.agent_dir(agent);
+        let (leader, cgroups, exit, tailer) = match tracked {
+            Some(t) => {
+                t.exit.destroying.store(true, Ordering::SeqCst);
+                // Until the watcher reaps it, the pid cannot be reused.
+                let leader = t.exit.exited.borrow().is_none().then_some(t.identity);
+                (leader, t.cgroups, Some(t.exit), Some(t.tailer))
+            }
+            None => {
+                let recorded = handle
+                    .and_then(|h| h.id.parse::<ProcessIdentity>().ok())
+                    .or_else(|| read_marker(&dir));
+                (
+                    recorded,
+                    self.inner.layout.find_agent(agent),
+                    None,
+                    None,
+                )
+            }
+        };
+        // Only a pid whose start time still matches is ours to signal.
+        let leader = leader.filter(ProcessIdentity::is_current);
+        if let Some(leader) = leader {
+            match rustix::process::kill_process_group(leader.pid, Signal::TERM) {
+                Ok(()) | Err(Errno::SRCH) => {}
+                Err(e) => {
+                    tracing::warn!(agent_id = %agent, error = %e, "cannot signal the agent's process group")
+                }
+            }
+        }
+        if let Some(tracking) = &cgroups.tracking {
+            // Members that left the process group (setsid) get the same
+            // chance to stop cleanly; membership is the ownership proof.
+            let _ = cgroup::signal_all(tracking, Signal::TERM);
+            if !wait_empty(tracking, grace).await {
+                let deadline = Instant::now() + KILL_TIMEOUT;
+                loop {
+                    cgroup::kill_all(tracking).map_err(|source| DestroyError::Kill {
+                        cgroup: tracking.clone(),
+                        source,
+                    })?;
+                    if wait_empty(tracking, EMPTY_POLL).await {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(DestroyError::Survivors(tracking.clone()));
+                    }
+                }
+            }
+        } else if let Some(leader) = leader {
+            // No tracking cgroup (it was never created): the group is all
+            // there is to stop.
+            if !wait_leader(leader, exit.as_deref(), grace).await {
+                let _ = rustix::process::kill_process_group(leader.pid, Signal::KILL);
+            }
+        }
+        if let Some(tailer) = tailer {
+            tailer.finish().await;
+        }
+        remove_cgroups(&cgroups).await?;
+        logs::retire(&dir, &self.retired_dir()).map_err(|source| DestroyError::Logs {
+            dir: dir.clone(),
+            source,
+        })?;
+        tracing::info!(agent_id = %agent, "bare-metal agent destroyed");
+        Ok(())
+    }
+}
+
+struct Spawned {
+    child: Child,
+    identity: ProcessIdentity,
+    cgroups: AgentCgroups,
+    dir: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum SpawnError {
+    #[error("scaler {0:?} is not a bare-metal scaler (no binaryPath)")]
+    NotBareMetal(String),
+    #[error(transparent)]
+    Limits(#[from] cgroup::LimitError),
+    #[error(transparent)]
+    Cgroup(#[from] cgroup::CgroupError),
+    #[error("cannot prepare the agent directory {}: {source}", path.display())]
+    Files {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start {}: {source}", binary.display())]
+    Exec {
+        binary: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the agent process {0} vanished before it could be identified: {1}")]
+    Identify(u32, std::io::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum DestroyError {
+    #[error("cannot kill the processes of {}: {source}", cgroup.display())]
+    Kill {
+        cgroup: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("processes of {} survived SIGKILL for {KILL_TIMEOUT:?}", .0.display())]
+    Survivors(PathBuf),
+    #[error(transparent)]
+    Cgroup(#[from] cgroup::CgroupError),
+    #[error("cannot retire the logs in {}: {source}", dir.display())]
+    Logs {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The agent's directory with fresh, empty log files.
+struct AgentFiles {
+    stdout: fs::File,
+    stderr: fs::File,
+    work: PathBuf,
+}
+
+impl AgentFiles {
+    fn create(dir: &Path) -> std::io::Result<Self> {
+        if dir.exists() {
+            // A leftover of an agent with the same id: not ours to keep.
+            fs::remove_dir_all(dir)?;
+        }
+        let work = dir.join("work");
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&work)?;
+        let open = |name: &str| {
+            OpenOptions::new()
+                .create_new(true)
+                .append(true)
+                .mode(0o600)
+                .open(dir.join(name))
+        };
+        Ok(Self {
+            stdout: open(logs::Stream::Stdout.file_name())?,
+            stderr: open(logs::Stream::Stderr.file_name())?,
+            work,
+        })
+    }
+}
+
+/// Forks and execs the agent inside its cgroups.
+fn start_process(
+    binary: &Path,
+    env: Vec<(String, String)>,
+    files: &AgentFiles,
+    cgroups: &AgentCgroups,
+) -> Result<(Child, ProcessIdentity), SpawnError> {
+    let exec_err = |source| SpawnError::Exec {
+        binary: binary.to_owned(),
+        source,
+    };
+    let procs = cgroups.open_procs()?;
+    let stdout = files.stdout.try_clone().map_err(exec_err)?;
+    let stderr = files.stderr.try_clone().map_err(exec_err)?;
+    let mut command = Command::new(binary);
+    command
+        .env_clear()
+        .envs(env)
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .current_dir(&files.work);
+    enter_session_and_cgroups(&mut command, procs);
+    let child = command.spawn().map_err(exec_err)?;
+    // `command` holds the cgroup.procs descriptors; they close with it.
+    drop(command);
+    let pid = child.id();
+    let identity = i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or_else(|| std::io::Error::other("pid out of range"))
+        .and_then(ProcessIdentity::of)
+        .map_err(|e| SpawnError::Identify(pid, e));
+    match identity {
+        Ok(identity) => Ok((child, identity)),
+        Err(e) => {
+            // Unreachable in practice: an unreaped child keeps its /proc entry.
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
+}
+
+/// In the child, between fork and exec: a new session (so a new process
+/// group, detached from the daemon's terminal and signals), then `0` — "the
+/// writing process" — into each cgroup's `cgroup.procs`. The agent is in its
+/// cgroups before its first instruction; whatever it forks is too.
+#[allow(unsafe_code)]
+fn enter_session_and_cgroups(command: &mut Command, procs: Vec<rustix::fd::OwnedFd>) {
+    let hook = move || -> std::io::Result<()> {
+        rustix::process::setsid()?;
+        for fd in &procs {
+            rustix::io::write(fd, b"0")?;
+        }
+        Ok(())
+    };
+    // SAFETY: the hook runs in the forked child of a multi-threaded process,
+    // where only async-signal-safe calls are allowed. It makes two raw
+    // syscalls (setsid, write) through rustix, which neither allocates nor
+    // takes locks; `procs` was allocated before the fork and is only
+    // borrowed; errors convert into `io::Error::from_raw_os_error`, which
+    // does not allocate either.
+    unsafe {
+        command.pre_exec(hook);
+    }
+}
+
+fn describe_exit(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit status {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None) => format!("ended: {status}"),
+    }
+}
+
+/// Reaps the leader when it exits and reports the exit, unless destroy
+/// caused it. A pidfd makes the exit visible at once; without one (kernels
+/// before 5.3) a blocking thread waits.
+fn watch_exit(mut child: Child, agent: AgentId, reports: ReportSender, exit: Arc<ExitWatch>) {
+    let finish = move |status: std::io::Result<ExitStatus>, exit: Arc<ExitWatch>| {
+        let detail = match status {
+            Ok(status) => describe_exit(status),
+            Err(e) => format!("exit status unknown: {e}"),
+        };
+        tracing::info!(agent_id = %agent, detail = %detail, "bare-metal agent exited");
+        exit.exited.send_replace(Some(detail.clone()));
+        if !exit.destroying.load(Ordering::SeqCst) {
+            // The engine may be gone (shutdown): nothing to tell then.
+            let _ = reports.send(BackendReport::Exited { agent, detail });
+        }
+    };
+    let pidfd = i32::try_from(child.id())
+        .ok()
+        .and_then(Pid::from_raw)
+        .map(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()));
+    match pidfd.map(|fd| fd.map_err(std::io::Error::from).and_then(crate::notify::register)) {
+        Some(Ok(pidfd)) => {
+            tokio::spawn(async move {
+                // Readable = exited; an error here still ends in a blocking wait.
+                let _ = pidfd.readable().await;
+                let status = match child.try_wait() {
+                    Ok(Some(status)) => Ok(status),
+                    _ => tokio::task::spawn_blocking(move || child.wait())
+                        .await
+                        .unwrap_or_else(|e| Err(std::io::Error::other(e))),
+                };
+                finish(status, exit);
+            });
+        }
+        _ => {
+            tokio::task::spawn_blocking(move || {
+                let status = child.wait();
+                finish(status, exit);
+            });
+        }
+    }
+}
+
+/// Waits until nothing lives in the cgroup, at most `limit`.
+async fn wait_empty(dir: &Path, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    let watch = FileWatch::new([dir.join("cgroup.events").as_path()]).ok();
+    loop {
+        // Gone counts as empty; an unreadable cgroup as still populated.
+        if !cgroup::populated(dir).unwrap_or(true) {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        let next = (tokio::time::Instant::now() + EMPTY_POLL).min(deadline);
+        match &watch {
+            Some(w) => {
+                let _ = tokio::time::timeout_at(next, w.changed()).await;
+            }
+            None => tokio::time::sleep_until(next).await,
+        }
+    }
+}
+
+/// Waits for the leader's exit, at most `limit` (no cgroup to watch).
+async fn wait_leader(leader: ProcessIdentity, exit: Option<&ExitWatch>, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    if let Some(exit) = exit {
+        let mut rx = exit.exited.subscribe();
+        return tokio::time::timeout_at(deadline, rx.wait_for(Option::is_some))
+            .await
+            .is_ok();
+    }
+    while leader.is_running() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(EMPTY_POLL).await;
+    }
+    true
+}
+
+/// `rmdir` may briefly fail with EBUSY right after the last process left.
+async fn remove_cgroups(cgroups: &AgentCgroups) -> Result<(), DestroyError> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        match cgroups.remove() {
+            Ok(()) => return Ok(()),
+            Err(cgroup::CgroupError::Io { source, .. })
+                if source.raw_os_error() == Some(Errno::BUSY.raw_os_error())
+                    && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(EMPTY_POLL).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn read_marker(dir: &Path) -> Option<ProcessIdentity> {
+    fs::read_to_string(dir.join(PROCESS_MARKER))
+        .ok()?
+        .parse()
+        .ok()
+}
+
+fn handle_for(
+    identity: Option<ProcessIdentity>,
+    agent: AgentId,
+    cgroups: &AgentCgroups,
+    logs: Option<&Path>,
+) -> ResourceHandle {
+    let mut extra = BTreeMap::new();
+    if let Some(tracking) = &cgroups.tracking {
+        extra.insert("cgroup".to_owned(), tracking.display().to_string());
+    }
+    for (controller, dir) in &cgroups.v1 {
+        extra.insert(
+            format!("cgroup-v1-{}", controller.dir_name()),
+            dir.display().to_string(),
+        );
+    }
+    if let Some(logs) = logs {
+        extra.insert("logs".to_owned(), logs.display().to_string());
+    }
+    ResourceHandle {
+        id: identity.map_or_else(|| format!("agent:{agent}"), |i| i.to_string()),
+        extra,
+    }
+}
+
+#[async_trait]
+impl Backend for BareMetalBackend {
+    fn kind(&self) -> ScalerType {
+        ScalerType::BareMetal
+    }
+
+    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), Vec<String>> {
+        let mut errors = Vec::new();
+        let BackendSettings::BareMetal(settings) = &scaler.backend else {
+            return Err(vec!["not a bare-metal scaler".to_owned()]);
+        };
+        for (i, label_set) in scaler.label_sets.iter().enumerate() {
+            let LabelSetBackend::BareMetal { binary_path } = &label_set.backend else {
+                errors.push(format!("labelSets[{i}]: no binaryPath"));
+                continue;
+            };
+            let shown = binary_path.display();
+            match fs::metadata(binary_path) {
+                Err(e) => errors.push(format!("labelSets[{i}].binaryPath: {shown}: {e}")),
+                Ok(m) if !m.is_file() => {
+                    errors.push(format!("labelSets[{i}].binaryPath: {shown} is not a file"))
+                }
+                Ok(_) => {
+                    if rustix::fs::access(binary_path, Access::EXEC_OK).is_err() {
+                        errors.push(format!(
+                            "labelSets[{i}].binaryPath: {shown} is not executable"
+                        ));
+                    }
+                }
+            }
+            if label_set.network_policy.is_some() {
+                tracing::warn!(
+                    scaler = scaler.name.as_str(),
+                    label_set = i,
+                    "networkPolicy is not enforced for bare-metal agents"
+                );
+            }
+        }
+        let root = self.inner.layout.v2_root();
+        if !root.join("cgroup.procs").is_file() || !root.join("cgroup.controllers").is_file() {
+            errors.push(format!(
+                "{} is not a cgroup v2 mount: bare-metal agents need one to be tracked and killed",
+                root.display()
+            ));
+        } else if rustix::fs::access(root, Access::WRITE_OK).is_err() {
+            errors.push(format!(
+                "the cgroup v2 root {} is not writable by kici-scaler",
+                root.display()
+            ));
+        }
+        if rustix::fs::access(&self.inner.agents_dir, Access::WRITE_OK).is_err() {
+            errors.push(format!(
+                "the agents directory {} is not writable",
+                self.inner.agents_dir.display()
+            ));
+        }
+        if settings.enforce_cgroups {
+            let controllers = Controllers::detect(&self.inner.layout);
+            let v1 = |c| self.inner.layout.v1_dir(c).display().to_string();
+            if !controllers.can_limit_memory() {
+                errors.push(format!(
+                    "enforceCgroups: no memory controller: not offered by the cgroup v2 root {} and no cgroup v1 memory hierarchy at {}",
+                    root.display(),
+                    v1(cgroup::V1Controller::Memory)
+                ));
+            }
+            if !controllers.can_limit_cpu() {
+                errors.push(format!(
+                    "enforceCgroups: no cpu controller: not offered by the cgroup v2 root {} and no cgroup v1 cpu hierarchy at {}",
+                    root.display(),
+                    v1(cgroup::V1Controller::Cpu)
+                ));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
+        let agent = spec.agent;
+        let spawned = self
+            .start_agent(&spec)
+            .map_err(|e| BackendError::Provision(e.to_string()))?;
+        let exit = Arc::new(ExitWatch {
+            destroying: AtomicBool::new(false),
+            exited: watch::Sender::new(None),
+        });
+        let tailer = Tailer::start(
+            LogContext {
+                agent,
+                scaler: spec.scaler.name.clone(),
+                job: spec.job.clone(),
+                source: LOG_SOURCE,
+            },
+            &spawned.dir,
+        );
+        watch_exit(spawned.child, agent, spec.reports.clone(), exit.clone());
+        let handle = handle_for(
+            Some(spawned.identity),
+            agent,
+            &spawned.cgroups,
+            Some(&spawned.dir),
+        );
+        tracing::info!(
+            agent_id = %agent,
+            scaler = spec.scaler.name.as_str(),
+            job_id = spec.job.as_ref().map(|j| j.as_str()),
+            handle = %handle.id,
+            "bare-metal agent started"
+        );
+        self.inner.tracked.lock().insert(
+            agent,
+            Tracked {
+                identity: spawned.identity,
+                cgroups: spawned.cgroups,
+                exit,
+                tailer,
+            },
+        );
+        Ok(handle)
+    }
+
+    async fn destroy(
+        &self,
+        agent: &AgentId,
+        handle: Option<&ResourceHandle>,
+        grace: Duration,
+    ) -> Result<(), BackendError> {
+        self.destroy_inner(*agent, handle, grace)
+            .await
+            .map_err(|e| BackendError::Destroy(format!("{agent}: {e}")))
+    }
+
+    async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError> {
+        let layout = &self.inner.layout;
+        let leaves = layout.tracking_leaves().map_err(|e| {
+            BackendError::Unavailable(format!(
+                "cannot list {}: {e}",
+                layout.instance_dir().display()
+            ))
+        })?;
+        let mut owned = Vec::new();
+        let mut seen = Vec::new();
+        for leaf in leaves {
+            let agent = leaf
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.parse::<AgentId>().ok());
+            let created_at = fs::metadata(&leaf)
+                .and_then(|m| m.modified())
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            let handle = match agent {
+                Some(agent) => {
+                    seen.push(agent);
+                    let dir = self.agent_dir(agent);
+                    let cgroups = layout.find_agent(agent);
+                    handle_for(
+                        read_marker(&dir),
+                        agent,
+                        &cgroups,
+                        dir.exists().then_some(dir.as_path()),
+                    )
+                }
+                None => ResourceHandle {
+                    id: format!("cgroup:{}", leaf.display()),
+                    extra: BTreeMap::from([("cgroup".to_owned(), leaf.display().to_string())]),
+                },
+            };
+            owned.push(OwnedResource {
+                agent,
+                handle,
+                created_at,
+            });
+        }
+        // Agent directories without a cgroup: a spawn cut short between the
+        // two, or a crash mid-destroy. Still ours, still to be removed.
+        if let Ok(entries) = fs::read_dir(&self.inner.agents_dir) {
+            for entry in entries.flatten() {
+                let Some(agent) = entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.parse::<AgentId>().ok())
+                else {
+                    continue;
+                };
+                if seen.contains(&agent) {
+                    continue;
+                }
+                let dir = entry.path();
+                owned.push(OwnedResource {
+                    agent: Some(agent),
+                    handle: handle_for(
+                        read_marker(&dir),
+                        agent,
+                        &AgentCgroups::default(),
+                        Some(&dir),
+                    ),
+                    created_at: entry
+                        .metadata()
+                        .and_then(|m| m.modified())
+                        .unwrap_or(SystemTime::UNIX_EPOCH),
+                });
+            }
+        }
+        Ok(owned)
+    }
+}

@@ -1,0 +1,25 @@
+//! kici-scaler's backends.
+//!
+//! - [`bare_metal`]: agents as host processes (own session, tracking cgroup,
+//!   limits, log files, pidfd exit watch) — [`BareMetalBackend`].
+//! - [`env`]: the agent environment, one precedence for every backend.
+//! - [`cgroup`]: tracking cgroups (v2) and limits (v2 or v1).
+//! - [`logs`]: log files followed and forwarded as wrapped `tracing` events,
+//!   with bounded retention.
+//! - [`process`]: pid + start time identity.
+//!
+//! The container and Firecracker backends will live here too and reuse
+//! [`env`] and [`logs`].
+
+pub mod bare_metal;
+pub mod cgroup;
+pub mod env;
+pub mod logs;
+mod notify;
+pub mod process;
+
+#[cfg(test)]
+mod test_support;
+
+pub use bare_metal::{BareMetalBackend, BareMetalOptions, BareMetalSetupError};
+pub use env::{agent_env, ForwardedEnv, ForwardedEnvError, ForwardedEnvProblem, SystemEnv};
