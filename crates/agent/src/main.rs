@@ -1,0 +1,161 @@
+//! `kici-agent-lite`: the reference ephemeral agent for kici-scaler's
+//! standalone mode.
+//!
+//! It reads its bootstrap from the `KICI_*` environment (refusing unknown
+//! `KICI_*` names, as the KiCI agent does), connects to the gateway's
+//! WebSocket, authenticates with its token, registers, acknowledges its
+//! configuration, runs the jobs it is given one at a time — each in its own
+//! process group, output streamed as it comes — and leaves when its idle
+//! (or pending-dispatch) window passes. See `session` for the connection
+//! and its timers, `job` for running a job, `backoff` for reconnecting.
+//!
+//! Exit codes: see [`exit::AgentExit`].
+//!
+//! Logs are JSON lines on stderr; stdout stays empty. The token is never
+//! logged (its type cannot be formatted).
+
+mod backoff;
+mod exit;
+mod host;
+mod job;
+mod session;
+
+use exit::AgentExit;
+use kici_protocol::bootstrap::{Bootstrap, WsScheme, LOG_LEVEL};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Settings that are not part of the agent's environment contract (so they
+/// cannot be `KICI_*` variables): command-line flags.
+#[derive(Debug, Clone)]
+pub struct Flags {
+    /// `--heartbeat-interval-ms`: the connection heartbeat (KiCI: 30 s).
+    pub heartbeat_interval: Duration,
+}
+
+const USAGE: &str = "usage: kici-agent-lite [--heartbeat-interval-ms MS]
+Configuration comes from the KICI_* environment (KICI_ORCHESTRATOR_URL, KICI_AGENT_ID, ...).";
+
+fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<Flags>, String> {
+    let mut flags = Flags {
+        heartbeat_interval: Duration::from_secs(30),
+    };
+    let mut args = args.skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--heartbeat-interval-ms" => {
+                let ms = args
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .filter(|ms| *ms > 0)
+                    .ok_or("--heartbeat-interval-ms needs a positive number of milliseconds")?;
+                flags.heartbeat_interval = Duration::from_millis(ms);
+            }
+            "--version" | "-V" => {
+                println!("kici-agent-lite {}", env!("CARGO_PKG_VERSION"));
+                return Ok(None);
+            }
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return Ok(None);
+            }
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    Ok(Some(flags))
+}
+
+/// The process environment as strings. A `KICI_*` variable that is not
+/// valid UTF-8 is reported as a problem; other non-UTF-8 variables are not
+/// the agent's business and are skipped.
+fn environment() -> Result<BTreeMap<String, String>, String> {
+    let mut env = BTreeMap::new();
+    for (name, value) in std::env::vars_os() {
+        let Ok(name) = name.into_string() else {
+            continue;
+        };
+        match value.into_string() {
+            Ok(value) => {
+                env.insert(name, value);
+            }
+            Err(_) if name.starts_with("KICI_") => {
+                return Err(format!("{name} is not valid UTF-8"));
+            }
+            Err(_) => {}
+        }
+    }
+    Ok(env)
+}
+
+fn init_logging(level: Option<&str>) {
+    let filter = level
+        .and_then(|l| tracing_subscriber::EnvFilter::try_new(l).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_current_span(false)
+        .with_span_list(false)
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> std::process::ExitCode {
+    let flags = match parse_flags(std::env::args()) {
+        Ok(Some(flags)) => flags,
+        Ok(None) => return std::process::ExitCode::SUCCESS,
+        Err(msg) => {
+            init_logging(None);
+            tracing::error!(error = %msg, "bad command line");
+            return AgentExit::BadBootstrap.into();
+        }
+    };
+    let env = match environment() {
+        Ok(env) => env,
+        Err(msg) => {
+            init_logging(None);
+            tracing::error!(error = %msg, "invalid agent bootstrap");
+            return AgentExit::BadBootstrap.into();
+        }
+    };
+    init_logging(env.get(LOG_LEVEL).map(String::as_str));
+    let bootstrap = match Bootstrap::from_env(&env) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::error!(error = %e, "invalid agent bootstrap; not connecting");
+            return AgentExit::BadBootstrap.into();
+        }
+    };
+    if !bootstrap.tolerated_unknown.is_empty() {
+        tracing::warn!(
+            variables = %bootstrap.tolerated_unknown.join(","),
+            "unknown KICI_* variables tolerated because KICI_DEV=true"
+        );
+    }
+    if bootstrap.orchestrator_url.scheme() == WsScheme::Wss {
+        tracing::error!(
+            url = %bootstrap.orchestrator_url,
+            "wss:// is not supported by this build (plain ws:// only); not connecting"
+        );
+        return AgentExit::BadBootstrap.into();
+    }
+    // Each job's environment starts from the agent's own host basics, never
+    // from the rest of its environment (which holds the token).
+    let base_env = job::base_env(&env);
+    drop(env);
+
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the async runtime");
+            return AgentExit::Internal.into();
+        }
+    };
+    let exit = runtime.block_on(session::run(bootstrap, flags, base_env));
+    tracing::info!(exit_code = exit.code(), reason = %exit, "agent exiting");
+    exit.into()
+}
