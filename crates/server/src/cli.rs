@@ -7,6 +7,7 @@
 //! one JSON document); diagnostics go to stderr as `file:line:col: path:
 //! message` lines; logs are JSON lines on stderr (see [`init_logging`]).
 
+use crate::settings::ServeArgs;
 use clap::{Args, Parser, Subcommand};
 use kici_config::{ConfigErrors, Diagnostic, Loaded};
 use kici_model::{Config, LabelError, LabelSet};
@@ -22,8 +23,10 @@ pub mod exit {
     pub const OK: u8 = 0;
     /// Invalid configuration, a bad label, or an I/O failure.
     pub const ERROR: u8 = 1;
-    /// `route`: the configuration is valid but no label set accepts the job.
+    /// `route`, `request`: no label set accepts the job.
     pub const NO_BACKEND: u8 = 2;
+    /// `request`: the job can never fit under a cap (`too-large`).
+    pub const TOO_LARGE: u8 = 3;
     /// The command line itself is wrong (unknown flag, missing argument).
     /// Not clap's default 2, which would read as `no-backend`.
     pub const USAGE: u8 = 64;
@@ -37,8 +40,9 @@ pub const LOG_ENV: &str = "KICI_SCALER_LOG";
     name = "kici-scaler",
     version,
     about = "Provisions ephemeral CI agents routed by job labels.",
-    after_help = "Exit codes: 0 ok; 1 invalid configuration, bad label or I/O error; \
-                  2 route found no backend; 64 bad command line."
+    after_help = "Exit codes: 0 ok; 1 invalid configuration, bad label, I/O or API error; \
+                  2 no backend accepts the job (route, request); 3 the job is too large (request); \
+                  64 bad command line."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -53,6 +57,84 @@ pub enum Command {
     /// Show where a job with these labels would go, and why every other
     /// label set was not chosen.
     Route(RouteArgs),
+    /// Run the daemon: the control API, the engine, the backends.
+    Serve(Box<ServeArgs>),
+    /// Per-scaler status of a running daemon.
+    Status(ClientArgs),
+    /// The agents of a running daemon.
+    Agents(AgentsArgs),
+    /// Ask a running daemon for an agent for a job (POST /v1/scale).
+    Request(RequestArgs),
+    /// Destroy an agent now.
+    Destroy(DestroyArgs),
+    /// Stop routing new jobs to a scaler.
+    Cordon(ScalerArgs),
+    /// Route to a scaler again (also ends a drain).
+    Uncordon(ScalerArgs),
+    /// Cordon a scaler, cancel its pending requests, destroy its idle
+    /// agents; busy ones leave after their job.
+    Drain(ScalerArgs),
+}
+
+/// How to reach a running daemon. The bearer token, if the daemon needs
+/// one, comes from KICI_SCALER_API_TOKEN.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// The daemon: http://HOST:PORT, https://HOST:PORT or unix:/path.
+    #[arg(long, value_name = "URL", env = "KICI_SCALER_SERVER", default_value = crate::client::DEFAULT_SERVER)]
+    pub server: String,
+    /// PEM CA certificate(s) to trust for an https:// server.
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
+    /// Print exactly the daemon's JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct AgentsArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// Include recently gone agents.
+    #[arg(long)]
+    pub all: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RequestArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The job's labels (its runsOn), comma-separated.
+    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
+    pub labels: Vec<String>,
+    /// Labels the agent must not have, comma-separated (repeatable).
+    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
+    pub exclude: Vec<String>,
+    /// The job id [default: cli-<16 random hex>].
+    #[arg(long, value_name = "ID")]
+    pub job_id: Option<String>,
+    /// CPUs to request (cores, e.g. 0.5).
+    #[arg(long, value_name = "N")]
+    pub cpus: Option<f64>,
+    /// Memory to request (e.g. 512m, 1g).
+    #[arg(long, value_name = "SIZE")]
+    pub memory: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct DestroyArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The agent id (scaler-<type>-<8 hex>).
+    pub agent: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ScalerArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The scaler's name.
+    pub scaler: String,
 }
 
 /// Where the configuration is.
@@ -106,6 +188,12 @@ pub enum CliError {
     Output(#[from] io::Error),
     #[error("cannot encode the output as JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("{0}")]
+    Client(#[from] crate::client::ClientError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(io::Error),
+    #[error("serve is not a one-shot command")]
+    NotOneShot,
 }
 
 /// How a command that did not fail ended.
@@ -113,6 +201,10 @@ pub enum CliError {
 pub enum Outcome {
     Ok,
     NoBackend,
+    TooLarge,
+    /// The command failed and already said why (on stderr, or as the JSON
+    /// document on stdout).
+    Failed,
 }
 
 impl Outcome {
@@ -120,6 +212,8 @@ impl Outcome {
         match self {
             Outcome::Ok => exit::OK,
             Outcome::NoBackend => exit::NO_BACKEND,
+            Outcome::TooLarge => exit::TOO_LARGE,
+            Outcome::Failed => exit::ERROR,
         }
     }
 }
@@ -146,6 +240,17 @@ where
         }
     };
     init_logging();
+    if let Command::Serve(args) = &cli.command {
+        return match crate::daemon::serve(args) {
+            Ok(()) => ExitCode::from(exit::OK),
+            Err(e) => {
+                tracing::error!(error = %e, "kici-scaler serve stopped");
+                // Every line on its own, as `validate` prints them.
+                let _ = writeln!(io::stderr(), "{e}");
+                ExitCode::from(exit::ERROR)
+            }
+        };
+    }
     let stdout = io::stdout();
     let stderr = io::stderr();
     let code = match execute(&cli.command, &mut stdout.lock(), &mut stderr.lock()) {
@@ -192,6 +297,8 @@ pub fn execute(
     match command {
         Command::Validate(args) => validate(args, out, err),
         Command::Route(args) => route(args, out, err),
+        Command::Serve(_) => Err(CliError::NotOneShot),
+        remote => crate::remote::execute(remote, out, err),
     }
 }
 

@@ -4,6 +4,31 @@
 //!
 //! - [`cli`]: argument parsing, the one-shot commands, exit codes, logging.
 //! - [`identity`]: the state dir, its lock and the instance identity.
+//! - [`settings`]: the daemon's own settings (flags > env > file > defaults).
+//! - [`daemon`]: `serve`: start-up, listener, signals, shutdown.
+//! - [`api`]: the control API (routes, errors, JSON shapes, OpenAPI).
+//! - [`token`]: agent tokens and redacted secrets.
+//! - [`events`]: the SSE replay buffer; [`pump`]: the event fan-out.
+//! - [`metrics`]: Prometheus series.
+//! - [`reload`]: configuration reload.
+//! - [`backends`]: which backends this build runs.
+//! - [`client`]: the CLI's HTTP client for the control API; [`remote`]: the
+//!   commands that talk to a running daemon.
+//! - [`tls`]: rustls configurations.
 
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod api;
+pub mod backends;
 pub mod cli;
+pub mod client;
+pub mod daemon;
+pub mod events;
 pub mod identity;
+pub mod metrics;
+pub mod pump;
+pub mod reload;
+pub mod remote;
+pub mod settings;
+pub mod tls;
+pub mod token;

@@ -1,0 +1,326 @@
+//! Agents: the lifecycle reports an orchestrator sends (`registered`,
+//! `config-ack`, `job-started`, `job-complete`, `disconnected`), operator
+//! destroy, and the agent views.
+//!
+//! The reports are idempotent: a retried report, or one that arrives after
+//! the agent is already gone, gets the same success answer.
+
+use super::error::{agent_error, ApiError, ApiJson, ErrorBody};
+use super::wire::{
+    parse_job, AgentList, AgentObject, JobCompleteBody, JobStartedBody, RegisteredBody,
+    RegistrationAnswer,
+};
+use super::{parse_agent, AppState};
+use axum::extract::{Path, RawQuery, State};
+use axum::http::StatusCode;
+use axum::Json;
+use kici_engine::{AgentError, AgentState};
+use kici_model::AgentId;
+
+/// Whether the engine remembers `agent` as gone.
+fn is_gone(state: &AppState, agent: AgentId) -> bool {
+    state
+        .runtime
+        .agent(agent)
+        .is_some_and(|v| v.state == AgentState::Gone)
+}
+
+/// An agent registered: check its token.
+///
+/// The orchestrator relays the token the agent presented; it must be the one
+/// minted for this agent id, unexpired and not revoked. The answer tells the
+/// orchestrator which job the agent was spawned for and which labels a job
+/// must carry to be dispatched to it.
+#[utoipa::path(
+    post,
+    path = "/v1/agents/{id}/registered",
+    tag = "agents",
+    params(("id" = String, Path, description = "Agent id, scaler-<type>-<8 hex>")),
+    request_body = RegisteredBody,
+    responses(
+        (status = 200, description = "Registered", body = RegistrationAnswer),
+        (status = 400, description = "Malformed JSON or agent id", body = ErrorBody),
+        (status = 401, description = "Bad, expired or foreign agent token (or bearer token)", body = ErrorBody),
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody),
+        (status = 409, description = "The agent cannot register in its state", body = ErrorBody),
+        (status = 415, description = "Not application/json", body = ErrorBody),
+        (status = 422, description = "A field is invalid", body = ErrorBody)
+    )
+)]
+pub async fn registered(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<RegisteredBody>,
+) -> Result<Json<RegistrationAnswer>, ApiError> {
+    let agent = parse_agent(&id)?;
+    if state.runtime.agent(agent).is_none() {
+        return Err(ApiError::agent_not_found(agent));
+    }
+    if let Err(why) = state.tokens.verify(agent, &body.token) {
+        tracing::warn!(agent_id = %agent, reason = %why, "agent token refused");
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid-agent-token",
+            "the agent token is not valid for this agent (wrong, expired or revoked)",
+        )
+        .field("token"));
+    }
+    let registration = state.runtime.agent_registered(agent).map_err(agent_error)?;
+    tracing::info!(agent_id = %agent, job_id = registration.bound_job_id.as_ref().map(|j| j.as_str()), "agent registered");
+    Ok(Json(RegistrationAnswer {
+        bound_job_id: registration.bound_job_id.map(|j| j.to_string()),
+        mandatory_labels: registration
+            .mandatory_labels
+            .iter()
+            .map(|l| l.to_string())
+            .collect(),
+    }))
+}
+
+/// The agent acknowledged its configuration.
+#[utoipa::path(
+    post,
+    path = "/v1/agents/{id}/config-ack",
+    tag = "agents",
+    params(("id" = String, Path, description = "Agent id")),
+    responses(
+        (status = 204, description = "Recorded"),
+        (status = 400, description = "Not an agent id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody)
+    )
+)]
+pub async fn config_ack(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let agent = parse_agent(&id)?;
+    if state.runtime.agent(agent).is_none() {
+        return Err(ApiError::agent_not_found(agent));
+    }
+    tracing::info!(agent_id = %agent, "agent config acknowledged");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The orchestrator dispatched a job to the agent.
+#[utoipa::path(
+    post,
+    path = "/v1/agents/{id}/job-started",
+    tag = "agents",
+    params(("id" = String, Path, description = "Agent id")),
+    request_body = JobStartedBody,
+    responses(
+        (status = 204, description = "Recorded (also when already recorded)"),
+        (status = 400, description = "Malformed JSON or agent id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody),
+        (status = 409, description = "Busy with another job, gone, or not ready for a job", body = ErrorBody),
+        (status = 415, description = "Not application/json", body = ErrorBody),
+        (status = 422, description = "A field is invalid", body = ErrorBody)
+    )
+)]
+pub async fn job_started(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<JobStartedBody>,
+) -> Result<StatusCode, ApiError> {
+    let agent = parse_agent(&id)?;
+    let job = parse_job("jobId", &body.job_id)?;
+    match state.runtime.job_started(agent, job.clone()) {
+        Ok(()) => {
+            tracing::info!(agent_id = %agent, job_id = %job, "job started");
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Err(AgentError::NotOurs(_)) if is_gone(&state, agent) => {
+            Err(agent_error(AgentError::Gone(agent)))
+        }
+        Err(e) => Err(agent_error(e)),
+    }
+}
+
+/// The agent's job ended.
+///
+/// In orchestrator mode the agent goes idle and may take another job; its
+/// scaler draining sends it away instead.
+#[utoipa::path(
+    post,
+    path = "/v1/agents/{id}/job-complete",
+    tag = "agents",
+    params(("id" = String, Path, description = "Agent id")),
+    request_body = JobCompleteBody,
+    responses(
+        (status = 204, description = "Recorded (also when already recorded or the agent is gone)"),
+        (status = 400, description = "Malformed JSON or agent id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody),
+        (status = 409, description = "The agent runs another job", body = ErrorBody),
+        (status = 415, description = "Not application/json", body = ErrorBody),
+        (status = 422, description = "A field is invalid", body = ErrorBody)
+    )
+)]
+pub async fn job_complete(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<JobCompleteBody>,
+) -> Result<StatusCode, ApiError> {
+    let agent = parse_agent(&id)?;
+    let job = parse_job("jobId", &body.job_id)?;
+    match state.runtime.job_completed(agent, &job, body.exit_code) {
+        Ok(()) => {
+            tracing::info!(agent_id = %agent, job_id = %job, exit_code = body.exit_code, "job complete");
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Err(AgentError::NotOurs(_) | AgentError::Gone(_)) if is_gone(&state, agent) => {
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Err(e) => Err(agent_error(e)),
+    }
+}
+
+/// The agent's connection closed: it is destroyed.
+#[utoipa::path(
+    post,
+    path = "/v1/agents/{id}/disconnected",
+    tag = "agents",
+    params(("id" = String, Path, description = "Agent id")),
+    responses(
+        (status = 204, description = "The agent is being (or was) destroyed"),
+        (status = 400, description = "Not an agent id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody)
+    )
+)]
+pub async fn disconnected(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let agent = parse_agent(&id)?;
+    match state.runtime.agent_disconnected(agent) {
+        Ok(()) | Err(AgentError::Gone(_)) => {
+            tracing::info!(agent_id = %agent, "agent disconnected");
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Err(e) => Err(agent_error(e)),
+    }
+}
+
+/// Every live agent (`?all=true`: also the recently gone ones).
+#[utoipa::path(
+    get,
+    path = "/v1/agents",
+    tag = "agents",
+    params(("all" = Option<bool>, Query, description = "Include gone agents")),
+    responses(
+        (status = 200, description = "The agents, oldest first", body = AgentList),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 422, description = "Unknown or invalid query parameter", body = ErrorBody)
+    )
+)]
+pub async fn list_agents(
+    State(state): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<AgentList>, ApiError> {
+    let all = parse_all(query.as_deref())?;
+    let agents = state.runtime.agents(all);
+    Ok(Json(AgentList {
+        agents: agents.into_iter().map(AgentObject::from).collect(),
+    }))
+}
+
+/// `all=true|false` (or a bare `all`); anything else is refused by name.
+fn parse_all(query: Option<&str>) -> Result<bool, ApiError> {
+    let mut all = false;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
+        if key != "all" {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unknown-field",
+                format!("unknown query parameter {key:?}: the only one is `all`"),
+            )
+            .field(key));
+        }
+        all = match value {
+            "true" | "1" | "" => true,
+            "false" | "0" => false,
+            other => {
+                return Err(ApiError::invalid(
+                    "all",
+                    format!("all must be true or false, got {other:?}"),
+                ))
+            }
+        };
+    }
+    Ok(all)
+}
+
+/// One agent (live or recently gone).
+#[utoipa::path(
+    get,
+    path = "/v1/agents/{id}",
+    tag = "agents",
+    params(("id" = String, Path, description = "Agent id")),
+    responses(
+        (status = 200, description = "The agent", body = AgentObject),
+        (status = 400, description = "Not an agent id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody)
+    )
+)]
+pub async fn get_agent(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<AgentObject>, ApiError> {
+    let agent = parse_agent(&id)?;
+    let view = state
+        .runtime
+        .agent(agent)
+        .ok_or_else(|| ApiError::agent_not_found(agent))?;
+    Ok(Json(view.into()))
+}
+
+/// Destroy an agent now (operator action), whatever it is doing.
+#[utoipa::path(
+    delete,
+    path = "/v1/agents/{id}",
+    tag = "agents",
+    params(("id" = String, Path, description = "Agent id")),
+    responses(
+        (status = 202, description = "Destroying (or already gone)"),
+        (status = 400, description = "Not an agent id", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody)
+    )
+)]
+pub async fn delete_agent(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let agent = parse_agent(&id)?;
+    match state.runtime.destroy_agent(agent) {
+        Ok(()) | Err(AgentError::Gone(_)) => {
+            tracing::info!(agent_id = %agent, "agent destroy requested by the operator");
+            Ok(StatusCode::ACCEPTED)
+        }
+        Err(e) => Err(agent_error(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn the_all_parameter() {
+        assert!(!parse_all(None).unwrap());
+        assert!(parse_all(Some("all=true")).unwrap());
+        assert!(parse_all(Some("all")).unwrap());
+        assert!(!parse_all(Some("all=false")).unwrap());
+        assert_eq!(
+            parse_all(Some("all=yes")).unwrap_err().field.as_deref(),
+            Some("all")
+        );
+        assert_eq!(parse_all(Some("al=1")).unwrap_err().code, "unknown-field");
+    }
+}

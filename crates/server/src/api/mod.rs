@@ -1,0 +1,243 @@
+//! The control API (DESIGN.md, *API*): HTTP/JSON under `/v1`, SSE events,
+//! `/metrics`, `/healthz`, `/readyz`, `/openapi.json`.
+//!
+//! Every route is declared once, with its OpenAPI description, through
+//! `utoipa-axum`: the router and the document come from the same list, so
+//! they cannot disagree. Handlers live with their concept:
+//!
+//! - [`scale`]: `POST /v1/scale`, `DELETE /v1/scale/{jobId}`;
+//! - [`agents`]: the agent lifecycle reports and agent views;
+//! - [`scalers`]: cordon / uncordon / drain;
+//! - [`ops`]: status, reload, health, readiness, metrics, the document;
+//! - [`stream`]: `GET /v1/events`.
+//!
+//! The agent gateway (`/ws`) and standalone jobs (`/v1/jobs*`) are added by
+//! [`router_with`]'s `extra` routes, so they can arrive without touching
+//! this list.
+
+pub mod agents;
+pub mod error;
+pub mod ops;
+pub mod scale;
+pub mod scalers;
+pub mod stream;
+pub mod wire;
+
+use crate::events::EventLog;
+use crate::metrics::Metrics;
+use crate::reload::Reload;
+use crate::token::{Secret, TokenStore};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use error::{ApiError, MAX_BODY_BYTES};
+use kici_engine::runtime::Runtime;
+use kici_model::InstanceId;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::OpenApi as OpenApiDoc;
+use utoipa::{Modify, OpenApi};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+/// What every handler reaches. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState(Arc<Shared>);
+
+pub struct Shared {
+    pub runtime: Runtime,
+    pub instance: InstanceId,
+    pub tokens: Arc<TokenStore>,
+    pub events: Arc<EventLog>,
+    pub metrics: Arc<Metrics>,
+    pub reloader: Arc<dyn Reload>,
+    /// `KICI_SCALER_API_TOKEN`; when set, every request must carry it.
+    pub api_token: Option<Secret>,
+    /// Start-up finished and not shutting down.
+    ready: AtomicBool,
+    /// The OpenAPI document, serialised once.
+    openapi_json: parking_lot::RwLock<Arc<str>>,
+}
+
+impl AppState {
+    pub fn new(
+        runtime: Runtime,
+        instance: InstanceId,
+        tokens: Arc<TokenStore>,
+        events: Arc<EventLog>,
+        metrics: Arc<Metrics>,
+        reloader: Arc<dyn Reload>,
+        api_token: Option<Secret>,
+    ) -> Self {
+        Self(Arc::new(Shared {
+            runtime,
+            instance,
+            tokens,
+            events,
+            metrics,
+            reloader,
+            api_token,
+            ready: AtomicBool::new(false),
+            openapi_json: parking_lot::RwLock::new(Arc::from("{}")),
+        }))
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.0.ready.store(ready, Ordering::Release);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.0.ready.load(Ordering::Acquire)
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// The document's frame; paths and schemas are added from the routes.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "kici-scaler control API",
+        description = "Provision ephemeral CI agents by job labels (DESIGN.md, API). JSON, camelCase, \
+                       unknown fields rejected; every error is {\"error\":{\"code\",\"message\",\"field\"}}. \
+                       A bearer token (KICI_SCALER_API_TOKEN) is required on every request when the daemon \
+                       has one, always on a non-loopback listener."
+    ),
+    modifiers(&BearerAuth),
+    security(("bearer" = [])),
+    components(schemas(error::ErrorBody, error::ErrorDetail)),
+    tags(
+        (name = "scale", description = "Scale requests (orchestrator mode)"),
+        (name = "agents", description = "Agents and their lifecycle reports"),
+        (name = "scalers", description = "Operator switches per scaler"),
+        (name = "operations", description = "Status, reload, events, health, metrics")
+    )
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut OpenApiDoc) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// Every documented route, and the document they make.
+pub fn api_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(scale::request_scale))
+        .routes(routes!(scale::cancel_scale))
+        .routes(routes!(agents::registered))
+        .routes(routes!(agents::config_ack))
+        .routes(routes!(agents::job_started))
+        .routes(routes!(agents::job_complete))
+        .routes(routes!(agents::disconnected))
+        .routes(routes!(agents::list_agents))
+        .routes(routes!(agents::get_agent, agents::delete_agent))
+        .routes(routes!(scalers::cordon))
+        .routes(routes!(scalers::uncordon))
+        .routes(routes!(scalers::drain))
+        .routes(routes!(ops::status))
+        .routes(routes!(ops::reload))
+        .routes(routes!(stream::events))
+        .routes(routes!(ops::metrics))
+        .routes(routes!(ops::healthz))
+        .routes(routes!(ops::readyz))
+        .routes(routes!(ops::openapi))
+}
+
+/// The OpenAPI document (what `GET /openapi.json` serves).
+pub fn openapi() -> OpenApiDoc {
+    api_routes().into_openapi()
+}
+
+/// The control API's router.
+pub fn router(state: AppState) -> Router {
+    router_with(state, OpenApiRouter::new())
+}
+
+/// The router plus `extra` routes (the agent gateway and standalone jobs
+/// plug in here); their OpenAPI paths join the document.
+pub fn router_with(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
+    let (router, doc) = api_routes().merge(extra).split_for_parts();
+    let json = doc
+        .to_json()
+        .unwrap_or_else(|e| format!("{{\"error\":\"cannot encode the OpenAPI document: {e}\"}}"));
+    *state.openapi_json.write() = Arc::from(json);
+    router
+        .fallback(no_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .with_state(state)
+}
+
+async fn no_route(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no-route",
+        format!("no route for {method} {}", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+}
+
+/// Bearer token (when the daemon has one) and the cross-origin guard, for
+/// every request, before routing.
+async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if let Some(expected) = &state.api_token {
+        let presented = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            });
+        let ok = presented.is_some_and(|p| expected.matches(p.trim()));
+        if !ok {
+            return ApiError::unauthorized(
+                "a bearer token is required (Authorization: Bearer $KICI_SCALER_API_TOKEN)",
+            )
+            .into_response();
+        }
+    }
+    // A browser page may POST to a loopback daemon without a preflight when
+    // the request has no body or a "simple" content type; it always sends
+    // Origin then. API clients and orchestrators do not.
+    if request.method() != Method::GET && request.headers().contains_key(header::ORIGIN) {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "cross-origin",
+            "requests from web pages (with an Origin header) are refused",
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+/// Parses an agent id path parameter.
+pub fn parse_agent(raw: &str) -> Result<kici_model::AgentId, ApiError> {
+    raw.parse().map_err(|e: kici_model::IdError| {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid-agent-id", e.to_string()).field("id")
+    })
+}

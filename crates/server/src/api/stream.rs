@@ -1,0 +1,131 @@
+//! `GET /v1/events`: the engine's events as Server-Sent Events.
+//!
+//! Each SSE event carries `id:` (the engine's event id, increasing without
+//! gaps), `event:` (the event type: `agent-transition`, `refused`,
+//! `pending-ended`, `breaker-changed`, `scaler-cordon`, `reloaded`) and
+//! `data:` (the event as JSON). A client without `Last-Event-ID` gets the
+//! events from now on; with one, it resumes after that id from the replay
+//! buffer. When some of the events it asked for are no longer kept, it first
+//! gets an explicit `reset` event (`id:` = the last missed id) and should
+//! re-read `GET /v1/agents` and `GET /v1/status`.
+
+use super::error::{ApiError, ErrorBody};
+use super::AppState;
+use crate::events::{EventLog, Gap, Next};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use futures_util::stream::{self, Stream};
+use kici_engine::runtime::SequencedEvent;
+use kici_engine::EngineEvent;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The SSE `event:` name of an engine event (its JSON `type`).
+pub fn event_name(event: &EngineEvent) -> &'static str {
+    match event {
+        EngineEvent::AgentTransition { .. } => "agent-transition",
+        EngineEvent::Refused { .. } => "refused",
+        EngineEvent::PendingEnded { .. } => "pending-ended",
+        EngineEvent::BreakerChanged { .. } => "breaker-changed",
+        EngineEvent::ScalerCordon { .. } => "scaler-cordon",
+        EngineEvent::Reloaded { .. } => "reloaded",
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Reset {
+    missed_from: u64,
+    missed_to: u64,
+    reason: &'static str,
+}
+
+fn reset_event(gap: Gap) -> Event {
+    let data = Reset {
+        missed_from: gap.missed_from,
+        missed_to: gap.missed_to,
+        reason:
+            "these events are no longer in the replay buffer; re-read /v1/agents and /v1/status",
+    };
+    Event::default()
+        .id(gap.missed_to.to_string())
+        .event("reset")
+        .json_data(&data)
+        .unwrap_or_else(|_| Event::default().event("reset"))
+}
+
+fn sse_event(e: &SequencedEvent) -> Event {
+    let event = Event::default()
+        .id(e.id.to_string())
+        .event(event_name(&e.event));
+    match serde_json::to_string(e) {
+        Ok(json) => event.data(json),
+        // Engine events are plain data; this cannot happen, but a stream must
+        // not end over one event.
+        Err(err) => event.comment(format!("event {} not encodable: {err}", e.id)),
+    }
+}
+
+/// The engine's events, as SSE (see the module docs for `reset`).
+#[utoipa::path(
+    get,
+    path = "/v1/events",
+    tag = "operations",
+    params(("Last-Event-ID" = Option<u64>, Header, description = "Resume after this event id")),
+    responses(
+        (status = 200, description = "An SSE stream: `id:`, `event:` (the type), `data:` (JSON)", content_type = "text/event-stream", body = String),
+        (status = 400, description = "Last-Event-ID is not a number", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody)
+    )
+)]
+pub async fn events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let after = match headers.get("last-event-id") {
+        None => state.events.newest_id(),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid-last-event-id",
+                    "Last-Event-ID must be an event id (a number)",
+                )
+                .field("Last-Event-ID")
+            })?,
+    };
+    Ok(Sse::new(follow(Arc::clone(&state.events), after))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+/// Every event of `log` after `after`, then live ones, until the log closes.
+pub fn follow(log: Arc<EventLog>, after: u64) -> impl Stream<Item = Result<Event, Infallible>> {
+    let start = (log, after, VecDeque::<Event>::new());
+    stream::unfold(start, |(log, mut after, mut queued)| async move {
+        loop {
+            if let Some(event) = queued.pop_front() {
+                return Some((Ok(event), (log, after, queued)));
+            }
+            match log.read_after(after) {
+                Next::Events { gap, events } => {
+                    if let Some(gap) = gap {
+                        queued.push_back(reset_event(gap));
+                    }
+                    for e in &events {
+                        queued.push_back(sse_event(e));
+                        after = e.id;
+                    }
+                }
+                Next::Wait => log.wait_after(after).await,
+                Next::Closed => return None,
+            }
+        }
+    })
+}

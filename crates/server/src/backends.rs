@@ -1,0 +1,139 @@
+//! Which backends this build can run, and bringing them up for a
+//! configuration.
+//!
+//! [`BackendRegistry::builtin`] lists the real backends. A configuration
+//! naming a scaler type that has no backend here is refused at start-up (and
+//! at reload, by the runtime) with a message saying so, rather than failing
+//! at the first spawn.
+
+use kici_engine::Backend;
+use kici_model::{Config, InstanceId, ScalerType};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What a backend may need to know about the daemon to start.
+#[derive(Debug, Clone)]
+pub struct BackendContext {
+    /// Owner of every resource the backend creates.
+    pub instance: InstanceId,
+    /// The daemon's state dir (per-agent files may live below it).
+    pub state_dir: PathBuf,
+}
+
+/// Builds one backend; `Err` says why it cannot run on this host.
+pub type BackendFactory =
+    Box<dyn Fn(&BackendContext) -> Result<Arc<dyn Backend>, String> + Send + Sync>;
+
+/// The backends this build knows, by scaler type.
+#[derive(Default)]
+pub struct BackendRegistry {
+    factories: BTreeMap<ScalerType, BackendFactory>,
+}
+
+impl BackendRegistry {
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// The real backends of this build. Bare-metal arrives with
+    /// `kici_backends::bare_metal::BareMetalBackend`; containers and
+    /// Firecracker after it.
+    pub fn builtin() -> Self {
+        Self::empty()
+    }
+
+    /// An in-memory backend for every type (tests of the daemon itself).
+    #[cfg(feature = "memory-backends")]
+    pub fn memory() -> Self {
+        let mut r = Self::empty();
+        for kind in ScalerType::ALL {
+            r.register(
+                kind,
+                Box::new(move |_| {
+                    Ok(
+                        Arc::new(kici_engine::memory_backend::MemoryBackend::new(kind))
+                            as Arc<dyn Backend>,
+                    )
+                }),
+            );
+        }
+        r
+    }
+
+    pub fn register(&mut self, kind: ScalerType, factory: BackendFactory) {
+        self.factories.insert(kind, factory);
+    }
+
+    pub fn kinds(&self) -> impl Iterator<Item = ScalerType> + '_ {
+        self.factories.keys().copied()
+    }
+
+    /// Starts every backend this build has. One that cannot start here is an
+    /// error only if `config` uses its type (a reload may not add that type
+    /// later: the runtime refuses it). Every scaler whose type has no
+    /// backend is an error too; all errors are returned together.
+    pub fn build(
+        &self,
+        config: &Config,
+        ctx: &BackendContext,
+    ) -> Result<Vec<Arc<dyn Backend>>, Vec<String>> {
+        let mut backends = Vec::new();
+        let mut errors = Vec::new();
+        let mut broken = BTreeMap::new();
+        for (kind, factory) in &self.factories {
+            match factory(ctx) {
+                Ok(b) => backends.push(b),
+                Err(why) => {
+                    tracing::warn!(backend = %kind, error = %why, "backend unavailable");
+                    broken.insert(*kind, why);
+                }
+            }
+        }
+        for s in &config.scalers {
+            if let Some(why) = broken.get(&s.kind) {
+                errors.push(format!(
+                    "{}: scalers[name={}]: the {} backend cannot start on this host: {why}",
+                    s.origin, s.name, s.kind
+                ));
+            } else if !self.factories.contains_key(&s.kind) {
+                let have: Vec<&str> = self.kinds().map(ScalerType::as_str).collect();
+                errors.push(format!(
+                    "{}: scalers[name={}]: type {} has no backend in this build of kici-scaler (available: {})",
+                    s.origin,
+                    s.name,
+                    s.kind,
+                    if have.is_empty() { "none yet".to_owned() } else { have.join(", ") }
+                ));
+            }
+        }
+        if errors.is_empty() {
+            Ok(backends)
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// Each backend's own validation of each scaler entry of its type (files,
+/// engine, host capacity); every error, prefixed by the scaler.
+pub async fn validate(config: &Config, backends: &[Arc<dyn Backend>]) -> Result<(), Vec<String>> {
+    let mut errors = Vec::new();
+    for s in &config.scalers {
+        let Some(backend) = backends.iter().find(|b| b.kind() == s.kind) else {
+            errors.push(format!("scalers[name={}]: no {} backend", s.name, s.kind));
+            continue;
+        };
+        if let Err(errs) = backend.validate(s).await {
+            errors.extend(
+                errs.into_iter()
+                    .map(|e| format!("{}: scalers[name={}]: {e}", s.origin, s.name)),
+            );
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}

@@ -1,0 +1,412 @@
+//! `kici-scaler serve`: start-up, the control API listener, signals and
+//! shutdown.
+//!
+//! Start-up, in order, each step refusing to go on with every problem
+//! listed: daemon settings; the API token rule; the state dir (identity and
+//! lock); the configuration; the listener (bound before any agent exists,
+//! so a busy port costs nothing); the backends and their validation of the
+//! configuration; the machine-pool ledger and admission; the engine and its
+//! runtime; the event pump; then the API serves and `/readyz` turns ready.
+//!
+//! SIGHUP reloads the configuration (all or nothing). SIGTERM and SIGINT stop
+//! accepting connections, destroy every agent (up to the shutdown grace),
+//! end the event streams and exit 0 — or 1 if agents could not all be
+//! destroyed in time.
+
+use crate::api::{self, AppState};
+use crate::backends::{self, BackendContext, BackendRegistry};
+use crate::events::EventLog;
+use crate::identity::{IdentityError, IdentitySource, StateDir};
+use crate::metrics::Metrics;
+use crate::pump::Pump;
+use crate::reload::{ConfigReloader, Reload};
+use crate::settings::{
+    DaemonFile, DaemonSettings, ListenAddr, ServeArgs, SettingsError, API_TOKEN_ENV,
+};
+use crate::tls::{self, TlsError};
+use crate::token::{Secret, TokenBootstrapper, TokenStore};
+use axum::Router;
+use axum_server::tls_rustls::RustlsConfig;
+use axum_server::Handle;
+use kici_admission::{Admission, MachineLedger};
+use kici_engine::runtime::Runtime;
+use kici_engine::Engine;
+use kici_routing::HostPlatform;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::task::JoinHandle;
+
+/// How long the API may take to finish open connections once the event
+/// streams have ended.
+const CONNECTION_DRAIN: Duration = Duration::from_secs(5);
+
+/// Why `serve` did not start (or did not stop cleanly). Each variant's
+/// message is complete: it is printed as is, one problem per line.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{0}")]
+    Settings(#[from] SettingsError),
+    #[error("{API_TOKEN_ENV} is set but empty")]
+    EmptyApiToken,
+    #[error("--listen {0} is not a loopback address: set {API_TOKEN_ENV} (every request must then carry it as a bearer token), or listen on 127.0.0.1 or a unix socket")]
+    RemoteWithoutToken(ListenAddr),
+    #[error("{0}")]
+    Identity(#[from] IdentityError),
+    /// Already one `file:line:col: path: message` per line.
+    #[error("{0}")]
+    Config(kici_config::ConfigErrors),
+    #[error("{}", .0.join("\n"))]
+    Backends(Vec<String>),
+    #[error("machine-pool ledger: {0}")]
+    Ledger(#[from] kici_admission::LedgerError),
+    #[error("admission: {0}")]
+    Admission(#[from] kici_admission::AdmissionError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: ListenAddr, source: io::Error },
+    #[error("{0}")]
+    Tls(#[from] TlsError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(io::Error),
+    #[error("cannot install the {0} handler: {1}")]
+    Signal(&'static str, io::Error),
+    #[error("the control API failed: {0}")]
+    Serve(io::Error),
+    #[error("shutdown: {0} agent(s) were not destroyed within the shutdown grace")]
+    AgentsLeft(usize),
+}
+
+/// The daemon's whole life, from the command line to exit.
+pub fn serve(args: &ServeArgs) -> Result<(), ServeError> {
+    let file = args
+        .daemon_config
+        .as_deref()
+        .map(DaemonFile::load)
+        .transpose()?;
+    let settings = DaemonSettings::resolve(args, file.as_ref())?;
+    let registry = registry_for(args);
+    let api_token = api_token_from_env(&settings)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kici-scaler")
+        .build()
+        .map_err(ServeError::Runtime)?;
+    runtime.block_on(run(settings, registry, api_token))
+}
+
+fn registry_for(args: &ServeArgs) -> BackendRegistry {
+    #[cfg(feature = "memory-backends")]
+    if args.memory_backends {
+        tracing::warn!(
+            "serving with in-memory backends: nothing real is provisioned (test builds only)"
+        );
+        return BackendRegistry::memory();
+    }
+    let _ = args;
+    BackendRegistry::builtin()
+}
+
+/// `KICI_SCALER_API_TOKEN`, required for a non-loopback TCP listener.
+fn api_token_from_env(settings: &DaemonSettings) -> Result<Option<Secret>, ServeError> {
+    let token = match std::env::var(API_TOKEN_ENV) {
+        Ok(t) if t.trim().is_empty() => return Err(ServeError::EmptyApiToken),
+        Ok(t) => Some(Secret::new(t.trim().to_owned())),
+        Err(_) => None,
+    };
+    if token.is_none() && settings.listen.is_remote() {
+        return Err(ServeError::RemoteWithoutToken(settings.listen.clone()));
+    }
+    Ok(token)
+}
+
+/// A bound listener, before serving.
+enum Bound {
+    Tcp(std::net::TcpListener, Option<RustlsConfig>),
+    Unix(std::os::unix::net::UnixListener),
+}
+
+fn bind(settings: &DaemonSettings) -> Result<Bound, ServeError> {
+    let listen_err = |source| ServeError::Listen {
+        addr: settings.listen.clone(),
+        source,
+    };
+    match &settings.listen {
+        ListenAddr::Tcp(addr) => {
+            let tls = match &settings.tls {
+                Some(files) => Some(RustlsConfig::from_config(Arc::new(tls::server_config(
+                    &files.cert,
+                    &files.key,
+                )?))),
+                None => None,
+            };
+            let listener = std::net::TcpListener::bind(addr).map_err(listen_err)?;
+            listener.set_nonblocking(true).map_err(listen_err)?;
+            Ok(Bound::Tcp(listener, tls))
+        }
+        ListenAddr::Unix(path) => {
+            remove_stale_socket(path).map_err(listen_err)?;
+            let listener = std::os::unix::net::UnixListener::bind(path).map_err(listen_err)?;
+            // Only the daemon's user may talk to it: the socket is the
+            // API's only guard when no token is set.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .map_err(listen_err)?;
+            listener.set_nonblocking(true).map_err(listen_err)?;
+            Ok(Bound::Unix(listener))
+        }
+    }
+}
+
+/// A socket file left by a dead daemon is removed; a live one is refused.
+fn remove_stale_socket(path: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+        Ok(meta) if !meta.file_type().is_socket() => Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "the path exists and is not a socket",
+        )),
+        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                "another process is serving on this socket",
+            )),
+            Err(_) => std::fs::remove_file(path),
+        },
+    }
+}
+
+async fn run(
+    settings: DaemonSettings,
+    registry: BackendRegistry,
+    api_token: Option<Secret>,
+) -> Result<(), ServeError> {
+    let state_dir = StateDir::open(&settings.state_dir, settings.reset_identity)?;
+    let instance = state_dir.instance_id();
+    match state_dir.identity_source() {
+        IdentitySource::Existing => {}
+        IdentitySource::Created => {
+            tracing::info!(instance = %instance, "new instance id minted")
+        }
+        IdentitySource::Reset { previous } => tracing::warn!(
+            instance = %instance,
+            previous = previous.map(|p| p.to_string()),
+            "instance identity reset"
+        ),
+    }
+    let loaded = kici_config::load(&settings.config, settings.config_dir.as_deref())
+        .map_err(ServeError::Config)?;
+    for w in &loaded.warnings {
+        tracing::warn!(warning = %w, "configuration warning");
+    }
+    let config = Arc::new(loaded.config);
+
+    let bound = bind(&settings)?;
+
+    let ctx = BackendContext {
+        instance,
+        state_dir: settings.state_dir.clone(),
+    };
+    let backends = registry
+        .build(&config, &ctx)
+        .map_err(ServeError::Backends)?;
+    backends::validate(&config, &backends)
+        .await
+        .map_err(ServeError::Backends)?;
+    let ledger = MachineLedger::open(settings.machine_ledger_dir.as_deref(), instance)?;
+    let admission = Admission::new(&config, Some(ledger))?;
+    let engine = Engine::new(
+        Arc::clone(&config),
+        admission,
+        HostPlatform::current(),
+        settings.engine.clone(),
+    );
+
+    let tokens = Arc::new(TokenStore::new());
+    let bootstrapper = Arc::new(TokenBootstrapper::new(
+        Arc::clone(&tokens),
+        settings.gateway_listen,
+    ));
+    let metrics = Arc::new(Metrics::new(&config));
+    let events = Arc::new(EventLog::new(settings.event_replay));
+    let runtime = Runtime::start(engine, backends, bootstrapper);
+    let pump = Pump::start(
+        &runtime,
+        Arc::clone(&events),
+        Arc::clone(&metrics),
+        Arc::clone(&tokens),
+    );
+    let reloader: Arc<dyn Reload> = Arc::new(ConfigReloader::new(
+        settings.config.clone(),
+        settings.config_dir.clone(),
+        runtime.clone(),
+        Arc::clone(&metrics),
+    ));
+    let state = AppState::new(
+        runtime.clone(),
+        instance,
+        tokens,
+        events,
+        metrics,
+        Arc::clone(&reloader),
+        api_token,
+    );
+    let router = api::router(state.clone());
+
+    let mut hangup = signal(SignalKind::hangup()).map_err(|e| ServeError::Signal("SIGHUP", e))?;
+    let mut terminate =
+        signal(SignalKind::terminate()).map_err(|e| ServeError::Signal("SIGTERM", e))?;
+    let mut interrupt =
+        signal(SignalKind::interrupt()).map_err(|e| ServeError::Signal("SIGINT", e))?;
+
+    let Server {
+        addr,
+        handle,
+        task: mut server_task,
+    } = Server::start(bound, router).map_err(ServeError::Serve)?;
+    tracing::info!(
+        addr = %addr,
+        tls = settings.tls.is_some(),
+        gateway = %settings.gateway_listen,
+        state = %settings.state,
+        instance = %instance,
+        scalers = config.scalers.len(),
+        "control API listening"
+    );
+    state.set_ready(true);
+
+    let stop = loop {
+        tokio::select! {
+            _ = hangup.recv() => {
+                tracing::info!("SIGHUP: reloading the configuration");
+                // The reloader logs and counts the outcome.
+                let _ = reloader.reload().await;
+            }
+            _ = terminate.recv() => break "SIGTERM",
+            _ = interrupt.recv() => break "SIGINT",
+            result = &mut server_task => {
+                // The listener died on its own: stop everything.
+                let err = match result {
+                    Ok(Ok(())) => io::Error::other("the listener stopped"),
+                    Ok(Err(e)) => e,
+                    Err(e) => io::Error::other(e),
+                };
+                state.set_ready(false);
+                runtime.shutdown(settings.shutdown_grace).await;
+                pump.finish().await;
+                return Err(ServeError::Serve(err));
+            }
+        }
+    };
+
+    tracing::info!(
+        signal = stop,
+        grace_seconds = settings.shutdown_grace.as_secs(),
+        "shutting down: destroying every agent"
+    );
+    state.set_ready(false);
+    // No new connections; open ones continue, so event streams report the
+    // shutdown's destroys.
+    handle.graceful_shutdown(None);
+    let all_gone = runtime.shutdown(settings.shutdown_grace).await;
+    let left = runtime.agents(false).len();
+    // Events up to the last `gone` reach the log, then SSE streams end.
+    pump.finish().await;
+    handle.graceful_shutdown(Some(CONNECTION_DRAIN));
+    match tokio::time::timeout(CONNECTION_DRAIN * 2, &mut server_task).await {
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "control API ended with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "control API task failed"),
+        Ok(Ok(Ok(()))) => {}
+        Err(_) => {
+            handle.shutdown();
+            tracing::warn!("control API connections did not close in time; closed");
+        }
+    }
+    if let ListenAddr::Unix(path) = &settings.listen {
+        // Ours (we bound it); a failure only leaves a stale file, which the
+        // next start removes.
+        let _ = std::fs::remove_file(path);
+    }
+    drop(state_dir);
+    if all_gone {
+        tracing::info!("shutdown complete: every agent destroyed");
+        Ok(())
+    } else {
+        tracing::error!(left, "shutdown incomplete: agents left");
+        Err(ServeError::AgentsLeft(left))
+    }
+}
+
+/// The serving task and its controls.
+struct Server {
+    addr: String,
+    handle: AnyHandle,
+    task: JoinHandle<io::Result<()>>,
+}
+
+/// axum-server's handle is typed by address kind.
+enum AnyHandle {
+    Tcp(Handle<std::net::SocketAddr>),
+    Unix(Handle<std::os::unix::net::SocketAddr>),
+}
+
+impl AnyHandle {
+    fn graceful_shutdown(&self, limit: Option<Duration>) {
+        match self {
+            Self::Tcp(h) => h.graceful_shutdown(limit),
+            Self::Unix(h) => h.graceful_shutdown(limit),
+        }
+    }
+
+    fn shutdown(&self) {
+        match self {
+            Self::Tcp(h) => h.shutdown(),
+            Self::Unix(h) => h.shutdown(),
+        }
+    }
+}
+
+impl Server {
+    fn start(bound: Bound, router: Router) -> io::Result<Self> {
+        let service = router.into_make_service();
+        match bound {
+            Bound::Tcp(listener, tls) => {
+                let addr = listener.local_addr()?;
+                let handle = Handle::new();
+                let task = match tls {
+                    Some(tls) => {
+                        let server = axum_server::tls_rustls::from_tcp_rustls(listener, tls)?
+                            .handle(handle.clone());
+                        tokio::spawn(server.serve(service))
+                    }
+                    None => {
+                        let server = axum_server::from_tcp(listener)?.handle(handle.clone());
+                        tokio::spawn(server.serve(service))
+                    }
+                };
+                Ok(Self {
+                    addr: addr.to_string(),
+                    handle: AnyHandle::Tcp(handle),
+                    task,
+                })
+            }
+            Bound::Unix(listener) => {
+                let path = listener
+                    .local_addr()?
+                    .as_pathname()
+                    .map(|p| format!("unix:{}", p.display()))
+                    .unwrap_or_else(|| "unix:?".to_owned());
+                let handle = Handle::new();
+                let server = axum_server::from_unix(listener)?.handle(handle.clone());
+                let task = tokio::spawn(server.serve(service));
+                Ok(Self {
+                    addr: path,
+                    handle: AnyHandle::Unix(handle),
+                    task,
+                })
+            }
+        }
+    }
+}

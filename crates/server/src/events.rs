@@ -1,0 +1,237 @@
+//! The bounded replay buffer behind `GET /v1/events`.
+//!
+//! The engine publishes every event once, on a broadcast channel, numbered
+//! from 1 without gaps. [`EventLog`] keeps the most recent `capacity` of
+//! them so that an SSE client can resume after a reconnect (`Last-Event-ID`)
+//! and a slow client reads at its own pace instead of being dropped. A client
+//! whose next event has left the buffer (or was never recorded) is told so
+//! with a [`Gap`] and continues from the oldest event still kept.
+
+use kici_engine::runtime::SequencedEvent;
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// Events a reader missed: ids `missed_from ..= missed_to` are not available.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gap {
+    pub missed_from: u64,
+    pub missed_to: u64,
+}
+
+/// What a reader gets next.
+#[derive(Debug, Clone)]
+pub enum Next {
+    /// Events after the reader's position, in order (possibly after a gap).
+    Events {
+        gap: Option<Gap>,
+        events: Vec<Arc<SequencedEvent>>,
+    },
+    /// Nothing new yet.
+    Wait,
+    /// The log is closed (the daemon is stopping) and fully read.
+    Closed,
+}
+
+#[derive(Debug)]
+struct Buffer {
+    events: VecDeque<Arc<SequencedEvent>>,
+    closed: bool,
+}
+
+/// The replay buffer. Cheap to share (`Arc`).
+#[derive(Debug)]
+pub struct EventLog {
+    capacity: usize,
+    buffer: Mutex<Buffer>,
+    /// The id of the newest event (0 before the first); readers wait on it.
+    newest: watch::Sender<u64>,
+}
+
+/// Most events handed to one reader per call, so a far-behind reader does
+/// not hold the lock for a copy of the whole buffer.
+const BATCH: usize = 256;
+
+impl EventLog {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            buffer: Mutex::new(Buffer {
+                events: VecDeque::new(),
+                closed: false,
+            }),
+            newest: watch::channel(0).0,
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Records one event (ids must increase; gaps are allowed and surface to
+    /// readers as [`Gap`]s).
+    pub fn push(&self, event: Arc<SequencedEvent>) {
+        let id = event.id;
+        {
+            let mut b = self.buffer.lock();
+            if b.closed || b.events.back().is_some_and(|last| last.id >= id) {
+                return;
+            }
+            b.events.push_back(event);
+            while b.events.len() > self.capacity {
+                b.events.pop_front();
+            }
+        }
+        self.newest.send_replace(id);
+    }
+
+    /// No more events: readers finish once they have read what is kept.
+    pub fn close(&self) {
+        self.buffer.lock().closed = true;
+        // Wake every waiting reader; the value itself is unchanged.
+        self.newest.send_modify(|_| {});
+    }
+
+    /// The id of the newest recorded event (0 if none).
+    pub fn newest_id(&self) -> u64 {
+        *self.newest.borrow()
+    }
+
+    /// The next events after `after`, a reader's last seen id (a new reader
+    /// starts at [`EventLog::newest_id`]; `Last-Event-ID: 0` asks for
+    /// everything since the daemon started).
+    pub fn read_after(&self, after: u64) -> Next {
+        let b = self.buffer.lock();
+        let newest = b.events.back().map_or(0, |e| e.id);
+        if after >= newest {
+            return if b.closed { Next::Closed } else { Next::Wait };
+        }
+        // Ids are increasing: binary search for the first id > after.
+        let start = b.events.partition_point(|e| e.id <= after);
+        let events: Vec<_> = b.events.iter().skip(start).take(BATCH).cloned().collect();
+        let first = events.first().map_or(after + 1, |e| e.id);
+        let gap = (first > after + 1).then(|| Gap {
+            missed_from: after + 1,
+            missed_to: first - 1,
+        });
+        Next::Events { gap, events }
+    }
+
+    /// Waits until an event newer than `after` is recorded or the log closes.
+    pub async fn wait_after(&self, after: u64) {
+        let mut rx = self.newest.subscribe();
+        loop {
+            if *rx.borrow_and_update() > after || self.buffer.lock().closed {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use kici_engine::EngineEvent;
+    use std::time::SystemTime;
+
+    fn event(id: u64) -> Arc<SequencedEvent> {
+        Arc::new(SequencedEvent {
+            id,
+            at: SystemTime::now(),
+            event: EngineEvent::Reloaded {
+                added: vec![],
+                removed: vec![],
+            },
+        })
+    }
+
+    fn ids(next: &Next) -> (Option<Gap>, Vec<u64>) {
+        match next {
+            Next::Events { gap, events } => (*gap, events.iter().map(|e| e.id).collect()),
+            other => panic!("no events: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn keeps_the_newest_and_resumes_after_an_id() {
+        let log = EventLog::new(3);
+        for id in 1..=5 {
+            log.push(event(id));
+        }
+        assert_eq!(log.newest_id(), 5);
+        assert_eq!(ids(&log.read_after(3)), (None, vec![4, 5]));
+        assert!(matches!(log.read_after(5), Next::Wait));
+        assert!(matches!(log.read_after(9), Next::Wait));
+    }
+
+    #[test]
+    fn a_reader_behind_the_buffer_gets_a_gap() {
+        let log = EventLog::new(3);
+        for id in 1..=5 {
+            log.push(event(id));
+        }
+        assert_eq!(
+            ids(&log.read_after(1)),
+            (
+                Some(Gap {
+                    missed_from: 2,
+                    missed_to: 2
+                }),
+                vec![3, 4, 5]
+            )
+        );
+        // Last-Event-ID: 0 missed 1 and 2.
+        assert_eq!(
+            ids(&log.read_after(0)).0,
+            Some(Gap {
+                missed_from: 1,
+                missed_to: 2
+            })
+        );
+    }
+
+    #[test]
+    fn ids_missing_from_the_stream_are_a_gap_too() {
+        let log = EventLog::new(10);
+        log.push(event(1));
+        log.push(event(4));
+        assert_eq!(
+            ids(&log.read_after(1)),
+            (
+                Some(Gap {
+                    missed_from: 2,
+                    missed_to: 3
+                }),
+                vec![4]
+            )
+        );
+    }
+
+    #[test]
+    fn close_ends_readers_after_what_is_kept() {
+        let log = EventLog::new(10);
+        log.push(event(1));
+        log.close();
+        log.push(event(2));
+        assert_eq!(ids(&log.read_after(0)), (None, vec![1]));
+        assert!(matches!(log.read_after(1), Next::Closed));
+    }
+
+    #[tokio::test]
+    async fn waiters_wake_on_push_and_close() {
+        let log = Arc::new(EventLog::new(10));
+        let l = log.clone();
+        let waiter = tokio::spawn(async move { l.wait_after(0).await });
+        log.push(event(1));
+        waiter.await.unwrap();
+        let l = log.clone();
+        let waiter = tokio::spawn(async move { l.wait_after(1).await });
+        log.close();
+        waiter.await.unwrap();
+    }
+}

@@ -1,0 +1,156 @@
+//! Fans the engine's event stream out: into the SSE replay buffer, the
+//! metrics, token revocation (an agent that reached `gone` keeps no token,
+//! whichever path took it there) and one structured log line per event with
+//! `agent_id`, `scaler` and `job_id` as fields.
+
+use crate::events::EventLog;
+use crate::metrics::Metrics;
+use crate::token::TokenStore;
+use kici_engine::runtime::{Runtime, SequencedEvent};
+use kici_engine::{AgentState, EngineEvent};
+use std::sync::Arc;
+use tokio::sync::{broadcast, oneshot};
+use tokio::task::JoinHandle;
+
+/// The running pump.
+pub struct Pump {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl Pump {
+    /// Subscribes to `runtime` and starts fanning out.
+    pub fn start(
+        runtime: &Runtime,
+        log: Arc<EventLog>,
+        metrics: Arc<Metrics>,
+        tokens: Arc<TokenStore>,
+    ) -> Self {
+        let mut rx = runtime.subscribe();
+        let (stop, mut stopped) = oneshot::channel();
+        let task = tokio::spawn(async move {
+            let handle = |event: Arc<SequencedEvent>| {
+                metrics.observe(&event);
+                if let EngineEvent::AgentTransition {
+                    agent_id,
+                    to: AgentState::Gone,
+                    ..
+                } = &event.event
+                {
+                    tokens.revoke(*agent_id);
+                }
+                log_event(&event);
+                log.push(event);
+            };
+            loop {
+                tokio::select! {
+                    biased;
+                    received = rx.recv() => match received {
+                        Ok(event) => handle(event),
+                        Err(broadcast::error::RecvError::Lagged(n)) => {
+                            // Readers see the hole as a `reset`.
+                            tracing::warn!(missed = n, "event pump fell behind; events dropped");
+                        }
+                        Err(broadcast::error::RecvError::Closed) => break,
+                    },
+                    _ = &mut stopped => {
+                        // Everything already published is delivered first.
+                        while let Ok(event) = rx.try_recv() {
+                            handle(event);
+                        }
+                        break;
+                    }
+                }
+            }
+            log.close();
+        });
+        Self {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Delivers what was published so far, closes the event log (SSE
+    /// streams end) and stops.
+    pub async fn finish(mut self) {
+        if let Some(stop) = self.stop.take() {
+            // The task may already have ended (channel closed): fine.
+            let _ = stop.send(());
+        }
+        if let Err(e) = (&mut self.task).await {
+            tracing::error!(error = %e, "event pump failed");
+        }
+    }
+}
+
+fn log_event(e: &SequencedEvent) {
+    match &e.event {
+        EngineEvent::AgentTransition {
+            agent_id,
+            scaler,
+            backend,
+            from,
+            to,
+            job_id,
+            failure_reason,
+            cause,
+            detail,
+            seconds_in_state,
+        } => {
+            let job_id = job_id.as_ref().map(|j| j.as_str());
+            let failure = failure_reason.map(|r| r.as_str());
+            if failure.is_some() {
+                tracing::warn!(
+                    event_id = e.id, agent_id = %agent_id, scaler = %scaler, backend = %backend,
+                    job_id, from = %from, to = %to, failure_reason = failure, cause = *cause,
+                    detail = detail.as_deref(), seconds_in_state = *seconds_in_state,
+                    "agent failed"
+                );
+            } else {
+                tracing::info!(
+                    event_id = e.id, agent_id = %agent_id, scaler = %scaler, backend = %backend,
+                    job_id, from = %from, to = %to, cause = *cause,
+                    detail = detail.as_deref(), seconds_in_state = *seconds_in_state,
+                    "agent state changed"
+                );
+            }
+        }
+        EngineEvent::Refused {
+            job_id,
+            scaler,
+            cap,
+            detail,
+        } => tracing::info!(
+            event_id = e.id, job_id = %job_id, scaler = %scaler, cap = %cap, detail = %detail,
+            "scale request waits for capacity"
+        ),
+        EngineEvent::PendingEnded {
+            job_id,
+            scaler,
+            end,
+            waited_seconds,
+        } => tracing::info!(
+            event_id = e.id, job_id = %job_id, scaler = %scaler, end = end.as_str(),
+            waited_seconds = *waited_seconds, "scale request left the pending queue"
+        ),
+        EngineEvent::BreakerChanged {
+            scaler,
+            label_set,
+            state,
+        } => tracing::warn!(
+            event_id = e.id, scaler = %scaler, label_set = *label_set, state = state.as_str(),
+            "spawn circuit breaker changed"
+        ),
+        EngineEvent::ScalerCordon {
+            scaler,
+            cordoned,
+            draining,
+        } => tracing::info!(
+            event_id = e.id, scaler = %scaler, cordoned = *cordoned, draining = *draining,
+            "scaler switches changed"
+        ),
+        EngineEvent::Reloaded { added, removed } => tracing::info!(
+            event_id = e.id, added = ?added, removed = ?removed, "engine reloaded"
+        ),
+    }
+}

@@ -1,0 +1,478 @@
+//! The daemon's own settings (not `scalers.yaml`): where it listens, where
+//! its state lives, engine timings, shutdown grace.
+//!
+//! Each setting comes from, in order of precedence: its `serve` flag, its
+//! `KICI_SCALER_*` environment variable (clap reads both), the
+//! `--daemon-config` file (TOML or YAML, by extension), the default here.
+//! [`DaemonSettings`] is the resolved, validated result; nothing downstream
+//! re-checks a value.
+
+use clap::Args;
+use kici_engine::EngineSettings;
+use serde::Deserialize;
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7878";
+pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:7879";
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(60);
+pub const DEFAULT_EVENT_REPLAY: usize = 10_000;
+/// The environment variable holding the control API's bearer token.
+pub const API_TOKEN_ENV: &str = "KICI_SCALER_API_TOKEN";
+
+/// Where the control API (or a client) listens / connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    Tcp(SocketAddr),
+    /// `unix:/path`.
+    Unix(PathBuf),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddrError {
+    #[error("{0:?} is not an address: expected IP:PORT (e.g. 127.0.0.1:7878, [::1]:7878, localhost:7878) or unix:/path")]
+    Invalid(String),
+    #[error("unix:{0:?}: a unix socket path must not be empty")]
+    EmptyUnixPath(String),
+}
+
+impl FromStr for ListenAddr {
+    type Err = AddrError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(AddrError::EmptyUnixPath(path.to_owned()));
+            }
+            return Ok(Self::Unix(PathBuf::from(path)));
+        }
+        parse_socket_addr(s).map(Self::Tcp)
+    }
+}
+
+/// `IP:PORT`, or `localhost:PORT` (loopback; no resolver involved).
+pub fn parse_socket_addr(s: &str) -> Result<SocketAddr, AddrError> {
+    if let Some(port) = s.strip_prefix("localhost:") {
+        let port: u16 = port.parse().map_err(|_| AddrError::Invalid(s.to_owned()))?;
+        return Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port));
+    }
+    s.parse().map_err(|_| AddrError::Invalid(s.to_owned()))
+}
+
+impl ListenAddr {
+    /// A TCP bind reachable from other hosts: the API then requires a bearer
+    /// token. A unix socket is guarded by its file permissions.
+    pub fn is_remote(&self) -> bool {
+        match self {
+            Self::Tcp(addr) => !addr.ip().is_loopback(),
+            Self::Unix(_) => false,
+        }
+    }
+}
+
+impl fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Tcp(addr) => write!(f, "{addr}"),
+            Self::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// The durable-state store URL. Only `sqlite:PATH` is accepted; the store
+/// itself is a later piece of work, so nothing is written there yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    Sqlite(PathBuf),
+}
+
+impl FromStr for StoreUrl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.strip_prefix("sqlite:") {
+            Some(path) if !path.is_empty() => Ok(Self::Sqlite(PathBuf::from(path))),
+            _ => Err(format!(
+                "{s:?}: only sqlite:PATH is supported (PostgreSQL arrives with the durable state store)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Sqlite(p) => write!(f, "sqlite:{}", p.display()),
+        }
+    }
+}
+
+/// `kici-scaler serve` flags. Every daemon setting is `Option` here so that a
+/// missing flag (and variable) falls through to the daemon-config file.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ServeArgs {
+    /// The main configuration file (scalers.yaml).
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_CONFIG_PATH")]
+    pub config: Option<PathBuf>,
+    /// Drop-in directory (*.yaml / *.yml merged after the main file).
+    #[arg(long, value_name = "DIR", env = "KICI_SCALER_CONFIG_DIR")]
+    pub config_dir: Option<PathBuf>,
+    /// The daemon's own settings, TOML (.toml) or YAML (.yaml/.yml); keys are
+    /// the long flag names (e.g. `listen`, `pending-ttl-seconds`).
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_DAEMON_CONFIG")]
+    pub daemon_config: Option<PathBuf>,
+    /// Control API address: IP:PORT or unix:/path [default: 127.0.0.1:7878].
+    /// A non-loopback TCP address requires KICI_SCALER_API_TOKEN.
+    #[arg(long, value_name = "ADDR", env = "KICI_SCALER_LISTEN")]
+    pub listen: Option<String>,
+    /// Agent gateway address (WebSocket /ws); agents of scalers without an
+    /// orchestratorUrl connect here [default: 127.0.0.1:7879].
+    #[arg(long, value_name = "ADDR", env = "KICI_SCALER_GATEWAY_LISTEN")]
+    pub gateway_listen: Option<String>,
+    /// State directory: instance id, machine-id copy, lock
+    /// [default: /var/lib/kici-scaler].
+    #[arg(long, value_name = "DIR", env = "KICI_SCALER_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Durable state store URL. Only sqlite:PATH is accepted for now, and
+    /// nothing is stored yet: durable state is a later piece of work
+    /// [default: sqlite:<state-dir>/state.db].
+    #[arg(long, value_name = "URL", env = "KICI_SCALER_STATE")]
+    pub state: Option<String>,
+    /// PEM certificate chain: serve the control API over TLS (with --tls-key).
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// How long a scale request waits for capacity before it expires
+    /// [default: 3600].
+    #[arg(long, value_name = "SECONDS", env = "KICI_SCALER_PENDING_TTL_SECONDS")]
+    pub pending_ttl_seconds: Option<u64>,
+    /// After this long in the queue, a request holds the capacity it needs
+    /// [default: 300].
+    #[arg(long, value_name = "SECONDS", env = "KICI_SCALER_STARVATION_SECONDS")]
+    pub starvation_seconds: Option<u64>,
+    /// Most pending scale requests kept [default: 10000].
+    #[arg(long, value_name = "N", env = "KICI_SCALER_MAX_PENDING")]
+    pub max_pending: Option<usize>,
+    /// On SIGTERM/SIGINT, how long to wait for every agent to be destroyed
+    /// [default: 60].
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "KICI_SCALER_SHUTDOWN_GRACE_SECONDS"
+    )]
+    pub shutdown_grace_seconds: Option<u64>,
+    /// Machine-pool ledger directory (shared by every process on the host).
+    #[arg(long, value_name = "DIR", env = "KICI_MACHINE_LEDGER_DIR")]
+    pub machine_ledger_dir: Option<PathBuf>,
+    /// Events kept for `GET /v1/events` resumption (Last-Event-ID)
+    /// [default: 10000].
+    #[arg(long, value_name = "N", env = "KICI_SCALER_EVENT_REPLAY")]
+    pub event_replay: Option<usize>,
+    /// Mint a new instance id when the state dir belongs to another machine
+    /// or its identity is unreadable.
+    #[arg(long)]
+    pub reset_identity: bool,
+    /// Test builds only: an in-memory backend for every scaler type.
+    #[cfg(feature = "memory-backends")]
+    #[arg(long, hide = true)]
+    pub memory_backends: bool,
+}
+
+/// The `--daemon-config` file: the long flag names as keys.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct DaemonFile {
+    pub config: Option<PathBuf>,
+    pub config_dir: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub gateway_listen: Option<String>,
+    pub state_dir: Option<PathBuf>,
+    pub state: Option<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub pending_ttl_seconds: Option<u64>,
+    pub starvation_seconds: Option<u64>,
+    pub max_pending: Option<usize>,
+    pub shutdown_grace_seconds: Option<u64>,
+    pub machine_ledger_dir: Option<PathBuf>,
+    pub event_replay: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("cannot read the daemon config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{path}: the daemon config must end in .toml, .yaml or .yml")]
+    UnknownFormat { path: PathBuf },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl DaemonFile {
+    pub fn load(path: &Path) -> Result<Self, SettingsError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SettingsError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let parse_err = |message: String| SettingsError::Parse {
+            path: path.to_owned(),
+            message,
+        };
+        match ext {
+            "toml" => toml::from_str(&text).map_err(|e| parse_err(e.to_string())),
+            "yaml" | "yml" => {
+                // An empty YAML file is an empty mapping, not an error.
+                if text.trim().is_empty() {
+                    return Ok(Self::default());
+                }
+                serde_norway::from_str(&text).map_err(|e| parse_err(e.to_string()))
+            }
+            _ => Err(SettingsError::UnknownFormat {
+                path: path.to_owned(),
+            }),
+        }
+    }
+}
+
+/// TLS certificate and key files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Every daemon setting, resolved and validated.
+#[derive(Debug, Clone)]
+pub struct DaemonSettings {
+    pub config: PathBuf,
+    pub config_dir: Option<PathBuf>,
+    pub listen: ListenAddr,
+    pub gateway_listen: SocketAddr,
+    pub state_dir: PathBuf,
+    pub state: StoreUrl,
+    pub tls: Option<TlsFiles>,
+    pub engine: EngineSettings,
+    pub shutdown_grace: Duration,
+    pub machine_ledger_dir: Option<PathBuf>,
+    pub event_replay: usize,
+    pub reset_identity: bool,
+}
+
+impl DaemonSettings {
+    /// Flags/env (`args`) over the file over the defaults. Every problem is
+    /// reported, one per line.
+    pub fn resolve(args: &ServeArgs, file: Option<&DaemonFile>) -> Result<Self, SettingsError> {
+        let empty = DaemonFile::default();
+        let file = file.unwrap_or(&empty);
+        let mut errors = Vec::new();
+
+        let config = args.config.clone().or_else(|| file.config.clone());
+        if config.is_none() {
+            errors.push("--config is required (or KICI_SCALER_CONFIG_PATH, or `config` in the daemon config)".to_owned());
+        }
+        let listen_raw = pick(&args.listen, &file.listen, DEFAULT_LISTEN.to_owned());
+        let listen = listen_raw
+            .parse::<ListenAddr>()
+            .map_err(|e| errors.push(format!("listen: {e}")))
+            .ok();
+        let gateway_raw = pick(
+            &args.gateway_listen,
+            &file.gateway_listen,
+            DEFAULT_GATEWAY_LISTEN.to_owned(),
+        );
+        let gateway_listen = parse_socket_addr(&gateway_raw)
+            .map_err(|e| errors.push(format!("gateway-listen: {e}")))
+            .ok();
+        let state_dir = pick(
+            &args.state_dir,
+            &file.state_dir,
+            PathBuf::from(crate::identity::DEFAULT_STATE_DIR),
+        );
+        let state = match args.state.as_ref().or(file.state.as_ref()) {
+            Some(raw) => raw
+                .parse::<StoreUrl>()
+                .map_err(|e| errors.push(format!("state: {e}")))
+                .ok(),
+            None => Some(StoreUrl::Sqlite(state_dir.join("state.db"))),
+        };
+        let tls = match (
+            args.tls_cert.clone().or_else(|| file.tls_cert.clone()),
+            args.tls_key.clone().or_else(|| file.tls_key.clone()),
+        ) {
+            (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+            (None, None) => None,
+            _ => {
+                errors.push("tls-cert and tls-key must be given together".to_owned());
+                None
+            }
+        };
+        if tls.is_some() && matches!(listen, Some(ListenAddr::Unix(_))) {
+            errors
+                .push("TLS is for TCP listeners; a unix socket is served in plain HTTP".to_owned());
+        }
+
+        let defaults = EngineSettings::default();
+        let mut positive = |name: &str, v: Option<u64>, default: Duration| match v {
+            None => default,
+            Some(0) => {
+                errors.push(format!("{name} must be at least 1"));
+                default
+            }
+            Some(s) => Duration::from_secs(s),
+        };
+        let pending_ttl = positive(
+            "pending-ttl-seconds",
+            args.pending_ttl_seconds.or(file.pending_ttl_seconds),
+            defaults.pending_ttl,
+        );
+        let starvation = positive(
+            "starvation-seconds",
+            args.starvation_seconds.or(file.starvation_seconds),
+            defaults.starvation,
+        );
+        let max_pending = pick(&args.max_pending, &file.max_pending, defaults.max_pending);
+        if max_pending == 0 {
+            errors.push("max-pending must be at least 1".to_owned());
+        }
+        let event_replay = pick(&args.event_replay, &file.event_replay, DEFAULT_EVENT_REPLAY);
+        if event_replay == 0 {
+            errors.push("event-replay must be at least 1".to_owned());
+        }
+        let shutdown_grace = args
+            .shutdown_grace_seconds
+            .or(file.shutdown_grace_seconds)
+            .map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_secs);
+
+        match (config, listen, gateway_listen, state) {
+            (Some(config), Some(listen), Some(gateway_listen), Some(state))
+                if errors.is_empty() =>
+            {
+                Ok(Self {
+                    config,
+                    config_dir: args.config_dir.clone().or_else(|| file.config_dir.clone()),
+                    listen,
+                    gateway_listen,
+                    state_dir,
+                    state,
+                    tls,
+                    engine: EngineSettings {
+                        pending_ttl,
+                        starvation,
+                        max_pending,
+                        ..defaults
+                    },
+                    shutdown_grace,
+                    machine_ledger_dir: args
+                        .machine_ledger_dir
+                        .clone()
+                        .or_else(|| file.machine_ledger_dir.clone()),
+                    event_replay,
+                    reset_identity: args.reset_identity,
+                })
+            }
+            _ => Err(SettingsError::Invalid(errors.join("\n"))),
+        }
+    }
+}
+
+fn pick<T: Clone>(flag: &Option<T>, file: &Option<T>, default: T) -> T {
+    flag.clone().or_else(|| file.clone()).unwrap_or(default)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn args() -> ServeArgs {
+        ServeArgs {
+            config: Some("scalers.yaml".into()),
+            ..ServeArgs::default()
+        }
+    }
+
+    #[test]
+    fn defaults_apply_when_nothing_is_given() {
+        let s = DaemonSettings::resolve(&args(), None).unwrap();
+        assert_eq!(s.listen, ListenAddr::Tcp("127.0.0.1:7878".parse().unwrap()));
+        assert_eq!(s.gateway_listen, "127.0.0.1:7879".parse().unwrap());
+        assert_eq!(s.state_dir, PathBuf::from("/var/lib/kici-scaler"));
+        assert_eq!(
+            s.state,
+            StoreUrl::Sqlite("/var/lib/kici-scaler/state.db".into())
+        );
+        assert_eq!(s.engine.pending_ttl, Duration::from_secs(3600));
+        assert_eq!(s.engine.starvation, Duration::from_secs(300));
+        assert_eq!(s.shutdown_grace, DEFAULT_SHUTDOWN_GRACE);
+        assert_eq!(s.event_replay, 10_000);
+        assert!(s.tls.is_none());
+    }
+
+    #[test]
+    fn flags_beat_the_file_which_beats_the_defaults() {
+        let file: DaemonFile = toml::from_str(
+            "listen = \"unix:/run/k.sock\"\npending-ttl-seconds = 60\nmax-pending = 5\nstate-dir = \"/srv/k\"\n",
+        )
+        .unwrap();
+        let mut a = args();
+        a.pending_ttl_seconds = Some(30);
+        let s = DaemonSettings::resolve(&a, Some(&file)).unwrap();
+        assert_eq!(s.listen, ListenAddr::Unix("/run/k.sock".into()));
+        assert_eq!(s.engine.pending_ttl, Duration::from_secs(30));
+        assert_eq!(s.engine.max_pending, 5);
+        assert_eq!(s.state, StoreUrl::Sqlite("/srv/k/state.db".into()));
+    }
+
+    #[test]
+    fn yaml_and_toml_files_carry_the_same_keys() {
+        let y: DaemonFile =
+            serde_norway::from_str("listen: 0.0.0.0:9000\nshutdown-grace-seconds: 5\n").unwrap();
+        let t: DaemonFile =
+            toml::from_str("listen = \"0.0.0.0:9000\"\nshutdown-grace-seconds = 5\n").unwrap();
+        assert_eq!(y, t);
+        assert!(toml::from_str::<DaemonFile>("lisen = \"x\"\n").is_err());
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let a = ServeArgs {
+            listen: Some("nowhere".into()),
+            state: Some("postgres://db".into()),
+            tls_cert: Some("c.pem".into()),
+            pending_ttl_seconds: Some(0),
+            ..ServeArgs::default()
+        };
+        let SettingsError::Invalid(msg) = DaemonSettings::resolve(&a, None).unwrap_err() else {
+            panic!("not Invalid");
+        };
+        for needle in [
+            "--config",
+            "listen:",
+            "state:",
+            "tls-key",
+            "pending-ttl-seconds",
+        ] {
+            assert!(msg.contains(needle), "{needle} missing from {msg}");
+        }
+    }
+
+    #[test]
+    fn addresses() {
+        assert!(!"127.0.0.1:1".parse::<ListenAddr>().unwrap().is_remote());
+        assert!(!"[::1]:1".parse::<ListenAddr>().unwrap().is_remote());
+        assert!(!"localhost:1".parse::<ListenAddr>().unwrap().is_remote());
+        assert!(!"unix:/tmp/x".parse::<ListenAddr>().unwrap().is_remote());
+        assert!("0.0.0.0:1".parse::<ListenAddr>().unwrap().is_remote());
+        assert!("unix:".parse::<ListenAddr>().is_err());
+        assert!("example.com:80".parse::<ListenAddr>().is_err());
+    }
+}
