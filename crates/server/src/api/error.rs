@@ -228,8 +228,9 @@ fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
         }
     };
     match inner.classify() {
+        // Where in a broken document the parser stopped is not a field.
         Category::Syntax | Category::Eof | Category::Io => ApiError {
-            field: at(None),
+            field: None,
             ..ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "malformed-json",

@@ -161,7 +161,57 @@ pub fn api_routes() -> OpenApiRouter<AppState> {
 
 /// The OpenAPI document (what `GET /openapi.json` serves).
 pub fn openapi() -> OpenApiDoc {
-    api_routes().into_openapi()
+    let mut doc = api_routes().into_openapi();
+    add_common_responses(&mut doc);
+    doc
+}
+
+/// Answers the guard and the body extractor can give on any route: 401
+/// (bearer token), 403 (cross-origin, on every method but GET), 413 (a body
+/// too large, on routes that take one). Added to every operation that does
+/// not already describe them.
+fn add_common_responses(doc: &mut OpenApiDoc) {
+    use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+    let error = |description: &str| {
+        RefOr::T(
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("ErrorBody")))
+                        .build(),
+                )
+                .build(),
+        )
+    };
+    for item in doc.paths.paths.values_mut() {
+        let ops = [
+            (&mut item.get, false),
+            (&mut item.post, true),
+            (&mut item.put, true),
+            (&mut item.delete, true),
+            (&mut item.patch, true),
+        ];
+        for (op, mutating) in ops {
+            let Some(op) = op else { continue };
+            let has_body = op.request_body.is_some();
+            let responses = &mut op.responses.responses;
+            responses
+                .entry("401".to_owned())
+                .or_insert_with(|| error("Missing or wrong bearer token"));
+            if mutating {
+                responses
+                    .entry("403".to_owned())
+                    .or_insert_with(|| error("Refused: sent by a web page (an Origin header)"));
+            }
+            if has_body {
+                responses
+                    .entry("413".to_owned())
+                    .or_insert_with(|| error("The body is too large"));
+            }
+        }
+    }
 }
 
 /// The control API's router.
@@ -172,7 +222,8 @@ pub fn router(state: AppState) -> Router {
 /// The router plus `extra` routes (the agent gateway and standalone jobs
 /// plug in here); their OpenAPI paths join the document.
 pub fn router_with(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
-    let (router, doc) = api_routes().merge(extra).split_for_parts();
+    let (router, mut doc) = api_routes().merge(extra).split_for_parts();
+    add_common_responses(&mut doc);
     let json = doc
         .to_json()
         .unwrap_or_else(|e| format!("{{\"error\":\"cannot encode the OpenAPI document: {e}\"}}"));
