@@ -266,6 +266,8 @@ async fn run(
         handle,
         task: mut server_task,
     } = Server::start(bound, router).map_err(ServeError::Serve)?;
+    // Ready before the log line says so: scripts (and tests) wait for it.
+    state.set_ready(true);
     tracing::info!(
         addr = %addr,
         tls = settings.tls.is_some(),
@@ -275,7 +277,6 @@ async fn run(
         scalers = config.scalers.len(),
         "control API listening"
     );
-    state.set_ready(true);
 
     let stop = loop {
         tokio::select! {

@@ -1,0 +1,679 @@
+//! The real `kici-scaler serve` process: start-up refusals, the API over
+//! TCP, a unix socket and TLS, the CLI clients, SIGHUP and SIGTERM. Backends
+//! are the in-memory ones (`--memory-backends`, a test-build flag); ports are
+//! chosen by the kernel (`127.0.0.1:0`) and read from the start-up log.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::take_sse_events;
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kici-scaler");
+
+/// Longest any single expected log line or event may take; only a safety
+/// net against a hung daemon (nothing waits for it on success).
+const PATIENCE: Duration = Duration::from_secs(30);
+
+const CONFIG: &str = "\
+version: 1
+globalMaxAgents: 10
+scalers:
+  - name: local
+    type: bare-metal
+    maxAgents: 2
+    labelSets:
+      - labels: [linux, local]
+        binaryPath: /bin/true
+  - name: docker
+    type: container
+    maxAgents: 4
+    labelSets:
+      - labels: [linux, docker]
+        image: kici/agent:1
+";
+
+struct Dir(tempfile::TempDir);
+
+impl Dir {
+    fn new() -> Self {
+        let d = tempfile::Builder::new()
+            .prefix("kici-scaler-test-")
+            .tempdir()
+            .unwrap();
+        std::fs::write(d.path().join("scalers.yaml"), CONFIG).unwrap();
+        Dir(d)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.path().join(name)
+    }
+
+    /// `serve` with this dir's config, state dir and ledger.
+    fn serve_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(self.path("scalers.yaml"))
+            .arg("--state-dir")
+            .arg(self.path("state"))
+            .arg("--machine-ledger-dir")
+            .arg(self.path("ledger"))
+            .args(args);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("KICI_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env("KICI_SCALER_LOG", "info");
+        cmd
+    }
+}
+
+/// A running daemon; killed if the test ends early.
+struct Daemon {
+    child: Child,
+    /// The control API address as logged (`127.0.0.1:PORT`, `unix:/…`).
+    addr: String,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn log_message(line: &str) -> Option<(String, Value)> {
+    let v: Value = serde_json::from_str(line).ok()?;
+    let fields = v["fields"].clone();
+    Some((fields["message"].as_str()?.to_owned(), fields))
+}
+
+impl Daemon {
+    fn start(dir: &Dir, args: &[&str], env: &[(&str, &str)]) -> Daemon {
+        let mut cmd = dir.serve_command(args);
+        cmd.envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut d = Daemon {
+            child,
+            addr: String::new(),
+            lines,
+        };
+        let fields = d.wait_for_log("control API listening");
+        d.addr = fields["addr"].as_str().unwrap().to_owned();
+        d
+    }
+
+    /// Reads the log until a line with `message`; returns its fields.
+    fn wait_for_log(&mut self, message: &str) -> Value {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(PATIENCE)
+                .unwrap_or_else(|_| panic!("the daemon never logged {message:?}"));
+            if let Some((m, fields)) = log_message(&line) {
+                if m == message {
+                    return fields;
+                }
+            }
+        }
+    }
+
+    fn server(&self) -> String {
+        if self.addr.starts_with("unix:") {
+            self.addr.clone()
+        } else {
+            format!("http://{}", self.addr)
+        }
+    }
+
+    fn signal(&self, sig: rustix::process::Signal) {
+        rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), sig).unwrap();
+    }
+
+    /// Waits for the process to exit (nextest's slow-timeout is the safety
+    /// net against a daemon that never does).
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        self.child.wait().unwrap()
+    }
+}
+
+/// The CLI against `server`.
+fn cli(server: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args).arg("--server").arg(server);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("KICI_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.iter().copied()).output().unwrap()
+}
+
+fn stdout_json(o: &Output) -> Value {
+    let text = String::from_utf8(o.stdout.clone()).unwrap();
+    let docs: Vec<Value> = serde_json::Deserializer::from_str(&text)
+        .into_iter::<Value>()
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {text}"));
+    assert_eq!(docs.len(), 1, "exactly one document: {text}");
+    docs.into_iter().next().unwrap()
+}
+
+/// One HTTP/1.0 request over TCP (the answer ends with the connection).
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
+    req.push_str("\r\n");
+    req.push_str(body.unwrap_or(""));
+    s.write_all(req.as_bytes()).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, body.to_owned())
+}
+
+// --------------------------------------------------------------- start-up
+
+#[test]
+fn start_up_refuses_a_bad_config_with_every_error() {
+    let dir = Dir::new();
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        "version: 1\nscalers:\n  - name: a\n    type: nope\n    maxAgents: -1\n    labelSets: []\n",
+    )
+    .unwrap();
+    let out = dir
+        .serve_command(&["--memory-backends", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let located: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with(&format!("{}:", dir.path("scalers.yaml").display())))
+        .collect();
+    assert!(located.len() >= 2, "every error, one per line:\n{err}");
+}
+
+#[test]
+fn start_up_refuses_a_type_without_a_backend() {
+    let dir = Dir::new();
+    let out = dir
+        .serve_command(&["--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("scalers[name=local]: type bare-metal has no backend in this build"),
+        "{err}"
+    );
+    assert!(
+        err.contains("scalers[name=docker]: type container has no backend"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_non_loopback_listener_needs_an_api_token() {
+    let dir = Dir::new();
+    let out = dir
+        .serve_command(&["--memory-backends", "--listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KICI_SCALER_API_TOKEN"));
+    assert!(
+        !dir.path("state").join("instance-id").exists(),
+        "refused before the state dir"
+    );
+
+    let token = "a-long-random-api-token";
+    let d = Daemon::start(
+        &dir,
+        &["--memory-backends", "--listen", "0.0.0.0:0"],
+        &[("KICI_SCALER_API_TOKEN", token)],
+    );
+    let port = d.addr.rsplit(':').next().unwrap();
+    let local = format!("127.0.0.1:{port}");
+    let (status, body) = http(&local, "GET", "/v1/status", &[], None);
+    assert_eq!(status, 401, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["error"]["code"],
+        "unauthorized"
+    );
+    let (status, _) = http(
+        &local,
+        "GET",
+        "/healthz",
+        &[("Authorization", "Bearer nope")],
+        None,
+    );
+    assert_eq!(status, 401);
+    let auth = format!("Bearer {token}");
+    let (status, _) = http(
+        &local,
+        "GET",
+        "/v1/status",
+        &[("Authorization", &auth)],
+        None,
+    );
+    assert_eq!(status, 200);
+    // The CLI sends the same variable as its bearer token.
+    let server = format!("http://{local}");
+    let denied = cli(&server, &["status"], &[]);
+    assert_eq!(denied.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&denied.stderr).contains("unauthorized"));
+    let ok = cli(
+        &server,
+        &["status", "--json"],
+        &[("KICI_SCALER_API_TOKEN", token)],
+    );
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    // The token is never logged.
+    drop(d);
+}
+
+// ------------------------------------------------------------- the API
+
+#[test]
+fn metrics_at_start_up_carry_every_series() {
+    let dir = Dir::new();
+    let d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
+    let (status, text) = http(&d.addr, "GET", "/metrics", &[], None);
+    assert_eq!(status, 200);
+    for name in kici_scaler::metrics::SERIES {
+        assert!(
+            text.lines().any(|l| l.starts_with(name)),
+            "{name} missing:\n{text}"
+        );
+    }
+    for line in [
+        "kici_orch_scaler_agents{scaler=\"local\",state=\"busy\"} 0",
+        "kici_orch_scaler_spawn_failures_total{backend=\"firecracker\",reason=\"boot-failure\"} 0",
+        "kici_orch_scaler_breaker_open{scaler=\"docker\",label_set=\"0\"} 0",
+        "kici_orch_scaler_orphans_reaped_total{kind=\"tap\"} 0",
+        "kici_orch_scaler_warm_target{scaler=\"local\"} 0",
+    ] {
+        assert!(text.contains(line), "{line} missing");
+    }
+    let (status, body) = http(&d.addr, "GET", "/readyz", &[], None);
+    assert_eq!((status, body.as_str()), (200, r#"{"ready":true}"#));
+}
+
+#[test]
+fn the_cli_over_a_unix_socket() {
+    let dir = Dir::new();
+    let sock = format!("unix:{}", dir.path("api.sock").display());
+    let d = Daemon::start(&dir, &["--memory-backends", "--listen", &sock], &[]);
+    assert_eq!(d.addr, sock);
+    let server = d.server();
+
+    let status = cli(&server, &["status", "--json"], &[]);
+    assert_eq!(
+        status.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let doc = stdout_json(&status);
+    assert_eq!(doc["scalers"][0]["name"], "local");
+    let text = cli(&server, &["status"], &[]);
+    assert!(String::from_utf8_lossy(&text.stdout).contains("local (bare-metal): 0 active"));
+
+    let req = cli(
+        &server,
+        &[
+            "request", "--labels", "docker", "--job-id", "j1", "--cpus", "0.5", "--memory", "256m",
+            "--json",
+        ],
+        &[],
+    );
+    assert_eq!(
+        req.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&req.stderr)
+    );
+    let answer = stdout_json(&req);
+    assert_eq!(answer["result"], "spawning");
+    let agent = answer["agentId"].as_str().unwrap().to_owned();
+
+    let agents = stdout_json(&cli(&server, &["agents", "--json"], &[]));
+    assert_eq!(agents["agents"][0]["agentId"], agent.as_str());
+    assert_eq!(
+        agents["agents"][0]["resources"],
+        serde_json::json!({"cpus": 0.5, "memoryBytes": 268435456})
+    );
+    let table = cli(&server, &["agents"], &[]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains(&agent));
+
+    let none = cli(&server, &["request", "--labels", "gpu"], &[]);
+    assert_eq!(none.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&none.stdout).starts_with("no-backend"));
+    let bad = cli(
+        &server,
+        &["request", "--labels", "docker", "--memory", "lots"],
+        &[],
+    );
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid-value"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("(field: resources.requests.memory)"));
+
+    for (verb, expect) in [
+        ("cordon", "cordoned"),
+        ("uncordon", "uncordoned"),
+        ("drain", "draining"),
+    ] {
+        let out = cli(&server, &[verb, "docker", "--json"], &[]);
+        assert_eq!(out.status.code(), Some(0), "{verb}");
+        assert_eq!(
+            stdout_json(&out),
+            serde_json::json!({"scaler": "docker", "result": expect})
+        );
+    }
+    let missing = cli(&server, &["cordon", "nope"], &[]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("scaler-not-found"));
+
+    let destroy = cli(&server, &["destroy", &agent], &[]);
+    assert_eq!(destroy.status.code(), Some(0));
+    assert_eq!(
+        String::from_utf8_lossy(&destroy.stdout),
+        format!("destroying {agent}\n")
+    );
+    let unknown = cli(
+        &server,
+        &["destroy", "scaler-container-00000000", "--json"],
+        &[],
+    );
+    assert_eq!(unknown.status.code(), Some(1));
+    assert_eq!(stdout_json(&unknown)["error"]["code"], "agent-not-found");
+}
+
+/// A CA and a certificate for `localhost` it signed, as PEM files.
+fn tls_files(dir: &Dir) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca, &ca_key)
+        .unwrap();
+    let paths = (
+        dir.path("ca.pem"),
+        dir.path("cert.pem"),
+        dir.path("key.pem"),
+    );
+    std::fs::write(&paths.0, ca.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    paths
+}
+
+#[test]
+fn tls_with_rustls() {
+    let dir = Dir::new();
+    let (ca, cert, key) = tls_files(&dir);
+    let d = Daemon::start(
+        &dir,
+        &[
+            "--memory-backends",
+            "--listen",
+            "127.0.0.1:0",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let port = d.addr.rsplit(':').next().unwrap();
+    let server = format!("https://localhost:{port}");
+    let out = cli(
+        &server,
+        &["status", "--json", "--ca-cert", ca.to_str().unwrap()],
+        &[],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout_json(&out)["scalers"][1]["name"], "docker");
+    // Without trusting the CA there is no talking to it.
+    let untrusted = cli(
+        &server,
+        &["status", "--ca-cert", cert.to_str().unwrap()],
+        &[],
+    );
+    assert_eq!(untrusted.status.code(), Some(1));
+    let no_ca = cli(&server, &["status"], &[]);
+    assert!(String::from_utf8_lossy(&no_ca.stderr).contains("--ca-cert"));
+    // Plain HTTP to a TLS port gets nothing useful.
+    let plain = cli(&format!("http://127.0.0.1:{port}"), &["status"], &[]);
+    assert_eq!(plain.status.code(), Some(1));
+}
+
+// ---------------------------------------------------------------- signals
+
+#[test]
+fn sighup_reloads_and_a_broken_config_changes_nothing() {
+    let dir = Dir::new();
+    let mut d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
+    std::fs::write(dir.path("scalers.yaml"), "version: 1\nscalers: {}\n").unwrap();
+    d.signal(rustix::process::Signal::HUP);
+    d.wait_for_log("configuration reload refused; nothing changed");
+    let (_, status) = http(&d.addr, "GET", "/v1/status", &[], None);
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["scalers"][1]["usage"]["maxAgents"], 4);
+
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        CONFIG.replace("maxAgents: 4", "maxAgents: 7"),
+    )
+    .unwrap();
+    d.signal(rustix::process::Signal::HUP);
+    let fields = d.wait_for_log("configuration field changed");
+    assert!(
+        fields["change"].as_str().unwrap().contains("maxAgents"),
+        "{fields}"
+    );
+    d.wait_for_log("configuration reloaded");
+    let (_, status) = http(&d.addr, "GET", "/v1/status", &[], None);
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["scalers"][1]["usage"]["maxAgents"], 7);
+    let (_, metrics) = http(&d.addr, "GET", "/metrics", &[], None);
+    assert!(metrics.contains("kici_orch_scaler_config_reloads_total{result=\"success\"} 1"));
+    assert!(metrics.contains("kici_orch_scaler_config_reloads_total{result=\"failed\"} 1"));
+    assert!(metrics.contains("kici_orch_scaler_config_reloads_total{result=\"attempted\"} 2"));
+}
+
+#[test]
+fn sigterm_destroys_every_agent_and_exits_0() {
+    let dir = Dir::new();
+    let mut d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
+    let mut agents = Vec::new();
+    for (job, label) in [("j1", "local"), ("j2", "docker"), ("j3", "docker")] {
+        let (status, body) = http(
+            &d.addr,
+            "POST",
+            "/v1/scale",
+            &[],
+            Some(&format!(r#"{{"jobId":"{job}","labels":["{label}"]}}"#)),
+        );
+        assert_eq!(status, 202, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        agents.push(v["agentId"].as_str().unwrap().to_owned());
+    }
+
+    // Follow the event stream from the start (HTTP/1.0: the body is the
+    // stream until the daemon closes it).
+    let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(s, "GET /v1/events HTTP/1.0\r\nLast-Event-ID: 0\r\n\r\n").unwrap();
+    let mut raw = String::new();
+    let mut events = Vec::new();
+    let mut buf = [0u8; 4096];
+    let booted = |events: &[common::SseEvent]| {
+        events
+            .iter()
+            .filter(|e| e.event == "agent-transition" && e.data["to"] == "booted")
+            .count()
+    };
+    while booted(&events) < agents.len() {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        raw.push_str(std::str::from_utf8(&buf[..n]).unwrap());
+        if let Some(i) = raw.find("\r\n\r\n") {
+            assert!(
+                raw.starts_with("HTTP/1.0 200") || raw.starts_with("HTTP/1.1 200"),
+                "{raw}"
+            );
+            raw.drain(..i + 4);
+        }
+        if !raw.starts_with("HTTP/") {
+            events.extend(take_sse_events(&mut raw));
+        }
+    }
+
+    d.signal(rustix::process::Signal::TERM);
+    // The stream ends once every agent is gone.
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        raw.push_str(std::str::from_utf8(&buf[..n]).unwrap());
+        events.extend(take_sse_events(&mut raw));
+    }
+    let status = d.wait_exit();
+    assert_eq!(status.code(), Some(0));
+    let ids: Vec<u64> = events.iter().map(|e| e.id.unwrap()).collect();
+    assert!(
+        ids.windows(2).all(|w| w[1] == w[0] + 1),
+        "ids increase without gaps: {ids:?}"
+    );
+    for agent in &agents {
+        let gone = events
+            .iter()
+            .any(|e| e.data["agentId"] == agent.as_str() && e.data["to"] == "gone");
+        assert!(gone, "{agent} was not destroyed: {events:#?}");
+        let cause = events
+            .iter()
+            .find(|e| e.data["agentId"] == agent.as_str() && e.data["to"] == "destroying");
+        assert_eq!(cause.unwrap().data["cause"], "shutdown");
+    }
+    // The state dir's lock is free again: a new daemon can start on it.
+    let again = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
+    drop(again);
+}
+
+#[test]
+fn a_second_daemon_on_the_same_state_dir_is_refused() {
+    let dir = Dir::new();
+    let _d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
+    let out = dir
+        .serve_command(&["--memory-backends", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use by another kici-scaler process"));
+}
+
+#[test]
+fn daemon_settings_come_from_a_file_under_flags_and_env() {
+    let dir = Dir::new();
+    let sock = dir.path("from-file.sock");
+    std::fs::write(
+        dir.path("daemon.toml"),
+        format!(
+            "listen = \"unix:{}\"\nshutdown-grace-seconds = 5\n",
+            sock.display()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start(
+        &dir,
+        &[
+            "--memory-backends",
+            "--daemon-config",
+            dir.path("daemon.toml").to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(d.addr, format!("unix:{}", sock.display()));
+    drop(d);
+    // The environment beats the file; a flag beats both.
+    let d = Daemon::start(
+        &dir,
+        &[
+            "--memory-backends",
+            "--daemon-config",
+            dir.path("daemon.toml").to_str().unwrap(),
+        ],
+        &[("KICI_SCALER_LISTEN", "127.0.0.1:0")],
+    );
+    assert!(d.addr.starts_with("127.0.0.1:"), "{}", d.addr);
+    drop(d);
+    let yaml = dir.path("daemon.yaml");
+    std::fs::write(&yaml, "listen: 127.0.0.1:0\nbogus: 1\n").unwrap();
+    let out = dir
+        .serve_command(&[
+            "--memory-backends",
+            "--daemon-config",
+            yaml.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"));
+}
