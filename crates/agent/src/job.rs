@@ -24,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::Command;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 /// Between SIGTERM and SIGKILL on a timeout or cancel.
 pub const KILL_GRACE: Duration = Duration::from_secs(5);
@@ -72,6 +73,8 @@ enum Stop {
 pub struct RunningJob {
     pub job_id: JobId,
     pgid: Pid,
+    /// Its `Ended` event was received: the supervisor already cleaned up.
+    ended: bool,
     stop: Option<oneshot::Sender<Stop>>,
     pub events: mpsc::Receiver<JobEvent>,
     task: JoinHandle<()>,
@@ -117,17 +120,22 @@ impl RunningJob {
         ];
         let timeout = spec.timeout_seconds().map(Duration::from_secs);
         let job_id = spec.job_id().clone();
-        let task = tokio::spawn(supervise(
-            child,
-            pid,
-            timeout,
-            stop_rx,
-            readers.into_iter().flatten().collect(),
-            events_tx,
-        ));
+        let span = tracing::info_span!("job", job_id = %job_id);
+        let task = tokio::spawn(
+            supervise(
+                child,
+                pid,
+                timeout,
+                stop_rx,
+                readers.into_iter().flatten().collect(),
+                events_tx,
+            )
+            .instrument(span),
+        );
         Ok(Self {
             job_id,
             pgid: pid,
+            ended: false,
             stop: Some(stop_tx),
             events,
             task,
@@ -143,6 +151,12 @@ impl RunningJob {
         }
     }
 
+    /// The job's `Ended` event arrived: its group was already killed and its
+    /// pid reaped, so dropping it must not signal that (reusable) id again.
+    pub fn finished(mut self) {
+        self.ended = true;
+    }
+
     /// SIGKILL to the whole group now, and stop following it (its events
     /// are no longer wanted: the connection is gone).
     pub fn kill_now(self) {
@@ -155,7 +169,7 @@ impl Drop for RunningJob {
     fn drop(&mut self) {
         // Whatever path drops a job (shutdown, a lost connection, an
         // early return), its processes must not outlive the agent's interest.
-        if !self.task.is_finished() {
+        if !self.ended && !self.task.is_finished() {
             kill_group(self.pgid, Signal::KILL);
             self.task.abort();
         }
@@ -282,7 +296,10 @@ async fn supervise(
             }
         }
     };
-    // The leader is gone; nothing else of the job may stay behind.
+    // The leader is gone; nothing else of the job may stay behind. Its pid
+    // was reaped just now, so the group id could in principle name a new
+    // group already; that needs the kernel to cycle through every pid in
+    // between, which it does not do in the microseconds this takes.
     kill_group(pgid, Signal::KILL);
     let mut dropped = 0u64;
     for reader in readers {

@@ -24,6 +24,7 @@ use exit::AgentExit;
 use kici_protocol::bootstrap::{Bootstrap, WsScheme, LOG_LEVEL};
 use std::collections::BTreeMap;
 use std::time::Duration;
+use tracing::Instrument;
 
 /// Settings that are not part of the agent's environment contract (so they
 /// cannot be `KICI_*` variables): command-line flags.
@@ -94,10 +95,14 @@ fn init_logging(level: Option<&str>) {
     tracing_subscriber::fmt()
         .json()
         .flatten_event(true)
-        .with_current_span(false)
+        .with_current_span(true)
         .with_span_list(false)
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Reporting a failed log write would itself write to stderr, with
+        // `eprintln!`, which panics when stderr is gone: an agent must
+        // outlive the loss of its log reader.
+        .log_internal_errors(false)
         .init();
 }
 
@@ -155,7 +160,10 @@ fn main() -> std::process::ExitCode {
             return AgentExit::Internal.into();
         }
     };
-    let exit = runtime.block_on(session::run(bootstrap, flags, base_env));
+    // Every line carries the agent id (in its `span` object).
+    let span = tracing::info_span!("agent", agent_id = %bootstrap.agent_id);
+    let exit = runtime.block_on(session::run(bootstrap, flags, base_env).instrument(span.clone()));
+    let _entered = span.enter();
     tracing::info!(exit_code = exit.code(), reason = %exit, "agent exiting");
     exit.into()
 }

@@ -40,7 +40,6 @@ use kici_protocol::{
     RejectReason, UnixMillis, MAX_FRAME_BYTES, PROTOCOL_VERSION,
 };
 use std::collections::BTreeMap;
-use std::num::NonZeroU32;
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -234,7 +233,7 @@ impl Agent {
         if let Some(token) = &self.bootstrap.token {
             let msg = AgentMessage::AuthRequest(AuthRequest {
                 token: token.clone(),
-                protocol_version: NonZeroU32::MIN.saturating_add(PROTOCOL_VERSION - 1),
+                protocol_version: PROTOCOL_VERSION,
             });
             send(ws, &msg)
                 .await
@@ -442,7 +441,9 @@ impl Agent {
             JobEvent::Ended(end) => {
                 let job_id = c.job.job_id.clone();
                 tracing::info!(job_id = %job_id, end = ?end, "job ended");
-                *current = None;
+                if let Some(c) = current.take() {
+                    c.job.finished();
+                }
                 *window = Some(Window::Idle(Instant::now() + self.bootstrap.idle_timeout));
                 send(ws, &status(&job_id, JobProgress::Finished(end))).await
             }

@@ -548,6 +548,26 @@ async fn gives_up_when_the_gateway_never_answers() {
 }
 
 #[tokio::test]
+async fn a_broken_stderr_does_not_kill_the_agent() {
+    let addr = {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap()
+    };
+    let url = format!("ws://{addr}/ws");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kici-agent-lite"));
+    cmd.env_clear()
+        .envs(bootstrap(&url, &[]))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        // Every log write fails (ENOSPC), as when the log reader is gone.
+        .stderr(std::fs::File::create("/dev/full").unwrap())
+        .kill_on_drop(true);
+    let status = guard("the agent to exit", cmd.status()).await.unwrap();
+    // It still ran its course (gave up reconnecting) instead of panicking.
+    assert_eq!(status.code(), Some(4));
+}
+
+#[tokio::test]
 async fn pending_dispatch_window_passes_and_the_agent_leaves() {
     let gw = Gateway::bind().await;
     let url = gw.url();

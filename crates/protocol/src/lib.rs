@@ -70,8 +70,8 @@ pub use token::{AgentToken, TokenError};
 pub use wire::UnixMillis;
 
 /// The protocol version an agent announces in `auth.request` (KiCI's
-/// constant; the gateway refuses lower versions with close code 4005).
-pub const PROTOCOL_VERSION: u32 = 1;
+/// constant, 1; the gateway refuses lower versions with close code 4005).
+pub const PROTOCOL_VERSION: std::num::NonZeroU32 = std::num::NonZeroU32::MIN;
 
 /// The largest text frame either side needs to accept. A `job.dispatch` is
 /// bounded by [`MAX_JOB_SPEC_BYTES`] of raw strings, which JSON escaping can

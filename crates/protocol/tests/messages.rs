@@ -61,7 +61,7 @@ fn agent_golden() -> Vec<(AgentMessage, Value)> {
         (
             AgentMessage::AuthRequest(AuthRequest {
                 token: TOKEN.parse().unwrap(),
-                protocol_version: NonZeroU32::new(PROTOCOL_VERSION).unwrap(),
+                protocol_version: PROTOCOL_VERSION,
             }),
             json!({"type":"auth.request","token":TOKEN,"protocolVersion":1}),
         ),
