@@ -274,11 +274,16 @@ fn render_error(e: &CliError) -> String {
     }
 }
 
+/// The log filter when [`LOG_ENV`] is unset. The engine's own per-event
+/// line (a debug dump) is left out: the daemon logs every event with
+/// `agent_id`, `scaler` and `job_id` as fields (see [`crate::pump`]).
+pub const DEFAULT_LOG_FILTER: &str = "info,kici_engine::event=warn";
+
 /// JSON logs, one event per line, on stderr only; filter from
-/// [`LOG_ENV`] (default `info`). Calling it twice is harmless.
+/// [`LOG_ENV`] (default [`DEFAULT_LOG_FILTER`]). Calling it twice is harmless.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     // Err only when a subscriber is already installed, which is fine.
     let _ = tracing_subscriber::fmt()
         .json()

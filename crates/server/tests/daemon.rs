@@ -71,7 +71,6 @@ impl Dir {
                 cmd.env_remove(k);
             }
         }
-        cmd.env("KICI_SCALER_LOG", "info");
         cmd
     }
 }
@@ -612,6 +611,25 @@ fn sigterm_destroys_every_agent_and_exits_0() {
             .find(|e| e.data["agentId"] == agent.as_str() && e.data["to"] == "destroying");
         assert_eq!(cause.unwrap().data["cause"], "shutdown");
     }
+    // Logs: one JSON object per line, events with their ids as fields, and
+    // never a token.
+    // The reader thread ends at EOF, after the exit.
+    let log: Vec<String> = d.lines.iter().collect();
+    assert!(
+        log.iter().all(|l| serde_json::from_str::<Value>(l).is_ok()),
+        "{log:#?}"
+    );
+    assert!(
+        !log.iter().any(|l| l.contains("kat_")),
+        "a token reached the log"
+    );
+    let logged = log.iter().filter_map(|l| log_message(l)).any(|(m, f)| {
+        m == "agent state changed"
+            && f["agent_id"] == agents[0].as_str()
+            && f["scaler"] == "local"
+            && f["job_id"] == "j1"
+    });
+    assert!(logged, "{log:#?}");
     // The state dir's lock is free again: a new daemon can start on it.
     let again = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
     drop(again);
