@@ -36,11 +36,26 @@ impl BackendRegistry {
         Self::default()
     }
 
-    /// The real backends of this build. Bare-metal arrives with
-    /// `kici_backends::bare_metal::BareMetalBackend`; containers and
-    /// Firecracker after it.
+    /// The real backends of this build: bare-metal (containers and
+    /// Firecracker come later).
     pub fn builtin() -> Self {
-        Self::empty()
+        let mut r = Self::empty();
+        r.register(
+            ScalerType::BareMetal,
+            Box::new(|ctx| {
+                // The backend keeps only `KICI_AGENT_ENV_*` and its allowlist
+                // of the daemon's environment for agents.
+                let options = kici_backends::BareMetalOptions::new(
+                    ctx.instance,
+                    ctx.state_dir.clone(),
+                    std::env::vars().collect(),
+                );
+                kici_backends::BareMetalBackend::new(options)
+                    .map(|b| Arc::new(b) as Arc<dyn Backend>)
+                    .map_err(|e| e.to_string())
+            }),
+        );
+        r
     }
 
     /// An in-memory backend for every type (tests of the daemon itself).

@@ -243,12 +243,126 @@ fn start_up_refuses_a_type_without_a_backend() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("scalers[name=local]: type bare-metal has no backend in this build"),
+        err.contains("scalers[name=docker]: type container has no backend in this build of kici-scaler (available: bare-metal)"),
         "{err}"
     );
     assert!(
-        err.contains("scalers[name=docker]: type container has no backend"),
+        !err.contains("scalers[name=local]"),
+        "bare-metal has a backend: {err}"
+    );
+}
+
+#[test]
+fn start_up_refuses_what_the_bare_metal_backend_rejects() {
+    let dir = Dir::new();
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: /nonexistent/kici-agent\n",
+    )
+    .unwrap();
+    let out = dir
+        .serve_command(&["--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("scalers[name=local]") && err.contains("/nonexistent/kici-agent"),
         "{err}"
+    );
+}
+
+/// A real bare-metal agent: a script that hands its id, pid and token to
+/// the test through a FIFO (the test blocks on it, no polling), then waits.
+#[test]
+fn a_real_bare_metal_agent_registers_with_its_token_and_sigterm_kills_it() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = Dir::new();
+    let fifo = dir.path("agent.fifo");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let script = dir.path("agent.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nprintf '%s %s %s\\n' \"$KICI_AGENT_ID\" \"$$\" \"$KICI_AGENT_TOKEN\" > {}\nexec sleep 1000\n",
+            fifo.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: {}\n",
+            script.display()
+        ),
+    )
+    .unwrap();
+    let mut d = Daemon::start(&dir, &["--listen", "127.0.0.1:0"], &[]);
+    let (status, body) = http(
+        &d.addr,
+        "POST",
+        "/v1/scale",
+        &[],
+        Some(r#"{"jobId":"j1","labels":["local"]}"#),
+    );
+    assert_eq!(status, 202, "{body}");
+    let agent = serde_json::from_str::<Value>(&body).unwrap()["agentId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let mut line = String::new();
+    BufReader::new(std::fs::File::open(&fifo).unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(parts.len(), 3, "{line}");
+    assert_eq!(parts[0], agent);
+    let pid: i32 = parts[1].parse().unwrap();
+    let token = parts[2];
+    assert!(token.starts_with("kat_") && token.len() == 68);
+
+    let path = format!("/v1/agents/{agent}/registered");
+    let (status, body) = http(&d.addr, "POST", &path, &[], Some(r#"{"token":"kat_0000"}"#));
+    assert_eq!(status, 401, "{body}");
+    let (status, body) = http(
+        &d.addr,
+        "POST",
+        &path,
+        &[],
+        Some(&format!(r#"{{"token":"{token}"}}"#)),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["boundJobId"],
+        "j1"
+    );
+
+    d.signal(rustix::process::Signal::TERM);
+    assert_eq!(d.wait_exit().code(), Some(0));
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .next();
+    assert!(
+        matches!(state, None | Some("Z")),
+        "agent process {pid} still runs: {stat}"
+    );
+    let log: Vec<String> = d.lines.iter().collect();
+    assert!(
+        !log.iter().any(|l| l.contains(token)),
+        "the token reached the log"
     );
 }
 
