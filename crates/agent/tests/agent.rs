@@ -683,6 +683,53 @@ async fn a_lost_connection_kills_the_running_job_and_the_agent_reconnects() {
     assert!(log_has(&ex.stderr, "message", "killing its process group"));
 }
 
+#[tokio::test]
+async fn sigterm_kills_the_running_job_and_the_agent_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("alive");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let mut alive = tokio::net::unix::pipe::OpenOptions::new()
+        .open_receiver(&fifo)
+        .unwrap();
+    let gw = Gateway::bind().await;
+    let url = gw.url();
+    let child = agent(&bootstrap(&url, &[]), &[]);
+    let mut conn = gw.accept().await;
+    conn.handshake(true, true).await;
+    let env = BTreeMap::from([("FIFO".to_string(), fifo.display().to_string())]);
+    conn.dispatch_env(
+        "stopped",
+        &[
+            "sh",
+            "-c",
+            "exec 3>\"$FIFO\"; sleep 600 & echo started; wait",
+        ],
+        env,
+        None,
+    )
+    .await;
+    conn.expect_started("stopped").await;
+    assert!(matches!(conn.recv().await, AgentMessage::OutputChunk(_)));
+
+    // What a backend's destroy sends to the agent (not to the job's group).
+    let pid = rustix::process::Pid::from_raw(i32::try_from(child.id().unwrap()).unwrap()).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let mut rest = Vec::new();
+    guard("the job's processes to die", alive.read_to_end(&mut rest))
+        .await
+        .unwrap();
+    let ex = exited(child).await;
+    assert_eq!(ex.status.code(), Some(0), "{}", ex.stderr);
+    assert!(log_has(&ex.stderr, "reason", "signal"), "{}", ex.stderr);
+}
+
 #[test]
 fn agent_id_constant_is_valid() {
     AGENT_ID.parse::<AgentId>().unwrap();
