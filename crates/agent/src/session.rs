@@ -19,7 +19,8 @@
 //! `pendingDispatch` the pending-dispatch window
 //! (`KICI_SCALER_PENDING_DISPATCH_TIMEOUT`, 60 s), otherwise and after each
 //! job the idle window (`KICI_SCALER_IDLE_TIMEOUT`, 5 s). When it passes
-//! the agent closes with 1000 and exits 0. This agent is ephemeral by
+//! the agent closes with 1000 (reason `scaler-pending-dispatch-timeout` or
+//! `idle-timeout`, KiCI's shutdown reasons) and exits 0. This agent is ephemeral by
 //! design, so it arms them whether or not it is scaler-managed.
 //!
 //! A lost connection kills the running job's process group at once (the
