@@ -50,7 +50,16 @@ pub const NOT_OVERRIDABLE: [&str; 4] = [
 /// Host variables a bare-metal agent inherits from the daemon (nothing else
 /// of the daemon's environment leaks).
 pub const BARE_METAL_SYSTEM_ALLOWLIST: [&str; 10] = [
-    "PATH", "HOME", "USER", "SHELL", "LANG", "LC_ALL", "TERM", "TMPDIR", "NODE_PATH", "TZ",
+    "PATH",
+    "HOME",
+    "USER",
+    "SHELL",
+    "LANG",
+    "LC_ALL",
+    "TERM",
+    "TMPDIR",
+    "NODE_PATH",
+    "TZ",
 ];
 
 /// The prefix of daemon variables forwarded to agents with the prefix
