@@ -149,12 +149,14 @@ impl Runtime {
                 }
             });
         }
-        // Warm pools fill from the start.
-        rt.call(|e, now| e.tick(now));
         rt
     }
 
     async fn run_timers(&self) {
+        // The first tick (warm pools fill from the start) runs once the
+        // caller of `start` yields, so a subscriber taken right after
+        // `start` sees its events.
+        self.call_quiet(|e, now| e.tick(now));
         while !self.inner.stopped.load(Ordering::Acquire) {
             let next = self.inner.engine.lock().next_deadline(now());
             let notified = self.inner.wake.notified();

@@ -168,3 +168,29 @@ async fn events_stream_in_order_with_increasing_ids() {
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
     assert_eq!(states, [AgentState::Provisioning, AgentState::Booted]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_subscriber_taken_right_after_start_sees_the_first_warm_spawns() {
+    let docker = Arc::new(MemoryBackend::new(ScalerType::Container));
+    let local = Arc::new(MemoryBackend::new(ScalerType::BareMetal));
+    let backends: Vec<Arc<dyn Backend>> = vec![docker, local.clone()];
+    let warm = r#"
+version: 1
+scalers:
+  - name: warm
+    type: bare-metal
+    maxAgents: 2
+    warmPool: { enabled: true, size: 1 }
+    labelSets:
+      - labels: [warm]
+        binaryPath: /bin/agent
+"#;
+    let rt = Runtime::start(engine(warm), backends, Arc::new(DefaultBootstrap));
+    let mut rx = rt.subscribe();
+    settle().await;
+    let first = rx
+        .try_recv()
+        .expect("the first tick's events are delivered");
+    assert_eq!(first.id, 1);
+    assert_eq!(local.live().len(), 1);
+}
