@@ -22,13 +22,9 @@ use crate::logs::{self, LogContext, Tailer};
 use crate::notify::FileWatch;
 use crate::process::ProcessIdentity;
 use async_trait::async_trait;
-use kici_engine::{
-    Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
-};
 use kici_engine::backend::ReportSender;
-use kici_model::{
-    AgentId, BackendSettings, InstanceId, LabelSetBackend, ScalerEntry, ScalerType,
-};
+use kici_engine::{Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec};
+use kici_model::{AgentId, BackendSettings, InstanceId, LabelSetBackend, ScalerEntry, ScalerType};
 use parking_lot::{Mutex, RwLock};
 use rustix::fs::Access;
 use rustix::io::Errno;
@@ -272,12 +268,7 @@ impl BareMetalBackend {
                 let recorded = handle
                     .and_then(|h| h.id.parse::<ProcessIdentity>().ok())
                     .or_else(|| read_marker(&dir));
-                (
-                    recorded,
-                    self.inner.layout.find_agent(agent),
-                    None,
-                    None,
-                )
+                (recorded, self.inner.layout.find_agent(agent), None, None)
             }
         };
         // Only a pid whose start time still matches is ours to signal.
@@ -506,7 +497,10 @@ fn watch_exit(mut child: Child, agent: AgentId, reports: ReportSender, exit: Arc
         .ok()
         .and_then(Pid::from_raw)
         .map(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()));
-    match pidfd.map(|fd| fd.map_err(std::io::Error::from).and_then(crate::notify::register)) {
+    match pidfd.map(|fd| {
+        fd.map_err(std::io::Error::from)
+            .and_then(crate::notify::register)
+    }) {
         Some(Ok(pidfd)) => {
             tokio::spawn(async move {
                 // Readable = exited; an error here still ends in a blocking wait.

@@ -356,7 +356,9 @@ scalers:
         assert!(names.contains(&"KICI_EXECUTION_MODE"));
         assert!(names.contains(&"X"));
         let vm = agent_env(&spec, ScalerType::Firecracker, &system, &forwarded);
-        assert!(vm.iter().all(|(k, _)| k != "KICI_EXECUTION_MODE" && k != "PATH"));
+        assert!(vm
+            .iter()
+            .all(|(k, _)| k != "KICI_EXECUTION_MODE" && k != "PATH"));
     }
 
     #[test]

@@ -137,10 +137,7 @@ impl LineSplitter {
         // Cut at a character boundary, so the cap does not forge a U+FFFD.
         let kept = complete_utf8_prefix(&bytes);
         let cut = bytes.len() - kept.len() + dropped;
-        format!(
-            "{}…[truncated {cut} bytes]",
-            String::from_utf8_lossy(kept)
-        )
+        format!("{}…[truncated {cut} bytes]", String::from_utf8_lossy(kept))
     }
 }
 
@@ -308,7 +305,11 @@ pub fn retire(agent_dir: &Path, retired: &Path) -> io::Result<()> {
     for stream in [Stream::Stdout, Stream::Stderr] {
         let from = agent_dir.join(stream.file_name());
         if from.exists() {
-            copy_tail(&from, &target.join(stream.file_name()), RETAINED_BYTES_PER_FILE)?;
+            copy_tail(
+                &from,
+                &target.join(stream.file_name()),
+                RETAINED_BYTES_PER_FILE,
+            )?;
         }
     }
     match std::fs::remove_dir_all(agent_dir) {
@@ -363,10 +364,7 @@ mod tests {
 
     #[test]
     fn lines_split_across_reads_and_crlf() {
-        assert_eq!(
-            split(&[b"a\r\nb", b"c\n\nd"]),
-            vec!["a", "bc", "", "d"]
-        );
+        assert_eq!(split(&[b"a\r\nb", b"c\n\nd"]), vec!["a", "bc", "", "d"]);
         // A multi-byte character split between two reads survives.
         let e = "é".as_bytes();
         assert_eq!(split(&[&[b'x', e[0]], &[e[1], b'\n']]), vec!["xé"]);
@@ -396,7 +394,10 @@ mod tests {
         assert!(s.line.len() <= MAX_LINE_BYTES);
         let mut out = Vec::new();
         s.finish(&mut |l| out.push(l));
-        assert!(out[0].ends_with(&format!("…[truncated {} bytes]", (8 << 20) - MAX_LINE_BYTES)));
+        assert!(out[0].ends_with(&format!(
+            "…[truncated {} bytes]",
+            (8 << 20) - MAX_LINE_BYTES
+        )));
     }
 
     #[test]

@@ -24,9 +24,7 @@ impl FileWatch {
         for path in paths {
             inotify::add_watch(&fd, path, WatchFlags::MODIFY)?;
         }
-        Ok(Self {
-            fd: register(fd)?,
-        })
+        Ok(Self { fd: register(fd)? })
     }
 
     /// Returns once some watched file changed since the last call (or at

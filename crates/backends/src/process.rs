@@ -106,7 +106,8 @@ mod tests {
 
     #[test]
     fn stat_parsing_survives_odd_command_names() {
-        let stat = "1234 (a) b (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 100";
+        let stat =
+            "1234 (a) b (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 100";
         let parsed = ProcStat::parse(stat).unwrap();
         assert_eq!(parsed.state, 'S');
         assert_eq!(parsed.session, 1234);

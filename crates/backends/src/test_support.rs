@@ -11,7 +11,13 @@ pub fn scaler_from_yaml(yaml: &str, name: &str) -> Arc<ScalerEntry> {
         Ok(l) => l,
         Err(e) => panic!("test config invalid:\n{e}"),
     };
-    Arc::new(loaded.config.scaler(name).expect("scaler in config").clone())
+    Arc::new(
+        loaded
+            .config
+            .scaler(name)
+            .expect("scaler in config")
+            .clone(),
+    )
 }
 
 pub fn spawn_spec(
