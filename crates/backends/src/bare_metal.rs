@@ -55,6 +55,10 @@ const PROCESS_MARKER: &str = "process";
 /// The directory under `agents/` holding retired agents' logs.
 const RETIRED: &str = "retired";
 
+/// Names the scaler sets for every bare-metal agent: forwarding them is
+/// allowed (the agent knows them) but has no effect.
+const ALWAYS_SET: [&str; 3] = ["KICI_ORCHESTRATOR_URL", "KICI_EXECUTION_MODE", "KICI_PORT"];
+
 /// Construction settings.
 #[derive(Debug, Clone)]
 pub struct BareMetalOptions {
@@ -136,7 +140,9 @@ struct Inner {
     tree: RwLock<()>,
 }
 
-/// The bare-metal [`Backend`]. Cheap to clone.
+/// The bare-metal [`Backend`]. Cheap to clone. `spawn` must run on a tokio
+/// runtime with I/O enabled (the exit watch and log tailer register a pidfd
+/// and an inotify descriptor with its reactor).
 #[derive(Clone)]
 pub struct BareMetalBackend {
     inner: Arc<Inner>,
@@ -145,6 +151,14 @@ pub struct BareMetalBackend {
 impl BareMetalBackend {
     pub fn new(options: BareMetalOptions) -> Result<Self, BareMetalSetupError> {
         let forwarded = ForwardedEnv::from_vars(options.forwarded_env)?;
+        for name in forwarded.vars().keys() {
+            if ALWAYS_SET.contains(&name.as_str()) {
+                tracing::warn!(
+                    variable = %format!("{}{name}", kici_model::contract::FORWARD_PREFIX),
+                    "forwarded variable never reaches bare-metal agents: kici-scaler sets {name} itself"
+                );
+            }
+        }
         let system = SystemEnv::from_vars(options.system_env);
         let agents_dir = options.state_dir.join("agents");
         fs::DirBuilder::new()
@@ -186,7 +200,7 @@ impl BareMetalBackend {
     }
 
     /// Removes this instance's empty cgroup directories (scaler and instance
-    /// level, v2 and v1). For shutdown, after every agent is destroyed.
+    /// level, v2 and v1). Destroy calls it, so they go with the last agent.
     pub fn prune_empty_cgroups(&self) {
         let _tree = self.inner.tree.write();
         self.inner.layout.prune_empty();
@@ -311,6 +325,8 @@ impl BareMetalBackend {
             tailer.finish().await;
         }
         remove_cgroups(&cgroups).await?;
+        // The scaler and instance directories go with their last agent.
+        self.prune_empty_cgroups();
         logs::retire(&dir, &self.retired_dir()).map_err(|source| DestroyError::Logs {
             dir: dir.clone(),
             source,

@@ -189,6 +189,7 @@ async fn serial_destroy_kills_a_setsid_grandchild_and_removes_the_cgroup() {
         assert!(!member.is_running(), "{member} survived destroy");
     }
     assert!(!tracking.exists());
+    assert!(!fx.layout().instance_dir().exists());
     assert!(!fx.backend.agent_dir(agent).exists());
     // Logs retired, and the destroy-caused exit is not reported as a failure.
     assert!(fx
@@ -359,6 +360,18 @@ scalers:
         .await
         .unwrap();
     assert!(!memory.exists() && !cpu.exists() && !cgroup_of(&handle).exists());
+    // Nothing of the instance is left in any hierarchy.
+    let instance = fx.options.instance.to_string();
+    for root in [
+        fx.layout().v2_root().to_owned(),
+        fx.layout().v1_dir(cgroup::V1Controller::Memory),
+        fx.layout().v1_dir(cgroup::V1Controller::Cpu),
+    ] {
+        assert!(
+            !root.join(cgroup::TREE).join(&instance).exists(),
+            "{root:?}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -509,8 +522,9 @@ scalers:
         .destroy(&other_agent, Some(&other_handle), GRACE)
         .await
         .unwrap();
-    fx.backend.prune_empty_cgroups();
+    // The instance's directories went with its last agent.
     assert!(!fx.layout().instance_dir().exists());
+    assert!(!other.layout().instance_dir().exists());
 }
 
 #[tokio::test]
