@@ -172,7 +172,7 @@ pub fn agent_env(
         ("KICI_SCALER_MANAGED", "1".to_owned()),
     ];
     if let Some(token) = &spec.token {
-        own.push(("KICI_AGENT_TOKEN", token.clone()));
+        own.push(("KICI_AGENT_TOKEN", token.expose().to_owned()));
     }
     if matches!(kind, ScalerType::BareMetal | ScalerType::Container) {
         own.push(("KICI_EXECUTION_MODE", "bare-metal".to_owned()));
@@ -235,7 +235,7 @@ scalers:
     fn full_environment_in_precedence_order() {
         let scaler = scaler_from_yaml(YAML, "metal");
         let (mut spec, _rx) = spawn_spec(&scaler, 0);
-        spec.token = Some("kat_secret".into());
+        spec.token = Some(kici_model::Secret::new("kat_secret"));
         spec.idle_timeout_ms = Some(300_000);
         let system = SystemEnv::from_vars([
             ("PATH", "/usr/bin:/bin"),

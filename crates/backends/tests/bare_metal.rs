@@ -66,7 +66,7 @@ scalers:
         "metal",
     );
     let (mut spec, mut rx) = spawn_spec(&scaler, 0);
-    spec.token = Some("kat_0123456789abcdef".into());
+    spec.token = Some(kici_model::Secret::new("kat_0123456789abcdef"));
     spec.idle_timeout_ms = Some(300_000);
     let agent = spec.agent;
     let labels = spec.agent_labels.join(",");
@@ -117,7 +117,7 @@ async fn serial_agent_runs_in_its_own_session_and_cgroup_with_argv0_only() {
     );
     let scaler = simple_scaler(&binary);
     let (mut spec, _rx) = spawn_spec(&scaler, 0);
-    spec.token = Some("kat_secret".into());
+    spec.token = Some(kici_model::Secret::new("kat_secret"));
     let agent = spec.agent;
     let handle = fx.backend.spawn(spec).await.unwrap();
     assert_eq!(read_fifo(ready).await, "up\n");

@@ -4,7 +4,9 @@
 
 use crate::lifecycle::Mode;
 use async_trait::async_trait;
-use kici_model::{AgentId, EffectiveResources, JobId, LabelSetConfig, ScalerEntry, ScalerType};
+use kici_model::{
+    AgentId, EffectiveResources, JobId, LabelSetConfig, ScalerEntry, ScalerType, Secret,
+};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -31,7 +33,7 @@ pub struct SpawnSpec {
     /// Where the agent connects back (`KICI_ORCHESTRATOR_URL`).
     pub orchestrator_url: String,
     /// The agent's bootstrap token; only its hash is kept elsewhere.
-    pub token: Option<String>,
+    pub token: Option<Secret>,
     /// Where the backend reports what happens to the agent after spawn.
     pub reports: ReportSender,
 }

@@ -12,7 +12,7 @@ use crate::engine::{
     ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
 };
 use crate::pending::ScaleRequest;
-use kici_model::{AgentId, Config, JobId, ScalerType};
+use kici_model::{AgentId, Config, JobId, ScalerType, Secret};
 use parking_lot::Mutex;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -36,7 +36,7 @@ pub trait Bootstrapper: Send + Sync {
 #[derive(Debug, Clone, Default)]
 pub struct Bootstrap {
     pub orchestrator_url: String,
-    pub token: Option<String>,
+    pub token: Option<Secret>,
 }
 
 /// The scaler's `orchestratorUrl`, else the local agent gateway.

@@ -15,6 +15,7 @@ pub mod ids;
 pub mod labels;
 pub mod origin;
 pub mod resources;
+pub mod secret;
 
 pub use config::{
     BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config, ContainerRuntime,
@@ -29,3 +30,4 @@ pub use resources::{
     EffectiveResources, MemoryBytes, MilliCpu, ResourceCap, ResourceError, ResourceRequest,
     ResourceSpec, Resources,
 };
+pub use secret::Secret;
