@@ -21,9 +21,32 @@ pub struct BackendContext {
     pub state_dir: PathBuf,
 }
 
+/// A started backend and what to do once every agent is gone (remove
+/// directories it keeps for the instance, ...).
+pub struct Started {
+    pub backend: Arc<dyn Backend>,
+    pub after_shutdown: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Started {
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
+        Self {
+            backend,
+            after_shutdown: None,
+        }
+    }
+}
+
 /// Builds one backend; `Err` says why it cannot run on this host.
-pub type BackendFactory =
-    Box<dyn Fn(&BackendContext) -> Result<Arc<dyn Backend>, String> + Send + Sync>;
+pub type BackendFactory = Box<dyn Fn(&BackendContext) -> Result<Started, String> + Send + Sync>;
+
+/// Every backend of a configuration, started.
+#[derive(Default)]
+pub struct Built {
+    pub backends: Vec<Arc<dyn Backend>>,
+    /// Run after a clean shutdown (every agent destroyed).
+    pub after_shutdown: Vec<Box<dyn FnOnce() + Send>>,
+}
 
 /// The backends this build knows, by scaler type.
 #[derive(Default)]
@@ -50,9 +73,15 @@ impl BackendRegistry {
                     ctx.state_dir.clone(),
                     std::env::vars().collect(),
                 );
-                kici_backends::BareMetalBackend::new(options)
-                    .map(|b| Arc::new(b) as Arc<dyn Backend>)
-                    .map_err(|e| e.to_string())
+                let backend =
+                    kici_backends::BareMetalBackend::new(options).map_err(|e| e.to_string())?;
+                let cleanup = backend.clone();
+                Ok(Started {
+                    backend: Arc::new(backend),
+                    // Every agent's cgroup is gone; the instance's (now
+                    // empty) directories above them go too.
+                    after_shutdown: Some(Box::new(move || cleanup.prune_empty_cgroups())),
+                })
             }),
         );
         r
@@ -66,10 +95,9 @@ impl BackendRegistry {
             r.register(
                 kind,
                 Box::new(move |_| {
-                    Ok(
-                        Arc::new(kici_engine::memory_backend::MemoryBackend::new(kind))
-                            as Arc<dyn Backend>,
-                    )
+                    Ok(Started::new(Arc::new(
+                        kici_engine::memory_backend::MemoryBackend::new(kind),
+                    )))
                 }),
             );
         }
@@ -88,17 +116,16 @@ impl BackendRegistry {
     /// error only if `config` uses its type (a reload may not add that type
     /// later: the runtime refuses it). Every scaler whose type has no
     /// backend is an error too; all errors are returned together.
-    pub fn build(
-        &self,
-        config: &Config,
-        ctx: &BackendContext,
-    ) -> Result<Vec<Arc<dyn Backend>>, Vec<String>> {
-        let mut backends = Vec::new();
+    pub fn build(&self, config: &Config, ctx: &BackendContext) -> Result<Built, Vec<String>> {
+        let mut built = Built::default();
         let mut errors = Vec::new();
         let mut broken = BTreeMap::new();
         for (kind, factory) in &self.factories {
             match factory(ctx) {
-                Ok(b) => backends.push(b),
+                Ok(started) => {
+                    built.backends.push(started.backend);
+                    built.after_shutdown.extend(started.after_shutdown);
+                }
                 Err(why) => {
                     tracing::warn!(backend = %kind, error = %why, "backend unavailable");
                     broken.insert(*kind, why);
@@ -123,10 +150,18 @@ impl BackendRegistry {
             }
         }
         if errors.is_empty() {
-            Ok(backends)
+            Ok(built)
         } else {
             Err(errors)
         }
+    }
+
+    /// [`BackendRegistry::build`], then every backend's own validation of
+    /// the configuration.
+    pub async fn start(&self, config: &Config, ctx: &BackendContext) -> Result<Built, Vec<String>> {
+        let built = self.build(config, ctx)?;
+        validate(config, &built.backends).await?;
+        Ok(built)
     }
 }
 

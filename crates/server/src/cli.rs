@@ -42,7 +42,7 @@ pub const LOG_ENV: &str = "KICI_SCALER_LOG";
     about = "Provisions ephemeral CI agents routed by job labels.",
     after_help = "Exit codes: 0 ok; 1 invalid configuration, bad label, I/O or API error; \
                   2 no backend accepts the job (route, request); 3 the job is too large (request); \
-                  64 bad command line."
+                  64 bad command line. `run` exits with its job's exit code (see `run --help`)."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -57,8 +57,12 @@ pub enum Command {
     /// Show where a job with these labels would go, and why every other
     /// label set was not chosen.
     Route(RouteArgs),
-    /// Run the daemon: the control API, the engine, the backends.
+    /// Run the daemon: the control API, the agent gateway, the engine, the
+    /// backends.
     Serve(Box<ServeArgs>),
+    /// Run one command on a fresh agent and exit with its exit code: an
+    /// in-process daemon for the job (--config), or a running one (--server).
+    Run(Box<crate::run::RunArgs>),
     /// Per-scaler status of a running daemon.
     Status(ClientArgs),
     /// The agents of a running daemon.
@@ -192,7 +196,7 @@ pub enum CliError {
     Client(#[from] crate::client::ClientError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(io::Error),
-    #[error("serve is not a one-shot command")]
+    #[error("serve and run are not one-shot commands")]
     NotOneShot,
 }
 
@@ -225,20 +229,30 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
+    let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+    let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(e) => {
-            // --help and --version are not errors.
-            let code = if e.use_stderr() {
-                exit::USAGE
-            } else {
+            // --help and --version are not errors. `run`'s own failures
+            // are 125, so that they cannot be mistaken for the job's.
+            let code = if !e.use_stderr() {
                 exit::OK
+            } else if args.get(1).is_some_and(|a| a == "run") {
+                crate::run::EXIT_FAILED
+            } else {
+                exit::USAGE
             };
             // Nothing sensible is left to do if the terminal is gone.
             let _ = e.print();
             return ExitCode::from(code);
         }
     };
+    if let Command::Run(args) = &cli.command {
+        // stderr carries the job's own stderr: only kici-scaler's errors
+        // join it unless KICI_SCALER_LOG asks for more.
+        init_logging_with(RUN_LOG_FILTER);
+        return ExitCode::from(crate::run::run(args));
+    }
     init_logging();
     if let Command::Serve(args) = &cli.command {
         return match crate::daemon::serve(args) {
@@ -279,11 +293,19 @@ fn render_error(e: &CliError) -> String {
 /// `agent_id`, `scaler` and `job_id` as fields (see [`crate::pump`]).
 pub const DEFAULT_LOG_FILTER: &str = "info,kici_engine::event=warn";
 
+/// `run`'s log filter when [`LOG_ENV`] is unset.
+pub const RUN_LOG_FILTER: &str = "error";
+
 /// JSON logs, one event per line, on stderr only; filter from
 /// [`LOG_ENV`] (default [`DEFAULT_LOG_FILTER`]). Calling it twice is harmless.
 pub fn init_logging() {
+    init_logging_with(DEFAULT_LOG_FILTER);
+}
+
+/// [`init_logging`] with another default filter.
+pub fn init_logging_with(default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     // Err only when a subscriber is already installed, which is fine.
     let _ = tracing_subscriber::fmt()
         .json()
@@ -302,7 +324,7 @@ pub fn execute(
     match command {
         Command::Validate(args) => validate(args, out, err),
         Command::Route(args) => route(args, out, err),
-        Command::Serve(_) => Err(CliError::NotOneShot),
+        Command::Serve(_) | Command::Run(_) => Err(CliError::NotOneShot),
         remote => crate::remote::execute(remote, out, err),
     }
 }

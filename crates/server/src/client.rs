@@ -171,14 +171,31 @@ impl Client {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<Reply, ClientError> {
-        let http = |message: String| ClientError::Http {
+        let streaming = self.open(method, path, body).await?;
+        let status = streaming.status;
+        let body = streaming.collect().await.map_err(|e| self.http_error(e))?;
+        Ok(Reply { status, body })
+    }
+
+    fn http_error(&self, message: String) -> ClientError {
+        ClientError::Http {
             server: self.server.clone(),
             message,
-        };
+        }
+    }
+
+    /// Sends one request and returns as soon as the answer's head arrived;
+    /// the body is read as it comes (`GET /v1/jobs/{id}/logs`).
+    pub async fn open(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<Streaming, ClientError> {
         let io = self.connect().await?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
             .await
-            .map_err(|e| http(e.to_string()))?;
+            .map_err(|e| self.http_error(e.to_string()))?;
         let conn = tokio::spawn(conn);
         let mut builder = Request::builder()
             .method(method)
@@ -199,20 +216,47 @@ impl Client {
         };
         let request = builder
             .body(Full::new(payload))
-            .map_err(|e| http(e.to_string()))?;
+            .map_err(|e| self.http_error(e.to_string()))?;
         let response = sender
             .send_request(request)
             .await
-            .map_err(|e| http(e.to_string()))?;
-        let status = response.status().as_u16();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| http(e.to_string()))?
-            .to_bytes();
+            .map_err(|e| self.http_error(e.to_string()))?;
+        Ok(Streaming {
+            status: response.status().as_u16(),
+            body: response.into_body(),
+            conn,
+        })
+    }
+}
+
+/// An answer whose body is still arriving.
+pub struct Streaming {
+    pub status: u16,
+    pub body: hyper::body::Incoming,
+    conn: tokio::task::JoinHandle<Result<(), hyper::Error>>,
+}
+
+impl Streaming {
+    /// The next piece of the body; `None` at its end.
+    pub async fn next_bytes(&mut self) -> Option<Result<Bytes, String>> {
+        loop {
+            match self.body.frame().await? {
+                Ok(frame) => match frame.into_data() {
+                    Ok(data) => return Some(Ok(data)),
+                    // Trailers: nothing for us.
+                    Err(_) => continue,
+                },
+                Err(e) => return Some(Err(e.to_string())),
+            }
+        }
+    }
+
+    /// The whole (remaining) body.
+    pub async fn collect(self) -> Result<Bytes, String> {
+        let Streaming { body, conn, .. } = self;
+        let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
         conn.abort();
-        Ok(Reply { status, body })
+        Ok(bytes)
     }
 }
 

@@ -3,35 +3,32 @@
 //!
 //! Start-up, in order, each step refusing to go on with every problem
 //! listed: daemon settings; the API token rule; the state dir (identity and
-//! lock); the configuration; the listener (bound before any agent exists,
-//! so a busy port costs nothing); the backends and their validation of the
-//! configuration; the machine-pool ledger and admission; the engine and its
-//! runtime; the event pump; then the API serves and `/readyz` turns ready.
+//! lock); the configuration (agent binaries resolved); the control API and
+//! agent gateway listeners (bound before any agent exists, so a busy port
+//! costs nothing); the backends and their validation of the configuration;
+//! the machine-pool ledger; the engine, gateway, job book and event pump
+//! ([`crate::stack`]); then the API serves and `/readyz` turns ready.
 //!
 //! SIGHUP reloads the configuration (all or nothing). SIGTERM and SIGINT stop
-//! accepting connections, destroy every agent (up to the shutdown grace),
-//! end the event streams and exit 0 — or 1 if agents could not all be
-//! destroyed in time.
+//! accepting connections, destroy every agent (up to the shutdown grace) —
+//! running jobs end `failed` —, end the event and log streams and exit 0 —
+//! or 1 if agents could not all be destroyed in time.
 
 use crate::api::{self, AppState};
-use crate::backends::{self, BackendContext, BackendRegistry};
-use crate::events::EventLog;
+use crate::backends::{BackendContext, BackendRegistry};
+use crate::gateway::GatewaySettings;
 use crate::identity::{IdentityError, IdentitySource, StateDir};
-use crate::metrics::Metrics;
-use crate::pump::Pump;
 use crate::reload::{ConfigReloader, Reload};
 use crate::settings::{
     DaemonFile, DaemonSettings, ListenAddr, ServeArgs, SettingsError, API_TOKEN_ENV,
 };
+use crate::stack::{self, Stack, StackOptions};
 use crate::tls::{self, TlsError};
-use crate::token::{Secret, TokenBootstrapper, TokenStore};
+use crate::token::Secret;
 use axum::Router;
 use axum_server::tls_rustls::RustlsConfig;
 use axum_server::Handle;
-use kici_admission::{Admission, MachineLedger};
-use kici_engine::runtime::Runtime;
-use kici_engine::Engine;
-use kici_routing::HostPlatform;
+use kici_admission::MachineLedger;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,13 +53,13 @@ pub enum ServeError {
     Identity(#[from] IdentityError),
     /// Already one `file:line:col: path: message` per line.
     #[error("{0}")]
-    Config(kici_config::ConfigErrors),
+    Config(crate::stack::LoadError),
     #[error("{}", .0.join("\n"))]
     Backends(Vec<String>),
     #[error("machine-pool ledger: {0}")]
     Ledger(#[from] kici_admission::LedgerError),
-    #[error("admission: {0}")]
-    Admission(#[from] kici_admission::AdmissionError),
+    #[error("{0}")]
+    Stack(#[from] crate::stack::StackError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: ListenAddr, source: io::Error },
     #[error("{0}")]
@@ -196,64 +193,59 @@ async fn run(
             "instance identity reset"
         ),
     }
-    let loaded = kici_config::load(&settings.config, settings.config_dir.as_deref())
+    let loaded = stack::load_config(&settings.config, settings.config_dir.as_deref())
         .map_err(ServeError::Config)?;
     for w in &loaded.warnings {
         tracing::warn!(warning = %w, "configuration warning");
     }
     let config = Arc::new(loaded.config);
 
+    // Both listeners before any agent exists: a busy port costs nothing.
     let bound = bind(&settings)?;
+    let gateway_listener =
+        stack::bind_gateway(settings.gateway_listen).map_err(|source| ServeError::Listen {
+            addr: ListenAddr::Tcp(settings.gateway_listen),
+            source,
+        })?;
 
     let ctx = BackendContext {
         instance,
         state_dir: settings.state_dir.clone(),
     };
     let backends = registry
-        .build(&config, &ctx)
-        .map_err(ServeError::Backends)?;
-    backends::validate(&config, &backends)
+        .start(&config, &ctx)
         .await
         .map_err(ServeError::Backends)?;
     let ledger = MachineLedger::open(settings.machine_ledger_dir.as_deref(), instance)?;
-    let admission = Admission::new(&config, Some(ledger))?;
-    let engine = Engine::new(
+    let stack = Stack::start(
         Arc::clone(&config),
-        admission,
-        HostPlatform::current(),
-        settings.engine.clone(),
-    );
-
-    let tokens = Arc::new(TokenStore::new());
-    let bootstrapper = Arc::new(TokenBootstrapper::new(
-        Arc::clone(&tokens),
-        settings.gateway_listen,
-    ));
-    let metrics = Arc::new(Metrics::new(&config));
-    let events = Arc::new(EventLog::new(settings.event_replay));
-    let runtime = Runtime::start(engine, backends, bootstrapper);
-    let pump = Pump::start(
-        &runtime,
-        Arc::clone(&events),
-        Arc::clone(&metrics),
-        Arc::clone(&tokens),
-    );
+        backends,
+        Some(ledger),
+        gateway_listener,
+        StackOptions {
+            engine: settings.engine.clone(),
+            event_replay: settings.event_replay,
+            gateway: GatewaySettings::default(),
+        },
+    )?;
+    let runtime = stack.runtime.clone();
     let reloader: Arc<dyn Reload> = Arc::new(ConfigReloader::new(
         settings.config.clone(),
         settings.config_dir.clone(),
         runtime.clone(),
-        Arc::clone(&metrics),
+        Arc::clone(&stack.metrics),
     ));
     let state = AppState::new(
         runtime.clone(),
         instance,
-        tokens,
-        events,
-        metrics,
+        Arc::clone(&stack.tokens),
+        Arc::clone(&stack.events),
+        Arc::clone(&stack.jobs),
+        Arc::clone(&stack.metrics),
         Arc::clone(&reloader),
         api_token,
     );
-    let router = api::router(state.clone());
+    let router = api::router_with(state.clone(), api::jobs::routes());
 
     let mut hangup = signal(SignalKind::hangup()).map_err(|e| ServeError::Signal("SIGHUP", e))?;
     let mut terminate =
@@ -271,7 +263,7 @@ async fn run(
     tracing::info!(
         addr = %addr,
         tls = settings.tls.is_some(),
-        gateway = %settings.gateway_listen,
+        gateway = %stack.gateway_addr,
         state = %settings.state,
         instance = %instance,
         scalers = config.scalers.len(),
@@ -295,8 +287,7 @@ async fn run(
                     Err(e) => io::Error::other(e),
                 };
                 state.set_ready(false);
-                runtime.shutdown(settings.shutdown_grace).await;
-                pump.finish().await;
+                stack.shutdown(settings.shutdown_grace).await;
                 return Err(ServeError::Serve(err));
             }
         }
@@ -308,13 +299,10 @@ async fn run(
         "shutting down: destroying every agent"
     );
     state.set_ready(false);
-    // No new connections; open ones continue, so event streams report the
-    // shutdown's destroys.
+    // No new connections; open ones continue, so event and log streams
+    // report the shutdown's destroys and the jobs' ends.
     handle.graceful_shutdown(None);
-    let all_gone = runtime.shutdown(settings.shutdown_grace).await;
-    let left = runtime.agents(false).len();
-    // Events up to the last `gone` reach the log, then SSE streams end.
-    pump.finish().await;
+    let stopped = stack.shutdown(settings.shutdown_grace).await;
     handle.graceful_shutdown(Some(CONNECTION_DRAIN));
     match tokio::time::timeout(CONNECTION_DRAIN * 2, &mut server_task).await {
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "control API ended with an error"),
@@ -331,12 +319,15 @@ async fn run(
         let _ = std::fs::remove_file(path);
     }
     drop(state_dir);
-    if all_gone {
+    if stopped.agents_left == 0 {
         tracing::info!("shutdown complete: every agent destroyed");
         Ok(())
     } else {
-        tracing::error!(left, "shutdown incomplete: agents left");
-        Err(ServeError::AgentsLeft(left))
+        tracing::error!(
+            left = stopped.agents_left,
+            "shutdown incomplete: agents left"
+        );
+        Err(ServeError::AgentsLeft(stopped.agents_left))
     }
 }
 

@@ -5,7 +5,13 @@
 //! - [`cli`]: argument parsing, the one-shot commands, exit codes, logging.
 //! - [`identity`]: the state dir, its lock and the instance identity.
 //! - [`settings`]: the daemon's own settings (flags > env > file > defaults).
-//! - [`daemon`]: `serve`: start-up, listener, signals, shutdown.
+//! - [`daemon`]: `serve`: start-up, listeners, signals, shutdown.
+//! - [`stack`]: what `serve` and `run` share: the engine runtime, the agent
+//!   gateway, the job book, the event pump, and their shutdown.
+//! - [`gateway`]: the agent gateway (`/ws`, the KiCI handshake, dispatch).
+//! - [`jobs`]: standalone jobs (their state, output and end).
+//! - [`run`]: `kici-scaler run`, a job end to end from the command line.
+//! - [`agent_binary`]: where a bare-metal `binaryPath` points.
 //! - [`api`]: the control API (routes, errors, JSON shapes, OpenAPI).
 //! - [`token`]: agent tokens and redacted secrets.
 //! - [`events`]: the SSE replay buffer; [`pump`]: the event fan-out.
@@ -18,17 +24,22 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod agent_binary;
 pub mod api;
 pub mod backends;
 pub mod cli;
 pub mod client;
 pub mod daemon;
 pub mod events;
+pub mod gateway;
 pub mod identity;
+pub mod jobs;
 pub mod metrics;
 pub mod pump;
 pub mod reload;
 pub mod remote;
+pub mod run;
 pub mod settings;
+pub mod stack;
 pub mod tls;
 pub mod token;

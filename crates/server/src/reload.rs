@@ -1,5 +1,5 @@
 //! Configuration reload (SIGHUP and `POST /v1/reload`): re-read the files,
-//! validate them, let the runtime validate against every backend and apply
+//! validate them (agent binaries resolved as at start-up), let the runtime validate against every backend and apply
 //! all or nothing. Each attempt is logged (one line per changed field) and
 //! counted in `kici_orch_scaler_config_reloads_total{result}`.
 
@@ -51,8 +51,8 @@ impl Reload for ConfigReloader {
     async fn reload(&self) -> Result<ReloadReport, Vec<String>> {
         let _serial = self.serial.lock().await;
         self.metrics.reload_attempted();
-        let result = match kici_config::load(&self.main, self.dir.as_deref()) {
-            Err(errors) => Err(errors.iter().map(|d| d.to_string()).collect()),
+        let result = match crate::stack::load_config(&self.main, self.dir.as_deref()) {
+            Err(errors) => Err(errors.lines()),
             Ok(loaded) => {
                 for w in &loaded.warnings {
                     tracing::warn!(warning = %w, "configuration warning");

@@ -127,7 +127,9 @@ async fn run(
                 writeln!(out, "scaler {} {done}", s.scaler)
             })
         }
-        Command::Validate(_) | Command::Route(_) | Command::Serve(_) => Err(CliError::NotOneShot),
+        Command::Validate(_) | Command::Route(_) | Command::Serve(_) | Command::Run(_) => {
+            Err(CliError::NotOneShot)
+        }
     }
 }
 

@@ -16,7 +16,7 @@
 
 use kici_engine::runtime::{Bootstrap, Bootstrapper};
 use kici_engine::SpawnOrder;
-use kici_model::AgentId;
+use kici_model::{AgentId, Label, LabelSet};
 use parking_lot::Mutex;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
@@ -90,6 +90,16 @@ pub struct MintError(rand::Error);
 struct TokenRecord {
     hash: [u8; 32],
     expires: Instant,
+    /// The labels handed to the agent (`KICI_LABELS`): what it may register
+    /// with, beside its own host labels.
+    scope: LabelSet,
+}
+
+/// What a valid token authorises: one agent id and its label scope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenGrant {
+    pub agent: AgentId,
+    pub scope: LabelSet,
 }
 
 /// Where a [`TokenStore`] reads the time (tests move it by hand).
@@ -127,9 +137,15 @@ impl TokenStore {
         }
     }
 
-    /// Mints a fresh token for `agent`, valid for `ttl` from now, replacing
-    /// any earlier one. The plaintext is returned once and not kept.
-    pub fn mint(&self, agent: AgentId, ttl: Duration) -> Result<Secret, MintError> {
+    /// Mints a fresh token for `agent`, valid for `ttl` from now, authorising
+    /// the labels in `scope`, replacing any earlier one. The plaintext is
+    /// returned once and not kept.
+    pub fn mint(
+        &self,
+        agent: AgentId,
+        ttl: Duration,
+        scope: LabelSet,
+    ) -> Result<Secret, MintError> {
         let now = (self.clock)();
         let mut bytes = [0u8; TOKEN_BYTES];
         rand::rngs::OsRng
@@ -143,6 +159,7 @@ impl TokenStore {
                 .checked_add(ttl)
                 .or_else(|| now.checked_add(CENTURY))
                 .unwrap_or(now),
+            scope,
         };
         let mut tokens = self.tokens.lock();
         // Expired records are dropped here, so the map is bounded by the
@@ -165,6 +182,30 @@ impl TokenStore {
             return Err(TokenRejection::Expired);
         }
         Ok(())
+    }
+
+    /// Finds the agent `presented` was minted for (the agent gateway's
+    /// `auth.request` carries only the token). Every live record is compared
+    /// in constant time, without an early exit, so the time taken depends on
+    /// the number of tokens only, never on how much of one matched.
+    pub fn identify(&self, presented: &str) -> Result<TokenGrant, TokenRejection> {
+        let now = (self.clock)();
+        let presented = sha256(presented.as_bytes());
+        let tokens = self.tokens.lock();
+        let mut found: Option<(&AgentId, &TokenRecord)> = None;
+        for (agent, record) in tokens.iter() {
+            if bool::from(record.hash.ct_eq(&presented)) {
+                found = Some((agent, record));
+            }
+        }
+        let (agent, record) = found.ok_or(TokenRejection::Mismatch)?;
+        if record.expires <= now {
+            return Err(TokenRejection::Expired);
+        }
+        Ok(TokenGrant {
+            agent: *agent,
+            scope: record.scope.clone(),
+        })
     }
 
     /// Forgets `agent`'s token. Returns whether there was one.
@@ -227,8 +268,16 @@ impl Bootstrapper for TokenBootstrapper {
     fn bootstrap(&self, order: &SpawnOrder) -> Bootstrap {
         let scaler = order.scaler();
         let ttl = scaler.ext.deadlines.max_lifetime;
-        let token = match self.store.mint(order.agent, ttl) {
-            Ok(token) => Some(token.expose().to_owned()),
+        // `KICI_LABELS` as the backend writes it: the agent may register
+        // with these (plus its own host labels) and nothing else.
+        let scope = LabelSet::from_labels(
+            order
+                .agent_labels
+                .iter()
+                .filter_map(|raw| Label::parse(raw).ok()),
+        );
+        let token = match self.store.mint(order.agent, ttl, scope) {
+            Ok(token) => Some(kici_model::Secret::new(token.expose())),
             Err(e) => {
                 // The agent cannot register without one and is reaped by its
                 // registration deadline; nothing else can be done here.
@@ -271,11 +320,47 @@ mod tests {
         AgentId::new(ScalerType::BareMetal, [0, 0, 0, n])
     }
 
+    fn scope() -> LabelSet {
+        LabelSet::parse(["linux", "kici:agent:bare-metal"]).unwrap()
+    }
+
+    #[test]
+    fn identify_finds_the_agent_and_scope_of_a_live_token() {
+        let (store, clock) = store();
+        let a = store
+            .mint(agent(1), Duration::from_secs(60), scope())
+            .unwrap();
+        let b = store
+            .mint(agent(2), Duration::from_secs(120), LabelSet::default())
+            .unwrap();
+        assert_eq!(
+            store.identify(a.expose()),
+            Ok(TokenGrant {
+                agent: agent(1),
+                scope: scope()
+            })
+        );
+        assert_eq!(store.identify(b.expose()).unwrap().agent, agent(2));
+        assert_eq!(store.identify("kat_00"), Err(TokenRejection::Mismatch));
+        clock.store(60, Ordering::SeqCst);
+        assert_eq!(store.identify(a.expose()), Err(TokenRejection::Expired));
+        assert!(store.revoke(agent(2)));
+        assert_eq!(
+            store.identify(b.expose()),
+            Err(TokenRejection::Mismatch),
+            "a revoked token is unknown"
+        );
+    }
+
     #[test]
     fn a_token_is_kat_and_64_lowercase_hex_and_unique() {
         let store = TokenStore::new();
-        let a = store.mint(agent(1), Duration::from_secs(60)).unwrap();
-        let b = store.mint(agent(2), Duration::from_secs(60)).unwrap();
+        let a = store
+            .mint(agent(1), Duration::from_secs(60), scope())
+            .unwrap();
+        let b = store
+            .mint(agent(2), Duration::from_secs(60), scope())
+            .unwrap();
         for t in [&a, &b] {
             let hex = t.expose().strip_prefix("kat_").unwrap();
             assert_eq!(hex.len(), 64);
@@ -288,8 +373,8 @@ mod tests {
     fn verify_accepts_only_the_agents_own_live_token() {
         let (store, clock) = store();
         let ttl = Duration::from_secs(60);
-        let mine = store.mint(agent(1), ttl).unwrap();
-        let other = store.mint(agent(2), ttl).unwrap();
+        let mine = store.mint(agent(1), ttl, scope()).unwrap();
+        let other = store.mint(agent(2), ttl, scope()).unwrap();
         assert_eq!(store.verify(agent(1), mine.expose()), Ok(()));
         // Reconnects within the TTL authenticate again (not single-use).
         clock.store(59, Ordering::SeqCst);
@@ -317,7 +402,9 @@ mod tests {
     #[test]
     fn revoke_forgets_the_token() {
         let store = TokenStore::new();
-        let t = store.mint(agent(1), Duration::from_secs(60)).unwrap();
+        let t = store
+            .mint(agent(1), Duration::from_secs(60), scope())
+            .unwrap();
         assert!(store.revoke(agent(1)));
         assert!(!store.revoke(agent(1)));
         assert_eq!(
@@ -329,9 +416,13 @@ mod tests {
     #[test]
     fn expired_records_are_swept_by_the_next_mint() {
         let (store, clock) = store();
-        store.mint(agent(1), Duration::from_secs(1)).unwrap();
+        store
+            .mint(agent(1), Duration::from_secs(1), scope())
+            .unwrap();
         clock.store(2, Ordering::SeqCst);
-        store.mint(agent(2), Duration::from_secs(60)).unwrap();
+        store
+            .mint(agent(2), Duration::from_secs(60), scope())
+            .unwrap();
         assert_eq!(store.len(), 1);
     }
 

@@ -9,7 +9,7 @@ mod common;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
-use common::{check_against_doc, take_sse_events, template_of, DESIGN_ROUTES};
+use common::{check_against_doc, take_sse_events, template_of, DESIGN_ROUTES, EXTRA_ROUTES};
 use http_body_util::BodyExt;
 use kici_admission::Admission;
 use kici_engine::memory_backend::MemoryBackend;
@@ -19,6 +19,7 @@ use kici_model::{AgentId, InstanceId, ScalerType};
 use kici_routing::HostPlatform;
 use kici_scaler::api::{self, AppState};
 use kici_scaler::events::EventLog;
+use kici_scaler::jobs::JobBook;
 use kici_scaler::metrics::{Metrics, SERIES};
 use kici_scaler::pump::Pump;
 use kici_scaler::reload::{ConfigReloader, Reload};
@@ -127,6 +128,7 @@ impl Harness {
             InstanceId::random(),
             tokens,
             events,
+            Arc::new(JobBook::new()),
             metrics,
             reloader,
             api_token.map(|t| Secret::new(t.to_owned())),
@@ -234,7 +236,7 @@ impl Harness {
             .spec(agent)
             .or_else(|| self.docker.spec(agent))
             .expect("agent is live in a backend");
-        spec.token.expect("a token was minted")
+        spec.token.expect("a token was minted").expose().to_owned()
     }
 }
 
@@ -259,7 +261,7 @@ async fn an_orchestrator_drives_an_agent_through_its_life() {
 
     let spec = h.bare.spec(agent).unwrap();
     assert_eq!(spec.orchestrator_url, "ws://127.0.0.1:7879/ws");
-    let token = spec.token.unwrap();
+    let token = spec.token.unwrap().expose().to_owned();
     assert!(token.starts_with("kat_") && token.len() == 68);
 
     let path = |what: &str| format!("/v1/agents/{agent}/{what}");
@@ -1105,10 +1107,14 @@ async fn the_router_and_the_openapi_document_agree_in_both_directions() {
     documented.sort();
     let mut expected: Vec<(String, String)> = DESIGN_ROUTES
         .iter()
+        .chain(EXTRA_ROUTES)
         .map(|(m, p)| (m.to_string(), p.to_string()))
         .collect();
     expected.sort();
-    assert_eq!(documented, expected, "the document is DESIGN.md's table");
+    assert_eq!(
+        documented, expected,
+        "the document is DESIGN.md's table (plus the README's extras)"
+    );
 
     // Every documented route is served (the router's fallback answers
     // `no-route` / `method-not-allowed` for anything else).

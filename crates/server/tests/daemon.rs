@@ -65,6 +65,9 @@ impl Dir {
             .arg(self.path("state"))
             .arg("--machine-ledger-dir")
             .arg(self.path("ledger"))
+            // Tests run side by side: never the default port.
+            .arg("--gateway-listen")
+            .arg("127.0.0.1:0")
             .args(args);
         for (k, _) in std::env::vars() {
             if k.starts_with("KICI_") {

@@ -9,14 +9,15 @@
 //! - [`agents`]: the agent lifecycle reports and agent views;
 //! - [`scalers`]: cordon / uncordon / drain;
 //! - [`ops`]: status, reload, health, readiness, metrics, the document;
-//! - [`stream`]: `GET /v1/events`.
+//! - [`stream`]: `GET /v1/events`;
+//! - [`jobs`]: standalone jobs, `/v1/jobs*`, joined through
+//!   [`router_with`]'s `extra` routes (as any further group would be).
 //!
-//! The agent gateway (`/ws`) and standalone jobs (`/v1/jobs*`) are added by
-//! [`router_with`]'s `extra` routes, so they can arrive without touching
-//! this list.
+//! The agent gateway (`/ws`) has its own listener (see [`crate::gateway`]).
 
 pub mod agents;
 pub mod error;
+pub mod jobs;
 pub mod ops;
 pub mod scale;
 pub mod scalers;
@@ -24,6 +25,7 @@ pub mod stream;
 pub mod wire;
 
 use crate::events::EventLog;
+use crate::jobs::JobBook;
 use crate::metrics::Metrics;
 use crate::reload::Reload;
 use crate::token::{Secret, TokenStore};
@@ -52,6 +54,8 @@ pub struct Shared {
     pub instance: InstanceId,
     pub tokens: Arc<TokenStore>,
     pub events: Arc<EventLog>,
+    /// Standalone jobs (`/v1/jobs*`).
+    pub jobs: Arc<JobBook>,
     pub metrics: Arc<Metrics>,
     pub reloader: Arc<dyn Reload>,
     /// `KICI_SCALER_API_TOKEN`; when set, every request must carry it.
@@ -63,11 +67,13 @@ pub struct Shared {
 }
 
 impl AppState {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         runtime: Runtime,
         instance: InstanceId,
         tokens: Arc<TokenStore>,
         events: Arc<EventLog>,
+        jobs: Arc<JobBook>,
         metrics: Arc<Metrics>,
         reloader: Arc<dyn Reload>,
         api_token: Option<Secret>,
@@ -77,6 +83,7 @@ impl AppState {
             instance,
             tokens,
             events,
+            jobs,
             metrics,
             reloader,
             api_token,
@@ -116,6 +123,7 @@ impl std::ops::Deref for AppState {
     components(schemas(error::ErrorBody, error::ErrorDetail)),
     tags(
         (name = "scale", description = "Scale requests (orchestrator mode)"),
+        (name = "jobs", description = "Standalone jobs: kici-scaler provisions an agent, runs a command on it and streams its output"),
         (name = "agents", description = "Agents and their lifecycle reports"),
         (name = "scalers", description = "Operator switches per scaler"),
         (name = "operations", description = "Status, reload, events, health, metrics")
@@ -159,9 +167,9 @@ pub fn api_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(ops::openapi))
 }
 
-/// The OpenAPI document (what `GET /openapi.json` serves).
+/// The OpenAPI document (what `GET /openapi.json` of [`router`] serves).
 pub fn openapi() -> OpenApiDoc {
-    let mut doc = api_routes().into_openapi();
+    let mut doc = api_routes().merge(jobs::routes()).into_openapi();
     add_common_responses(&mut doc);
     doc
 }
@@ -214,9 +222,10 @@ fn add_common_responses(doc: &mut OpenApiDoc) {
     }
 }
 
-/// The control API's router.
+/// The control API's router: every route of [`api_routes`] plus the
+/// standalone jobs.
 pub fn router(state: AppState) -> Router {
-    router_with(state, OpenApiRouter::new())
+    router_with(state, jobs::routes())
 }
 
 /// The router plus `extra` routes (the agent gateway and standalone jobs

@@ -115,7 +115,7 @@ impl ScaleBody {
     }
 }
 
-fn parse_labels(field: &str, raw: &[String]) -> Result<LabelSet, ApiError> {
+pub(crate) fn parse_labels(field: &str, raw: &[String]) -> Result<LabelSet, ApiError> {
     for (i, label) in raw.iter().enumerate() {
         kici_model::Label::parse(label)
             .map_err(|e| ApiError::invalid(format!("{field}[{i}]"), e.to_string()))?;
@@ -124,7 +124,7 @@ fn parse_labels(field: &str, raw: &[String]) -> Result<LabelSet, ApiError> {
 }
 
 impl ResourcesBody {
-    fn into_request(self, at: &str) -> Result<Option<ResourceRequest>, ApiError> {
+    pub(crate) fn into_request(self, at: &str) -> Result<Option<ResourceRequest>, ApiError> {
         let requests = self
             .requests
             .map(|s| s.into_spec(&format!("{at}.requests")))

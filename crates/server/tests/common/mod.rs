@@ -131,10 +131,13 @@ pub fn take_sse_events(buffer: &mut String) -> Vec<SseEvent> {
     out
 }
 
-/// Every route of DESIGN.md's table that this crate serves (the agent
-/// gateway and `/v1/jobs*` come separately).
+/// Every route of DESIGN.md's table (the agent gateway's `/ws` has its own
+/// listener and is not part of the control API).
 pub const DESIGN_ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/scale"),
+    ("post", "/v1/jobs"),
+    ("get", "/v1/jobs/{id}"),
+    ("get", "/v1/jobs/{id}/logs"),
     ("delete", "/v1/scale/{jobId}"),
     ("post", "/v1/agents/{id}/registered"),
     ("post", "/v1/agents/{id}/config-ack"),
@@ -155,3 +158,6 @@ pub const DESIGN_ROUTES: &[(&str, &str)] = &[
     ("get", "/readyz"),
     ("get", "/openapi.json"),
 ];
+
+/// Routes served beyond DESIGN.md's table (documented in the README).
+pub const EXTRA_ROUTES: &[(&str, &str)] = &[("delete", "/v1/jobs/{id}")];

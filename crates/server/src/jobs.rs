@@ -1,0 +1,1009 @@
+//! Standalone jobs (DESIGN.md, *Two modes*): kici-scaler as the dispatcher.
+//!
+//! A job arrives through `POST /v1/jobs` or `kici-scaler run` as labels, a
+//! command (argv), env, resources and a timeout. [`submit`] mints its id,
+//! records it here and asks the engine for an agent (a scale request in
+//! standalone mode). From then on the job's record follows three sources:
+//!
+//! - the engine's events ([`JobBook::observe`]): admitted from the pending
+//!   queue → `spawning` with its agent; the agent destroyed (or failed)
+//!   before the job ended → `failed` with the reason; the pending request
+//!   expired or cancelled by a reload → `failed`;
+//! - the agent gateway: the job dispatched and acknowledged → `running`;
+//!   output chunks; the terminal `job.status` → `succeeded`, `failed` or
+//!   `cancelled` with the exit code or signal;
+//! - the API: a cancel.
+//!
+//! Output is kept in memory per job, in arrival order, bounded by
+//! [`OUTPUT_CAP_BYTES`]: when a job writes more, its oldest chunks are
+//! dropped and a reader that had not read them yet is told which it missed.
+//! Finished jobs stay readable until [`FINISHED_KEPT`] newer ones finished.
+//!
+//! A job whose agent fails before running it is not retried on another
+//! agent: the request the engine re-queues is cancelled and the job fails
+//! with the reason, so `run` can say what went wrong at once.
+
+use kici_engine::runtime::Runtime;
+use kici_engine::{AgentState, EngineEvent, PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
+use kici_engine::{Mode, StopCause};
+use kici_model::{AgentId, JobId, LabelSet, ResourceRequest};
+use kici_protocol::{ChunkData, JobEnd, JobSpec, OutputStream};
+use parking_lot::Mutex;
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, VecDeque};
+use tokio::sync::watch;
+use utoipa::ToSchema;
+
+/// Most output bytes kept in memory per job (4 MiB); beyond, the oldest
+/// chunks are dropped.
+pub const OUTPUT_CAP_BYTES: usize = 4 * 1024 * 1024;
+/// Finished jobs kept readable (state and output); older ones are forgotten.
+pub const FINISHED_KEPT: usize = 256;
+/// Most chunks handed to a reader per call.
+const READ_BATCH: usize = 64;
+
+/// Where a job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum JobState {
+    /// Waiting for capacity (the engine's pending queue).
+    Pending,
+    /// An agent is being provisioned for it, or has registered and is
+    /// about to receive it.
+    Spawning,
+    /// The agent acknowledged it and runs the command.
+    Running,
+    /// The command exited 0.
+    Succeeded,
+    /// The command failed, timed out, could not start, or kici-scaler could
+    /// not run it to its end (`end`, `reason` say which).
+    Failed,
+    /// Cancelled through the API, or by the agent on request.
+    Cancelled,
+}
+
+impl JobState {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Spawning => "spawning",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// How a finished job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndKind {
+    /// The command ended on its own (`exitCode` or `signal`).
+    Exited,
+    /// The agent killed it at `timeoutSeconds` (`exitCode` or `signal` say
+    /// how the killed process ended).
+    TimedOut,
+    /// Cancelled (through the API, or by the agent on request).
+    Cancelled,
+    /// The command could not be started (not found, not executable).
+    StartFailed,
+    /// kici-scaler could not run the job to its end: no capacity in time,
+    /// the agent failed, never registered, disconnected or was destroyed.
+    Aborted,
+}
+
+/// A job as the API shows it (`GET /v1/jobs/{id}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JobView {
+    pub job_id: String,
+    pub state: JobState,
+    /// The job's labels (its runsOn), normalised.
+    pub labels: Vec<String>,
+    /// The command (argv).
+    pub command: Vec<String>,
+    /// The agent provisioned for it, once admitted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
+    /// Set once the job ended.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub end: Option<EndKind>,
+    /// The command's exit code, when it exited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal that killed the command, when one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// Why the job ended other than by its command's own exit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Output bytes received so far (all of them, dropped ones included).
+    pub output_bytes: u64,
+    /// Output bytes no longer kept (the per-job buffer's cap).
+    pub dropped_bytes: u64,
+}
+
+impl JobView {
+    /// `kici-scaler run`'s exit code for a finished job: the command's exit
+    /// code; 128 + n if signal n killed it; 127 / 126 if it could not be
+    /// started (not found / not executable); 125 if kici-scaler could not
+    /// run it. `None` while the job has not ended.
+    pub fn run_exit_code(&self) -> Option<i32> {
+        let end = self.end?;
+        if let Some(code) = self.exit_code {
+            return Some(code);
+        }
+        if let Some(signal) = self.signal {
+            return Some(128 + signal);
+        }
+        Some(match end {
+            EndKind::StartFailed
+                if self
+                    .reason
+                    .as_deref()
+                    .is_some_and(|r| r.contains("(os error 2)")) =>
+            {
+                127
+            }
+            EndKind::StartFailed => 126,
+            _ => 125,
+        })
+    }
+}
+
+/// One chunk of a job's output, numbered from 0 in arrival order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    pub index: u64,
+    pub stream: OutputStream,
+    pub data: ChunkData,
+}
+
+/// What a reader gets next ([`JobBook::read`]).
+#[derive(Debug)]
+pub enum Read {
+    /// Chunks after the reader's position; `missed` is the range of chunk
+    /// indexes it asked for that were dropped (the buffer's cap).
+    Chunks {
+        missed: Option<(u64, u64)>,
+        chunks: Vec<Chunk>,
+    },
+    /// Nothing new yet: wait for a change, then read again.
+    Wait(watch::Receiver<u64>),
+    /// Everything was read and the job ended.
+    End(Box<JobView>),
+}
+
+/// Something the engine must be told because of an event
+/// ([`JobBook::observe`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The engine re-queued a job whose agent failed: withdraw it (the job
+    /// already failed).
+    CancelScale(JobId),
+    /// A warm agent took the job: the gateway must dispatch it.
+    Dispatch { agent: AgentId, spec: JobSpec },
+}
+
+#[derive(Debug, Default)]
+struct Output {
+    chunks: VecDeque<Chunk>,
+    next_index: u64,
+    kept_bytes: usize,
+    total_bytes: u64,
+    dropped_bytes: u64,
+}
+
+impl Output {
+    fn push(&mut self, stream: OutputStream, data: ChunkData, cap: usize) {
+        let len = data.as_bytes().len();
+        self.total_bytes += len as u64;
+        self.kept_bytes += len;
+        self.chunks.push_back(Chunk {
+            index: self.next_index,
+            stream,
+            data,
+        });
+        self.next_index += 1;
+        while self.kept_bytes > cap {
+            let Some(old) = self.chunks.pop_front() else {
+                break;
+            };
+            let n = old.data.as_bytes().len();
+            self.kept_bytes -= n;
+            self.dropped_bytes += n as u64;
+        }
+    }
+
+    fn first_index(&self) -> u64 {
+        self.chunks.front().map_or(self.next_index, |c| c.index)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Ending {
+    kind: EndKind,
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    reason: Option<String>,
+}
+
+#[derive(Debug)]
+struct Job {
+    spec: JobSpec,
+    labels: LabelSet,
+    state: JobState,
+    agent: Option<AgentId>,
+    ending: Option<Ending>,
+    output: Output,
+    /// Bumped on every change; readers wait on it.
+    changed: watch::Sender<u64>,
+}
+
+impl Job {
+    fn view(&self) -> JobView {
+        let ending = self.ending.as_ref();
+        JobView {
+            job_id: self.spec.job_id().to_string(),
+            state: self.state,
+            labels: self.labels.iter().map(|l| l.to_string()).collect(),
+            command: self.spec.argv().to_vec(),
+            agent_id: self.agent.map(|a| a.to_string()),
+            end: ending.map(|e| e.kind),
+            exit_code: ending.and_then(|e| e.exit_code),
+            signal: ending.and_then(|e| e.signal),
+            reason: ending.and_then(|e| e.reason.clone()),
+            output_bytes: self.output.total_bytes,
+            dropped_bytes: self.output.dropped_bytes,
+        }
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+}
+
+#[derive(Debug, Default)]
+struct Books {
+    jobs: HashMap<JobId, Job>,
+    by_agent: HashMap<AgentId, JobId>,
+    /// Finished jobs, oldest first, for eviction.
+    finished: VecDeque<JobId>,
+}
+
+/// Every standalone job this daemon knows. Cheap to share (`Arc`).
+#[derive(Debug)]
+pub struct JobBook {
+    books: Mutex<Books>,
+    output_cap: usize,
+    finished_kept: usize,
+}
+
+impl Default for JobBook {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl JobBook {
+    pub fn new() -> Self {
+        Self::with_limits(OUTPUT_CAP_BYTES, FINISHED_KEPT)
+    }
+
+    pub fn with_limits(output_cap: usize, finished_kept: usize) -> Self {
+        Self {
+            books: Mutex::new(Books::default()),
+            output_cap: output_cap.max(1),
+            finished_kept: finished_kept.max(1),
+        }
+    }
+
+    /// A fresh job id: `job-` + 16 hex.
+    pub fn mint_id() -> JobId {
+        let mut bytes = [0u8; 8];
+        rand::thread_rng().fill_bytes(&mut bytes);
+        // `job-` + hex is always a valid job id (printable, no whitespace,
+        // far below the length limit).
+        format!("job-{}", hex::encode(bytes))
+            .parse()
+            .unwrap_or_else(|_| unreachable!("job-<hex> is a valid job id"))
+    }
+
+    fn insert(&self, spec: JobSpec, labels: LabelSet) {
+        let job = Job {
+            spec,
+            labels,
+            state: JobState::Pending,
+            agent: None,
+            ending: None,
+            output: Output::default(),
+            changed: watch::channel(0).0,
+        };
+        let id = job.spec.job_id().clone();
+        self.books.lock().jobs.insert(id, job);
+    }
+
+    fn remove(&self, id: &JobId) {
+        let mut b = self.books.lock();
+        if let Some(job) = b.jobs.remove(id) {
+            if let Some(agent) = job.agent {
+                b.by_agent.remove(&agent);
+            }
+            job.bump();
+        }
+    }
+
+    pub fn view(&self, id: &JobId) -> Option<JobView> {
+        self.books.lock().jobs.get(id).map(Job::view)
+    }
+
+    /// How many jobs are recorded (finished ones included).
+    pub fn len(&self) -> usize {
+        self.books.lock().jobs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The job's agent was chosen (admitted, or a warm agent took it).
+    fn bind(b: &mut Books, id: &JobId, agent: AgentId) {
+        let Some(job) = b.jobs.get_mut(id) else {
+            return;
+        };
+        if job.state.is_terminal() {
+            return;
+        }
+        if let Some(old) = job.agent.replace(agent) {
+            if old != agent {
+                b.by_agent.remove(&old);
+            }
+        }
+        if job.state == JobState::Pending {
+            job.state = JobState::Spawning;
+        }
+        job.bump();
+        b.by_agent.insert(agent, id.clone());
+    }
+
+    fn finish(&self, b: &mut Books, id: &JobId, state: JobState, ending: Ending) -> bool {
+        let Some(job) = b.jobs.get_mut(id) else {
+            return false;
+        };
+        if job.state.is_terminal() {
+            return false;
+        }
+        job.state = state;
+        job.ending = Some(ending);
+        job.bump();
+        if let Some(agent) = job.agent {
+            b.by_agent.remove(&agent);
+        }
+        tracing::info!(
+            job_id = %id,
+            state = state.as_str(),
+            agent_id = job.agent.map(|a| a.to_string()),
+            "job ended"
+        );
+        b.finished.push_back(id.clone());
+        while b.finished.len() > self.finished_kept {
+            if let Some(old) = b.finished.pop_front() {
+                if let Some(job) = b.jobs.remove(&old) {
+                    job.bump();
+                }
+            }
+        }
+        true
+    }
+
+    // ----- the gateway ----------------------------------------------------
+
+    /// The job to dispatch to `agent`, if `id` is a standalone job that has
+    /// not ended, with its labels (for the mandatory-label gate).
+    pub fn dispatchable(&self, id: &JobId) -> Option<(JobSpec, LabelSet)> {
+        let b = self.books.lock();
+        let job = b.jobs.get(id)?;
+        (!job.state.is_terminal()).then(|| (job.spec.clone(), job.labels.clone()))
+    }
+
+    /// The agent acknowledged the job.
+    pub fn started(&self, id: &JobId, agent: AgentId) {
+        let mut b = self.books.lock();
+        Self::bind(&mut b, id, agent);
+        if let Some(job) = b.jobs.get_mut(id) {
+            if matches!(job.state, JobState::Pending | JobState::Spawning) {
+                job.state = JobState::Running;
+                job.bump();
+                tracing::info!(job_id = %id, agent_id = %agent, "job running");
+            }
+        }
+    }
+
+    /// A piece of the job's output.
+    pub fn output(&self, id: &JobId, stream: OutputStream, data: ChunkData) {
+        let mut b = self.books.lock();
+        if let Some(job) = b.jobs.get_mut(id) {
+            if !job.state.is_terminal() {
+                job.output.push(stream, data, self.output_cap);
+                job.bump();
+            }
+        }
+    }
+
+    /// The agent reported the job's end.
+    pub fn ended(&self, id: &JobId, end: &JobEnd) {
+        let result = end.result();
+        let (state, kind, reason) = match end {
+            JobEnd::Completed(r) if r.is_success() => (JobState::Succeeded, EndKind::Exited, None),
+            JobEnd::Completed(_) => (JobState::Failed, EndKind::Exited, None),
+            JobEnd::TimedOut(_) => (
+                JobState::Failed,
+                EndKind::TimedOut,
+                Some("the command ran longer than its timeout and was killed".to_owned()),
+            ),
+            JobEnd::Cancelled(_) => (
+                JobState::Cancelled,
+                EndKind::Cancelled,
+                Some("cancelled".to_owned()),
+            ),
+            JobEnd::SpawnFailed { error } => (
+                JobState::Failed,
+                EndKind::StartFailed,
+                Some(format!("the command could not be started: {error}")),
+            ),
+        };
+        let ending = Ending {
+            kind,
+            exit_code: result.and_then(|r| r.exit_code()),
+            signal: result.and_then(|r| r.signal()),
+            reason,
+        };
+        let mut b = self.books.lock();
+        self.finish(&mut b, id, state, ending);
+    }
+
+    /// kici-scaler gives up on the job (`reason` says why).
+    pub fn abort(&self, id: &JobId, reason: String) -> bool {
+        let mut b = self.books.lock();
+        self.finish(
+            &mut b,
+            id,
+            JobState::Failed,
+            Ending {
+                kind: EndKind::Aborted,
+                exit_code: None,
+                signal: None,
+                reason: Some(reason),
+            },
+        )
+    }
+
+    /// Marks the job cancelled (if it has not ended). Returns its state
+    /// before and its agent, for the caller to withdraw the request or
+    /// destroy the agent; `None` if the job is unknown.
+    pub fn cancel(&self, id: &JobId, reason: &str) -> Option<(JobState, Option<AgentId>)> {
+        let mut b = self.books.lock();
+        let job = b.jobs.get(id)?;
+        let before = (job.state, job.agent);
+        self.finish(
+            &mut b,
+            id,
+            JobState::Cancelled,
+            Ending {
+                kind: EndKind::Cancelled,
+                exit_code: None,
+                signal: None,
+                reason: Some(reason.to_owned()),
+            },
+        );
+        Some(before)
+    }
+
+    // ----- readers --------------------------------------------------------
+
+    /// The output after chunk `next - 1` (a new reader passes 0), or a
+    /// receiver to wait on, or the end. `None`: the job is unknown (or was
+    /// forgotten).
+    pub fn read(&self, id: &JobId, next: u64) -> Option<Read> {
+        let b = self.books.lock();
+        let job = b.jobs.get(id)?;
+        let first = job.output.first_index();
+        let missed = (next < first).then(|| (next, first - 1));
+        let from = next.max(first);
+        // Chunk indexes are contiguous: the offset into the deque is exact.
+        let skip = usize::try_from(from - first).unwrap_or(usize::MAX);
+        let chunks: Vec<Chunk> = job
+            .output
+            .chunks
+            .iter()
+            .skip(skip)
+            .take(READ_BATCH)
+            .cloned()
+            .collect();
+        if !chunks.is_empty() || missed.is_some() {
+            return Some(Read::Chunks { missed, chunks });
+        }
+        if job.state.is_terminal() {
+            return Some(Read::End(Box::new(job.view())));
+        }
+        Some(Read::Wait(job.changed.subscribe()))
+    }
+
+    // ----- the engine's events ---------------------------------------------
+
+    /// Follows one engine event; returns what the engine must be told.
+    pub fn observe(&self, event: &EngineEvent) -> Vec<Action> {
+        let mut actions = Vec::new();
+        let mut b = self.books.lock();
+        match event {
+            EngineEvent::AgentTransition {
+                agent_id,
+                from,
+                to,
+                job_id,
+                failure_reason,
+                cause,
+                detail,
+                ..
+            } => {
+                let id = match job_id {
+                    Some(j) if b.jobs.contains_key(j) => j.clone(),
+                    _ => match b.by_agent.get(agent_id) {
+                        Some(j) => j.clone(),
+                        None => return actions,
+                    },
+                };
+                match to {
+                    AgentState::Requested
+                    | AgentState::Provisioning
+                    | AgentState::Booted
+                    | AgentState::Registered
+                        if job_id.as_ref() == Some(&id) =>
+                    {
+                        Self::bind(&mut b, &id, *agent_id);
+                    }
+                    AgentState::Busy if *from == AgentState::Idle => {
+                        // A warm agent took the job: nobody else will send
+                        // it the job.
+                        Self::bind(&mut b, &id, *agent_id);
+                        if let Some(job) = b.jobs.get(&id) {
+                            actions.push(Action::Dispatch {
+                                agent: *agent_id,
+                                spec: job.spec.clone(),
+                            });
+                        }
+                    }
+                    AgentState::Destroying | AgentState::Gone => {
+                        let bound_here = b
+                            .jobs
+                            .get(&id)
+                            .is_some_and(|j| j.agent.is_none_or(|a| a == *agent_id));
+                        if !bound_here {
+                            return actions;
+                        }
+                        let reason = lost_agent_reason(
+                            *agent_id,
+                            failure_reason.map(|r| r.as_str()),
+                            *cause,
+                            detail.as_deref(),
+                        );
+                        let ended = self.finish(
+                            &mut b,
+                            &id,
+                            JobState::Failed,
+                            Ending {
+                                kind: EndKind::Aborted,
+                                exit_code: None,
+                                signal: None,
+                                reason: Some(reason),
+                            },
+                        );
+                        b.by_agent.remove(agent_id);
+                        if ended && failure_reason.is_some() {
+                            // The engine put the job back in its queue.
+                            actions.push(Action::CancelScale(id));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            EngineEvent::PendingEnded { job_id, end, .. } => {
+                let reason = match end {
+                    PendingEnd::Admitted => return actions,
+                    PendingEnd::Cancelled => "the scale request was cancelled",
+                    PendingEnd::Expired => {
+                        "no capacity freed up for the job within the pending TTL"
+                    }
+                    PendingEnd::NoBackend => {
+                        "after a reload, no scaler accepts the job's labels any more"
+                    }
+                    PendingEnd::TooLarge => "after a reload, the job no longer fits under the caps",
+                };
+                let (state, kind) = if *end == PendingEnd::Cancelled {
+                    (JobState::Cancelled, EndKind::Cancelled)
+                } else {
+                    (JobState::Failed, EndKind::Aborted)
+                };
+                self.finish(
+                    &mut b,
+                    job_id,
+                    state,
+                    Ending {
+                        kind,
+                        exit_code: None,
+                        signal: None,
+                        reason: Some(reason.to_owned()),
+                    },
+                );
+            }
+            _ => {}
+        }
+        actions
+    }
+}
+
+fn lost_agent_reason(
+    agent: AgentId,
+    failure: Option<&str>,
+    cause: Option<&str>,
+    detail: Option<&str>,
+) -> String {
+    let detail = detail.map(|d| format!(": {d}")).unwrap_or_default();
+    match (failure, cause) {
+        (Some(f), _) => format!("agent {agent} failed ({f}){detail}"),
+        (None, Some(c)) if c == StopCause::Shutdown.as_str() => {
+            format!("kici-scaler shut down; agent {agent} was destroyed{detail}")
+        }
+        (None, Some(c)) if c == StopCause::Disconnected.as_str() => {
+            format!("agent {agent} disconnected before the job ended{detail}")
+        }
+        (None, Some(c)) => {
+            format!("agent {agent} was destroyed before the job ended ({c}){detail}")
+        }
+        (None, None) => format!("agent {agent} was destroyed before the job ended{detail}"),
+    }
+}
+
+// ----- submitting --------------------------------------------------------
+
+/// A job as submitted.
+#[derive(Debug, Clone)]
+pub struct JobRequest {
+    pub labels: LabelSet,
+    pub resources: Option<ResourceRequest>,
+    /// Carries the job id (see [`JobBook::mint_id`]).
+    pub spec: JobSpec,
+}
+
+/// Why a job was not accepted.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SubmitError {
+    #[error("no-backend: {0}")]
+    NoBackend(String),
+    #[error("too-large ({cap}): {detail}")]
+    TooLarge { cap: String, detail: String },
+    #[error("{0}")]
+    Scale(#[from] ScaleError),
+}
+
+/// Records the job and asks the engine for an agent. On `Err` nothing is
+/// kept.
+pub fn submit(
+    runtime: &Runtime,
+    jobs: &JobBook,
+    request: JobRequest,
+) -> Result<JobView, SubmitError> {
+    let id = request.spec.job_id().clone();
+    let scale = ScaleRequest {
+        job: id.clone(),
+        run_id: None,
+        labels: request.labels.clone(),
+        exclude: LabelSet::default(),
+        resources: request.resources,
+        mode: Mode::Standalone,
+    };
+    // Recorded first: the engine's events about it may be followed before
+    // `request_scale` returns.
+    jobs.insert(request.spec, request.labels);
+    let outcome = match runtime.request_scale(scale) {
+        Ok(o) => o,
+        Err(e) => {
+            jobs.remove(&id);
+            return Err(e.into());
+        }
+    };
+    match outcome {
+        ScaleOutcome::Spawning { agent_id, .. } => {
+            let mut b = jobs.books.lock();
+            JobBook::bind(&mut b, &id, agent_id);
+        }
+        ScaleOutcome::Pending { .. } => {}
+        ScaleOutcome::NoBackend { explanation } => {
+            jobs.remove(&id);
+            return Err(SubmitError::NoBackend(explanation));
+        }
+        ScaleOutcome::TooLarge { cap, detail } => {
+            jobs.remove(&id);
+            return Err(SubmitError::TooLarge {
+                cap: cap.to_string(),
+                detail,
+            });
+        }
+    }
+    let view = jobs
+        .view(&id)
+        .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))?;
+    tracing::info!(job_id = %id, state = view.state.as_str(), agent_id = view.agent_id.as_deref(), "job submitted");
+    Ok(view)
+}
+
+/// Cancels a job: marks it cancelled, withdraws its scale request or
+/// destroys its agent. `None`: unknown job.
+pub fn cancel(runtime: &Runtime, jobs: &JobBook, id: &JobId, reason: &str) -> Option<JobView> {
+    let (before, agent) = jobs.cancel(id, reason)?;
+    if !before.is_terminal() {
+        // A pending request is withdrawn; an unregistered agent is stopped.
+        let withdrawn = runtime.cancel_scale(id);
+        if !withdrawn {
+            if let Some(agent) = agent {
+                if let Err(e) = runtime.destroy_agent(agent) {
+                    tracing::debug!(agent_id = %agent, error = %e, "cancel: agent already gone");
+                }
+            }
+        }
+        tracing::info!(job_id = %id, was = before.as_str(), "job cancelled");
+    }
+    jobs.view(id)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use kici_model::{ScalerName, ScalerType};
+    use kici_protocol::JobResult;
+    use std::collections::BTreeMap;
+
+    fn spec(id: &str) -> JobSpec {
+        JobSpec::new(
+            id.parse().unwrap(),
+            vec!["sh".into(), "-c".into(), "true".into()],
+            BTreeMap::new(),
+            None,
+        )
+        .unwrap()
+    }
+
+    fn book_with(id: &str, cap: usize) -> (JobBook, JobId) {
+        let book = JobBook::with_limits(cap, 2);
+        book.insert(spec(id), LabelSet::parse(["linux"]).unwrap());
+        (book, id.parse().unwrap())
+    }
+
+    fn agent(n: u8) -> AgentId {
+        AgentId::new(ScalerType::BareMetal, [0, 0, 0, n])
+    }
+
+    fn transition(
+        agent: AgentId,
+        from: AgentState,
+        to: AgentState,
+        job: Option<&JobId>,
+    ) -> EngineEvent {
+        EngineEvent::AgentTransition {
+            agent_id: agent,
+            scaler: ScalerName::new("local"),
+            backend: ScalerType::BareMetal,
+            from,
+            to,
+            job_id: job.cloned(),
+            failure_reason: None,
+            cause: None,
+            detail: None,
+            seconds_in_state: 0.0,
+        }
+    }
+
+    fn data(s: &str) -> ChunkData {
+        ChunkData::new(s.as_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn output_is_read_in_order_then_the_end() {
+        let (book, id) = book_with("j1", 1024);
+        book.started(&id, agent(1));
+        book.output(&id, OutputStream::Stdout, data("a"));
+        book.output(&id, OutputStream::Stderr, data("b"));
+        let Some(Read::Chunks { missed, chunks }) = book.read(&id, 0) else {
+            panic!("chunks expected");
+        };
+        assert_eq!(missed, None);
+        assert_eq!(
+            chunks
+                .iter()
+                .map(|c| (c.index, c.stream, c.data.as_bytes().to_vec()))
+                .collect::<Vec<_>>(),
+            [
+                (0, OutputStream::Stdout, b"a".to_vec()),
+                (1, OutputStream::Stderr, b"b".to_vec())
+            ]
+        );
+        let Some(Read::Wait(rx)) = book.read(&id, 2) else {
+            panic!("wait expected");
+        };
+        book.ended(&id, &JobEnd::Completed(JobResult::exited(3)));
+        assert!(rx.has_changed().unwrap());
+        let Some(Read::End(view)) = book.read(&id, 2) else {
+            panic!("end expected");
+        };
+        assert_eq!(view.state, JobState::Failed);
+        assert_eq!(view.exit_code, Some(3));
+        assert_eq!(view.run_exit_code(), Some(3));
+        assert_eq!(view.output_bytes, 2);
+    }
+
+    #[test]
+    fn the_buffer_drops_the_oldest_chunks_and_tells_the_reader() {
+        let (book, id) = book_with("j1", 4);
+        for s in ["ab", "cd", "ef"] {
+            book.output(&id, OutputStream::Stdout, data(s));
+        }
+        let Some(Read::Chunks { missed, chunks }) = book.read(&id, 0) else {
+            panic!("chunks expected");
+        };
+        assert_eq!(missed, Some((0, 0)));
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[0].index, 1);
+        let view = book.view(&id).unwrap();
+        assert_eq!((view.output_bytes, view.dropped_bytes), (6, 2));
+    }
+
+    #[test]
+    fn an_agent_lost_before_the_end_fails_the_job_and_withdraws_a_requeue() {
+        let (book, id) = book_with("j1", 1024);
+        let a = agent(1);
+        assert!(book
+            .observe(&transition(
+                a,
+                AgentState::Requested,
+                AgentState::Provisioning,
+                Some(&id)
+            ))
+            .is_empty());
+        assert_eq!(book.view(&id).unwrap().state, JobState::Spawning);
+        assert_eq!(book.view(&id).unwrap().agent_id, Some(a.to_string()));
+        let failed = EngineEvent::AgentTransition {
+            agent_id: a,
+            scaler: ScalerName::new("local"),
+            backend: ScalerType::BareMetal,
+            from: AgentState::Booted,
+            to: AgentState::Destroying,
+            job_id: Some(id.clone()),
+            failure_reason: Some(kici_engine::FailureReason::RegistrationTimeout),
+            cause: None,
+            detail: None,
+            seconds_in_state: 1.0,
+        };
+        assert_eq!(book.observe(&failed), [Action::CancelScale(id.clone())]);
+        let view = book.view(&id).unwrap();
+        assert_eq!(view.state, JobState::Failed);
+        assert_eq!(view.end, Some(EndKind::Aborted));
+        assert!(view.reason.unwrap().contains("registration-timeout"));
+        assert_eq!(book.view(&id).unwrap().run_exit_code(), Some(125));
+        // The engine's own cancel of the re-queued request changes nothing.
+        let cancelled = EngineEvent::PendingEnded {
+            job_id: id.clone(),
+            scaler: ScalerName::new("local"),
+            end: PendingEnd::Cancelled,
+            waited_seconds: 0.0,
+        };
+        assert!(book.observe(&cancelled).is_empty());
+        assert_eq!(book.view(&id).unwrap().state, JobState::Failed);
+    }
+
+    #[test]
+    fn a_completed_job_ignores_its_agents_destroy() {
+        let (book, id) = book_with("j1", 1024);
+        let a = agent(1);
+        book.started(&id, a);
+        book.ended(&id, &JobEnd::Completed(JobResult::signalled(9).unwrap()));
+        assert!(book
+            .observe(&transition(
+                a,
+                AgentState::Busy,
+                AgentState::Destroying,
+                None
+            ))
+            .is_empty());
+        let view = book.view(&id).unwrap();
+        assert_eq!(view.state, JobState::Failed);
+        assert_eq!(view.signal, Some(9));
+        assert_eq!(view.run_exit_code(), Some(137));
+    }
+
+    #[test]
+    fn a_warm_agent_taking_the_job_asks_for_a_dispatch() {
+        let (book, id) = book_with("j1", 1024);
+        let a = agent(7);
+        let actions = book.observe(&transition(
+            a,
+            AgentState::Idle,
+            AgentState::Busy,
+            Some(&id),
+        ));
+        assert_eq!(
+            actions,
+            [Action::Dispatch {
+                agent: a,
+                spec: spec("j1")
+            }]
+        );
+    }
+
+    #[test]
+    fn finished_jobs_are_forgotten_beyond_the_limit() {
+        let book = JobBook::with_limits(1024, 2);
+        for n in 0..3 {
+            let id = format!("j{n}");
+            book.insert(spec(&id), LabelSet::default());
+            book.abort(&id.parse().unwrap(), "test".into());
+        }
+        assert_eq!(book.len(), 2);
+        assert!(book.view(&"j0".parse().unwrap()).is_none());
+    }
+
+    #[test]
+    fn exit_codes_for_run() {
+        let view = |end, exit_code, signal, reason: Option<&str>| JobView {
+            job_id: "j".into(),
+            state: JobState::Failed,
+            labels: vec![],
+            command: vec![],
+            agent_id: None,
+            end: Some(end),
+            exit_code,
+            signal,
+            reason: reason.map(str::to_owned),
+            output_bytes: 0,
+            dropped_bytes: 0,
+        };
+        assert_eq!(
+            view(EndKind::Exited, Some(0), None, None).run_exit_code(),
+            Some(0)
+        );
+        assert_eq!(
+            view(EndKind::TimedOut, None, Some(15), None).run_exit_code(),
+            Some(143)
+        );
+        assert_eq!(
+            view(
+                EndKind::StartFailed,
+                None,
+                None,
+                Some("x: No such file or directory (os error 2)")
+            )
+            .run_exit_code(),
+            Some(127)
+        );
+        assert_eq!(
+            view(
+                EndKind::StartFailed,
+                None,
+                None,
+                Some("x: Permission denied (os error 13)")
+            )
+            .run_exit_code(),
+            Some(126)
+        );
+        assert_eq!(
+            view(EndKind::Aborted, None, None, None).run_exit_code(),
+            Some(125)
+        );
+    }
+}

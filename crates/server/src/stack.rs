@@ -1,0 +1,224 @@
+//! The running parts `serve` and `run` share: the configuration as loaded
+//! (agent binaries resolved), the engine runtime, agent tokens, the event
+//! pump, the standalone-job book and the agent gateway on its own listener;
+//! and their orderly shutdown.
+//!
+//! [`Stack::start`] wires them in the one order that loses no event: the
+//! runtime starts, then everything that follows its events subscribes
+//! (job follower, pump) before the first await lets its first tick run.
+//! [`Stack::shutdown`] destroys every agent, lets the followers deliver
+//! the last events (so every job has its end and every SSE stream closes),
+//! stops the gateway, then runs the backends' clean-up hooks.
+
+use crate::agent_binary::{self, SearchPath};
+use crate::backends::Built;
+use crate::events::EventLog;
+use crate::gateway::{EngineFollower, Gateway, GatewaySettings};
+use crate::jobs::JobBook;
+use crate::metrics::Metrics;
+use crate::pump::Pump;
+use crate::token::{TokenBootstrapper, TokenStore};
+use kici_admission::{Admission, MachineLedger};
+use kici_engine::runtime::Runtime;
+use kici_engine::{Engine, EngineSettings};
+use kici_model::Config;
+use kici_routing::HostPlatform;
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// How long the gateway's listener may take to stop once every agent is
+/// gone.
+const GATEWAY_STOP: Duration = Duration::from_secs(5);
+
+/// Why a configuration could not be loaded.
+#[derive(Debug)]
+pub enum LoadError {
+    /// Already one `file:line:col: path: message` per line.
+    Config(kici_config::ConfigErrors),
+    /// Bare-metal agent binaries that are nowhere to be found.
+    Binaries(Vec<String>),
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Config(errors) => write!(f, "{errors}"),
+            Self::Binaries(lines) => f.write_str(&lines.join("\n")),
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
+
+impl LoadError {
+    /// One problem per entry.
+    pub fn lines(&self) -> Vec<String> {
+        match self {
+            Self::Config(errors) => errors.iter().map(|d| d.to_string()).collect(),
+            Self::Binaries(lines) => lines.clone(),
+        }
+    }
+}
+
+/// Loads and validates the configuration, then resolves every bare-metal
+/// `binaryPath` (see [`crate::agent_binary`]).
+pub fn load_config(main: &Path, dir: Option<&Path>) -> Result<kici_config::Loaded, LoadError> {
+    let mut loaded = kici_config::load(main, dir).map_err(LoadError::Config)?;
+    agent_binary::resolve_all(&mut loaded.config, &SearchPath::current())
+        .map_err(LoadError::Binaries)?;
+    Ok(loaded)
+}
+
+/// Binds the agent gateway's listener (`--gateway-listen`).
+pub fn bind_gateway(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Settings of a [`Stack`] that are not in the configuration.
+#[derive(Debug, Clone, Default)]
+pub struct StackOptions {
+    pub engine: EngineSettings,
+    /// Events kept for `GET /v1/events` resumption.
+    pub event_replay: usize,
+    pub gateway: GatewaySettings,
+}
+
+/// Why a stack did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StackError {
+    #[error("admission: {0}")]
+    Admission(#[from] kici_admission::AdmissionError),
+    #[error("the agent gateway: {0}")]
+    Gateway(io::Error),
+}
+
+/// How a shutdown went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopped {
+    /// Agents not destroyed within the grace.
+    pub agents_left: usize,
+}
+
+/// The engine and everything around it (no control API).
+pub struct Stack {
+    pub config: Arc<Config>,
+    pub runtime: Runtime,
+    pub tokens: Arc<TokenStore>,
+    pub jobs: Arc<JobBook>,
+    pub gateway: Arc<Gateway>,
+    pub metrics: Arc<Metrics>,
+    pub events: Arc<EventLog>,
+    /// Where the gateway listens (what agents are told, as `ws://…/ws`).
+    pub gateway_addr: SocketAddr,
+    pump: Pump,
+    follower: EngineFollower,
+    gateway_stop: oneshot::Sender<()>,
+    gateway_task: JoinHandle<io::Result<()>>,
+    after_shutdown: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl Stack {
+    /// Starts the engine on `backends` and serves the gateway on `gateway`.
+    /// Must run inside a tokio runtime.
+    pub fn start(
+        config: Arc<Config>,
+        backends: Built,
+        ledger: Option<MachineLedger>,
+        gateway: std::net::TcpListener,
+        options: StackOptions,
+    ) -> Result<Self, StackError> {
+        let gateway_addr = gateway.local_addr().map_err(StackError::Gateway)?;
+        let listener = tokio::net::TcpListener::from_std(gateway).map_err(StackError::Gateway)?;
+        let admission = Admission::new(&config, ledger)?;
+        let engine = Engine::new(
+            Arc::clone(&config),
+            admission,
+            HostPlatform::current(),
+            options.engine,
+        );
+        let tokens = Arc::new(TokenStore::new());
+        let bootstrapper = Arc::new(TokenBootstrapper::new(Arc::clone(&tokens), gateway_addr));
+        let metrics = Arc::new(Metrics::new(&config));
+        let events = Arc::new(EventLog::new(options.event_replay.max(1)));
+        let jobs = Arc::new(JobBook::new());
+        let runtime = Runtime::start(engine, backends.backends, bootstrapper);
+        // Subscribed before anything yields: the runtime's first tick runs
+        // only then.
+        let gateway = Gateway::new(
+            runtime.clone(),
+            Arc::clone(&tokens),
+            Arc::clone(&jobs),
+            options.gateway,
+        );
+        let follower = gateway.follow_engine();
+        let pump = Pump::start(
+            &runtime,
+            Arc::clone(&events),
+            Arc::clone(&metrics),
+            Arc::clone(&tokens),
+        );
+        let (gateway_stop, stopped) = oneshot::channel::<()>();
+        let router = gateway.router();
+        let gateway_task = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        tracing::info!(addr = %gateway_addr, "agent gateway listening");
+        Ok(Self {
+            config,
+            runtime,
+            tokens,
+            jobs,
+            gateway,
+            metrics,
+            events,
+            gateway_addr,
+            pump,
+            follower,
+            gateway_stop,
+            gateway_task,
+            after_shutdown: backends.after_shutdown,
+        })
+    }
+
+    /// Whether the gateway's server task ended on its own (its error).
+    pub fn gateway_failed(&self) -> bool {
+        self.gateway_task.is_finished()
+    }
+
+    /// Stops admitting, cancels pending requests, destroys every agent (up
+    /// to `grace`), delivers the last events, stops the gateway and, when
+    /// every agent is gone, runs the backends' clean-up.
+    pub async fn shutdown(self, grace: Duration) -> Stopped {
+        let all_gone = self.runtime.shutdown(grace).await;
+        let agents_left = self.runtime.agents(false).len();
+        // Every job gets its end (from the last `destroying` and
+        // `pending-ended` events) before the pump closes the event log.
+        self.follower.finish().await;
+        self.pump.finish().await;
+        let _ = self.gateway_stop.send(());
+        match tokio::time::timeout(GATEWAY_STOP, self.gateway_task).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "agent gateway ended with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "agent gateway task failed"),
+            Ok(Ok(Ok(()))) => {}
+            Err(_) => tracing::warn!("agent gateway did not stop in time"),
+        }
+        if all_gone {
+            for hook in self.after_shutdown {
+                hook();
+            }
+        }
+        Stopped { agents_left }
+    }
+}
