@@ -1,0 +1,681 @@
+//! The agent gateway in process: the real engine runtime, token store, job
+//! book and gateway served on 127.0.0.1:0, an in-memory backend standing in
+//! for the agent's process, and the test playing the agent over a real
+//! WebSocket (tokio-tungstenite), message by message.
+//!
+//! Every wait is on an event (a frame, a close, an engine event, a job
+//! change); [`GUARD`] only turns a hang into a failure.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use futures_util::{SinkExt, StreamExt};
+use kici_engine::memory_backend::MemoryBackend;
+use kici_engine::runtime::SequencedEvent;
+use kici_engine::{AgentState, Backend, EngineEvent, EngineSettings};
+use kici_model::{AgentId, JobId, LabelSet, ScalerType};
+use kici_protocol::{
+    AgentMessage, AuthRequest, ChunkData, ConfigAck, GatewayMessage, Heartbeat, JobAck, JobEnd,
+    JobProgress, JobResult, JobSpec, JobStatus, OutputChunk, OutputStream, Register, UnixMillis,
+    MAX_FRAME_BYTES, PROTOCOL_VERSION,
+};
+use kici_scaler::backends::Built;
+use kici_scaler::gateway::GatewaySettings;
+use kici_scaler::jobs::{self, EndKind, JobRequest, JobState, JobView, Read};
+use kici_scaler::stack::{Stack, StackOptions};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::sync::broadcast;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+/// Turns a hang into a failure; never part of what a test asserts.
+const GUARD: Duration = Duration::from_secs(60);
+
+async fn guard<F: Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(GUARD, f)
+        .await
+        .unwrap_or_else(|_| panic!("hung waiting for {what}"))
+}
+
+const CONFIG: &str = "\
+version: 1
+globalMaxAgents: 4
+scalers:
+  - name: local
+    type: bare-metal
+    maxAgents: 2
+    mandatoryLabels: [local]
+    roles: []
+    labelSets:
+      - labels: [linux, local]
+        binaryPath: /bin/true
+";
+
+struct Setup {
+    stack: Stack,
+    bare: Arc<MemoryBackend>,
+    events: broadcast::Receiver<Arc<SequencedEvent>>,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Setup {
+    async fn new() -> Self {
+        Self::with(CONFIG, GatewaySettings::default()).await
+    }
+
+    async fn with(yaml: &str, settings: GatewaySettings) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let main = dir.path().join("scalers.yaml");
+        std::fs::write(&main, yaml).unwrap();
+        let config = Arc::new(kici_config::load(&main, None).unwrap().config);
+        let bare = Arc::new(MemoryBackend::new(ScalerType::BareMetal));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let stack = Stack::start(
+            config,
+            Built {
+                backends: vec![bare.clone() as Arc<dyn Backend>],
+                after_shutdown: Vec::new(),
+            },
+            None,
+            listener,
+            StackOptions {
+                engine: EngineSettings::default(),
+                event_replay: 100,
+                gateway: settings,
+            },
+        )
+        .unwrap();
+        let events = stack.runtime.subscribe();
+        let url = format!("ws://{}/ws", stack.gateway_addr);
+        Self {
+            stack,
+            bare,
+            events,
+            url,
+            _dir: dir,
+        }
+    }
+
+    /// Submits a job and waits until its agent is booted (the in-memory
+    /// backend "starts" it at once); returns the job id and the agent.
+    async fn job(&mut self, argv: &[&str]) -> (JobId, AgentId) {
+        let spec = JobSpec::new(
+            kici_scaler::jobs::JobBook::mint_id(),
+            argv.iter().map(|s| s.to_string()).collect(),
+            BTreeMap::new(),
+            None,
+        )
+        .unwrap();
+        let id = spec.job_id().clone();
+        let view = jobs::submit(
+            &self.stack.runtime,
+            &self.stack.jobs,
+            JobRequest {
+                labels: LabelSet::parse(["local"]).unwrap(),
+                resources: None,
+                spec,
+            },
+        )
+        .unwrap();
+        assert_eq!(view.state, JobState::Spawning);
+        let agent: AgentId = view.agent_id.unwrap().parse().unwrap();
+        self.agent_reaches(agent, AgentState::Booted).await;
+        (id, agent)
+    }
+
+    async fn agent_reaches(&mut self, agent: AgentId, state: AgentState) {
+        if self.stack.runtime.agent(agent).map(|v| v.state) == Some(state) {
+            return;
+        }
+        loop {
+            let e = guard("an agent transition", self.events.recv())
+                .await
+                .unwrap();
+            if let EngineEvent::AgentTransition { agent_id, to, .. } = &e.event {
+                if *agent_id == agent && *to == state {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn token(&self, agent: AgentId) -> String {
+        self.bare
+            .spec(agent)
+            .unwrap()
+            .token
+            .unwrap()
+            .expose()
+            .to_owned()
+    }
+
+    /// The labels the agent was given (`KICI_LABELS`).
+    fn labels(&self, agent: AgentId) -> LabelSet {
+        LabelSet::parse(self.bare.spec(agent).unwrap().agent_labels).unwrap()
+    }
+
+    async fn connect(&self) -> Agent {
+        let mut config = WebSocketConfig::default();
+        config.max_message_size = Some(MAX_FRAME_BYTES);
+        let (ws, _) =
+            tokio_tungstenite::connect_async_with_config(self.url.as_str(), Some(config), false)
+                .await
+                .unwrap();
+        Agent { ws }
+    }
+
+    /// Waits until the job satisfies `cond`; returns its view.
+    async fn job_until(&self, id: &JobId, what: &str, cond: impl Fn(&JobView) -> bool) -> JobView {
+        loop {
+            let view = self.stack.jobs.view(id).unwrap();
+            if cond(&view) {
+                return view;
+            }
+            assert!(
+                !view.state.is_terminal(),
+                "{what}: the job ended first: {view:?}"
+            );
+            let Some(Read::Wait(mut rx)) = self.stack.jobs.read(id, u64::MAX) else {
+                continue;
+            };
+            // The state may have changed between the view and the read.
+            if cond(&self.stack.jobs.view(id).unwrap()) {
+                continue;
+            }
+            guard(what, rx.changed()).await.unwrap();
+        }
+    }
+
+    /// Everything the job wrote, by stream.
+    fn output(&self, id: &JobId) -> (String, String) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut next = 0;
+        while let Some(Read::Chunks { chunks, .. }) = self.stack.jobs.read(id, next) {
+            for c in chunks {
+                match c.stream {
+                    OutputStream::Stdout => out.extend_from_slice(c.data.as_bytes()),
+                    OutputStream::Stderr => err.extend_from_slice(c.data.as_bytes()),
+                }
+                next = c.index + 1;
+            }
+        }
+        (
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+}
+
+#[derive(Debug)]
+enum Frame {
+    Msg(GatewayMessage),
+    Closed(Option<u16>, String),
+}
+
+struct Agent {
+    ws: WebSocketStream<MaybeTlsStream<TcpStream>>,
+}
+
+impl Agent {
+    async fn send(&mut self, msg: AgentMessage) {
+        self.ws.send(Message::text(msg.to_json())).await.unwrap();
+    }
+
+    async fn next(&mut self) -> Frame {
+        loop {
+            match guard("a frame", self.ws.next()).await {
+                None | Some(Err(_)) => return Frame::Closed(None, String::new()),
+                Some(Ok(Message::Text(t))) => {
+                    return Frame::Msg(
+                        GatewayMessage::from_json(t.as_str())
+                            .unwrap_or_else(|e| panic!("gateway sent {t}: {e}")),
+                    )
+                }
+                Some(Ok(Message::Close(f))) => {
+                    return Frame::Closed(
+                        f.as_ref().map(|f| u16::from(f.code)),
+                        f.map(|f| f.reason.to_string()).unwrap_or_default(),
+                    )
+                }
+                Some(Ok(_)) => continue,
+            }
+        }
+    }
+
+    async fn recv(&mut self) -> GatewayMessage {
+        match self.next().await {
+            Frame::Msg(m) => m,
+            Frame::Closed(code, reason) => panic!("closed ({code:?} {reason}), expected a message"),
+        }
+    }
+
+    async fn expect_close(&mut self) -> (Option<u16>, String) {
+        loop {
+            match self.next().await {
+                Frame::Msg(GatewayMessage::AuthFailure(_)) => continue,
+                Frame::Msg(m) => panic!("expected a close, got {m:?}"),
+                Frame::Closed(code, reason) => return (code, reason),
+            }
+        }
+    }
+
+    /// `auth.failure` (with `needle` in its reason), then close 4010.
+    async fn expect_refusal(&mut self, needle: &str) {
+        match self.recv().await {
+            GatewayMessage::AuthFailure(f) => {
+                assert!(f.reason.contains(needle), "{:?} lacks {needle:?}", f.reason)
+            }
+            other => panic!("expected auth.failure, got {other:?}"),
+        }
+        let (code, _) = self.expect_close().await;
+        assert_eq!(code, Some(4010));
+    }
+
+    async fn auth(&mut self, token: &str) {
+        self.send(AgentMessage::AuthRequest(AuthRequest {
+            token: token.parse().unwrap(),
+            protocol_version: PROTOCOL_VERSION,
+        }))
+        .await;
+    }
+
+    async fn register(&mut self, agent: AgentId, labels: LabelSet) {
+        let r = Register::new(
+            Register::message_id_for(agent, UnixMillis::now()),
+            agent,
+            labels,
+        );
+        self.send(AgentMessage::Register(Box::new(r))).await;
+    }
+
+    /// auth + register (with the scope plus host labels) + config.ack;
+    /// returns `pendingDispatch`.
+    async fn handshake(&mut self, setup: &Setup, agent: AgentId) -> bool {
+        self.auth(&setup.token(agent)).await;
+        assert!(matches!(self.recv().await, GatewayMessage::AuthSuccess(_)));
+        let labels = setup.labels(agent).union(
+            &LabelSet::parse(["kici:os:linux", "kici:arch:x64", "kici:host:test-box"]).unwrap(),
+        );
+        self.register(agent, labels.clone()).await;
+        let ack = match self.recv().await {
+            GatewayMessage::RegisterAck(a) => a,
+            other => panic!("expected register.ack, got {other:?}"),
+        };
+        assert_eq!(ack.agent_id, agent);
+        assert_eq!(ack.labels, labels);
+        assert!(ack.scaler_managed);
+        self.send(AgentMessage::ConfigAck(ConfigAck {
+            message_id: ConfigAck::message_id_for(agent, UnixMillis::now()),
+            agent_id: agent,
+        }))
+        .await;
+        ack.pending_dispatch
+    }
+
+    async fn expect_dispatch(&mut self) -> JobSpec {
+        match self.recv().await {
+            GatewayMessage::JobDispatch(d) => d.job,
+            other => panic!("expected job.dispatch, got {other:?}"),
+        }
+    }
+
+    async fn ack(&mut self, job: &JobId) {
+        self.send(AgentMessage::JobAck(JobAck {
+            message_id: format!("job-ack-{job}"),
+            job_id: job.clone(),
+            timestamp: UnixMillis::now(),
+        }))
+        .await;
+    }
+
+    async fn chunk(&mut self, job: &JobId, seq: u64, stream: OutputStream, data: &str) {
+        self.send(AgentMessage::OutputChunk(OutputChunk {
+            job_id: job.clone(),
+            seq,
+            stream,
+            data: ChunkData::new(data.as_bytes().to_vec()).unwrap(),
+        }))
+        .await;
+    }
+
+    async fn status(&mut self, job: &JobId, progress: JobProgress) {
+        self.send(AgentMessage::JobStatus(JobStatus {
+            message_id: format!("job-status-{job}"),
+            job_id: job.clone(),
+            timestamp: UnixMillis::now(),
+            progress,
+        }))
+        .await;
+    }
+}
+
+// ------------------------------------------------------------ happy path
+
+#[tokio::test]
+async fn a_standalone_job_runs_end_to_end_through_the_gateway() {
+    let mut s = Setup::new().await;
+    let (job, agent) = s.job(&["sh", "-c", "echo hi; echo oops >&2; exit 3"]).await;
+    let mut a = s.connect().await;
+    assert!(a.handshake(&s, agent).await, "a bound job: pendingDispatch");
+    let spec = a.expect_dispatch().await;
+    assert_eq!(spec.job_id(), &job);
+    assert_eq!(spec.argv(), ["sh", "-c", "echo hi; echo oops >&2; exit 3"]);
+    a.ack(&job).await;
+    a.status(&job, JobProgress::Running).await;
+    s.job_until(&job, "running", |v| v.state == JobState::Running)
+        .await;
+    s.agent_reaches(agent, AgentState::Busy).await;
+    a.chunk(&job, 0, OutputStream::Stdout, "hi\n").await;
+    a.chunk(&job, 1, OutputStream::Stderr, "oops\n").await;
+    a.send(AgentMessage::Heartbeat(Heartbeat {
+        timestamp: UnixMillis::now(),
+    }))
+    .await;
+    a.status(
+        &job,
+        JobProgress::Finished(JobEnd::Completed(JobResult::exited(3))),
+    )
+    .await;
+    let (code, reason) = a.expect_close().await;
+    assert_eq!((code, reason.as_str()), (Some(1000), "job finished"));
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.state, JobState::Failed);
+    assert_eq!(view.end, Some(EndKind::Exited));
+    assert_eq!(view.exit_code, Some(3));
+    assert_eq!(view.agent_id, Some(agent.to_string()));
+    assert_eq!(view.run_exit_code(), Some(3));
+    assert_eq!(s.output(&job), ("hi\n".to_owned(), "oops\n".to_owned()));
+    // Standalone: the agent is destroyed when its job ends.
+    s.agent_reaches(agent, AgentState::Gone).await;
+    assert!(s.bare.destroyed().contains(&agent));
+    assert_eq!(s.stack.runtime.agent(agent).unwrap().exit_code, Some(3));
+}
+
+#[tokio::test]
+async fn a_command_that_cannot_start_fails_the_job_with_the_reason() {
+    let mut s = Setup::new().await;
+    let (job, agent) = s.job(&["no-such-program"]).await;
+    let mut a = s.connect().await;
+    a.handshake(&s, agent).await;
+    a.expect_dispatch().await;
+    a.ack(&job).await;
+    a.status(
+        &job,
+        JobProgress::Finished(JobEnd::SpawnFailed {
+            error: "no-such-program: No such file or directory (os error 2)".into(),
+        }),
+    )
+    .await;
+    assert_eq!(a.expect_close().await.0, Some(1000));
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.end, Some(EndKind::StartFailed));
+    assert_eq!(view.run_exit_code(), Some(127));
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
+
+#[tokio::test]
+async fn an_agent_lost_mid_job_fails_the_job_and_is_destroyed() {
+    let mut s = Setup::new().await;
+    let (job, agent) = s.job(&["sleep", "100"]).await;
+    let mut a = s.connect().await;
+    a.handshake(&s, agent).await;
+    a.expect_dispatch().await;
+    a.ack(&job).await;
+    s.job_until(&job, "running", |v| v.state == JobState::Running)
+        .await;
+    drop(a);
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.state, JobState::Failed);
+    assert_eq!(view.end, Some(EndKind::Aborted));
+    assert!(
+        view.reason.as_deref().unwrap().contains("disconnected"),
+        "{view:?}"
+    );
+    assert_eq!(view.run_exit_code(), Some(125));
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
+
+#[tokio::test]
+async fn a_warm_agent_receives_the_job_it_takes_on_its_open_connection() {
+    let yaml = CONFIG.replace(
+        "    roles: []\n",
+        "    roles: []\n    warmPool: { enabled: true, size: 1, idleTimeoutSeconds: 300 }\n",
+    );
+    let mut s = Setup::with(&yaml, GatewaySettings::default()).await;
+    let warm = loop {
+        let e = guard("the warm spawn", s.events.recv()).await.unwrap();
+        if let EngineEvent::AgentTransition {
+            agent_id,
+            to: AgentState::Booted,
+            ..
+        } = &e.event
+        {
+            break *agent_id;
+        }
+    };
+    let mut a = s.connect().await;
+    assert!(!a.handshake(&s, warm).await, "no job bound yet");
+    s.agent_reaches(warm, AgentState::Idle).await;
+    let spec = JobSpec::new(
+        kici_scaler::jobs::JobBook::mint_id(),
+        vec!["true".into()],
+        BTreeMap::new(),
+        None,
+    )
+    .unwrap();
+    let job = spec.job_id().clone();
+    let view = jobs::submit(
+        &s.stack.runtime,
+        &s.stack.jobs,
+        JobRequest {
+            labels: LabelSet::parse(["local"]).unwrap(),
+            resources: None,
+            spec,
+        },
+    )
+    .unwrap();
+    assert_eq!(view.agent_id, Some(warm.to_string()));
+    let dispatched = a.expect_dispatch().await;
+    assert_eq!(dispatched.job_id(), &job);
+    a.ack(&job).await;
+    a.status(
+        &job,
+        JobProgress::Finished(JobEnd::Completed(JobResult::exited(0))),
+    )
+    .await;
+    assert_eq!(a.expect_close().await.0, Some(1000));
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.state, JobState::Succeeded);
+}
+
+// -------------------------------------------------------------- refusals
+
+#[tokio::test]
+async fn a_wrong_or_malformed_token_is_refused_with_4010() {
+    let mut s = Setup::new().await;
+    let (_job, agent) = s.job(&["true"]).await;
+    let mut a = s.connect().await;
+    a.auth(&format!("kat_{}", "0".repeat(64))).await;
+    a.expect_refusal("invalid or expired token").await;
+
+    let mut a = s.connect().await;
+    a.ws.send(Message::text(
+        r#"{"type":"auth.request","token":"kat_short","protocolVersion":1}"#,
+    ))
+    .await
+    .unwrap();
+    a.expect_refusal("invalid or expired token").await;
+
+    // No auth at all: every agent we spawn has a token.
+    let mut a = s.connect().await;
+    a.register(agent, s.labels(agent)).await;
+    a.expect_refusal("first message must be auth.request").await;
+    // None of this registered the agent.
+    assert_eq!(
+        s.stack.runtime.agent(agent).unwrap().state,
+        AgentState::Booted
+    );
+}
+
+#[tokio::test]
+async fn another_agents_token_and_an_agent_id_not_ours_are_refused() {
+    let mut s = Setup::new().await;
+    let (_j1, first) = s.job(&["true"]).await;
+    let (_j2, second) = s.job(&["true"]).await;
+    // The first agent's token, registering as the second.
+    let mut a = s.connect().await;
+    a.auth(&s.token(first)).await;
+    assert!(matches!(a.recv().await, GatewayMessage::AuthSuccess(_)));
+    a.register(second, s.labels(second)).await;
+    a.expect_refusal(&format!("not bound to agent {second}"))
+        .await;
+    // An id this instance never minted.
+    let stranger = AgentId::new(ScalerType::BareMetal, [0xde, 0xad, 0xbe, 0xef]);
+    let mut a = s.connect().await;
+    a.auth(&s.token(first)).await;
+    assert!(matches!(a.recv().await, GatewayMessage::AuthSuccess(_)));
+    a.register(stranger, s.labels(first)).await;
+    a.expect_refusal(&format!("not bound to agent {stranger}"))
+        .await;
+    for agent in [first, second] {
+        assert_eq!(
+            s.stack.runtime.agent(agent).unwrap().state,
+            AgentState::Booted
+        );
+    }
+}
+
+#[tokio::test]
+async fn labels_outside_the_tokens_scope_are_refused() {
+    let mut s = Setup::new().await;
+    let (_job, agent) = s.job(&["true"]).await;
+    let mut a = s.connect().await;
+    a.auth(&s.token(agent)).await;
+    assert!(matches!(a.recv().await, GatewayMessage::AuthSuccess(_)));
+    let labels = s
+        .labels(agent)
+        .union(&LabelSet::parse(["gpu", "kici:role:builder", "kici:os:linux"]).unwrap());
+    a.register(agent, labels).await;
+    a.expect_refusal("labels outside the token's scope: gpu, kici:role:builder")
+        .await;
+}
+
+#[tokio::test]
+async fn a_revoked_token_is_refused_once_its_agent_is_gone() {
+    let mut s = Setup::new().await;
+    let (job, agent) = s.job(&["true"]).await;
+    let token = s.token(agent);
+    jobs::cancel(&s.stack.runtime, &s.stack.jobs, &job, "test");
+    s.agent_reaches(agent, AgentState::Gone).await;
+    let mut a = s.connect().await;
+    a.auth(&token).await;
+    a.expect_refusal("invalid or expired token").await;
+    assert_eq!(s.stack.jobs.view(&job).unwrap().state, JobState::Cancelled);
+}
+
+#[tokio::test]
+async fn a_second_connection_for_a_connected_agent_is_refused() {
+    let mut s = Setup::new().await;
+    let (_job, agent) = s.job(&["true"]).await;
+    let mut first = s.connect().await;
+    first.handshake(&s, agent).await;
+    first.expect_dispatch().await;
+    let mut second = s.connect().await;
+    second.auth(&s.token(agent)).await;
+    assert!(matches!(
+        second.recv().await,
+        GatewayMessage::AuthSuccess(_)
+    ));
+    second.register(agent, s.labels(agent)).await;
+    assert_eq!(second.expect_close().await.0, Some(4003));
+}
+
+#[tokio::test]
+async fn a_frame_above_the_limit_ends_the_connection() {
+    let mut s = Setup::new().await;
+    let (_job, agent) = s.job(&["true"]).await;
+    let mut a = s.connect().await;
+    a.handshake(&s, agent).await;
+    a.expect_dispatch().await;
+    let huge = format!(
+        r#"{{"type":"heartbeat","timestamp":1,"pad":"{}"}}"#,
+        "x".repeat(MAX_FRAME_BYTES)
+    );
+    // The gateway may close before the whole frame is written.
+    let _ = a.ws.send(Message::text(huge)).await;
+    let (code, _) = a.expect_close().await;
+    assert!(matches!(code, Some(1009) | None), "{code:?}");
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
+
+// -------------------------------------------------------------- deadlines
+
+#[tokio::test]
+async fn no_auth_request_in_time_is_a_4002() {
+    let settings = GatewaySettings {
+        auth_timeout: Duration::from_millis(50),
+        ..GatewaySettings::default()
+    };
+    let s = Setup::with(CONFIG, settings).await;
+    let mut a = s.connect().await;
+    let (code, reason) = a.expect_close().await;
+    assert_eq!((code, reason.as_str()), (Some(4002), "auth timeout"));
+}
+
+#[tokio::test]
+async fn a_silent_agent_is_dropped_with_4004_and_its_job_fails() {
+    let settings = GatewaySettings {
+        heartbeat_timeout: Duration::from_millis(200),
+        ..GatewaySettings::default()
+    };
+    let mut s = Setup::with(CONFIG, settings).await;
+    let (job, agent) = s.job(&["sleep", "100"]).await;
+    let mut a = s.connect().await;
+    a.handshake(&s, agent).await;
+    a.expect_dispatch().await;
+    a.ack(&job).await;
+    let (code, _) = a.expect_close().await;
+    assert_eq!(code, Some(4004));
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.end, Some(EndKind::Aborted));
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
+
+#[tokio::test]
+async fn a_dispatch_not_acknowledged_in_time_is_cancelled_with_4031() {
+    let settings = GatewaySettings {
+        dispatch_ack_timeout: Duration::from_millis(100),
+        ..GatewaySettings::default()
+    };
+    let mut s = Setup::with(CONFIG, settings).await;
+    let (job, agent) = s.job(&["true"]).await;
+    let mut a = s.connect().await;
+    a.handshake(&s, agent).await;
+    a.expect_dispatch().await;
+    match a.recv().await {
+        GatewayMessage::JobCancel(c) => assert_eq!(c.job_id, job),
+        other => panic!("expected job.cancel, got {other:?}"),
+    }
+    assert_eq!(a.expect_close().await.0, Some(4031));
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert!(view.reason.unwrap().contains("did not acknowledge"));
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
