@@ -267,6 +267,56 @@ fn run_fails_125_when_the_agent_never_registers_and_destroys_it() {
     assert_run_left_nothing(&dir);
 }
 
+/// Ctrl-C (SIGINT) cancels the job, destroys its agent and exits 130.
+#[test]
+fn run_interrupted_destroys_the_agent_and_exits_130() {
+    let dir = Dir::new();
+    let pidfile = dir.path("job.pid");
+    let config = dir.config(&agent_binary(), 1, "");
+    let cmd = format!(
+        "echo $$ > {}; echo started; exec sleep 1000",
+        pidfile.display()
+    );
+    let mut child = command(&dir)
+        .args(["run", "--config"])
+        .arg(&config)
+        .args(["--labels", "local", "--", "sh", "-c", &cmd])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "started\n");
+    let job_pid: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::Signal::INT,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted"), "{err}");
+    assert!(
+        process_gone(job_pid),
+        "the job's process {job_pid} survived"
+    );
+    assert_run_left_nothing(&dir);
+}
+
 // ---------------------------------------------------------------- serve
 
 struct Daemon {
