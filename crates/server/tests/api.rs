@@ -1089,6 +1089,232 @@ async fn the_bearer_token_guards_every_route_and_web_pages_are_refused() {
     assert!(!h.rt.status().scalers[1].draining);
 }
 
+// -------------------------------------------------------------------- jobs
+
+fn job_body(labels: &[&str], command: &[&str]) -> Value {
+    json!({"labels": labels, "command": command})
+}
+
+/// Reads `GET /v1/jobs/{id}/logs` to the end of the stream.
+async fn read_job_logs(h: &Harness, id: &str) -> Vec<common::SseEvent> {
+    let response = h
+        .router
+        .clone()
+        .oneshot(
+            Request::builder()
+                .uri(format!("/v1/jobs/{id}/logs"))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let mut body = response.into_body();
+    let mut buffer = String::new();
+    let mut events = Vec::new();
+    while let Some(frame) = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .expect("the stream ends once the job has")
+    {
+        if let Ok(data) = frame.unwrap().into_data() {
+            buffer.push_str(std::str::from_utf8(&data).unwrap());
+            events.extend(take_sse_events(&mut buffer));
+        }
+    }
+    events
+}
+
+#[tokio::test]
+async fn jobs_are_accepted_queued_shown_and_cancelled() {
+    let h = Harness::new().await;
+    // `local` has maxAgents 1: the second job waits.
+    let first = h
+        .call("POST", "/v1/jobs", Some(job_body(&["local"], &["true"])))
+        .await;
+    assert_eq!(first.status, StatusCode::ACCEPTED);
+    assert_eq!(first.json()["state"], "spawning");
+    let first = first.json()["jobId"].as_str().unwrap().to_owned();
+    let second = h
+        .call(
+            "POST",
+            "/v1/jobs",
+            Some(json!({"labels": ["local"], "command": ["sh", "-c", "echo $X"], "env": {"X": "1"}, "timeoutSeconds": 5})),
+        )
+        .await;
+    assert_eq!(second.status, StatusCode::ACCEPTED);
+    assert_eq!(second.json()["state"], "pending");
+    let second = second.json()["jobId"].as_str().unwrap().to_owned();
+    assert_ne!(first, second);
+
+    let shown = h
+        .call("GET", &format!("/v1/jobs/{first}"), None)
+        .await
+        .json();
+    assert_eq!(shown["state"], "spawning");
+    assert!(shown["agentId"]
+        .as_str()
+        .unwrap()
+        .starts_with("scaler-bare-metal-"));
+    assert_eq!(shown["command"], json!(["true"]));
+    assert_eq!(shown["labels"], json!(["local"]));
+    let shown = h
+        .call("GET", &format!("/v1/jobs/{second}"), None)
+        .await
+        .json();
+    assert_eq!(shown["state"], "pending");
+    assert!(shown.get("agentId").is_none());
+
+    for _ in 0..2 {
+        let cancelled = h.call("DELETE", &format!("/v1/jobs/{second}"), None).await;
+        assert_eq!(cancelled.status, StatusCode::ACCEPTED);
+        assert_eq!(cancelled.json()["state"], "cancelled");
+    }
+    let events = read_job_logs(&h, &second).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].event, "end");
+    assert_eq!(events[0].data["state"], "cancelled");
+    assert_eq!(events[0].data["end"], "cancelled");
+    assert_eq!(h.rt.status().pending, 0, "the scale request left the queue");
+
+    // Cancelling a job whose agent exists destroys the agent.
+    let agent: AgentId = h
+        .call("GET", &format!("/v1/jobs/{first}"), None)
+        .await
+        .json()["agentId"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    h.booted(agent).await;
+    let cancelled = h.call("DELETE", &format!("/v1/jobs/{first}"), None).await;
+    assert_eq!(cancelled.json()["state"], "cancelled");
+    h.settle_until("the agent is gone", || {
+        h.state_of(agent) == Some(AgentState::Gone)
+    })
+    .await;
+
+    let missing = h.call("GET", "/v1/jobs/job-nope", None).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert_eq!(missing.error(), ("job-not-found".into(), Some("id".into())));
+    for method in ["GET", "DELETE"] {
+        let r = h.call(method, "/v1/jobs/job-nope", None).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+    }
+    let r = h.call("GET", "/v1/jobs/job-nope/logs", None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = h.call("GET", "/v1/jobs/a%20b", None).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+}
+
+#[tokio::test]
+async fn bad_job_bodies_are_a_clear_4xx_naming_the_field_and_change_nothing() {
+    let h = Harness::new().await;
+    let cases: &[(Value, u16, &str, Option<&str>)] = &[
+        (
+            json!({"labels": [], "command": ["true"]}),
+            422,
+            "invalid-value",
+            Some("labels"),
+        ),
+        (
+            json!({"labels": ["lo cal"], "command": ["true"]}),
+            422,
+            "invalid-value",
+            Some("labels[0]"),
+        ),
+        (
+            json!({"labels": ["local"], "command": []}),
+            422,
+            "invalid-value",
+            Some("command"),
+        ),
+        (
+            json!({"labels": ["local"], "command": ["a\u{0}b"]}),
+            422,
+            "invalid-value",
+            Some("command[0]"),
+        ),
+        (
+            json!({"labels": ["local"], "command": ["true"], "env": {"1X": "a"}}),
+            422,
+            "invalid-value",
+            Some("env.1X"),
+        ),
+        (
+            json!({"labels": ["local"], "command": ["true"], "timeoutSeconds": 0}),
+            422,
+            "invalid-value",
+            Some("timeoutSeconds"),
+        ),
+        (
+            json!({"labels": ["local"], "command": ["true"], "timeoutSeconds": -1}),
+            422,
+            "invalid-value",
+            Some("timeoutSeconds"),
+        ),
+        (
+            json!({"labels": ["local"], "command": ["true"], "cwd": "/"}),
+            422,
+            "unknown-field",
+            Some("cwd"),
+        ),
+        (
+            json!({"labels": ["local"], "command": "true"}),
+            422,
+            "invalid-type",
+            Some("command"),
+        ),
+        (
+            json!({"labels": ["local"]}),
+            422,
+            "missing-field",
+            Some("command"),
+        ),
+        (
+            json!({"labels": ["gpu"], "command": ["true"]}),
+            422,
+            "no-backend",
+            Some("labels"),
+        ),
+        (
+            json!({"labels": ["local"], "command": ["true"], "resources": {"requests": {"memory": "lots"}}}),
+            422,
+            "invalid-value",
+            Some("resources.requests.memory"),
+        ),
+    ];
+    for (body, status, code, field) in cases {
+        let r = h.call("POST", "/v1/jobs", Some(body.clone())).await;
+        assert_eq!(r.status.as_u16(), *status, "{body}");
+        let (c, f) = r.error();
+        assert_eq!((c.as_str(), f.as_deref()), (*code, *field), "{body}");
+    }
+    let r = h.raw("POST", "/v1/jobs", r#"{"labels":["local"],"#).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(h.state.jobs.is_empty(), "nothing was recorded");
+    assert!(h.rt.agents(true).is_empty(), "nothing was spawned");
+
+    let yaml = CONFIG.replace(
+        "maxAgents: 4\n",
+        "maxAgents: 4\n    resourceCap:\n      maxCpu: 2\n",
+    );
+    let h = Harness::with(&yaml, 100, None).await;
+    let big = h
+        .call(
+            "POST",
+            "/v1/jobs",
+            Some(json!({"labels": ["docker"], "command": ["true"], "resources": {"requests": {"cpus": 4}}})),
+        )
+        .await;
+    assert_eq!(big.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(big.error(), ("too-large".into(), Some("resources".into())));
+    assert!(big.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("scaler-cpu"));
+}
+
 // ----------------------------------------------------------------- openapi
 
 #[tokio::test]
