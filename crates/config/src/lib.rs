@@ -15,8 +15,9 @@
 //! Anchors, aliases and merge keys (`&x`, `*x`, `<<: *x`) are read as
 //! upstream's js-yaml reads them; anchors are per file, and a finding inside
 //! an aliased value points at the anchored definition (see the `yaml`
-//! module). Known gap: tags (`!!str`), which upstream accepts, get a clear,
-//! positioned error. Each file holds exactly one YAML document.
+//! module). Core-schema tags (`!!str`, `!!int`, ...) are honoured as js-yaml
+//! does; any other tag gets a clear, positioned error. Each file holds
+//! exactly one YAML document.
 //!
 //! ```
 //! let main = "version: 1\nscalers:\n  - name: linux\n    type: container\n    maxAgents: 4\n    labelSets:\n      - labels: [linux]\n        image: kici/agent:1\n";

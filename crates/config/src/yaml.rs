@@ -17,7 +17,8 @@
 //!   ones wherever they appear, and an earlier merge source wins over a later
 //!   one. A quoted `"<<"` is an ordinary key.
 //! - Duplicate keys are errors naming both positions; a second document is
-//!   an error; tags (`!!str`) are refused.
+//!   an error; core-schema tags (`!!str`, `!!int`, ...) are honoured as js-yaml
+//!   does, other tags are refused.
 //! - Guards: [`MAX_FILE_BYTES`], [`MAX_INDENT_COLUMNS`] (checked by
 //!   [`prescan`] before the parser runs), [`MAX_NODES`] counting every alias
 //!   at its full size (alias bombs), [`MAX_DEPTH`] and [`MAX_ALIAS_DEPTH`].
@@ -439,15 +440,19 @@ impl<'t> Builder<'t> {
                 Event::Alias(id) => self.alias(id, &span)?,
                 Event::Scalar(value, style, anchor, tag) => {
                     let mark = self.content_mark(&span, anchor != 0 || tag.is_some());
-                    if tag.is_some() {
-                        return Err(tag_error(mark));
-                    }
+                    // `!!str` makes a plain scalar a string; the other core
+                    // scalar tags keep the plain reading (the walker then
+                    // checks the type it expects).
+                    let plain = match tag.as_deref().map(core_tag) {
+                        None => style == ScalarStyle::Plain,
+                        Some(Some("str")) => false,
+                        Some(Some("int" | "float" | "bool" | "null")) => {
+                            style == ScalarStyle::Plain
+                        }
+                        Some(_) => return Err(tag_error(mark)),
+                    };
                     self.count(1, mark)?;
-                    let node = Node::Scalar(ScalarNode::new(
-                        value.into_owned(),
-                        style == ScalarStyle::Plain,
-                        mark,
-                    ));
+                    let node = Node::Scalar(ScalarNode::new(value.into_owned(), plain, mark));
                     self.define(anchor, &node, Extent::LEAF);
                     self.push(node, Extent::LEAF, mark)?;
                 }
@@ -455,11 +460,13 @@ impl<'t> Builder<'t> {
                     let kind = OpenKind::Seq {
                         start: self.items.len(),
                     };
-                    self.start(kind, anchor, tag.is_some(), &span)?;
+                    let foreign = tag.as_deref().is_some_and(|t| core_tag(t) != Some("seq"));
+                    self.start(kind, anchor, foreign, &span)?;
                 }
                 Event::MappingStart(anchor, tag) => {
                     let kind = OpenKind::Map(OpenMap::new(self.entries.len()));
-                    self.start(kind, anchor, tag.is_some(), &span)?;
+                    let foreign = tag.as_deref().is_some_and(|t| core_tag(t) != Some("map"));
+                    self.start(kind, anchor, foreign, &span)?;
                 }
                 Event::SequenceEnd | Event::MappingEnd => {
                     let Some(open) = self.open.pop() else {
@@ -687,8 +694,17 @@ impl<'t> Builder<'t> {
     }
 }
 
+/// The suffix of a YAML core-schema tag (`!!str` → `str`), `None` for any
+/// other tag.
+fn core_tag(tag: &saphyr_parser::Tag) -> Option<&str> {
+    tag.is_yaml_core_schema().then_some(tag.suffix.as_str())
+}
+
 fn tag_error(at: Marker) -> ParseFailure {
-    fail(at, "YAML tags (`!…`) are not supported")
+    fail(
+        at,
+        "YAML tags other than the core schema's (!!str, !!int, !!float, !!bool, !!null, !!seq, !!map) are not supported",
+    )
 }
 
 /// A scalar read with the YAML 1.2 core schema (what upstream's parser
@@ -967,13 +983,26 @@ mod tests {
     }
 
     #[test]
-    fn tags_are_refused_where_the_value_starts() {
+    fn core_tags_are_honoured_and_other_tags_refused_where_the_value_starts() {
+        let n = parse(
+            0,
+            "a: &x !!map {k: v}\nb: !!str 1\nc: !!int 2\nd: !!seq [1]\n",
+        )
+        .unwrap();
+        assert_eq!(pos(at(&n, "a")), (1, 13));
+        let plain = |node: &Node| match node {
+            Node::Scalar(s) => s.is_plain(),
+            other => panic!("{other:?}"),
+        };
+        assert!(!plain(at(&n, "b")), "!!str makes a string");
+        assert_eq!(text_of(at(&n, "b")), "1");
+        assert!(plain(at(&n, "c")));
         assert_eq!(
-            parse(0, "a: &x !!map {k: v}\n"),
+            parse(0, "a: &x !custom {k: v}\n"),
             Err(ParseFailure::Syntax {
                 line: 1,
-                col: 13,
-                message: "YAML tags (`!…`) are not supported".into()
+                col: 15,
+                message: "YAML tags other than the core schema's (!!str, !!int, !!float, !!bool, !!null, !!seq, !!map) are not supported".into()
             })
         );
     }

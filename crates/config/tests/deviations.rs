@@ -648,8 +648,13 @@ fn empty_and_malformed_files() {
         ["scalers.yaml:1:1: scalers: missing required key `scalers` (a list of scaler entries)"]
     );
     assert_eq!(
-        err_lines("a: !!str 1\n"),
-        ["scalers.yaml:1:10: YAML tags (`!…`) are not supported"]
+        err_lines("a: !foo 1\n"),
+        ["scalers.yaml:1:9: YAML tags other than the core schema's (!!str, !!int, !!float, !!bool, !!null, !!seq, !!map) are not supported"]
+    );
+    // Core-schema tags are honoured as js-yaml does: `!!str` makes a string.
+    assert_error(
+        &with_scalers(&container("c", "a")).replace("maxAgents: 2", "maxAgents: !!str 2"),
+        &["maxAgents: expected an integer"],
     );
     // A syntax error in one file does not hide errors in another.
     let err = load_documents(&[
