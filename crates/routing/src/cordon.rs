@@ -90,7 +90,11 @@ mod tests {
         assert!(set.is_empty());
         assert!(!set.contains(0));
         assert!(set.insert(3));
+        assert!(!set.is_empty());
         assert!(!set.insert(3));
+        // A clear bit in a used word is not "removed".
+        assert!(!set.remove(5));
+        assert!(set.contains(3));
         assert!(set.insert(130));
         assert!(set.contains(3) && set.contains(130));
         assert!(!set.contains(4) && !set.contains(129) && !set.contains(10_000));

@@ -93,3 +93,41 @@ impl Serialize for Reason {
         s.collect_str(self)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(scaler: usize, label_set: usize, reason: Reason) -> Candidate {
+        Candidate {
+            scaler,
+            scaler_name: ScalerName::new(&format!("s{scaler}")),
+            label_set,
+            reason,
+        }
+    }
+
+    #[test]
+    fn reason_finds_exactly_its_label_set() {
+        let e = Explanation {
+            chosen: None,
+            candidates: vec![
+                candidate(0, 0, Reason::Cordoned),
+                candidate(0, 1, Reason::LargerThanWinner),
+                candidate(1, 0, Reason::Selected),
+            ],
+        };
+        assert_eq!(e.reason(0, 1), Some(&Reason::LargerThanWinner));
+        assert_eq!(e.reason(1, 0), Some(&Reason::Selected));
+        assert_eq!(e.reason(1, 1), None);
+        assert_eq!(e.reason(2, 0), None);
+    }
+
+    #[test]
+    fn only_selected_and_larger_than_winner_are_matches() {
+        assert!(Reason::Selected.is_match());
+        assert!(Reason::LargerThanWinner.is_match());
+        assert!(!Reason::Cordoned.is_match());
+        assert!(!Reason::NotSuperset(vec![]).is_match());
+    }
+}

@@ -33,8 +33,8 @@ impl HostPlatform {
             ScalerType::BareMetal => self.os.as_str(),
             ScalerType::Container | ScalerType::Firecracker => "linux",
         };
+        // Linux (and any other OS) maps to the one label `kici:os:<os>`.
         let names: &[&str] = match os.to_ascii_lowercase().as_str() {
-            "linux" => &["linux"],
             "macos" | "darwin" => &["macos", "darwin"],
             "windows" | "win32" => &["windows", "win32"],
             _ => return vec![Label::auto("os", os)],
