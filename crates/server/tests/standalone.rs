@@ -683,3 +683,112 @@ fn serve_sigterm_destroys_a_running_jobs_agent() {
         "a token reached the log"
     );
 }
+
+/// The real daemon's gateway, with a real agent token (handed over by a
+/// stand-in agent through a FIFO): a wrong token and a registration as an
+/// agent id the token is not bound to are refused with 4010, and the
+/// agent stays unregistered.
+#[test]
+fn serve_gateway_refuses_a_wrong_token_and_a_foreign_agent_id() {
+    use kici_protocol::{AgentMessage, AuthRequest, GatewayMessage, Register, UnixMillis};
+    use std::os::unix::fs::PermissionsExt;
+    use tokio_tungstenite::tungstenite::{self, Message};
+
+    let dir = Dir::new();
+    let handoff = fifo(&dir, "handoff");
+    let script = dir.write(
+        "stand-in-agent.sh",
+        &format!(
+            "#!/bin/sh\nprintf '%s %s %s\\n' \"$KICI_AGENT_ID\" \"$KICI_AGENT_TOKEN\" \"$KICI_ORCHESTRATOR_URL\" > {}\nexec sleep 1000\n",
+            handoff.display()
+        ),
+    );
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config = dir.config(&script, 1, "");
+    let d = Daemon::start(&dir, &config);
+    let (status, accepted) = d.post_job(&["local"], &["true"]);
+    assert_eq!(status, 202, "{accepted}");
+    let id = accepted["jobId"].as_str().unwrap().to_owned();
+    let mut line = String::new();
+    BufReader::new(std::fs::File::open(&handoff).unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    let (agent, token, url) = (parts[0], parts[1], parts[2]);
+    assert!(
+        url.starts_with("ws://127.0.0.1:") && url.ends_with("/ws"),
+        "{url}"
+    );
+
+    let connect = || {
+        let addr = url.trim_start_matches("ws://").trim_end_matches("/ws");
+        let tcp = std::net::TcpStream::connect(addr).unwrap();
+        tcp.set_read_timeout(Some(PATIENCE)).unwrap();
+        tungstenite::client::client(url, tcp).unwrap().0
+    };
+    let send = |ws: &mut tungstenite::WebSocket<std::net::TcpStream>, msg: AgentMessage| {
+        ws.send(Message::text(msg.to_json())).unwrap();
+    };
+    let auth = |token: &str| {
+        AgentMessage::AuthRequest(AuthRequest {
+            token: token.parse().unwrap(),
+            protocol_version: kici_protocol::PROTOCOL_VERSION,
+        })
+    };
+    // Reads to the close; returns the auth.failure reason and the code.
+    let refused = |ws: &mut tungstenite::WebSocket<std::net::TcpStream>| {
+        let mut reason = String::new();
+        loop {
+            match ws.read() {
+                Ok(Message::Text(t)) => match GatewayMessage::from_json(t.as_str()).unwrap() {
+                    GatewayMessage::AuthFailure(f) => reason = f.reason,
+                    other => panic!("expected auth.failure, got {other:?}"),
+                },
+                Ok(Message::Close(frame)) => {
+                    return (reason, frame.map(|f| u16::from(f.code)));
+                }
+                Ok(_) => continue,
+                Err(e) => panic!("no close frame: {e}"),
+            }
+        }
+    };
+
+    let mut ws = connect();
+    send(&mut ws, auth(&format!("kat_{}", "0".repeat(64))));
+    assert_eq!(
+        refused(&mut ws),
+        ("invalid or expired token".to_owned(), Some(4010))
+    );
+
+    let mut ws = connect();
+    send(&mut ws, auth(token));
+    match ws.read().unwrap() {
+        Message::Text(t) => assert!(matches!(
+            GatewayMessage::from_json(t.as_str()).unwrap(),
+            GatewayMessage::AuthSuccess(_)
+        )),
+        other => panic!("expected auth.success, got {other:?}"),
+    }
+    let stranger: kici_model::AgentId = "scaler-bare-metal-00000000".parse().unwrap();
+    let register = Register::new(
+        Register::message_id_for(stranger, UnixMillis::now()),
+        stranger,
+        kici_model::LabelSet::parse(["local"]).unwrap(),
+    );
+    send(&mut ws, AgentMessage::Register(Box::new(register)));
+    let (reason, code) = refused(&mut ws);
+    assert_eq!(code, Some(4010));
+    assert!(
+        reason.contains("not bound to agent scaler-bare-metal-00000000"),
+        "{reason}"
+    );
+
+    // Neither attempt registered the real agent.
+    let (_, agents) = http(&d.addr, "GET", &format!("/v1/agents/{agent}"), None);
+    let agents: Value = serde_json::from_str(&agents).unwrap();
+    assert_eq!(agents["state"], "booted");
+    assert_eq!(d.job(&id)["state"], "spawning");
+    let (status, cancelled) = http(&d.addr, "DELETE", &format!("/v1/jobs/{id}"), None);
+    assert_eq!(status, 202, "{cancelled}");
+    assert!(cancelled.contains("\"cancelled\""), "{cancelled}");
+}
