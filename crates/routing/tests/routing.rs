@@ -765,3 +765,30 @@ fn empty_config_routes_nothing() {
         .candidates
         .is_empty());
 }
+
+#[test]
+fn enriched_and_agent_labels_address_the_right_label_set_of_later_scalers() {
+    let c = config([
+        container("a").set(&["x", "one"]).set(&["x", "two"]),
+        container("b")
+            .set(&["y", "three"])
+            .set(&["y", "four"])
+            .set(&["y", "five"]),
+    ]);
+    let r = Router::new(&c, &HostPlatform::new("linux", "x86_64"));
+    for (scaler, set, label) in [
+        (0, 1, "two"),
+        (1, 0, "three"),
+        (1, 1, "four"),
+        (1, 2, "five"),
+    ] {
+        assert!(
+            r.enriched(scaler, set).iter().any(|l| l.as_str() == label),
+            "enriched({scaler}, {set})"
+        );
+        assert!(
+            r.agent_labels(scaler, set).iter().any(|l| l == label),
+            "agent_labels({scaler}, {set})"
+        );
+    }
+}
