@@ -611,3 +611,26 @@ fn adopt_counts_existing_agents_beyond_caps() {
     drop((a, b));
     assert!(is_empty(&adm.usage()));
 }
+
+#[test]
+fn a_reload_forgets_idle_removed_scalers_and_pools_at_once() {
+    let old = ConfigBuilder::new(10)
+        .pool("p", Some(4000), None)
+        .scaler("a", 5, None, None, Some("p"))
+        .scaler("b", 5, None, None, None)
+        .build();
+    let adm = Admission::new(&old, None).unwrap();
+    // `a` has been used and is idle again when the reload removes it.
+    drop(
+        adm.try_reserve(demand(1, "a", 1000, 0, Some("p")), &none())
+            .unwrap(),
+    );
+    let new = ConfigBuilder::new(10)
+        .scaler("b", 5, None, None, None)
+        .build();
+    adm.reconfigure(&new).unwrap();
+    let u = adm.usage();
+    assert!(!u.scalers.contains_key("a"), "{:?}", u.scalers.keys());
+    assert!(!u.pools.contains_key("p"));
+    assert!(adm.ledger().is_none());
+}
