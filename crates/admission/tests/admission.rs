@@ -621,10 +621,13 @@ fn a_reload_forgets_idle_removed_scalers_and_pools_at_once() {
         .build();
     let adm = Admission::new(&old, None).unwrap();
     // `a` has been used and is idle again when the reload removes it.
-    drop(
-        adm.try_reserve(demand(1, "a", 1000, 0, Some("p")), &none())
-            .unwrap(),
-    );
+    let r = adm
+        .try_reserve(demand(1, "a", 1000, 0, Some("p")), &none())
+        .unwrap();
+    assert_eq!(r.pool(), Some("p"));
+    assert_eq!(r.scaler().as_str(), "a");
+    assert_eq!(r.requests().cpu.millis(), 1000);
+    drop(r);
     let new = ConfigBuilder::new(10)
         .scaler("b", 5, None, None, None)
         .build();
