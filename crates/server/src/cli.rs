@@ -78,6 +78,9 @@ pub enum Command {
     /// Cordon a scaler, cancel its pending requests, destroy its idle
     /// agents; busy ones leave after their job.
     Drain(ScalerArgs),
+    /// Check what the bare-metal backend needs on this host: agent
+    /// binaries, cgroups, the state and ledger directories.
+    Doctor(crate::doctor::DoctorArgs),
 }
 
 /// How to reach a running daemon. The bearer token, if the daemon needs
@@ -325,6 +328,7 @@ pub fn execute(
         Command::Validate(args) => validate(args, out, err),
         Command::Route(args) => route(args, out, err),
         Command::Serve(_) | Command::Run(_) => Err(CliError::NotOneShot),
+        Command::Doctor(args) => crate::doctor::doctor(args, out),
         remote => crate::remote::execute(remote, out, err),
     }
 }

@@ -12,6 +12,7 @@
 //! - [`jobs`]: standalone jobs (their state, output and end).
 //! - [`run`]: `kici-scaler run`, a job end to end from the command line.
 //! - [`agent_binary`]: where a bare-metal `binaryPath` points.
+//! - [`doctor`]: `kici-scaler doctor`, what the bare-metal backend needs.
 //! - [`api`]: the control API (routes, errors, JSON shapes, OpenAPI).
 //! - [`token`]: agent tokens and redacted secrets.
 //! - [`events`]: the SSE replay buffer; [`pump`]: the event fan-out.
@@ -30,6 +31,7 @@ pub mod backends;
 pub mod cli;
 pub mod client;
 pub mod daemon;
+pub mod doctor;
 pub mod events;
 pub mod gateway;
 pub mod identity;

@@ -127,9 +127,11 @@ async fn run(
                 writeln!(out, "scaler {} {done}", s.scaler)
             })
         }
-        Command::Validate(_) | Command::Route(_) | Command::Serve(_) | Command::Run(_) => {
-            Err(CliError::NotOneShot)
-        }
+        Command::Validate(_)
+        | Command::Route(_)
+        | Command::Serve(_)
+        | Command::Run(_)
+        | Command::Doctor(_) => Err(CliError::NotOneShot),
     }
 }
 

@@ -1,0 +1,481 @@
+//! `kici-scaler doctor`: what the bare-metal backend needs on this host.
+//!
+//! This module owns the checks and their report. Each check is one
+//! [`CheckRow`] (`ok`, `warn` or `fail` with a detail); the command exits
+//! [`exit::ERROR`](crate::cli::exit::ERROR) when any row is `fail`.
+//!
+//! The checks reuse what the daemon itself runs: the configuration loader,
+//! [`SearchPath`](crate::agent_binary::SearchPath) for `binaryPath`,
+//! [`kici_backends::cgroup`] for the cgroup layout and controllers, and
+//! [`kici_admission::ledger::resolve_dir`] for the machine-pool ledger. They
+//! probe by doing (create and remove a cgroup, a file), but never disturb a
+//! running daemon: a state dir whose lock is held is reported as in use,
+//! without touching the lock.
+
+use crate::agent_binary::SearchPath;
+use crate::cli::{CliError, ConfigArgs, Outcome};
+use crate::identity::{DEFAULT_STATE_DIR, LOCK_FILE};
+use clap::Args;
+use kici_backends::cgroup::{CgroupLayout, Controllers, V1Controller};
+use kici_backends::BareMetalOptions;
+use kici_model::{BackendSettings, Config, InstanceId, LabelSetBackend, ScalerType};
+use rustix::fs::Access;
+use serde::Serialize;
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// The state directory the daemon would use [default: /var/lib/kici-scaler].
+    #[arg(long, value_name = "DIR", env = "KICI_SCALER_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Print one JSON document `{"ok", "checks": [{"check", "status", "detail"}]}`.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// How one check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    /// Works, but something is degraded or worth knowing.
+    Warn,
+    /// The bare-metal backend cannot work as configured.
+    Fail,
+}
+
+impl Status {
+    fn as_str(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Warn => "warn",
+            Status::Fail => "fail",
+        }
+    }
+}
+
+/// One line of the report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckRow {
+    pub check: String,
+    pub status: Status,
+    pub detail: String,
+}
+
+impl CheckRow {
+    fn new(check: impl Into<String>, status: Status, detail: impl Into<String>) -> Self {
+        Self {
+            check: check.into(),
+            status,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// `doctor --json`.
+#[derive(Debug, Serialize)]
+pub struct DoctorReport {
+    /// No row is `fail`.
+    pub ok: bool,
+    pub checks: Vec<CheckRow>,
+}
+
+/// Where the checks look (the daemon's defaults, injectable for tests).
+#[derive(Debug, Clone)]
+pub struct HostPaths {
+    pub cgroup_v2_root: PathBuf,
+    pub cgroup_v1_root: PathBuf,
+    pub proc_locks: PathBuf,
+}
+
+impl Default for HostPaths {
+    fn default() -> Self {
+        Self {
+            cgroup_v2_root: PathBuf::from(BareMetalOptions::DEFAULT_CGROUP_ROOT),
+            cgroup_v1_root: PathBuf::from(BareMetalOptions::DEFAULT_CGROUP_V1_ROOT),
+            proc_locks: PathBuf::from("/proc/locks"),
+        }
+    }
+}
+
+/// `kici-scaler doctor`.
+pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
+    let state_dir = args
+        .state_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR));
+    let report = run_checks(&args.config, &state_dir, &HostPaths::default());
+    if args.json {
+        serde_json::to_writer(&mut *out, &report)?;
+        writeln!(out)?;
+    } else {
+        for row in &report.checks {
+            writeln!(
+                out,
+                "{:<4} {}: {}",
+                row.status.as_str(),
+                row.check,
+                row.detail
+            )?;
+        }
+    }
+    Ok(if report.ok {
+        Outcome::Ok
+    } else {
+        Outcome::Failed
+    })
+}
+
+/// Every check, in report order.
+pub fn run_checks(config: &ConfigArgs, state_dir: &Path, host: &HostPaths) -> DoctorReport {
+    let mut checks = Vec::new();
+    let loaded = kici_config::load(&config.config, config.config_dir.as_deref());
+    let config = match loaded {
+        Ok(loaded) => {
+            let c = &loaded.config;
+            let label_sets: usize = c.scalers.iter().map(|s| s.label_sets.len()).sum();
+            let (status, warnings) = if loaded.warnings.is_empty() {
+                (Status::Ok, String::new())
+            } else {
+                let w: Vec<String> = loaded.warnings.iter().map(ToString::to_string).collect();
+                (Status::Warn, format!("; warnings: {}", w.join("; ")))
+            };
+            checks.push(CheckRow::new(
+                "config",
+                status,
+                format!(
+                    "{} scaler(s), {label_sets} label set(s) from {}{warnings}",
+                    c.scalers.len(),
+                    config.config.display()
+                ),
+            ));
+            Some(loaded.config)
+        }
+        Err(errors) => {
+            let lines: Vec<String> = errors.iter().map(ToString::to_string).collect();
+            checks.push(CheckRow::new("config", Status::Fail, lines.join("; ")));
+            None
+        }
+    };
+    if let Some(config) = &config {
+        checks.extend(binary_checks(config, &SearchPath::current()));
+    }
+    let has_bare_metal = config.as_ref().is_none_or(|c| {
+        c.scalers
+            .iter()
+            .any(|s| matches!(s.kind, ScalerType::BareMetal))
+    });
+    checks.push(cgroup_tracking_check(host, has_bare_metal));
+    if let Some(config) = &config {
+        checks.extend(cgroup_controllers_check(config, host));
+    }
+    checks.push(state_dir_check(state_dir, &host.proc_locks));
+    if let Some(config) = &config {
+        checks.push(ledger_check(config));
+    }
+    DoctorReport {
+        ok: checks.iter().all(|r| r.status != Status::Fail),
+        checks,
+    }
+}
+
+/// One row per bare-metal label set: its `binaryPath` resolves, as the
+/// daemon resolves it, to an executable file.
+pub fn binary_checks(config: &Config, search: &SearchPath) -> Vec<CheckRow> {
+    let mut rows = Vec::new();
+    for scaler in &config.scalers {
+        for (i, label_set) in scaler.label_sets.iter().enumerate() {
+            let LabelSetBackend::BareMetal { binary_path } = &label_set.backend else {
+                continue;
+            };
+            let check = format!("binaryPath scalers[name={}].labelSets[{i}]", scaler.name);
+            let row = match search.resolve(binary_path) {
+                Err(why) => CheckRow::new(check, Status::Fail, why),
+                Ok(found) => {
+                    let shown = if found == *binary_path {
+                        found.display().to_string()
+                    } else {
+                        format!("{} -> {}", binary_path.display(), found.display())
+                    };
+                    match executable_file(&found) {
+                        Ok(()) => CheckRow::new(check, Status::Ok, format!("{shown}: executable")),
+                        Err(why) => CheckRow::new(check, Status::Fail, format!("{shown}: {why}")),
+                    }
+                }
+            };
+            rows.push(row);
+        }
+    }
+    rows
+}
+
+fn executable_file(path: &Path) -> Result<(), String> {
+    let meta = fs::metadata(path).map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".to_owned());
+    }
+    rustix::fs::access(path, Access::EXEC_OK)
+        .map_err(|e| format!("not executable by this user ({e})"))
+}
+
+/// The v2 mount tracks every agent: a probe cgroup under `kici-scaler/`
+/// must be creatable, with `cgroup.procs` (and `cgroup.kill`) writable.
+fn cgroup_tracking_check(host: &HostPaths, needed: bool) -> CheckRow {
+    const CHECK: &str = "cgroup v2 tracking";
+    let missing = if needed { Status::Fail } else { Status::Warn };
+    let root = &host.cgroup_v2_root;
+    if !root.join("cgroup.procs").is_file() {
+        return CheckRow::new(
+            CHECK,
+            missing,
+            format!(
+                "no cgroup v2 mount at {} (bare-metal agents are tracked and killed through it)",
+                root.display()
+            ),
+        );
+    }
+    // A fresh instance id: the probe can never meet a daemon's own tree.
+    let layout = CgroupLayout::new(
+        root.clone(),
+        host.cgroup_v1_root.clone(),
+        InstanceId::random(),
+    );
+    let probe = layout.instance_dir();
+    let result = probe_cgroup(&probe);
+    // Removes the probe and any `kici-scaler/` parts only it needed.
+    layout.prune_empty();
+    match result {
+        Ok(None) => CheckRow::new(
+            CHECK,
+            Status::Ok,
+            format!(
+                "{}: probe cgroup created and removed; cgroup.procs and cgroup.kill writable",
+                root.display()
+            ),
+        ),
+        Ok(Some(note)) => CheckRow::new(CHECK, Status::Warn, format!("{}: {note}", root.display())),
+        Err(e) => CheckRow::new(CHECK, missing, e),
+    }
+}
+
+/// `Ok(Some(note))`: usable, but degraded.
+fn probe_cgroup(dir: &Path) -> Result<Option<String>, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let open = |name: &str| {
+        let path = dir.join(name);
+        // Opened for writing, nothing written: proves the permission only.
+        OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map(drop)
+            .map_err(|e| (path, e))
+    };
+    open("cgroup.procs")
+        .map_err(|(p, e)| format!("cannot open {} for writing: {e}", p.display()))?;
+    match open("cgroup.kill") {
+        Ok(()) => Ok(None),
+        Err((p, e)) if e.kind() == io::ErrorKind::NotFound => Ok(Some(format!(
+            "{} missing (kernel before 5.14): destroy falls back to SIGKILL sweeps",
+            p.display()
+        ))),
+        Err((p, e)) => Err(format!("cannot open {} for writing: {e}", p.display())),
+    }
+}
+
+/// For scalers with `enforceCgroups: true`: memory and cpu controllers.
+fn cgroup_controllers_check(config: &Config, host: &HostPaths) -> Option<CheckRow> {
+    let enforcing: Vec<String> = config
+        .scalers
+        .iter()
+        .filter(|s| matches!(&s.backend, BackendSettings::BareMetal(b) if b.enforce_cgroups))
+        .map(|s| s.name.to_string())
+        .collect();
+    if enforcing.is_empty() {
+        return None;
+    }
+    let layout = CgroupLayout::new(
+        host.cgroup_v2_root.clone(),
+        host.cgroup_v1_root.clone(),
+        InstanceId::random(),
+    );
+    let found = Controllers::detect(&layout);
+    let where_ = |v2: &str, v1: V1Controller, v1_ok: bool| {
+        if found.v2.iter().any(|c| c == v2) {
+            format!("{v2}: v2 ({})", host.cgroup_v2_root.display())
+        } else if v1_ok {
+            format!("{v2}: v1 ({})", layout.v1_dir(v1).display())
+        } else {
+            format!("{v2}: none")
+        }
+    };
+    let detail = format!(
+        "enforceCgroups on {}; {}, {}",
+        enforcing.join(", "),
+        where_("memory", V1Controller::Memory, found.v1_memory),
+        where_("cpu", V1Controller::Cpu, found.v1_cpu),
+    );
+    let status = match (found.can_limit_memory(), found.can_limit_cpu()) {
+        (true, true) => Status::Ok,
+        (false, false) => Status::Fail,
+        // Limits in the missing dimension are refused at spawn.
+        _ => Status::Warn,
+    };
+    Some(CheckRow::new("cgroup controllers", status, detail))
+}
+
+/// The state dir is creatable and writable, or in use by a running daemon
+/// (whose lock is left alone).
+fn state_dir_check(dir: &Path, proc_locks: &Path) -> CheckRow {
+    const CHECK: &str = "state dir";
+    let lock = dir.join(LOCK_FILE);
+    if let Some(pid) = lock_holder(&lock, proc_locks) {
+        return CheckRow::new(
+            CHECK,
+            Status::Ok,
+            format!("{}: in use by pid {pid}", dir.display()),
+        );
+    }
+    let existed = dir.is_dir();
+    // The daemon's own mode: the dir will hold the store and token hashes.
+    if let Err(e) = fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+    {
+        return CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!("cannot create {}: {e}", dir.display()),
+        );
+    }
+    match probe_file(dir) {
+        Ok(()) => CheckRow::new(
+            CHECK,
+            Status::Ok,
+            format!(
+                "{}: writable{}",
+                dir.display(),
+                if existed { "" } else { " (created)" }
+            ),
+        ),
+        Err(e) => CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!("{}: not writable: {e}", dir.display()),
+        ),
+    }
+}
+
+fn probe_file(dir: &Path) -> io::Result<()> {
+    let probe = dir.join(format!(".doctor-probe-{}", std::process::id()));
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&probe)?;
+    fs::remove_file(&probe)
+}
+
+/// The pid holding a `flock` on `lock`, read from `/proc/locks` rather than
+/// by trying the lock (which a starting daemon could then find taken).
+fn lock_holder(lock: &Path, proc_locks: &Path) -> Option<String> {
+    let meta = fs::metadata(lock).ok()?;
+    let dev = meta.dev();
+    let (major, minor) = (rustix::fs::major(dev), rustix::fs::minor(dev));
+    let table = fs::read_to_string(proc_locks).ok()?;
+    let lock_pid = table.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // `1: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<ino> 0 EOF`; waiters
+        // are `1: -> FLOCK …` and hold nothing.
+        let [_, "FLOCK", _, _, pid, id, ..] = fields.as_slice() else {
+            return None;
+        };
+        let mut parts = id.split(':');
+        let maj = u32::from_str_radix(parts.next()?, 16).ok()?;
+        let min = u32::from_str_radix(parts.next()?, 16).ok()?;
+        let ino: u64 = parts.next()?.parse().ok()?;
+        (maj == major && min == minor && ino == meta.ino()).then(|| (*pid).to_owned())
+    })?;
+    // The daemon writes its pid into the lock file; prefer that (the kernel's
+    // view may be another pid namespace's).
+    let written = fs::read_to_string(lock)
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .map(|p| p.to_string());
+    Some(written.unwrap_or(lock_pid))
+}
+
+/// The machine-pool ledger's directory, when the config has pools.
+fn ledger_check(config: &Config) -> CheckRow {
+    const CHECK: &str = "machine-pool ledger";
+    if config.machine_pools.is_empty() {
+        return CheckRow::new(CHECK, Status::Ok, "not needed (no machinePools)");
+    }
+    match kici_admission::ledger::resolve_dir(None) {
+        Ok(dir) => match probe_file(&dir) {
+            Ok(()) => CheckRow::new(CHECK, Status::Ok, format!("{}: writable", dir.display())),
+            Err(e) => CheckRow::new(
+                CHECK,
+                Status::Fail,
+                format!("{}: not writable: {e}", dir.display()),
+            ),
+        },
+        Err(e) => CheckRow::new(CHECK, Status::Fail, e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn a_held_lock_is_reported_with_the_pid_written_in_it() {
+        let dir = tempfile::Builder::new()
+            .prefix("kici-scaler-test-")
+            .tempdir()
+            .unwrap();
+        let lock = dir.path().join(LOCK_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock)
+            .unwrap();
+        fs::write(&lock, "4242\n").unwrap();
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
+        let row = state_dir_check(dir.path(), Path::new("/proc/locks"));
+        assert_eq!(row.status, Status::Ok);
+        assert!(row.detail.ends_with("in use by pid 4242"), "{}", row.detail);
+        drop(file);
+        let row = state_dir_check(dir.path(), Path::new("/proc/locks"));
+        assert_eq!(row.status, Status::Ok);
+        assert!(row.detail.ends_with(": writable"), "{}", row.detail);
+    }
+
+    #[test]
+    fn an_uncreatable_state_dir_fails() {
+        let row = state_dir_check(
+            Path::new("/proc/kici-scaler-doctor"),
+            Path::new("/proc/locks"),
+        );
+        assert_eq!(row.status, Status::Fail);
+        assert!(row.detail.contains("cannot create"), "{}", row.detail);
+    }
+
+    #[test]
+    fn a_missing_v2_mount_fails_only_when_bare_metal_needs_it() {
+        let host = HostPaths {
+            cgroup_v2_root: PathBuf::from("/nonexistent/cgroup"),
+            ..HostPaths::default()
+        };
+        assert_eq!(cgroup_tracking_check(&host, true).status, Status::Fail);
+        assert_eq!(cgroup_tracking_check(&host, false).status, Status::Warn);
+    }
+}
