@@ -285,6 +285,26 @@ struct State {
 }
 
 impl State {
+    /// The checks every admission shares: the scaler is configured, the
+    /// demand names the scaler's current pool, the agent id is not live.
+    /// Returns the scaler's max lifetime (the ledger row's expiry).
+    fn precheck(&self, demand: &Demand) -> Result<Duration, AdmitError> {
+        let Some(scaler) = self.limits.scalers.get(&demand.scaler) else {
+            return Err(AdmitError::UnknownScaler(demand.scaler.clone()));
+        };
+        if scaler.pool != demand.pool {
+            return Err(AdmitError::PoolMismatch {
+                configured: scaler.pool.clone(),
+                scaler: demand.scaler.clone(),
+                demand: demand.pool.clone(),
+            });
+        }
+        if self.live.contains(&demand.agent) {
+            return Err(AdmitError::DuplicateAgent(demand.agent));
+        }
+        Ok(scaler.max_lifetime)
+    }
+
     /// The in-memory checks, in order: counts, scaler resources, global
     /// resources, then (without a ledger) the pool.
     fn check(&self, d: &Demand, holds: &Holds, check_pool: bool) -> Result<(), Refusal> {
@@ -431,20 +451,7 @@ impl Admission {
     pub fn try_reserve(&self, demand: Demand, holds: &Holds) -> Result<Reservation, AdmitError> {
         #[cfg_attr(not(feature = "check-then-act-mutant"), allow(unused_mut))]
         let mut state = lock(&self.shared.state);
-        let Some(scaler) = state.limits.scalers.get(&demand.scaler) else {
-            return Err(AdmitError::UnknownScaler(demand.scaler));
-        };
-        if scaler.pool != demand.pool {
-            return Err(AdmitError::PoolMismatch {
-                configured: scaler.pool.clone(),
-                scaler: demand.scaler,
-                demand: demand.pool,
-            });
-        }
-        let max_lifetime = scaler.max_lifetime;
-        if state.live.contains(&demand.agent) {
-            return Err(AdmitError::DuplicateAgent(demand.agent));
-        }
+        let max_lifetime = state.precheck(&demand)?;
         if let Some(t) = state.limits.too_large(
             demand.scaler.as_str(),
             demand.requests,
@@ -501,20 +508,7 @@ impl Admission {
     /// count. With a ledger, this instance's row for it is kept or restored.
     pub fn adopt(&self, demand: Demand) -> Result<Reservation, AdmitError> {
         let mut state = lock(&self.shared.state);
-        let Some(scaler) = state.limits.scalers.get(&demand.scaler) else {
-            return Err(AdmitError::UnknownScaler(demand.scaler));
-        };
-        if scaler.pool != demand.pool {
-            return Err(AdmitError::PoolMismatch {
-                configured: scaler.pool.clone(),
-                scaler: demand.scaler,
-                demand: demand.pool,
-            });
-        }
-        let max_lifetime = scaler.max_lifetime;
-        if state.live.contains(&demand.agent) {
-            return Err(AdmitError::DuplicateAgent(demand.agent));
-        }
+        let max_lifetime = state.precheck(&demand)?;
         if let (Some(ledger), Some(pool)) = (&self.shared.ledger, demand.pool.as_deref()) {
             ledger.adopt(pool, demand.agent, demand.requests, max_lifetime)?;
         }
