@@ -1,4 +1,6 @@
-//! Helpers for the crate's unit tests: scaler entries from YAML, spawn specs.
+//! Helpers for the crate's unit and integration tests (the latter include
+//! this file by path): scaler entries from YAML, spawn specs.
+#![allow(dead_code)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kici_engine::{BackendReport, Mode, SpawnSpec};
@@ -28,7 +30,7 @@ pub fn spawn_spec(
     let agent = AgentId::random(ScalerType::BareMetal);
     let label_set = scaler.label_sets[label_set_index].clone();
     let mut agent_labels = label_set.raw_labels.clone();
-    agent_labels.push(format!("kici:agent:{agent}"));
+    agent_labels.push(format!("kici:agent:{}", ScalerType::BareMetal));
     agent_labels.push(format!("kici:scaler:{}", scaler.name));
     let spec = SpawnSpec {
         agent,

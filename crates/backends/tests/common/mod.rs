@@ -5,8 +5,8 @@
 
 use kici_backends::cgroup::{self, CgroupLayout};
 use kici_backends::{BareMetalBackend, BareMetalOptions};
-use kici_engine::{BackendReport, Mode, SpawnSpec};
-use kici_model::{AgentId, EffectiveResources, InstanceId, ScalerEntry, ScalerType};
+use kici_engine::{BackendReport, SpawnSpec};
+use kici_model::{AgentId, EffectiveResources, InstanceId, ScalerEntry};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -102,19 +102,10 @@ pub fn sweep(layout: &CgroupLayout) {
     layout.prune_empty();
 }
 
-pub fn scaler(yaml: &str, name: &str) -> Arc<ScalerEntry> {
-    let loaded = match kici_config::load_documents(&[("scalers.yaml", yaml)]) {
-        Ok(l) => l,
-        Err(e) => panic!("test config invalid:\n{e}"),
-    };
-    Arc::new(
-        loaded
-            .config
-            .scaler(name)
-            .expect("scaler in config")
-            .clone(),
-    )
-}
+#[path = "../../src/test_support.rs"]
+mod test_support;
+
+pub use test_support::scaler_from_yaml as scaler;
 
 /// A bare-metal scaler `metal` with one label set running `binary`.
 pub fn simple_scaler(binary: &Path) -> Arc<ScalerEntry> {
@@ -136,33 +127,14 @@ scalers:
     )
 }
 
+/// A spawn spec for a job-bound agent, with the label set's resources.
 pub fn spec(
     scaler: &Arc<ScalerEntry>,
     label_set_index: usize,
 ) -> (SpawnSpec, mpsc::UnboundedReceiver<BackendReport>) {
-    let (reports, rx) = mpsc::unbounded_channel();
-    let agent = AgentId::random(ScalerType::BareMetal);
-    let label_set = scaler.label_sets[label_set_index].clone();
-    let mut agent_labels = label_set.raw_labels.clone();
-    agent_labels.push(format!("kici:agent:{agent}"));
-    agent_labels.push(format!("kici:scaler:{}", scaler.name));
-    let resources = EffectiveResources::resolve(&[label_set.resources.as_ref()]);
-    let spec = SpawnSpec {
-        agent,
-        scaler: scaler.clone(),
-        label_set_index,
-        label_set,
-        agent_labels,
-        resources,
-        job: Some("job-1".parse().unwrap()),
-        run_id: None,
-        mode: Mode::Standalone,
-        warm: false,
-        idle_timeout_ms: None,
-        orchestrator_url: "ws://127.0.0.1:7879/ws".into(),
-        token: None,
-        reports,
-    };
+    let (mut spec, rx) = test_support::spawn_spec(scaler, label_set_index);
+    spec.resources = EffectiveResources::resolve(&[spec.label_set.resources.as_ref()]);
+    spec.job = Some("job-1".parse().unwrap());
     (spec, rx)
 }
 
