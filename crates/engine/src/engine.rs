@@ -643,8 +643,8 @@ impl Engine {
                 entry.scaler_index,
                 entry.label_set,
                 reservation,
+                entry.resources,
                 Some(entry.request),
-                false,
                 now,
             );
         }
@@ -687,10 +687,12 @@ impl Engine {
         scaler_index: usize,
         label_set: usize,
         reservation: Reservation,
+        resources: EffectiveResources,
         request: Option<ScaleRequest>,
-        warm: bool,
         now: Instant,
     ) {
+        // Unbound spawns are exactly the warm-pool ones.
+        let warm = request.is_none();
         let config = Arc::clone(&self.config);
         let scaler = &config.scalers[scaler_index];
         let key = (
@@ -700,19 +702,6 @@ impl Engine {
         if let Some(b) = self.breakers.get_mut(&key) {
             b.on_attempt(now);
         }
-        let resources = match &request {
-            Some(r) => self.resolve_resources(
-                r,
-                Route {
-                    scaler: scaler_index,
-                    label_set,
-                },
-            ),
-            None => EffectiveResources::resolve(&[
-                scaler.label_sets[label_set].resources.as_ref(),
-                config.defaults.as_ref(),
-            ]),
-        };
         let idle_timeout_ms = match (&scaler.warm_pool, warm) {
             (Some(w), true) => Some(w.agent_idle_timeout_ms()),
             _ => None,
@@ -846,21 +835,20 @@ impl Engine {
                     {
                         break;
                     }
-                    let requests = EffectiveResources::resolve(&[
+                    let resources = EffectiveResources::resolve(&[
                         ls.resources.as_ref(),
                         config.defaults.as_ref(),
-                    ])
-                    .requests;
+                    ]);
                     let agent = self.fresh_agent_id(scaler.kind, &[]);
                     let demand = Demand {
                         agent,
                         scaler: scaler.name.clone(),
-                        requests,
+                        requests: resources.requests,
                         pool: scaler.machine_pool.clone(),
                     };
                     match self.admission.try_reserve(demand, &Holds::none()) {
                         Ok(reservation) => {
-                            self.start_agent(agent, si, li, reservation, None, true, now)
+                            self.start_agent(agent, si, li, reservation, resources, None, now)
                         }
                         Err(_) => break,
                     }
