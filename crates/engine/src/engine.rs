@@ -795,6 +795,24 @@ impl Engine {
         Some(id)
     }
 
+    /// The agents that count toward a label set's warm pool: spawned warm,
+    /// not taken, not on their way out.
+    fn warm_members<'a>(
+        &'a self,
+        scaler: &'a ScalerName,
+        label_set: usize,
+    ) -> impl Iterator<Item = &'a Agent> + 'a {
+        self.agents.values().filter(move |a| {
+            a.warm
+                && a.name() == scaler
+                && a.label_set == label_set
+                && !matches!(
+                    a.state,
+                    AgentState::Draining | AgentState::Destroying | AgentState::Gone
+                )
+        })
+    }
+
     /// Spawns warm agents until every warm label set has `size` idle or
     /// in-flight warm agents. Never ahead of pending requests of the same
     /// scaler, never past a cap, never while the label set backs off.
@@ -813,19 +831,7 @@ impl Engine {
                 continue;
             }
             for (li, ls) in scaler.label_sets.iter().enumerate() {
-                let have = self
-                    .agents
-                    .values()
-                    .filter(|a| {
-                        a.warm
-                            && a.name() == &scaler.name
-                            && a.label_set == li
-                            && !matches!(
-                                a.state,
-                                AgentState::Draining | AgentState::Destroying | AgentState::Gone
-                            )
-                    })
-                    .count();
+                let have = self.warm_members(&scaler.name, li).count();
                 let key = (scaler.name.clone(), ls.labels.clone());
                 for _ in have..target {
                     if self
@@ -1554,17 +1560,7 @@ impl Engine {
             let target = scaler.warm_target() as usize;
             for li in 0..scaler.label_sets.len() {
                 let mut warm: Vec<((Instant, u64), AgentId, AgentState)> = self
-                    .agents
-                    .values()
-                    .filter(|a| {
-                        a.warm
-                            && a.name() == &scaler.name
-                            && a.label_set == li
-                            && !matches!(
-                                a.state,
-                                AgentState::Draining | AgentState::Destroying | AgentState::Gone
-                            )
-                    })
+                    .warm_members(&scaler.name, li)
                     .map(|a| ((a.created, a.seq), a.id, a.state))
                     .collect();
                 if warm.len() <= target {
