@@ -16,10 +16,10 @@ use kici_model::{AgentId, Config, JobId, ScalerType, Secret};
 use parking_lot::Mutex;
 use serde::Serialize;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::{broadcast, mpsc, Notify};
+use tokio::sync::{broadcast, mpsc, watch, Notify};
 use tokio::task::AbortHandle;
 
 /// How often the machine-pool ledger's upkeep runs.
@@ -82,7 +82,8 @@ struct Inner {
     wake: Notify,
     spawns: Mutex<HashMap<AgentId, AbortHandle>>,
     reports: mpsc::UnboundedSender<BackendReport>,
-    stopped: AtomicBool,
+    /// Set once by `shutdown`; every background task ends when it flips.
+    stop: watch::Sender<bool>,
 }
 
 /// A cheap, cloneable handle on the running engine.
@@ -114,14 +115,22 @@ impl Runtime {
             wake: Notify::new(),
             spawns: Mutex::new(HashMap::new()),
             reports,
-            stopped: AtomicBool::new(false),
+            stop: watch::Sender::new(false),
         });
         let rt = Self { inner };
         let timer = rt.clone();
         tokio::spawn(async move { timer.run_timers().await });
         let reporter = rt.clone();
+        let mut stop = rt.inner.stop.subscribe();
         tokio::spawn(async move {
-            while let Some(report) = report_rx.recv().await {
+            loop {
+                let report = tokio::select! {
+                    r = report_rx.recv() => match r {
+                        Some(report) => report,
+                        None => break,
+                    },
+                    _ = stop.wait_for(|s| *s) => break,
+                };
                 reporter.call(|e, now| match report {
                     BackendReport::Exited { agent, detail } => {
                         e.agent_exited(agent, false, detail, now)
@@ -135,11 +144,14 @@ impl Runtime {
         if let Some(ledger) = ledger {
             // Retries queued ledger releases and reaps expired rows of dead
             // instances; file I/O, so off the async workers.
-            let stopped = rt.clone();
+            let mut stop = rt.inner.stop.subscribe();
             tokio::spawn(async move {
                 let mut every = tokio::time::interval(LEDGER_MAINTENANCE);
-                while !stopped.inner.stopped.load(Ordering::Acquire) {
-                    every.tick().await;
+                loop {
+                    tokio::select! {
+                        _ = every.tick() => {}
+                        _ = stop.wait_for(|s| *s) => break,
+                    }
                     let l = ledger.clone();
                     if let Ok(report) = tokio::task::spawn_blocking(move || l.maintain()).await {
                         for (pool, error) in report.errors {
@@ -157,17 +169,22 @@ impl Runtime {
         // caller of `start` yields, so a subscriber taken right after
         // `start` sees its events.
         self.call_quiet(|e, now| e.tick(now));
-        while !self.inner.stopped.load(Ordering::Acquire) {
+        let mut stop = self.inner.stop.subscribe();
+        loop {
             let next = self.inner.engine.lock().next_deadline(now());
             let notified = self.inner.wake.notified();
-            match next {
-                Some(at) => {
-                    tokio::select! {
-                        _ = tokio::time::sleep_until(at.into()) => {}
-                        _ = notified => {}
-                    }
+            let deadline = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    // No timer: under tokio's paused test clock a far-off
+                    // sleep would make time jump to it.
+                    None => std::future::pending().await,
                 }
-                None => notified.await,
+            };
+            tokio::select! {
+                _ = deadline => {}
+                _ = notified => {}
+                _ = stop.wait_for(|s| *s) => break,
             }
             // Not `call`: that would wake this very loop again at once.
             self.call_quiet(|e, now| e.tick(now));
@@ -402,8 +419,7 @@ impl Runtime {
                 Ok(_) => {}
             }
         }
-        self.inner.stopped.store(true, Ordering::Release);
-        self.inner.wake.notify_one();
+        self.inner.stop.send_replace(true);
         self.inner.engine.lock().is_idle()
     }
 }
