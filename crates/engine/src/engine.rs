@@ -1295,14 +1295,15 @@ impl Engine {
             .values()
             .filter_map(|a| a.deadline(&self.settings));
         let pending = self.pending.next_expiry();
-        // Only breakers that hold back a waiting request matter.
+        // Breakers matter only while they hold back a waiting request or a
+        // warm-pool refill.
+        let someone_waits =
+            !self.pending.is_empty() || self.config.scalers.iter().any(|s| s.warm_target() > 0);
         let breakers = self
             .breakers
             .values()
-            .filter_map(|b| b.next_change(now))
-            .filter(|_| {
-                !self.pending.is_empty() || self.config.scalers.iter().any(|s| s.warm_target() > 0)
-            });
+            .filter(|_| someone_waits)
+            .filter_map(|b| b.next_change(now));
         agents.chain(pending).chain(breakers).min()
     }
 
