@@ -15,6 +15,16 @@ set -euo pipefail
 DEBIAN_PACKAGES=(
     build-essential # cc/ld for crates that build C (libfuzzer-sys, ring, ...)
     pkg-config
+    musl-tools         # static kici-agent-lite for test images and guests
+    postgresql-15      # the PostgreSQL state store (scripts/postgres.sh)
+    docker.io          # dockerd for the container backend (scripts/dockerd.sh)
+    docker-registry    # a local registry for pull and credential tests
+    podman             # the Docker-compatible Podman socket
+    nftables           # nft: per-agent egress rules
+    iptables           # DOCKER-USER accepts (iptables-nft)
+    busybox-static     # test images FROM scratch
+    e2fsprogs          # mkfs.ext4 for Firecracker overlay drives
+    iproute2           # ip: assertions on links, TAPs and bridges
 )
 
 want_base=1

@@ -23,7 +23,9 @@ use crate::notify::FileWatch;
 use crate::process::ProcessIdentity;
 use async_trait::async_trait;
 use kici_engine::backend::ReportSender;
-use kici_engine::{Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec};
+use kici_engine::{
+    Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+};
 use kici_model::{AgentId, BackendSettings, InstanceId, LabelSetBackend, ScalerEntry, ScalerType};
 use parking_lot::{Mutex, RwLock};
 use rustix::fs::Access;
@@ -836,5 +838,17 @@ impl Backend for BareMetalBackend {
             }
         }
         Ok(owned)
+    }
+
+    async fn adopt(
+        &self,
+        agent: &AgentId,
+        _handle: &ResourceHandle,
+        _reports: ReportSender,
+    ) -> Result<Adoption, BackendError> {
+        // Replaced by the pid + start time check and pidfd re-watch.
+        Err(BackendError::Unavailable(format!(
+            "{agent}: re-adopting bare-metal agents is not implemented yet"
+        )))
     }
 }

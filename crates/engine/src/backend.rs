@@ -67,6 +67,17 @@ pub enum BackendReport {
 
 pub type ReportSender = mpsc::UnboundedSender<BackendReport>;
 
+/// What [`Backend::adopt`] found of a recorded agent after a daemon restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Adoption {
+    /// The resource is there and is still the one recorded (pid + start
+    /// time, container id, VM process): it is watched again and its exit is
+    /// reported as after a spawn.
+    Alive,
+    /// Nothing of it runs any more (what remains is for `destroy` to remove).
+    Gone,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BackendError {
     #[error("{0}")]
@@ -102,4 +113,14 @@ pub trait Backend: Send + Sync {
 
     /// Every resource carrying this instance's owner marker, for reconcile.
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError>;
+
+    /// After a daemon restart: checks that the recorded agent's resource
+    /// still runs and is the one recorded, and if so watches it again
+    /// (exit reported to `reports`, logs forwarded). Never creates anything.
+    async fn adopt(
+        &self,
+        agent: &AgentId,
+        handle: &ResourceHandle,
+        reports: ReportSender,
+    ) -> Result<Adoption, BackendError>;
 }

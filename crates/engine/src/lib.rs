@@ -19,7 +19,9 @@ pub mod memory_backend;
 pub mod pending;
 pub mod runtime;
 
-pub use backend::{Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec};
+pub use backend::{
+    Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+};
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
     AgentError, AgentView, DestroyOrder, Effect, Engine, EngineEvent, EngineSettings, Registration,

@@ -7,7 +7,8 @@
 //! agent's exit.
 
 use crate::backend::{
-    Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+    Adoption, Backend, BackendError, BackendReport, OwnedResource, ReportSender, ResourceHandle,
+    SpawnSpec,
 };
 use async_trait::async_trait;
 use kici_model::{AgentId, ScalerEntry, ScalerType};
@@ -18,6 +19,9 @@ use std::time::{Duration, SystemTime};
 #[derive(Default)]
 struct State {
     live: BTreeMap<AgentId, SpawnSpec>,
+    /// Resources that exist without a spawn of this process (left by an
+    /// earlier daemon), with the report channel once adopted.
+    survivors: BTreeMap<AgentId, Option<ReportSender>>,
     spawned: Vec<AgentId>,
     destroyed: Vec<AgentId>,
     fail_spawns: u32,
@@ -79,13 +83,23 @@ impl MemoryBackend {
         self.state.lock().destroyed.clone()
     }
 
+    /// A resource left on the "host" by an earlier daemon: `list_owned`
+    /// finds it and `adopt` reports it alive.
+    pub fn plant(&self, agent: AgentId) {
+        self.state.lock().survivors.insert(agent, None);
+    }
+
     /// The agent's process ends by itself (reported, resource kept until destroy).
     pub fn exit(&self, agent: AgentId, detail: &str) -> bool {
         let state = self.state.lock();
-        let Some(spec) = state.live.get(&agent) else {
-            return false;
+        let reports = match state.live.get(&agent) {
+            Some(spec) => &spec.reports,
+            None => match state.survivors.get(&agent) {
+                Some(Some(reports)) => reports,
+                _ => return false,
+            },
         };
-        spec.reports
+        reports
             .send(BackendReport::Exited {
                 agent,
                 detail: detail.to_owned(),
@@ -142,16 +156,16 @@ impl Backend for MemoryBackend {
             return Err(BackendError::Destroy("injected destroy failure".into()));
         }
         s.live.remove(agent);
+        s.survivors.remove(agent);
         s.destroyed.push(*agent);
         Ok(())
     }
 
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError> {
-        Ok(self
-            .state
-            .lock()
-            .live
+        let s = self.state.lock();
+        Ok(s.live
             .keys()
+            .chain(s.survivors.keys())
             .map(|a| OwnedResource {
                 agent: Some(*a),
                 handle: ResourceHandle {
@@ -161,5 +175,21 @@ impl Backend for MemoryBackend {
                 created_at: SystemTime::now(),
             })
             .collect())
+    }
+
+    async fn adopt(
+        &self,
+        agent: &AgentId,
+        _handle: &ResourceHandle,
+        reports: ReportSender,
+    ) -> Result<Adoption, BackendError> {
+        let mut s = self.state.lock();
+        match s.survivors.get_mut(agent) {
+            Some(slot) => {
+                *slot = Some(reports);
+                Ok(Adoption::Alive)
+            }
+            None => Ok(Adoption::Gone),
+        }
     }
 }

@@ -1,0 +1,1 @@
+//! The container backend: agents as Docker/Podman containers.

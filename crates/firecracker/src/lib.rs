@@ -1,0 +1,1 @@
+//! The Firecracker backend: agents as jailed microVMs.

@@ -1,0 +1,1 @@
+//! Per-agent egress policy in kici-scaler's own nftables table.

@@ -1,0 +1,2 @@
+//! Durable state of kici-scaler: agents, pending requests, IP leases, token
+//! hashes and events, in embedded SQLite or PostgreSQL, all owner-scoped.
