@@ -1,0 +1,149 @@
+//! Running `nft` and `iptables`: argv only (never a shell), bounded by a
+//! timeout, optionally inside a named network namespace (`ip netns exec`).
+
+use crate::NetPolicyError;
+use nftables::schema::Nftables;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+/// Where and how long commands run.
+#[derive(Debug, Clone)]
+pub(crate) struct Runner {
+    pub netns: Option<String>,
+    pub timeout: Duration,
+}
+
+/// What a finished command left.
+pub(crate) struct Finished {
+    pub success: bool,
+    pub status: String,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Runner {
+    fn command(&self, program: &str, args: &[&str]) -> (Command, String) {
+        let mut argv: Vec<&str> = Vec::new();
+        if let Some(ns) = &self.netns {
+            argv.extend(["ip", "netns", "exec", ns.as_str()]);
+        }
+        argv.push(program);
+        argv.extend_from_slice(args);
+        let shown = argv.join(" ");
+        let mut cmd = Command::new(argv[0]);
+        cmd.args(&argv[1..])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        (cmd, shown)
+    }
+
+    /// Runs `program args…`, feeding `stdin` if given. A non-zero exit is not an
+    /// error here: callers decide (iptables `-C` uses the exit code as answer).
+    pub async fn run(
+        &self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+    ) -> Result<(Finished, String), NetPolicyError> {
+        let (mut cmd, shown) = self.command(program, args);
+        if stdin.is_some() {
+            cmd.stdin(Stdio::piped());
+        }
+        let fut = async {
+            let mut child = cmd.spawn().map_err(|source| NetPolicyError::Spawn {
+                command: shown.clone(),
+                source,
+            })?;
+            if let (Some(bytes), Some(mut pipe)) = (stdin, child.stdin.take()) {
+                pipe.write_all(bytes)
+                    .await
+                    .map_err(|source| NetPolicyError::Spawn {
+                        command: shown.clone(),
+                        source,
+                    })?;
+                // Dropping the pipe closes it: nft reads until EOF (upstream B19).
+                drop(pipe);
+            }
+            child
+                .wait_with_output()
+                .await
+                .map_err(|source| NetPolicyError::Spawn {
+                    command: shown.clone(),
+                    source,
+                })
+        };
+        let output = tokio::time::timeout(self.timeout, fut)
+            .await
+            .map_err(|_| NetPolicyError::Timeout {
+                command: shown.clone(),
+                timeout: self.timeout,
+            })??;
+        Ok((
+            Finished {
+                success: output.status.success(),
+                status: output.status.to_string(),
+                stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+            },
+            shown,
+        ))
+    }
+
+    /// Runs a command that must succeed; returns its stdout.
+    pub async fn run_ok(
+        &self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&[u8]>,
+    ) -> Result<String, NetPolicyError> {
+        let (done, shown) = self.run(program, args, stdin).await?;
+        if done.success {
+            Ok(done.stdout)
+        } else {
+            Err(NetPolicyError::Failed {
+                command: shown,
+                status: done.status,
+                stderr: done.stderr,
+            })
+        }
+    }
+
+    /// Applies one batch as a single nft transaction (`nft -j -f -`): all of
+    /// it or nothing.
+    pub async fn apply(&self, batch: &Nftables<'_>) -> Result<(), NetPolicyError> {
+        let payload = serde_json::to_vec(batch).map_err(NetPolicyError::Encode)?;
+        self.run_ok("nft", &["-j", "-f", "-"], Some(&payload))
+            .await
+            .map(drop)
+    }
+
+    /// `nft -j list table <family> <name>`; `None` when the table does not exist.
+    pub async fn list_table(
+        &self,
+        family: &str,
+        name: &str,
+    ) -> Result<Option<Nftables<'static>>, NetPolicyError> {
+        let args = ["-j", "list", "table", family, name];
+        let (done, shown) = self.run("nft", &args, None).await?;
+        if !done.success {
+            if done.stderr.contains("No such file or directory") {
+                return Ok(None);
+            }
+            return Err(NetPolicyError::Failed {
+                command: shown,
+                status: done.status,
+                stderr: done.stderr,
+            });
+        }
+        serde_json::from_str(&done.stdout)
+            .map(Some)
+            .map_err(|source| NetPolicyError::Json {
+                command: shown,
+                source,
+            })
+    }
+}
