@@ -15,6 +15,14 @@
 //! before signalling the process group, kills whatever remains in the cgroup
 //! after the grace, and removes everything; it works from the agent id alone
 //! (after a daemon restart) and when the agent is long gone.
+//!
+//! After a daemon restart, [`Backend::adopt`] takes a recorded agent back:
+//! the pid must still exist with the recorded start time (else `Gone`); a
+//! pidfd then reports its exit at once — without reaping, since the agent
+//! is no longer our child — and the log tailer resumes at the offsets the
+//! previous daemon persisted ([`crate::logs`]), so output written while no
+//! daemon ran is forwarded too. Scaler and job for log attribution come from
+//! the agent directory's `context` file.
 
 use crate::cgroup::{self, AgentCgroups, CgroupLayout, Controllers, LimitPlan};
 use crate::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
@@ -26,11 +34,14 @@ use kici_engine::backend::ReportSender;
 use kici_engine::{
     Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
 };
-use kici_model::{AgentId, BackendSettings, InstanceId, LabelSetBackend, ScalerEntry, ScalerType};
+use kici_model::{
+    AgentId, BackendSettings, InstanceId, JobId, LabelSetBackend, ScalerEntry, ScalerName,
+    ScalerType,
+};
 use parking_lot::{Mutex, RwLock};
 use rustix::fs::Access;
 use rustix::io::Errno;
-use rustix::process::{Pid, Signal};
+use rustix::process::{Pid, PidfdFlags, Signal};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -54,6 +65,10 @@ const EMPTY_POLL: Duration = Duration::from_millis(50);
 
 /// The marker file in an agent's directory: its `pid:<pid>:<start>`.
 const PROCESS_MARKER: &str = "process";
+/// The file in an agent's directory naming its scaler and job (`scaler=…`,
+/// `job=…` lines), so a restarted daemon forwards its logs with the same
+/// attribution.
+const CONTEXT_FILE: &str = "context";
 /// The directory under `agents/` holding retired agents' logs.
 const RETIRED: &str = "retired";
 
@@ -128,6 +143,25 @@ struct ExitWatch {
     /// `Some(detail)` once the leader exited and was reaped (its pid may be
     /// reused from then on).
     exited: watch::Sender<Option<String>>,
+}
+
+impl ExitWatch {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            destroying: AtomicBool::new(false),
+            exited: watch::Sender::new(None),
+        })
+    }
+
+    /// Records the leader's exit and reports it, unless destroy caused it.
+    fn record(&self, agent: AgentId, detail: String, reports: &ReportSender) {
+        tracing::info!(agent_id = %agent, detail = %detail, "bare-metal agent exited");
+        self.exited.send_replace(Some(detail.clone()));
+        if !self.destroying.load(Ordering::SeqCst) {
+            // The engine may be gone (shutdown): nothing to tell then.
+            let _ = reports.send(BackendReport::Exited { agent, detail });
+        }
+    }
 }
 
 struct Inner {
@@ -228,7 +262,11 @@ impl BareMetalBackend {
         let env = agent_env(spec, ScalerType::BareMetal, &inner.system, &inner.forwarded);
 
         let dir = self.agent_dir(spec.agent);
-        let files = AgentFiles::create(&dir).map_err(|source| SpawnError::Files {
+        let context = AgentContext {
+            scaler: spec.scaler.name.clone(),
+            job: spec.job.clone(),
+        };
+        let files = AgentFiles::create(&dir, &context).map_err(|source| SpawnError::Files {
             path: dir.clone(),
             source,
         })?;
@@ -338,6 +376,120 @@ impl BareMetalBackend {
     }
 }
 
+/// The exit status of an adopted agent is not ours to read: it is no longer
+/// our child (its new parent reaps it).
+const ADOPTED_EXIT: &str =
+    "exited (status unknown: adopted after a daemon restart, reaped by its new parent)";
+
+impl BareMetalBackend {
+    /// [`Backend::adopt`]: pid + start time check, then the pidfd watch and
+    /// the log tailer again, resumed at the persisted offsets.
+    fn adopt_inner(
+        &self,
+        agent: AgentId,
+        handle: &ResourceHandle,
+        reports: ReportSender,
+    ) -> Result<Adoption, AdoptError> {
+        if let Some(tracked) = self.inner.tracked.lock().get(&agent) {
+            // Already followed by this daemon (spawned or adopted here).
+            return Ok(if tracked.exit.exited.borrow().is_none() {
+                Adoption::Alive
+            } else {
+                Adoption::Gone
+            });
+        }
+        let dir = self.agent_dir(agent);
+        let Some(identity) = handle
+            .id
+            .parse::<ProcessIdentity>()
+            .ok()
+            .or_else(|| read_marker(&dir))
+        else {
+            // The spawn was cut short before the process was recorded.
+            return Ok(Adoption::Gone);
+        };
+        // The descriptor first, the start time second: if the pid had been
+        // reused before the open, the start time now differs; if the agent
+        // exits after it, the descriptor still names the agent (and turns
+        // readable at once).
+        let pidfd = match rustix::process::pidfd_open(identity.pid, PidfdFlags::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::SRCH) => return Ok(Adoption::Gone),
+            Err(e) => return Err(AdoptError::Pidfd(identity, e.into())),
+        };
+        if !identity.is_running() {
+            // Gone, reused, or dead awaiting its new parent's wait.
+            return Ok(Adoption::Gone);
+        }
+        let pidfd = crate::notify::register(pidfd).map_err(|e| AdoptError::Pidfd(identity, e))?;
+        let cgroups = self.inner.layout.find_agent(agent);
+        let context = AgentContext::read(&dir).unwrap_or_else(|| {
+            // Spawned by a version that did not keep it: the sanitised
+            // cgroup directory is the best name left.
+            let scaler = cgroups
+                .tracking
+                .as_deref()
+                .and_then(Path::parent)
+                .and_then(Path::file_name)
+                .map_or_else(|| "unknown".into(), |n| n.to_string_lossy().into_owned());
+            AgentContext {
+                scaler: ScalerName::new(&scaler),
+                job: None,
+            }
+        });
+        let exit = ExitWatch::new();
+        let tailer = Tailer::start_resumable(
+            LogContext {
+                agent,
+                scaler: context.scaler,
+                job: context.job,
+                source: LOG_SOURCE,
+            },
+            &dir,
+        );
+        watch_adopted(pidfd, identity, agent, reports, exit.clone());
+        tracing::info!(agent_id = %agent, handle = %identity, "bare-metal agent adopted");
+        self.inner.tracked.lock().insert(
+            agent,
+            Tracked {
+                identity,
+                cgroups,
+                exit,
+                tailer,
+            },
+        );
+        Ok(Adoption::Alive)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum AdoptError {
+    #[error("cannot watch {0}: {1}")]
+    Pidfd(ProcessIdentity, std::io::Error),
+}
+
+/// Reports an adopted agent's exit as soon as its pidfd turns readable. It
+/// is not our child: its new parent (init or a subreaper) reaps it, so there
+/// is nothing to wait for here — a `waitpid` would fail with ECHILD, or
+/// worse, reap a child of ours that merely reuses the pid.
+fn watch_adopted(
+    pidfd: tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>,
+    identity: ProcessIdentity,
+    agent: AgentId,
+    reports: ReportSender,
+    exit: Arc<ExitWatch>,
+) {
+    tokio::spawn(async move {
+        if pidfd.readable().await.is_err() {
+            // The reactor refused the descriptor: fall back to polling.
+            while identity.is_running() {
+                tokio::time::sleep(EMPTY_POLL).await;
+            }
+        }
+        exit.record(agent, ADOPTED_EXIT.to_owned(), &reports);
+    });
+}
+
 struct Spawned {
     child: Child,
     identity: ProcessIdentity,
@@ -393,7 +545,7 @@ struct AgentFiles {
 }
 
 impl AgentFiles {
-    fn create(dir: &Path) -> std::io::Result<Self> {
+    fn create(dir: &Path, context: &AgentContext) -> std::io::Result<Self> {
         if dir.exists() {
             // A leftover of an agent with the same id: not ours to keep.
             fs::remove_dir_all(dir)?;
@@ -410,10 +562,49 @@ impl AgentFiles {
                 .mode(0o600)
                 .open(dir.join(name))
         };
+        fs::write(dir.join(CONTEXT_FILE), context.to_string())?;
         Ok(Self {
             stdout: open(logs::Stream::Stdout.file_name())?,
             stderr: open(logs::Stream::Stderr.file_name())?,
             work,
+        })
+    }
+}
+
+/// Who an agent's log lines are attributed to, kept in [`CONTEXT_FILE`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct AgentContext {
+    scaler: ScalerName,
+    job: Option<JobId>,
+}
+
+impl std::fmt::Display for AgentContext {
+    /// One `key=value` line each; scaler names and job ids hold no line
+    /// breaks (the config and [`JobId`] refuse whitespace and controls).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "scaler={}", self.scaler)?;
+        if let Some(job) = &self.job {
+            writeln!(f, "job={job}")?;
+        }
+        Ok(())
+    }
+}
+
+impl AgentContext {
+    fn read(dir: &Path) -> Option<Self> {
+        let text = fs::read_to_string(dir.join(CONTEXT_FILE)).ok()?;
+        let mut scaler = None;
+        let mut job = None;
+        for line in text.lines() {
+            match line.split_once('=') {
+                Some(("scaler", name)) => scaler = Some(ScalerName::new(name)),
+                Some(("job", id)) => job = id.parse().ok(),
+                _ => {}
+            }
+        }
+        Some(Self {
+            scaler: scaler?,
+            job,
         })
     }
 }
@@ -504,12 +695,7 @@ fn watch_exit(mut child: Child, agent: AgentId, reports: ReportSender, exit: Arc
             Ok(status) => describe_exit(status),
             Err(e) => format!("exit status unknown: {e}"),
         };
-        tracing::info!(agent_id = %agent, detail = %detail, "bare-metal agent exited");
-        exit.exited.send_replace(Some(detail.clone()));
-        if !exit.destroying.load(Ordering::SeqCst) {
-            // The engine may be gone (shutdown): nothing to tell then.
-            let _ = reports.send(BackendReport::Exited { agent, detail });
-        }
+        exit.record(agent, detail, &reports);
     };
     let pidfd = i32::try_from(child.id())
         .ok()
@@ -716,11 +902,8 @@ impl Backend for BareMetalBackend {
         let spawned = self
             .start_agent(&spec)
             .map_err(|e| BackendError::Provision(e.to_string()))?;
-        let exit = Arc::new(ExitWatch {
-            destroying: AtomicBool::new(false),
-            exited: watch::Sender::new(None),
-        });
-        let tailer = Tailer::start(
+        let exit = ExitWatch::new();
+        let tailer = Tailer::start_resumable(
             LogContext {
                 agent,
                 scaler: spec.scaler.name.clone(),
@@ -843,12 +1026,10 @@ impl Backend for BareMetalBackend {
     async fn adopt(
         &self,
         agent: &AgentId,
-        _handle: &ResourceHandle,
-        _reports: ReportSender,
+        handle: &ResourceHandle,
+        reports: ReportSender,
     ) -> Result<Adoption, BackendError> {
-        // Replaced by the pid + start time check and pidfd re-watch.
-        Err(BackendError::Unavailable(format!(
-            "{agent}: re-adopting bare-metal agents is not implemented yet"
-        )))
+        self.adopt_inner(*agent, handle, reports)
+            .map_err(|e| BackendError::Unavailable(format!("{agent}: {e}")))
     }
 }

@@ -15,6 +15,16 @@
 //! multi-byte character split between reads survives (B41); lines are capped
 //! at [`MAX_LINE_BYTES`] with a marker (B42).
 //!
+//! Resuming after a daemon restart ([`Tailer::start_resumable`]): the
+//! offset of the last *forwarded whole line* of each file is kept beside it
+//! (`<file>.offset`, rewritten in place after every batch — a page-cache
+//! write, so it survives a daemon crash, which is what it is for). A new
+//! daemon resumes there: output the agent wrote while no daemon ran is
+//! forwarded, nothing is lost, and at most the last batch before a crash is
+//! forwarded twice (at-least-once). Starting from the current end instead
+//! would silently drop everything written while the daemon was down — the
+//! output of a job that ran through the restart.
+//!
 //! Retention: after destroy an agent's directory is reduced to the last
 //! [`RETAINED_BYTES_PER_FILE`] of each log file under `retired/<agent id>`,
 //! and only the newest [`RETAINED_AGENTS`] retired directories are kept —
@@ -118,6 +128,12 @@ impl LineSplitter {
         }
     }
 
+    /// Bytes consumed that belong to the current, incomplete line (what a
+    /// resumed reader must read again to see that line whole).
+    pub fn pending_bytes(&self) -> usize {
+        self.line.len() + self.dropped
+    }
+
     /// The incomplete last line, if any.
     pub fn finish(&mut self, emit: &mut impl FnMut(String)) {
         if !self.line.is_empty() || self.dropped > 0 {
@@ -164,20 +180,109 @@ fn complete_utf8_prefix(bytes: &[u8]) -> &[u8] {
     bytes
 }
 
+/// Width of an offset file's content: fixed, so an in-place rewrite never
+/// leaves digits of a longer previous value behind.
+const OFFSET_WIDTH: usize = 20;
+
+/// `<file>.offset` beside a followed file.
+pub fn offset_path(log: &Path) -> PathBuf {
+    let mut name = log.as_os_str().to_owned();
+    name.push(".offset");
+    PathBuf::from(name)
+}
+
+/// The persisted offset of `log` (0 when none was recorded or it is unreadable).
+pub fn read_offset(log: &Path) -> u64 {
+    std::fs::read_to_string(offset_path(log))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Rewrites the offset file in place when `forwarded` moved.
+fn record_offset(file: Option<&std::fs::File>, forwarded: u64, persisted: &mut u64) {
+    use std::os::unix::fs::FileExt;
+    let Some(file) = file else {
+        return;
+    };
+    if forwarded == *persisted {
+        return;
+    }
+    let text = format!("{forwarded:0OFFSET_WIDTH$}\n");
+    // Best effort: a lost update costs duplicates after a restart.
+    if file.write_at(text.as_bytes(), 0).is_ok() {
+        *persisted = forwarded;
+    }
+}
+
 /// One followed file.
 struct Source {
     stream: Stream,
     path: PathBuf,
     file: Option<tokio::fs::File>,
+    /// Bytes of the file consumed (whole lines and the pending partial one).
     offset: u64,
     splitter: LineSplitter,
+    /// Where the offset of the last forwarded whole line is kept, when the
+    /// tailer is resumable.
+    offset_file: Option<std::fs::File>,
+    /// The last value written there.
+    persisted: u64,
 }
 
 impl Source {
+    fn new(stream: Stream, dir: &Path, resumable: bool) -> Self {
+        let path = dir.join(stream.file_name());
+        let (offset, offset_file) = if resumable {
+            let offset = read_offset(&path);
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(offset_path(&path))
+                .map_err(|e| tracing::warn!(file = %path.display(), error = %e, "cannot keep the log offset: a restart will forward from the beginning"))
+                .ok();
+            (offset, file)
+        } else {
+            (0, None)
+        };
+        Self {
+            stream,
+            path,
+            file: None,
+            offset,
+            splitter: LineSplitter::default(),
+            offset_file,
+            persisted: offset,
+        }
+    }
+
+    /// Records the end of the last forwarded whole line.
+    fn persist(&mut self) {
+        record_offset(
+            self.offset_file.as_ref(),
+            self.offset
+                .saturating_sub(self.splitter.pending_bytes() as u64),
+            &mut self.persisted,
+        );
+    }
+
     /// Reads everything appended since the last call and emits whole lines.
     async fn drain(&mut self, ctx: &LogContext) {
         if self.file.is_none() {
-            self.file = tokio::fs::File::open(&self.path).await.ok();
+            let Ok(mut file) = tokio::fs::File::open(&self.path).await else {
+                return;
+            };
+            // Resuming: continue after what was already forwarded (a file
+            // shorter than that was replaced: the check below restarts it).
+            let len = file.metadata().await.map(|m| m.len()).unwrap_or(0);
+            if self.offset > 0
+                && self.offset <= len
+                && file.seek(SeekFrom::Start(self.offset)).await.is_err()
+            {
+                return;
+            }
+            self.file = Some(file);
         }
         let Some(file) = self.file.as_mut() else {
             return;
@@ -201,6 +306,14 @@ impl Source {
                     let stream = self.stream;
                     self.splitter
                         .push(&buf[..n], &mut |line| ctx.emit(stream, &line));
+                    // Before the next await: only a crash can come between
+                    // forwarding a chunk's lines and recording them.
+                    record_offset(
+                        self.offset_file.as_ref(),
+                        self.offset
+                            .saturating_sub(self.splitter.pending_bytes() as u64),
+                        &mut self.persisted,
+                    );
                 }
             }
         }
@@ -209,6 +322,7 @@ impl Source {
     fn finish(&mut self, ctx: &LogContext) {
         let stream = self.stream;
         self.splitter.finish(&mut |line| ctx.emit(stream, &line));
+        self.persist();
     }
 }
 
@@ -222,15 +336,20 @@ impl Tailer {
     /// Starts following `<dir>/stdout.log` and `<dir>/stderr.log` from their
     /// beginning (they are created empty before the agent starts).
     pub fn start(ctx: LogContext, dir: &Path) -> Self {
+        Self::start_with(ctx, dir, false)
+    }
+
+    /// Like [`Tailer::start`], but keeps each file's forwarded offset beside
+    /// it and starts from the offsets a previous tailer (of an earlier
+    /// daemon) kept: see the module docs for why.
+    pub fn start_resumable(ctx: LogContext, dir: &Path) -> Self {
+        Self::start_with(ctx, dir, true)
+    }
+
+    fn start_with(ctx: LogContext, dir: &Path, resumable: bool) -> Self {
         let sources: Vec<Source> = [Stream::Stdout, Stream::Stderr]
             .into_iter()
-            .map(|stream| Source {
-                stream,
-                path: dir.join(stream.file_name()),
-                file: None,
-                offset: 0,
-                splitter: LineSplitter::default(),
-            })
+            .map(|stream| Source::new(stream, dir, resumable))
             .collect();
         let watch = FileWatch::new(sources.iter().map(|s| s.path.as_path()))
             .map_err(|e| tracing::warn!(agent_id = %ctx.agent, error = %e, "no inotify for agent logs; polling"))
@@ -398,6 +517,117 @@ mod tests {
             "…[truncated {} bytes]",
             (8 << 20) - MAX_LINE_BYTES
         )));
+    }
+
+    /// Forwarded `line` fields, as they are emitted.
+    struct Lines(tokio::sync::mpsc::UnboundedSender<String>);
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Lines {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            struct Visit(Option<String>);
+            impl tracing::field::Visit for Visit {
+                fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                    if field.name() == "line" {
+                        self.0 = Some(value.to_owned());
+                    }
+                }
+                fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+            }
+            let mut visit = Visit(None);
+            event.record(&mut visit);
+            if let Some(line) = visit.0 {
+                let _ = self.0.send(line);
+            }
+        }
+    }
+
+    async fn next_lines(
+        rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+        n: usize,
+    ) -> Vec<String> {
+        let mut lines = Vec::new();
+        while lines.len() < n {
+            let line = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+                .await
+                .expect("a forwarded line within a minute")
+                .unwrap();
+            lines.push(line);
+        }
+        lines
+    }
+
+    #[tokio::test]
+    async fn a_resumed_tailer_forwards_what_was_written_while_none_ran() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _guard =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(Lines(tx)));
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("stdout.log");
+        std::fs::write(&log, "one\ntwo\npar").unwrap();
+        let ctx = LogContext {
+            agent: AgentId::random(kici_model::ScalerType::BareMetal),
+            scaler: ScalerName::new("metal"),
+            job: None,
+            source: "test",
+        };
+
+        let first = Tailer::start_resumable(ctx.clone(), dir.path());
+        assert_eq!(next_lines(&mut rx, 2).await, ["one", "two"]);
+        // The daemon dies (no drain, no finish): the partial line is not
+        // counted as forwarded.
+        first.task.abort();
+        let _ = first.task.await;
+        assert_eq!(read_offset(&log), 8);
+        assert_eq!(
+            std::fs::read_to_string(offset_path(&log)).unwrap(),
+            format!("{:020}\n", 8)
+        );
+
+        // Written while no daemon ran.
+        let mut file = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        std::io::Write::write_all(&mut file, b"tial\nthree\n").unwrap();
+        let second = Tailer::start_resumable(ctx.clone(), dir.path());
+        assert_eq!(next_lines(&mut rx, 2).await, ["partial", "three"]);
+        second.finish().await;
+        assert!(rx.try_recv().is_err(), "nothing forwarded twice");
+        assert_eq!(read_offset(&log), 22);
+
+        // A plain tailer neither reads nor keeps offsets.
+        std::fs::remove_file(offset_path(&log)).unwrap();
+        let plain = Tailer::start(ctx, dir.path());
+        assert_eq!(
+            next_lines(&mut rx, 4).await,
+            ["one", "two", "partial", "three"]
+        );
+        plain.finish().await;
+        assert!(!offset_path(&log).exists());
+    }
+
+    #[tokio::test]
+    async fn a_resumed_tailer_restarts_a_file_shorter_than_its_offset() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _guard =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(Lines(tx)));
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("stderr.log");
+        std::fs::write(&log, "new\n").unwrap();
+        std::fs::write(offset_path(&log), format!("{:020}\n", 1000)).unwrap();
+        let ctx = LogContext {
+            agent: AgentId::random(kici_model::ScalerType::BareMetal),
+            scaler: ScalerName::new("metal"),
+            job: None,
+            source: "test",
+        };
+        let tailer = Tailer::start_resumable(ctx, dir.path());
+        assert_eq!(next_lines(&mut rx, 1).await, ["new"]);
+        tailer.finish().await;
+        assert_eq!(read_offset(&log), 4);
     }
 
     #[test]
