@@ -26,6 +26,7 @@
 
 use crate::cgroup::{self, AgentCgroups, CgroupLayout, Controllers, LimitPlan};
 use crate::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
+use crate::failpoints;
 use crate::logs::{self, LogContext, Tailer};
 use crate::notify::FileWatch;
 use crate::process::ProcessIdentity;
@@ -242,6 +243,8 @@ impl BareMetalBackend {
         self.inner.layout.prune_empty();
     }
 
+    /// Creates the agent's directory and cgroups and starts its process.
+    /// On error nothing of it remains (the process never ran).
     fn start_agent(&self, spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         let inner = &self.inner;
         let BackendSettings::BareMetal(settings) = &spec.scaler.backend else {
@@ -266,10 +269,23 @@ impl BareMetalBackend {
             scaler: spec.scaler.name.clone(),
             job: spec.job.clone(),
         };
-        let files = AgentFiles::create(&dir, &context).map_err(|source| SpawnError::Files {
-            path: dir.clone(),
-            source,
-        })?;
+        let files = AgentFiles::create(&dir, &context)
+            .map_err(|source| SpawnError::Files {
+                path: dir.clone(),
+                source,
+            })
+            .and_then(|files| {
+                failpoints::check(failpoints::SPAWN_DIR, SpawnError::Injected)?;
+                Ok(files)
+            });
+        let files = match files {
+            Ok(files) => files,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        // Removes what it created on error (spawn::cgroup, spawn::limits).
         let cgroups = {
             let _tree = inner.tree.read();
             AgentCgroups::create(&inner.layout, spec.scaler.name.as_str(), spec.agent, &plan)
@@ -278,27 +294,70 @@ impl BareMetalBackend {
             Ok(c) => c,
             Err(e) => {
                 let _ = fs::remove_dir_all(&dir);
+                self.prune_empty_cgroups();
                 return Err(e.into());
             }
         };
-        let started = start_process(binary_path, env, &files, &cgroups);
-        match started {
-            Ok((child, identity)) => {
-                // Lets a later daemon (or destroy without handle) verify the pid.
-                if let Err(e) = fs::write(dir.join(PROCESS_MARKER), identity.to_string()) {
-                    tracing::warn!(agent_id = %spec.agent, error = %e, "cannot record the agent's pid");
-                }
-                Ok(Spawned {
-                    child,
-                    identity,
-                    cgroups,
-                    dir,
-                })
-            }
+        match start_process(binary_path, env, &files, &cgroups) {
+            Ok((child, identity)) => Ok(Spawned {
+                child,
+                identity,
+                cgroups,
+                dir,
+            }),
             Err(e) => {
                 let _ = cgroups.remove();
+                self.prune_empty_cgroups();
                 let _ = fs::remove_dir_all(&dir);
                 Err(e)
+            }
+        }
+    }
+
+    /// Undoes a spawn whose process already runs: kills everything in its
+    /// cgroup, reaps the leader, removes the cgroups and the agent directory.
+    /// A failed spawn leaves nothing behind, its logs included (the process
+    /// ran for an instant and its failure is the spawn error).
+    async fn abort_started(
+        &self,
+        agent: AgentId,
+        leader: StartedLeader,
+        cgroups: &AgentCgroups,
+        dir: &Path,
+    ) {
+        let exit = match leader {
+            StartedLeader::Unwatched(mut child) => {
+                // Unreaped: the pid is still the child's, safe to signal.
+                let _ = child.kill();
+                kill_cgroup(cgroups).await.unwrap_or_else(
+                    |e| tracing::warn!(agent_id = %agent, error = %e, "aborted spawn: cannot kill"),
+                );
+                let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+                None
+            }
+            StartedLeader::Watched { exit, tailer } => {
+                exit.destroying.store(true, Ordering::SeqCst);
+                kill_cgroup(cgroups).await.unwrap_or_else(
+                    |e| tracing::warn!(agent_id = %agent, error = %e, "aborted spawn: cannot kill"),
+                );
+                tailer.finish().await;
+                Some(exit)
+            }
+        };
+        if let Some(exit) = exit {
+            // The watcher reaps the leader; wait for it, bounded.
+            let mut rx = exit.exited.subscribe();
+            let _ = tokio::time::timeout(KILL_TIMEOUT, rx.wait_for(Option::is_some)).await;
+        }
+        if let Err(e) = remove_cgroups(cgroups).await {
+            tracing::warn!(agent_id = %agent, error = %e, "aborted spawn: cannot remove its cgroups");
+        }
+        self.prune_empty_cgroups();
+        match fs::remove_dir_all(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(agent_id = %agent, error = %e, "aborted spawn: cannot remove its directory")
             }
         }
     }
@@ -311,20 +370,51 @@ impl BareMetalBackend {
     ) -> Result<(), DestroyError> {
         let tracked = self.inner.tracked.lock().remove(&agent);
         let dir = self.agent_dir(agent);
-        let (leader, cgroups, exit, tailer) = match tracked {
+        let stopped = match &tracked {
             Some(t) => {
                 t.exit.destroying.store(true, Ordering::SeqCst);
                 // Until the watcher reaps it, the pid cannot be reused.
                 let leader = t.exit.exited.borrow().is_none().then_some(t.identity);
-                (leader, t.cgroups, Some(t.exit), Some(t.tailer))
+                self.stop_and_remove(agent, leader, &t.cgroups, Some(&t.exit), grace)
+                    .await
             }
             None => {
                 let recorded = handle
                     .and_then(|h| h.id.parse::<ProcessIdentity>().ok())
                     .or_else(|| read_marker(&dir));
-                (recorded, self.inner.layout.find_agent(agent), None, None)
+                let cgroups = self.inner.layout.find_agent(agent);
+                self.stop_and_remove(agent, recorded, &cgroups, None, grace)
+                    .await
             }
         };
+        if let Err(e) = stopped {
+            // Still ours to destroy: a retry finds the watch and the tailer.
+            if let Some(t) = tracked {
+                self.inner.tracked.lock().entry(agent).or_insert(t);
+            }
+            return Err(e);
+        }
+        if let Some(t) = tracked {
+            t.tailer.finish().await;
+        }
+        logs::retire(&dir, &self.retired_dir()).map_err(|source| DestroyError::Logs {
+            dir: dir.clone(),
+            source,
+        })?;
+        failpoints::check(failpoints::DESTROY_FILES, DestroyError::Injected)?;
+        tracing::info!(agent_id = %agent, "bare-metal agent destroyed");
+        Ok(())
+    }
+
+    /// SIGTERM, the grace, SIGKILL through the cgroup, then the cgroups go.
+    async fn stop_and_remove(
+        &self,
+        agent: AgentId,
+        leader: Option<ProcessIdentity>,
+        cgroups: &AgentCgroups,
+        exit: Option<&ExitWatch>,
+        grace: Duration,
+    ) -> Result<(), DestroyError> {
         // Only a pid whose start time still matches is ours to signal.
         let leader = leader.filter(ProcessIdentity::is_current);
         if let Some(leader) = leader {
@@ -339,40 +429,54 @@ impl BareMetalBackend {
             // Members that left the process group (setsid) get the same
             // chance to stop cleanly; membership is the ownership proof.
             let _ = cgroup::signal_all(tracking, Signal::TERM);
+            failpoints::check(failpoints::DESTROY_SIGNAL, DestroyError::Injected)?;
             if !wait_empty(tracking, grace).await {
-                let deadline = Instant::now() + KILL_TIMEOUT;
-                loop {
-                    cgroup::kill_all(tracking).map_err(|source| DestroyError::Kill {
-                        cgroup: tracking.clone(),
-                        source,
-                    })?;
-                    if wait_empty(tracking, EMPTY_POLL).await {
-                        break;
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(DestroyError::Survivors(tracking.clone()));
-                    }
-                }
+                kill_cgroup(cgroups).await?;
             }
         } else if let Some(leader) = leader {
+            failpoints::check(failpoints::DESTROY_SIGNAL, DestroyError::Injected)?;
             // No tracking cgroup (it was never created): the group is all
             // there is to stop.
-            if !wait_leader(leader, exit.as_deref(), grace).await {
+            if !wait_leader(leader, exit, grace).await {
                 let _ = rustix::process::kill_process_group(leader.pid, Signal::KILL);
             }
         }
-        if let Some(tailer) = tailer {
-            tailer.finish().await;
-        }
-        remove_cgroups(&cgroups).await?;
+        failpoints::check(failpoints::DESTROY_KILL, DestroyError::Injected)?;
+        remove_cgroups(cgroups).await?;
         // The scaler and instance directories go with their last agent.
         self.prune_empty_cgroups();
-        logs::retire(&dir, &self.retired_dir()).map_err(|source| DestroyError::Logs {
-            dir: dir.clone(),
+        failpoints::check(failpoints::DESTROY_CGROUP, DestroyError::Injected)
+    }
+}
+
+/// The leader of a spawn being aborted.
+enum StartedLeader {
+    /// Not yet handed to an exit watch: the abort reaps it.
+    Unwatched(Child),
+    /// Watched (the watcher reaps it) and tailed.
+    Watched {
+        exit: Arc<ExitWatch>,
+        tailer: Tailer,
+    },
+}
+
+/// SIGKILLs everything in the tracking cgroup until it is empty.
+async fn kill_cgroup(cgroups: &AgentCgroups) -> Result<(), DestroyError> {
+    let Some(tracking) = &cgroups.tracking else {
+        return Ok(());
+    };
+    let deadline = Instant::now() + KILL_TIMEOUT;
+    loop {
+        cgroup::kill_all(tracking).map_err(|source| DestroyError::Kill {
+            cgroup: tracking.clone(),
             source,
         })?;
-        tracing::info!(agent_id = %agent, "bare-metal agent destroyed");
-        Ok(())
+        if wait_empty(tracking, EMPTY_POLL).await {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(DestroyError::Survivors(tracking.clone()));
+        }
     }
 }
 
@@ -384,7 +488,7 @@ const ADOPTED_EXIT: &str =
 impl BareMetalBackend {
     /// [`Backend::adopt`]: pid + start time check, then the pidfd watch and
     /// the log tailer again, resumed at the persisted offsets.
-    fn adopt_inner(
+    async fn adopt_inner(
         &self,
         agent: AgentId,
         handle: &ResourceHandle,
@@ -421,6 +525,7 @@ impl BareMetalBackend {
             // Gone, reused, or dead awaiting its new parent's wait.
             return Ok(Adoption::Gone);
         }
+        failpoints::check(failpoints::ADOPT_CHECK, AdoptError::Injected)?;
         let pidfd = crate::notify::register(pidfd).map_err(|e| AdoptError::Pidfd(identity, e))?;
         let cgroups = self.inner.layout.find_agent(agent);
         let context = AgentContext::read(&dir).unwrap_or_else(|| {
@@ -447,7 +552,13 @@ impl BareMetalBackend {
             },
             &dir,
         );
-        watch_adopted(pidfd, identity, agent, reports, exit.clone());
+        let watch = watch_adopted(pidfd, identity, agent, reports, exit.clone());
+        if let Err(e) = failpoints::check(failpoints::ADOPT_WATCH, AdoptError::Injected) {
+            // Adopt creates nothing: the watch and the tailer stop again.
+            watch.abort();
+            tailer.finish().await;
+            return Err(e);
+        }
         tracing::info!(agent_id = %agent, handle = %identity, "bare-metal agent adopted");
         self.inner.tracked.lock().insert(
             agent,
@@ -466,6 +577,9 @@ impl BareMetalBackend {
 enum AdoptError {
     #[error("cannot watch {0}: {1}")]
     Pidfd(ProcessIdentity, std::io::Error),
+    /// A failpoint configured to fail ([`crate::failpoints`]).
+    #[error("injected failure at {0}")]
+    Injected(&'static str),
 }
 
 /// Reports an adopted agent's exit as soon as its pidfd turns readable. It
@@ -478,7 +592,7 @@ fn watch_adopted(
     agent: AgentId,
     reports: ReportSender,
     exit: Arc<ExitWatch>,
-) {
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         if pidfd.readable().await.is_err() {
             // The reactor refused the descriptor: fall back to polling.
@@ -487,7 +601,7 @@ fn watch_adopted(
             }
         }
         exit.record(agent, ADOPTED_EXIT.to_owned(), &reports);
-    });
+    })
 }
 
 struct Spawned {
@@ -515,6 +629,9 @@ enum SpawnError {
         binary: PathBuf,
         source: std::io::Error,
     },
+    /// A failpoint configured to fail ([`crate::failpoints`]).
+    #[error("injected failure at {0}")]
+    Injected(&'static str),
     #[error("the agent process {0} vanished before it could be identified: {1}")]
     Identify(u32, std::io::Error),
 }
@@ -535,6 +652,9 @@ enum DestroyError {
         dir: PathBuf,
         source: std::io::Error,
     },
+    /// A failpoint configured to fail ([`crate::failpoints`]).
+    #[error("injected failure at {0}")]
+    Injected(&'static str),
 }
 
 /// The agent's directory with fresh, empty log files.
@@ -899,9 +1019,29 @@ impl Backend for BareMetalBackend {
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
         let agent = spec.agent;
-        let spawned = self
-            .start_agent(&spec)
-            .map_err(|e| BackendError::Provision(e.to_string()))?;
+        let provision = |e: SpawnError| BackendError::Provision(e.to_string());
+        let Spawned {
+            child,
+            identity,
+            cgroups,
+            dir,
+        } = self.start_agent(&spec).map_err(provision)?;
+        // The process runs: from here a failure must kill it again.
+        let recorded =
+            failpoints::check(failpoints::SPAWN_PROCESS, SpawnError::Injected).and_then(|()| {
+                // Lets a later daemon (or destroy without handle) verify the
+                // pid; the engine's record of the handle does too, so a
+                // failure here is not fatal.
+                if let Err(e) = fs::write(dir.join(PROCESS_MARKER), identity.to_string()) {
+                    tracing::warn!(agent_id = %agent, error = %e, "cannot record the agent's pid");
+                }
+                failpoints::check(failpoints::SPAWN_MARKER, SpawnError::Injected)
+            });
+        if let Err(e) = recorded {
+            self.abort_started(agent, StartedLeader::Unwatched(child), &cgroups, &dir)
+                .await;
+            return Err(provision(e));
+        }
         let exit = ExitWatch::new();
         let tailer = Tailer::start_resumable(
             LogContext {
@@ -910,15 +1050,20 @@ impl Backend for BareMetalBackend {
                 job: spec.job.clone(),
                 source: LOG_SOURCE,
             },
-            &spawned.dir,
+            &dir,
         );
-        watch_exit(spawned.child, agent, spec.reports.clone(), exit.clone());
-        let handle = handle_for(
-            Some(spawned.identity),
-            agent,
-            &spawned.cgroups,
-            Some(&spawned.dir),
-        );
+        watch_exit(child, agent, spec.reports.clone(), exit.clone());
+        if let Err(e) = failpoints::check(failpoints::SPAWN_WATCH, SpawnError::Injected) {
+            self.abort_started(
+                agent,
+                StartedLeader::Watched { exit, tailer },
+                &cgroups,
+                &dir,
+            )
+            .await;
+            return Err(provision(e));
+        }
+        let handle = handle_for(Some(identity), agent, &cgroups, Some(&dir));
         tracing::info!(
             agent_id = %agent,
             scaler = spec.scaler.name.as_str(),
@@ -929,8 +1074,8 @@ impl Backend for BareMetalBackend {
         self.inner.tracked.lock().insert(
             agent,
             Tracked {
-                identity: spawned.identity,
-                cgroups: spawned.cgroups,
+                identity,
+                cgroups,
                 exit,
                 tailer,
             },
@@ -1020,6 +1165,9 @@ impl Backend for BareMetalBackend {
                 });
             }
         }
+        failpoints::check(failpoints::LIST_SCAN, |name| {
+            BackendError::Unavailable(format!("injected failure at {name}"))
+        })?;
         Ok(owned)
     }
 
@@ -1030,6 +1178,7 @@ impl Backend for BareMetalBackend {
         reports: ReportSender,
     ) -> Result<Adoption, BackendError> {
         self.adopt_inner(*agent, handle, reports)
+            .await
             .map_err(|e| BackendError::Unavailable(format!("{agent}: {e}")))
     }
 }

@@ -28,6 +28,7 @@
 //! cgroupfs tree only. v1-only hosts (no v2 mount at all) cannot track
 //! agents and are refused by `validate`.
 
+use crate::failpoints;
 use kici_model::{AgentId, InstanceId, MemoryBytes, MilliCpu, Resources};
 use rustix::fd::OwnedFd;
 use rustix::process::{Pid, Signal};
@@ -53,6 +54,9 @@ pub enum CgroupError {
     },
     #[error("cgroup {} already exists and still holds processes", .0.display())]
     InUse(PathBuf),
+    /// A failpoint configured to fail ([`crate::failpoints`]).
+    #[error("injected failure at {0}")]
+    Injected(&'static str),
 }
 
 fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> CgroupError {
@@ -447,7 +451,9 @@ impl AgentCgroups {
             tracking: Some(tracking.clone()),
             v1: Vec::new(),
         };
-        let result = cgroups.apply_limits(layout, scaler, agent, plan);
+        let result = failpoints::check(failpoints::SPAWN_CGROUP, CgroupError::Injected)
+            .and_then(|()| cgroups.apply_limits(layout, scaler, agent, plan))
+            .and_then(|()| failpoints::check(failpoints::SPAWN_LIMITS, CgroupError::Injected));
         if let Err(e) = result {
             let _ = cgroups.remove();
             return Err(e);

@@ -7,6 +7,7 @@
 //! - [`logs`]: log files followed and forwarded as wrapped `tracing` events,
 //!   with bounded retention.
 //! - [`process`]: pid + start time identity.
+//! - [`failpoints`]: the named failpoints of every step ([`FAILPOINTS`]).
 //!
 //! The container and Firecracker backends will live here too and reuse
 //! [`env`] and [`logs`].
@@ -14,6 +15,7 @@
 pub mod bare_metal;
 pub mod cgroup;
 pub mod env;
+pub mod failpoints;
 pub mod logs;
 mod notify;
 pub mod process;
@@ -23,3 +25,4 @@ mod test_support;
 
 pub use bare_metal::{BareMetalBackend, BareMetalOptions, BareMetalSetupError};
 pub use env::{agent_env, ForwardedEnv, ForwardedEnvError, ForwardedEnvProblem, SystemEnv};
+pub use failpoints::FAILPOINTS;
