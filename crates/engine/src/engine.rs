@@ -27,6 +27,9 @@ use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod recovery;
+pub use recovery::{DurableAgent, JournalEntry, RecoverError, Recovered};
+
 /// Daemon-wide engine settings (not per scaler).
 #[derive(Debug, Clone)]
 pub struct EngineSettings {
@@ -343,6 +346,7 @@ pub struct Engine {
     cordons: CordonSet,
     effects: Vec<Effect>,
     events: Vec<EngineEvent>,
+    journal: Vec<JournalEntry>,
     shutting_down: bool,
     next_seq: u64,
 }
@@ -370,6 +374,7 @@ impl Engine {
             cordons: CordonSet::none(),
             effects: Vec::new(),
             events: Vec::new(),
+            journal: Vec::new(),
             shutting_down: false,
             next_seq: 0,
         };
@@ -873,6 +878,9 @@ impl Engine {
         a.handle = Some(handle);
         if matches!(a.state, AgentState::Requested | AgentState::Provisioning) {
             self.step(agent, AgentEvent::Booted, now);
+        } else {
+            // Registration came first; the handle still has to be recorded.
+            self.journal_agent(agent, now);
         }
     }
 
@@ -1149,6 +1157,7 @@ impl Engine {
             detail,
             seconds_in_state,
         });
+        self.journal_agent(agent, now);
         Ok(to)
     }
 

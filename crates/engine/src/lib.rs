@@ -5,6 +5,7 @@
 //! - [`pending`]: scale requests waiting for capacity.
 //! - [`engine`]: the synchronous engine tying routing, admission, agents,
 //!   warm pools, deadlines and reload together; it emits effects and events.
+//! - [`journal`]: the port to the state store and its ordered writer.
 //! - [`backend`]: the `Backend` trait backends implement.
 //! - [`runtime`]: the async driver that runs effects against backends and
 //!   fires timers.
@@ -14,6 +15,7 @@
 pub mod backend;
 pub mod breaker;
 pub mod engine;
+pub mod journal;
 pub mod lifecycle;
 pub mod memory_backend;
 pub mod pending;
@@ -24,8 +26,10 @@ pub use backend::{
 };
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
-    AgentError, AgentView, DestroyOrder, Effect, Engine, EngineEvent, EngineSettings, Registration,
-    ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
+    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, EngineSettings,
+    JournalEntry, RecoverError, Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome,
+    SpawnOrder, Status,
 };
+pub use journal::{Journal, JournalError};
 pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};
 pub use pending::{PendingEnd, ScaleRequest};

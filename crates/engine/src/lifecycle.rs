@@ -64,6 +64,16 @@ impl AgentState {
     }
 }
 
+impl std::str::FromStr for AgentState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|v| v.as_str() == s)
+            .ok_or_else(|| format!("unknown agent state `{s}`"))
+    }
+}
+
 impl fmt::Display for AgentState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -113,6 +123,16 @@ impl FailureReason {
     }
 }
 
+impl std::str::FromStr for FailureReason {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|v| v.as_str() == s)
+            .ok_or_else(|| format!("unknown failure reason `{s}`"))
+    }
+}
+
 impl fmt::Display for FailureReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -130,6 +150,26 @@ pub enum Mode {
     Standalone,
 }
 
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Orchestrator => "orchestrator",
+            Self::Standalone => "standalone",
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "orchestrator" => Ok(Self::Orchestrator),
+            "standalone" => Ok(Self::Standalone),
+            _ => Err(format!("unknown mode `{s}`")),
+        }
+    }
+}
+
 /// Why an agent is being destroyed without a failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -142,6 +182,9 @@ pub enum StopCause {
     ScaleIn,
     Removed,
     Cancelled,
+    /// Found alive after a restart but not resumable (a standalone job whose
+    /// connection died with the old daemon).
+    Recovered,
 }
 
 impl StopCause {
@@ -155,6 +198,7 @@ impl StopCause {
             Self::ScaleIn => "scale-in",
             Self::Removed => "removed",
             Self::Cancelled => "cancelled",
+            Self::Recovered => "recovered",
         }
     }
 }
@@ -182,6 +226,9 @@ pub enum AgentEvent {
     Stop(StopCause),
     /// Every release step finished.
     Released,
+    /// Taken back after a daemon restart, in the state recovery chose
+    /// (see `Engine::recover`); legal only for a freshly rebuilt record.
+    Recovered(AgentState),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -231,6 +278,10 @@ pub fn transition(from: AgentState, event: AgentEvent) -> Result<AgentState, Ill
             E::Stop(_),
         ) => S::Destroying,
         (S::Destroying, E::Released) => S::Gone,
+        (
+            S::Requested,
+            E::Recovered(to @ (S::Booted | S::Registered | S::Idle | S::Busy | S::Destroying)),
+        ) => to,
         _ => return Err(IllegalTransition { from, event }),
     };
     Ok(to)
@@ -250,6 +301,31 @@ mod tests {
             path.push(s);
         }
         Ok(path)
+    }
+
+    #[test]
+    fn recovery_rebuilds_only_fresh_records_into_resumable_states() {
+        for to in [S::Booted, S::Registered, S::Idle, S::Busy, S::Destroying] {
+            assert_eq!(transition(S::Requested, E::Recovered(to)), Ok(to));
+            assert!(transition(S::Booted, E::Recovered(to)).is_err());
+        }
+        for to in [S::Requested, S::Provisioning, S::Draining, S::Gone] {
+            assert!(transition(S::Requested, E::Recovered(to)).is_err());
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for s in AgentState::ALL {
+            assert_eq!(s.as_str().parse::<AgentState>(), Ok(s));
+        }
+        for r in FailureReason::ALL {
+            assert_eq!(r.as_str().parse::<FailureReason>(), Ok(r));
+        }
+        for m in [Mode::Orchestrator, Mode::Standalone] {
+            assert_eq!(m.as_str().parse::<Mode>(), Ok(m));
+        }
+        assert!("busyish".parse::<AgentState>().is_err());
     }
 
     #[test]

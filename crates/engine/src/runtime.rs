@@ -6,11 +6,13 @@
 //! publishes the recorded events and launches the recorded effects. Time is
 //! tokio's, so tests run with paused time and never sleep.
 
-use crate::backend::{Backend, BackendReport, SpawnSpec};
+use crate::backend::{Adoption, Backend, BackendReport, ResourceHandle, SpawnSpec};
 use crate::engine::{
-    AgentError, AgentView, DestroyOrder, Effect, Engine, EngineEvent, Registration, ReloadError,
-    ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
+    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, JournalEntry,
+    RecoverError, Recovered, Registration, ReloadError, ReloadReport, ScaleError, ScaleOutcome,
+    SpawnOrder, Status,
 };
+use crate::journal::{Journal, JournalError, JournalOp, JournalWriter};
 use crate::pending::ScaleRequest;
 use kici_model::{AgentId, Config, JobId, ScalerType, Secret};
 use parking_lot::Mutex;
@@ -19,8 +21,22 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::{broadcast, mpsc, watch, Notify};
+use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::AbortHandle;
+
+/// How many recorded agents are checked with their backend at once.
+const RECOVERY_PARALLELISM: usize = 64;
+
+/// What startup recovery did.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecoveryReport {
+    /// Alive and managed again.
+    pub adopted: Vec<AgentId>,
+    /// Gone (or not resumable): destroyed, then forgotten.
+    pub released: Vec<AgentId>,
+    pub errors: Vec<String>,
+}
 
 /// How often the machine-pool ledger's upkeep runs.
 const LEDGER_MAINTENANCE: Duration = Duration::from_secs(30);
@@ -82,6 +98,8 @@ struct Inner {
     wake: Notify,
     spawns: Mutex<HashMap<AgentId, AbortHandle>>,
     reports: mpsc::UnboundedSender<BackendReport>,
+    /// The state store's writer, when the daemon keeps durable state.
+    journal: Option<mpsc::UnboundedSender<JournalOp>>,
     /// Set once by `shutdown`; every background task ends when it flips.
     stop: watch::Sender<bool>,
 }
@@ -97,11 +115,40 @@ fn now() -> Instant {
 }
 
 impl Runtime {
-    /// Starts the timer and report tasks on the current tokio runtime.
+    /// Starts the timer and report tasks on the current tokio runtime,
+    /// without durable state.
     pub fn start(
         engine: Engine,
         backends: Vec<Arc<dyn Backend>>,
         bootstrap: Arc<dyn Bootstrapper>,
+    ) -> Self {
+        let rt = Self::build(engine, backends, bootstrap, None);
+        rt.start_timers();
+        rt
+    }
+
+    /// Starts with durable state: first takes back every agent `records`
+    /// holds (see [`Engine::recover`]), then starts the timers — so warm
+    /// pools and pending requests see the recovered agents and capacity.
+    pub async fn start_recovering(
+        engine: Engine,
+        backends: Vec<Arc<dyn Backend>>,
+        bootstrap: Arc<dyn Bootstrapper>,
+        journal: Arc<dyn Journal>,
+        records: Vec<DurableAgent>,
+    ) -> (Self, RecoveryReport) {
+        let writer = JournalWriter::spawn(journal);
+        let rt = Self::build(engine, backends, bootstrap, Some(writer));
+        let report = rt.recover(records).await;
+        rt.start_timers();
+        (rt, report)
+    }
+
+    fn build(
+        engine: Engine,
+        backends: Vec<Arc<dyn Backend>>,
+        bootstrap: Arc<dyn Bootstrapper>,
+        journal: Option<mpsc::UnboundedSender<JournalOp>>,
     ) -> Self {
         let ledger = engine.admission().ledger().cloned();
         let (reports, mut report_rx) = mpsc::unbounded_channel();
@@ -115,11 +162,10 @@ impl Runtime {
             wake: Notify::new(),
             spawns: Mutex::new(HashMap::new()),
             reports,
+            journal,
             stop: watch::Sender::new(false),
         });
         let rt = Self { inner };
-        let timer = rt.clone();
-        tokio::spawn(async move { timer.run_timers().await });
         let reporter = rt.clone();
         let mut stop = rt.inner.stop.subscribe();
         tokio::spawn(async move {
@@ -164,6 +210,11 @@ impl Runtime {
         rt
     }
 
+    fn start_timers(&self) {
+        let timer = self.clone();
+        tokio::spawn(async move { timer.run_timers().await });
+    }
+
     async fn run_timers(&self) {
         // The first tick (warm pools fill from the start) runs once the
         // caller of `start` yields, so a subscriber taken right after
@@ -206,11 +257,72 @@ impl Runtime {
         for event in engine.take_events() {
             self.publish(event);
         }
-        for effect in engine.take_effects() {
-            self.execute(effect);
+        let entries = engine.take_journal();
+        let effects = engine.take_effects();
+        let mut acks = self.write_journal(entries, &effects);
+        for effect in effects {
+            let ack = match &effect {
+                Effect::Spawn(order) => acks.remove(&order.agent),
+                Effect::Destroy(_) => None,
+            };
+            self.execute(effect, ack);
         }
         drop(engine);
         result
+    }
+
+    /// Queues the engine's store writes in order. The last write of an agent
+    /// about to be spawned carries an acknowledgement: the spawn waits for
+    /// it, so no host resource exists that the store does not know of.
+    fn write_journal(
+        &self,
+        entries: Vec<JournalEntry>,
+        effects: &[Effect],
+    ) -> HashMap<AgentId, oneshot::Receiver<Result<(), JournalError>>> {
+        let mut acks = HashMap::new();
+        let Some(writer) = &self.inner.journal else {
+            return acks;
+        };
+        let at = SystemTime::now();
+        let spawning: Vec<AgentId> = effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Spawn(o) => Some(o.agent),
+                Effect::Destroy(_) => None,
+            })
+            .collect();
+        let last_of =
+            |agent: AgentId, i: usize| !entries[i + 1..].iter().any(|later| later.agent() == agent);
+        for (i, entry) in entries.iter().enumerate() {
+            let agent = entry.agent();
+            let ack = if spawning.contains(&agent) && last_of(agent, i) {
+                let (tx, rx) = oneshot::channel();
+                acks.insert(agent, rx);
+                Some(tx)
+            } else {
+                None
+            };
+            // The writer ends only after every sender is gone.
+            let _ = writer.send(JournalOp::Write {
+                entry: entry.clone(),
+                at,
+                ack,
+            });
+        }
+        acks
+    }
+
+    /// Waits until every store write made so far was applied; `false` when
+    /// some are still waiting for the store to come back.
+    pub async fn flush_journal(&self) -> bool {
+        let Some(writer) = &self.inner.journal else {
+            return true;
+        };
+        let (tx, rx) = oneshot::channel();
+        if writer.send(JournalOp::Flush(tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
     }
 
     fn publish(&self, event: EngineEvent) {
@@ -224,14 +336,22 @@ impl Runtime {
         }));
     }
 
-    fn execute(&self, effect: Effect) {
+    fn execute(
+        &self,
+        effect: Effect,
+        recorded: Option<oneshot::Receiver<Result<(), JournalError>>>,
+    ) {
         match effect {
-            Effect::Spawn(order) => self.launch_spawn(order),
+            Effect::Spawn(order) => self.launch_spawn(order, recorded),
             Effect::Destroy(order) => self.launch_destroy(order),
         }
     }
 
-    fn launch_spawn(&self, order: SpawnOrder) {
+    fn launch_spawn(
+        &self,
+        order: SpawnOrder,
+        recorded: Option<oneshot::Receiver<Result<(), JournalError>>>,
+    ) {
         let agent = order.agent;
         let kind = order.scaler().kind;
         let Some(backend) = self.inner.backends.get(&kind).cloned() else {
@@ -266,6 +386,18 @@ impl Runtime {
         // before it is inserted.
         let mut spawns = self.inner.spawns.lock();
         let task = tokio::spawn(async move {
+            if let Some(recorded) = recorded {
+                let written = recorded
+                    .await
+                    .unwrap_or_else(|_| Err(JournalError("the store writer stopped".into())));
+                if let Err(e) = written {
+                    // Nothing was created: a resource the store does not
+                    // know of could leak on a crash.
+                    rt.inner.spawns.lock().remove(&agent);
+                    rt.call(|e2, now| e2.spawn_failed(agent, format!("not spawned: {e}"), now));
+                    return;
+                }
+            }
             let result = backend.spawn(spec).await;
             rt.inner.spawns.lock().remove(&agent);
             rt.call(|e, now| match result {
@@ -311,6 +443,104 @@ impl Runtime {
                 }),
             }
         });
+    }
+
+    // ----- recovery ---------------------------------------------------------
+
+    /// Asks each agent's backend whether it still runs, then hands the
+    /// answer to the engine. Agents of a scaler the configuration no longer
+    /// has are destroyed directly.
+    async fn recover(&self, records: Vec<DurableAgent>) -> RecoveryReport {
+        let mut report = RecoveryReport::default();
+        // Bounded fan-out: a thousand recorded agents must not open a
+        // thousand Engine API connections at once.
+        let limit = Arc::new(tokio::sync::Semaphore::new(RECOVERY_PARALLELISM));
+        let mut tasks = tokio::task::JoinSet::new();
+        for record in records {
+            let backend = self.inner.backends.get(&record.backend).cloned();
+            let reports = self.inner.reports.clone();
+            let limit = limit.clone();
+            tasks.spawn(async move {
+                let _permit = limit.acquire_owned().await;
+                let alive = match &backend {
+                    None => Err(format!("no {} backend is running", record.backend)),
+                    Some(b) => {
+                        let handle = record.handle.clone().unwrap_or_else(|| ResourceHandle {
+                            id: String::new(),
+                            extra: Default::default(),
+                        });
+                        b.adopt(&record.agent, &handle, reports)
+                            .await
+                            .map(|a| a == Adoption::Alive)
+                            .map_err(|e| e.to_string())
+                    }
+                };
+                (record, alive)
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            let Ok((record, alive)) = joined else {
+                report.errors.push("a recovery task panicked".into());
+                continue;
+            };
+            let agent = record.agent;
+            let backend = record.backend;
+            let alive = match alive {
+                Ok(alive) => alive,
+                Err(e) => {
+                    // Unknown is treated as alive: it keeps its capacity and
+                    // is destroyed by its deadlines, never leaked.
+                    report
+                        .errors
+                        .push(format!("{agent}: cannot tell whether it runs: {e}"));
+                    true
+                }
+            };
+            match self.call(|e, now| e.recover(record, alive, now)) {
+                Ok(Recovered::Adopted(_)) => report.adopted.push(agent),
+                Ok(Recovered::Releasing) => report.released.push(agent),
+                Err(RecoverError::UnknownScaler { agent, .. }) => {
+                    report.released.push(agent);
+                    self.destroy_unmanaged(agent, backend).await;
+                }
+                Err(e) => report.errors.push(e.to_string()),
+            }
+        }
+        report
+    }
+
+    /// Destroys a recorded agent the engine cannot manage (its scaler is
+    /// gone from the configuration), then forgets its record.
+    async fn destroy_unmanaged(&self, agent: AgentId, backend: ScalerType) {
+        let Some(b) = self.inner.backends.get(&backend).cloned() else {
+            return;
+        };
+        let grace = Duration::from_secs(5);
+        match b.destroy(&agent, None, grace).await {
+            Ok(()) => {
+                self.inner.bootstrap.revoke(agent);
+                if let Some(writer) = &self.inner.journal {
+                    let _ = writer.send(JournalOp::Write {
+                        entry: JournalEntry::Forget(agent),
+                        at: SystemTime::now(),
+                        ack: None,
+                    });
+                }
+            }
+            Err(e) => {
+                tracing::warn!(agent = %agent, error = %e, "destroying a recovered agent of a removed scaler failed; the reconciler retries");
+            }
+        }
+    }
+
+    /// The backends, for the reconciler.
+    pub fn backends(&self) -> Vec<Arc<dyn Backend>> {
+        self.inner.backends.values().cloned().collect()
+    }
+
+    /// Agents the engine manages now (any state but gone).
+    pub fn live_agent_ids(&self) -> std::collections::BTreeSet<AgentId> {
+        self.inner.engine.lock().live_agent_ids()
     }
 
     // ----- the engine's API, async-friendly ---------------------------------
@@ -418,6 +648,13 @@ impl Runtime {
                 Ok(Err(broadcast::error::RecvError::Closed)) => break,
                 Ok(_) => {}
             }
+        }
+        // Every agent's `Forget` reaches the store before the daemon exits.
+        let flushed = self.flush_journal().await;
+        if !flushed {
+            tracing::warn!(
+                "state store writes still pending at shutdown; the next start reconciles them"
+            );
         }
         self.inner.stop.send_replace(true);
         self.inner.engine.lock().is_idle()
