@@ -25,9 +25,6 @@
 //! `nft -j -f -` (one atomic transaction per operation), never through rule
 //! text.
 
-// Skeleton commit: the implementation lands next.
-#![allow(dead_code)]
-
 pub mod docker_user;
 mod error;
 mod nft;
