@@ -127,21 +127,25 @@ impl Runtime {
         rt
     }
 
-    /// Starts with durable state: first takes back every agent `records`
-    /// holds (see [`Engine::recover`]), then starts the timers — so warm
-    /// pools and pending requests see the recovered agents and capacity.
-    pub async fn start_recovering(
+    /// A runtime with durable state, not yet running: subscribe to its
+    /// events, then call [`Runtime::recover_and_start`].
+    pub fn with_journal(
         engine: Engine,
         backends: Vec<Arc<dyn Backend>>,
         bootstrap: Arc<dyn Bootstrapper>,
         journal: Arc<dyn Journal>,
-        records: Vec<DurableAgent>,
-    ) -> (Self, RecoveryReport) {
+    ) -> Self {
         let writer = JournalWriter::spawn(journal);
-        let rt = Self::build(engine, backends, bootstrap, Some(writer));
-        let report = rt.recover(records).await;
-        rt.start_timers();
-        (rt, report)
+        Self::build(engine, backends, bootstrap, Some(writer))
+    }
+
+    /// Takes back every agent `records` holds (see [`Engine::recover`]),
+    /// then starts the timers — so warm pools and pending requests see the
+    /// recovered agents and their capacity.
+    pub async fn recover_and_start(&self, records: Vec<DurableAgent>) -> RecoveryReport {
+        let report = self.recover(records).await;
+        self.start_timers();
+        report
     }
 
     fn build(

@@ -73,14 +73,13 @@ async fn start(
     }
     let backends: Vec<Arc<dyn Backend>> = vec![docker.clone(), local.clone()];
     let records = journal.records();
-    let (rt, report) = Runtime::start_recovering(
+    let rt = Runtime::with_journal(
         engine(&BASIC.replace("maxCpu: 2", "maxCpu: 4")),
         backends,
         Arc::new(DefaultBootstrap),
         journal,
-        records,
-    )
-    .await;
+    );
+    let report = rt.recover_and_start(records).await;
     (Daemon { rt, docker, local }, report)
 }
 

@@ -87,6 +87,18 @@ impl Engine {
         std::mem::take(&mut self.journal)
     }
 
+    /// `KICI_LABELS` of a managed agent (what its token authorises), for
+    /// re-issuing a recovered agent's token scope.
+    pub fn agent_labels_of(&self, id: AgentId) -> Option<Vec<String>> {
+        let a = self.agents.get(&id)?;
+        if !Arc::ptr_eq(&a.config, &self.config) {
+            // Created under an older config: its scaler index may not match
+            // the router's; the labels would be wrong, so say nothing.
+            return None;
+        }
+        Some(self.router.agent_labels(a.scaler_index, a.label_set))
+    }
+
     /// The agent's current snapshot.
     pub fn durable(&self, id: AgentId, now: Instant) -> Option<DurableAgent> {
         self.agents.get(&id).map(|a| snapshot(a, now))
