@@ -51,6 +51,14 @@ pub struct TableOptions {
     /// Off only for hosts whose services must all be reachable from agents.
     pub protect_host: bool,
     pub docker_user: DockerUserMode,
+    /// The bridge the agents hang off (`kici-scaler-net`'s, the Firecracker
+    /// bridge). When set, routed traffic arriving from it that matches no
+    /// installed agent drops too, whatever its source address: an agent that
+    /// changed both its MAC and its address to something outside the subnet
+    /// still fails closed. (Bridged port-to-port frames cannot be matched by
+    /// bridge name on every kernel; a [`AgentMatch::port`] binding covers
+    /// those.)
+    pub agent_bridge: Option<String>,
     /// Run `nft`/`iptables` inside this named network namespace
     /// (`ip netns exec <name> …`); `None` is the daemon's own namespace.
     pub netns: Option<String>,
@@ -65,6 +73,7 @@ impl Default for TableOptions {
             resolvers: Vec::new(),
             protect_host: true,
             docker_user: DockerUserMode::Leave,
+            agent_bridge: None,
             netns: None,
             command_timeout: Duration::from_secs(10),
         }
@@ -164,6 +173,9 @@ impl EgressTable {
         options: TableOptions,
     ) -> Result<Self, NetPolicyError> {
         let subnet = subnet.trunc();
+        if let Some(bridge) = &options.agent_bridge {
+            validate_port_name(bridge)?;
+        }
         let runner = Runner {
             netns: options.netns.clone(),
             timeout: options.command_timeout,
@@ -222,6 +234,29 @@ impl EgressTable {
                         ],
                         subnet_tag.clone(),
                     ));
+                }
+                let bridge = options
+                    .agent_bridge
+                    .as_ref()
+                    .filter(|_| family == NfFamily::INet);
+                if let Some(bridge) = bridge {
+                    let tag = bridge_comment(instance, subnet, bridge);
+                    if !in_base(&tag) {
+                        missing.add(rule(
+                            family,
+                            b.name,
+                            vec![
+                                matches(
+                                    meta(MetaKey::Iifname),
+                                    Operator::EQ,
+                                    Expression::String(bridge.clone().into()),
+                                ),
+                                counter(),
+                                Statement::Drop(None),
+                            ],
+                            tag,
+                        ));
+                    }
                 }
             }
         }
@@ -603,9 +638,22 @@ impl EgressTable {
     /// matching no installed agent).
     pub async fn unmatched_counters(&self) -> Result<RuleCounters, NetPolicyError> {
         let listing = list(&self.runner).await?;
-        Ok(sum_counters(
-            listing.tagged(&subnet_comment(self.instance, self.subnet)),
-        ))
+        Ok(sum_counters(self.subnet_rules(&listing)))
+    }
+
+    /// This instance's subnet-level rules (default drops).
+    fn subnet_rules<'a>(&self, listing: &'a Listing) -> impl Iterator<Item = &'a ListedRule> + 'a {
+        let subnet = subnet_comment(self.instance, self.subnet);
+        let bridge = self
+            .options
+            .agent_bridge
+            .as_ref()
+            .map(|b| bridge_comment(self.instance, self.subnet, b));
+        listing.rules.iter().filter(move |r| {
+            r.comment
+                .as_deref()
+                .is_some_and(|c| c == subnet || Some(c) == bridge.as_deref())
+        })
     }
 
     /// Removes this instance's subnet-level rules (default drops, and its
@@ -616,7 +664,7 @@ impl EgressTable {
         let listing = list(&self.runner).await?;
         let mut batch = Batch::new();
         let mut removed = 0;
-        for r in listing.tagged(&subnet_comment(self.instance, self.subnet)) {
+        for r in self.subnet_rules(&listing) {
             batch.delete(delete_rule(r));
             removed += 1;
         }
@@ -639,6 +687,10 @@ const INPUT_SUFFIX: &str = "-in";
 
 fn subnet_comment(instance: InstanceId, subnet: Ipv4Net) -> String {
     format!("{COMMENT_PREFIX}{instance}:subnet {subnet}")
+}
+
+fn bridge_comment(instance: InstanceId, subnet: Ipv4Net, bridge: &str) -> String {
+    format!("{COMMENT_PREFIX}{instance}:subnet {subnet} bridge {bridge}")
 }
 
 /// A base chain of ours and the regular chain it jumps to first.

@@ -631,3 +631,92 @@ async fn docker_user_accepts_are_idempotent_and_torn_down() {
     ]);
     assert!(!rules.contains("kici-scaler"), "{rules}");
 }
+
+#[tokio::test]
+async fn agent_bridge_option_drops_an_unknown_mac_outside_the_subnet() {
+    let mut lab = Lab::new();
+    let a = lab.agent(5);
+    let _s = services(&lab);
+    let t = table(&lab, InstanceId::random()).await;
+    let id = AgentId::random(ScalerType::Container);
+    t.install(&id, &key(&a), &EgressPolicy::default())
+        .await
+        .unwrap();
+    // The agent (no port binding) takes a new MAC and an address outside the subnet.
+    lab::run(&[
+        "ip",
+        "-n",
+        &a.ns,
+        "link",
+        "set",
+        "eth0",
+        "address",
+        "06:00:ac:aa:bb:cc",
+    ]);
+    lab::run(&[
+        "ip",
+        "-n",
+        &a.ns,
+        "addr",
+        "add",
+        "198.51.100.9/24",
+        "dev",
+        "eth0",
+    ]);
+    lab::run(&[
+        "ip",
+        "-n",
+        &lab.host,
+        "route",
+        "add",
+        "198.51.100.0/24",
+        "dev",
+        "br0",
+    ]);
+    let spoofed = Some("198.51.100.9".parse().unwrap());
+    assert!(
+        tcp_reaches(&a.ns, spoofed, INTERNET, WEB),
+        "without agent_bridge this gap is open (containers lack NET_ADMIN to use it)"
+    );
+    let opts = TableOptions {
+        agent_bridge: Some("br0".into()),
+        ..options(&lab)
+    };
+    let t = EgressTable::ensure(t.instance(), lab::SUBNET.parse().unwrap(), opts)
+        .await
+        .unwrap();
+    for bridge_nf in [false, true] {
+        lab.set_bridge_nf(bridge_nf);
+        assert_blocked_by_us(
+            &t,
+            None,
+            || tcp_reaches(&a.ns, spoofed, INTERNET, WEB),
+            "unknown MAC, foreign address",
+        )
+        .await;
+        assert_blocked_by_us(
+            &t,
+            None,
+            || tcp_reaches(&a.ns, spoofed, GATEWAY, GATEWAY_PORT),
+            "unknown MAC to the host",
+        )
+        .await;
+    }
+    // The agent's own identity still works through the bridge.
+    lab::run(&[
+        "ip",
+        "-n",
+        &a.ns,
+        "link",
+        "set",
+        "eth0",
+        "address",
+        &lab::mac_str(a.mac),
+    ]);
+    assert!(tcp_reaches(&a.ns, Some(a.ip), INTERNET, WEB));
+    assert_eq!(
+        t.teardown().await.unwrap(),
+        5,
+        "3 subnet drops + 2 bridge drops"
+    );
+}
