@@ -54,6 +54,9 @@ pub struct Paths {
     pub fc_sim: PathBuf,
     /// `fake-jailer`, static.
     pub fake_jailer: PathBuf,
+    /// `testkit-agent`, static: a guest agent that reports its environment to
+    /// `agent-report.json` in the jail root and blocks (or exits with `TESTKIT_AGENT_EXIT`).
+    pub testkit_agent: PathBuf,
 }
 
 static BUILT: OnceLock<Result<Paths, String>> = OnceLock::new();
@@ -99,6 +102,7 @@ pub fn build_binaries() -> Result<Paths, TestkitError> {
             Ok(Paths {
                 fc_sim: dir.join("fc-sim"),
                 fake_jailer: dir.join("fake-jailer"),
+                testkit_agent: dir.join("testkit-agent"),
             })
         })
         .clone()
@@ -363,6 +367,11 @@ impl SimState {
     }
 }
 
+/// Where a directly launched simulator's stdout (the serial console) goes, in its directory.
+pub const SERIAL_FILE: &str = "serial.log";
+/// Where its stderr goes.
+pub const STDERR_FILE: &str = "fc-sim.stderr";
+
 /// A simulator launched directly (no jailer, no chroot): for API-level tests.
 #[derive(Debug)]
 pub struct Simulator {
@@ -382,6 +391,10 @@ impl Simulator {
         setup: &GuestSetup,
     ) -> Result<Self, TestkitError> {
         let socket = dir.join("api.sock");
+        let serial =
+            fs::File::create(dir.join(SERIAL_FILE)).map_err(io_err("creating the serial log"))?;
+        let stderr =
+            fs::File::create(dir.join(STDERR_FILE)).map_err(io_err("creating the stderr log"))?;
         let mut cmd = Command::new(&paths.fc_sim);
         cmd.current_dir(dir)
             .arg("--api-sock")
@@ -389,8 +402,8 @@ impl Simulator {
             .args(args)
             .env(GUEST_MODE_ENV, setup.mode.as_str())
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .stdout(Stdio::from(serial))
+            .stderr(Stdio::from(stderr));
         match &setup.agent {
             Some(a) => cmd.env(GUEST_AGENT_ENV, a),
             None => cmd.env_remove(GUEST_AGENT_ENV),
@@ -409,18 +422,18 @@ impl Simulator {
         self.child.as_ref().map(Child::id)
     }
 
-    /// Wait for the process to exit and return its code and serial output (stdout).
+    /// The serial console so far (the simulator's stdout, `<dir>/serial.log`).
+    pub fn serial(&self) -> String {
+        fs::read_to_string(self.dir.join(SERIAL_FILE)).unwrap_or_default()
+    }
+
+    /// Wait for the process to exit; its exit code and the serial console.
     pub fn wait_exit(mut self) -> Result<(Option<i32>, String), TestkitError> {
-        let Some(child) = self.child.take() else {
-            return Ok((None, String::new()));
+        let Some(mut child) = self.child.take() else {
+            return Ok((None, self.serial()));
         };
-        let out = child
-            .wait_with_output()
-            .map_err(io_err("waiting for fc-sim"))?;
-        Ok((
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-        ))
+        let status = child.wait().map_err(io_err("waiting for fc-sim"))?;
+        Ok((status.code(), self.serial()))
     }
 }
 

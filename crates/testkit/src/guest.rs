@@ -144,12 +144,19 @@ fn serial(line: &str) {
     let _ = out.flush();
 }
 
+/// How long an exiting VMM lets in-flight API responses go out.
+const RESPONSE_FLUSH_GRACE: Duration = Duration::from_secs(1);
+
 /// The VMM exits once the guest has rebooted or powered off.
 fn vmm_exit(shared: &Shared, phase: &'static str) -> ! {
     {
         let mut st = shared.lock();
         st.guest.phase = phase;
         st.logger.log(Level::Info, "main", "Vmm is stopping.");
+        // Let the response to the request that ended the guest (Ctrl+Alt+Del) reach its client.
+        let _ = shared
+            .events
+            .wait_timeout_while(st, RESPONSE_FLUSH_GRACE, |s| s.in_flight > 0);
     }
     let _ = std::io::stdout().flush();
     std::process::exit(0);
@@ -227,9 +234,8 @@ pub fn run(shared: Arc<Shared>) {
 fn idle_until_ctrl_alt_del(shared: &Shared, mode: GuestMode, phase: &'static str) -> ! {
     let mut st = shared.lock();
     st.guest.phase = phase;
-    let seen = st.ctrl_alt_del_count;
     loop {
-        if st.ctrl_alt_del_count > seen && mode != GuestMode::IgnoreCtrlAltDel {
+        if st.ctrl_alt_del_count > 0 && mode != GuestMode::IgnoreCtrlAltDel {
             drop(st);
             serial("[   10.000000] reboot: Restarting system");
             vmm_exit(shared, "rebooted");
@@ -242,10 +248,10 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
     serial("kici-init: waiting for MMDS");
     let meta = {
         let mut st = shared.lock();
-        let cad_at_start = st.ctrl_alt_del_count;
         st.guest.phase = "waiting-for-mmds";
         loop {
-            if st.ctrl_alt_del_count > cad_at_start && mode != GuestMode::IgnoreCtrlAltDel {
+            // Ctrl+Alt+Del is refused before boot, so any count means "received since boot".
+            if st.ctrl_alt_del_count > 0 && mode != GuestMode::IgnoreCtrlAltDel {
                 drop(st);
                 serial("[   10.000000] reboot: Restarting system");
                 vmm_exit(shared, "rebooted");
@@ -332,7 +338,6 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
         waiter_shared.events.notify_all();
     });
     let mut st = shared.lock();
-    let cad_seen = st.ctrl_alt_del_count;
     loop {
         if let Some(code) = st.guest.agent_exit_code {
             drop(st);
@@ -342,7 +347,7 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
             serial("[   10.000000] reboot: Power down");
             vmm_exit(shared, "powered-off");
         }
-        if st.ctrl_alt_del_count > cad_seen && mode != GuestMode::IgnoreCtrlAltDel {
+        if st.ctrl_alt_del_count > 0 && mode != GuestMode::IgnoreCtrlAltDel {
             st.guest.phase = "stopping";
             drop(st);
             serial("kici-init: Ctrl+Alt+Del: stopping the agent");

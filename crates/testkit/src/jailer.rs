@@ -596,7 +596,7 @@ fn run(raw: &[String]) -> Result<(), JailerError> {
 }
 
 #[cfg(test)]
-mod tests {
+mod firecracker_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 

@@ -156,7 +156,7 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 }
 
 #[cfg(test)]
-mod tests {
+mod firecracker_tests {
     use super::*;
 
     #[test]

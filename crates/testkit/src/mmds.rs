@@ -342,7 +342,7 @@ impl GuestResponse {
 }
 
 #[cfg(test)]
-mod tests {
+mod firecracker_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use serde_json::json;
 

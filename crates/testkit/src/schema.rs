@@ -275,7 +275,7 @@ fn check(
 }
 
 #[cfg(test)]
-mod tests {
+mod firecracker_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use serde_json::json;
 

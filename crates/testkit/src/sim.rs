@@ -274,25 +274,25 @@ fn serve_connection(shared: Arc<Shared>, stream: UnixStream) {
                 return;
             }
         };
+        shared.lock().in_flight += 1;
         let (resp, start) = handle(&shared, &req);
-        // Every request may have changed what a waiting guest looks at (MMDS,
-        // Ctrl+Alt+Del): wake it.
-        shared.events.notify_all();
         if start {
             let guest_shared = Arc::clone(&shared);
             std::thread::spawn(move || crate::guest::run(guest_shared));
         }
-        if write_response(&mut writer, &resp).is_err()
-            || req.wants_close()
-            || req.oversized.is_some()
-        {
+        let written = write_response(&mut writer, &resp);
+        shared.lock().in_flight -= 1;
+        // Every request may have changed what a waiting guest looks at (MMDS,
+        // Ctrl+Alt+Del), and an exiting VMM waits for in-flight answers: wake them.
+        shared.events.notify_all();
+        if written.is_err() || req.wants_close() || req.oversized.is_some() {
             return;
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
+mod firecracker_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 

@@ -306,7 +306,7 @@ fn schema_from_yaml(y: &Yaml, context: &str) -> Result<Schema, SpecError> {
 }
 
 #[cfg(test)]
-mod tests {
+mod firecracker_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 

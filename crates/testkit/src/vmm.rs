@@ -73,6 +73,8 @@ pub struct VmmState {
     pub requests: Vec<RecordedRequest>,
     pub guest: GuestStatus,
     pub ctrl_alt_del_count: u32,
+    /// API requests being handled or answered right now.
+    pub in_flight: u32,
 }
 
 impl VmmState {
@@ -191,6 +193,7 @@ impl Shared {
                 requests: Vec::new(),
                 guest: GuestStatus::default(),
                 ctrl_alt_del_count: 0,
+                in_flight: 0,
             }),
             events: Condvar::new(),
         })
