@@ -36,6 +36,11 @@ pub enum NetPolicyError {
         ip: std::net::Ipv4Addr,
         subnet: ipnet::Ipv4Net,
     },
+    #[error("address {ip} already has egress rules of another owner ({owner})")]
+    AddressClaimed {
+        ip: std::net::Ipv4Addr,
+        owner: String,
+    },
     #[error("failpoint {0} injected a failure")]
     Injected(&'static str),
 }

@@ -27,16 +27,18 @@
 
 pub mod docker_user;
 mod error;
+mod layout;
 mod nft;
+mod nftjson;
 mod policy;
 mod table;
 
 pub use docker_user::DockerUserOutcome;
 pub use error::NetPolicyError;
+pub use layout::{agent_chain_name, agent_comment};
 pub use policy::{default_blocked_v4, EgressPolicy};
 pub use table::{
-    agent_chain_name, AgentMatch, DockerUserMode, EgressTable, InstalledRules, OwnedRules,
-    RuleCounters, TableOptions,
+    AgentMatch, DockerUserMode, EgressTable, InstalledRules, OwnedRules, RuleCounters, TableOptions,
 };
 
 /// The name of both of kici-scaler's tables (`inet` and `bridge` family).

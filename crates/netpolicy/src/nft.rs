@@ -87,7 +87,7 @@ impl Runner {
                 success: output.status.success(),
                 status: output.status.to_string(),
                 stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-                stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+                stderr: first_lines(&String::from_utf8_lossy(&output.stderr)),
             },
             shown,
         ))
@@ -146,4 +146,20 @@ impl Runner {
                 source,
             })
     }
+}
+
+/// nft repeats one error per failed command of a batch: the first few say it.
+fn first_lines(stderr: &str) -> String {
+    const KEEP: usize = 6;
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    let mut kept = lines
+        .iter()
+        .take(KEEP)
+        .copied()
+        .collect::<Vec<_>>()
+        .join("\n");
+    if lines.len() > KEEP {
+        kept.push_str(&format!("\n… ({} more lines)", lines.len() - KEEP));
+    }
+    kept
 }

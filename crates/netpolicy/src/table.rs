@@ -2,18 +2,24 @@
 //! seen by one daemon instance for one agent subnet.
 
 use crate::docker_user::{self, DockerUserOutcome};
+use crate::layout::{
+    agent_chain_name, agent_comment, agent_input_chain_name, agent_rules, bridge_comment,
+    subnet_comment, validate_port_name, BRIDGE_BASES, CHAIN_PREFIX, COMMENT_PREFIX,
+    DISPATCH_COMMENT, INET_BASES, INPUT_SUFFIX,
+};
 use crate::nft::Runner;
-use crate::policy::{plan, Hook, PlannedRule, Verdict};
+use crate::nftjson::{
+    base_chain, chain, counter, delete_rule, dispatch_source, family_str, list, matches, meta,
+    payload, rule, sum_counters, v4net, ListedRule, Listing,
+};
 use crate::{EgressPolicy, NetPolicyError, TABLE_NAME};
 use ipnet::Ipv4Net;
 use kici_model::ids::{AgentId, InstanceId};
 use nftables::batch::Batch;
-use nftables::expr::{
-    Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix, CT,
-};
-use nftables::schema::{Chain, FlushObject, NfCmd, NfListObject, NfObject, Rule, Table};
-use nftables::stmt::{AnonymousCounter, Counter, JumpTarget, Match, Operator, Statement};
-use nftables::types::{NfChainPolicy, NfChainType, NfFamily, NfHook};
+use nftables::expr::{Expression, MetaKey};
+use nftables::schema::{FlushObject, NfCmd, NfListObject, Table};
+use nftables::stmt::{JumpTarget, Operator, Statement};
+use nftables::types::NfFamily;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
@@ -124,12 +130,6 @@ pub struct RuleCounters {
     pub accepted_bytes: u64,
 }
 
-/// The per-agent chain name: `ag-<instance>-<agent id>` (the input-hook chain
-/// adds `-in`). Unique across instances sharing the tables.
-pub fn agent_chain_name(instance: InstanceId, agent: &AgentId) -> String {
-    format!("ag-{instance}-{agent}")
-}
-
 /// kici-scaler's tables as one instance uses them for one agent subnet.
 #[derive(Debug, Clone)]
 pub struct EgressTable {
@@ -138,29 +138,6 @@ pub struct EgressTable {
     options: TableOptions,
     runner: Runner,
     docker_user: DockerUserOutcome,
-}
-
-/// A rule as listed, reduced to what this crate reads back.
-struct ListedRule {
-    family: NfFamily,
-    chain: String,
-    handle: u32,
-    comment: Option<String>,
-    expr: Vec<Statement<'static>>,
-}
-
-/// Both tables as listed (`None` for a missing table).
-struct Listing {
-    rules: Vec<ListedRule>,
-    chains: Vec<(NfFamily, String)>,
-}
-
-impl Listing {
-    fn tagged<'a>(&'a self, tag: &'a str) -> impl Iterator<Item = &'a ListedRule> + 'a {
-        self.rules
-            .iter()
-            .filter(move |r| r.comment.as_deref() == Some(tag))
-    }
 }
 
 impl EgressTable {
@@ -306,11 +283,15 @@ impl EgressTable {
 
     /// The comment every rule of `agent` carries: `kici-scaler:<instance>:<agent id>`.
     pub fn agent_comment(&self, agent: &AgentId) -> String {
-        format!("{COMMENT_PREFIX}{}:{agent}", self.instance)
+        agent_comment(self.instance, agent)
     }
 
     /// Installs (or replaces) one agent's rules in one nft transaction. Call
     /// before the agent starts: until then its traffic hits the default drop.
+    ///
+    /// Rules of another agent of this instance on the same address are stale
+    /// (its address was released) and go in the same transaction; on another
+    /// instance's address this fails with [`NetPolicyError::AddressClaimed`].
     pub async fn install(
         &self,
         agent: &AgentId,
@@ -327,193 +308,66 @@ impl EgressTable {
             validate_port_name(port)?;
         }
         let tag = self.agent_comment(agent);
-        let forward_chain = agent_chain_name(self.instance, agent);
-        let input_chain = format!("{forward_chain}{INPUT_SUFFIX}");
         let listing = list(&self.runner).await?;
-
         let mut batch = Batch::new();
-        // Replace: the previous dispatch and port rules go by handle, the
-        // agent chains are flushed, all in the same transaction.
-        let own_chains = [forward_chain.as_str(), input_chain.as_str()];
+
+        let own_prefix = format!("{COMMENT_PREFIX}{}:", self.instance);
+        let holders: std::collections::BTreeSet<&str> = listing
+            .rules
+            .iter()
+            .filter(|r| dispatch_source(r) == Some(key.ip))
+            .filter_map(|r| r.comment.as_deref())
+            .filter(|c| *c != tag)
+            .collect();
+        for holder in holders {
+            let stale = holder
+                .strip_prefix(&own_prefix)
+                .and_then(|a| a.parse::<AgentId>().ok());
+            match stale {
+                Some(stale) => {
+                    tracing::warn!(%agent, %stale, ip = %key.ip, "replacing stale egress rules on a reused address");
+                    removal(&listing, self.instance, &stale, &mut batch);
+                }
+                None => {
+                    return Err(NetPolicyError::AddressClaimed {
+                        ip: key.ip,
+                        owner: holder.to_owned(),
+                    })
+                }
+            }
+        }
+
+        // Replace: the previous dispatch and link rules go by handle, the
+        // agent chains are (re)made and flushed, all in one transaction.
+        let (chains, rules) = agent_rules(self.instance, agent, key, policy, &self.options);
         for old in listing.tagged(&tag) {
-            if !own_chains.contains(&old.chain.as_str()) {
+            if !chains
+                .iter()
+                .any(|(f, c)| *f == old.family && *c == old.chain)
+            {
                 batch.delete(delete_rule(old));
             }
         }
-        let agent_chains = [
-            (NfFamily::INet, forward_chain.as_str(), Hook::Forward),
-            (NfFamily::INet, input_chain.as_str(), Hook::Input),
-            (
-                NfFamily::Bridge,
-                forward_chain.as_str(),
-                Hook::BridgeForward,
-            ),
-        ];
-        let mut rules = 0;
-        for (family, name, hook) in agent_chains {
-            batch.add(NfListObject::Chain(chain(family, name)));
-            batch.add_cmd(NfCmd::Flush(FlushObject::Chain(chain(family, name))));
-            let planned = plan(
-                policy,
-                hook,
-                self.options.gateway_port,
-                &self.options.resolvers,
-                self.options.protect_host,
-            );
-            for expr in planned.iter().flat_map(statements) {
-                batch.add(rule(family, name, expr, tag.clone()));
-                rules += 1;
-            }
+        for (family, name) in &chains {
+            batch.add(NfListObject::Chain(chain(*family, name)));
+            batch.add_cmd(NfCmd::Flush(FlushObject::Chain(chain(*family, name))));
         }
-        let ip = || v4(key.ip);
-        let mac = || Expression::String(mac_string(key.mac).into());
-        let dispatch = [
-            (
-                NfFamily::INet,
-                INET_FORWARD.dispatch,
-                forward_chain.as_str(),
-            ),
-            (NfFamily::INet, INET_INPUT.dispatch, input_chain.as_str()),
-            (
-                NfFamily::Bridge,
-                BRIDGE_FORWARD.dispatch,
-                forward_chain.as_str(),
-            ),
-        ];
-        for (family, dispatch_chain, target) in dispatch {
-            let mut own_mac_other_ip =
-                vec![matches(payload("ether", "saddr"), Operator::EQ, mac())];
-            if family == NfFamily::Bridge {
-                // ARP between bridge ports is how an allowlisted neighbour is reached.
-                own_mac_other_ip.push(matches(
-                    payload("ether", "type"),
-                    Operator::NEQ,
-                    Expression::String("arp".into()),
-                ));
-            }
-            own_mac_other_ip.extend([counter(), Statement::Drop(None)]);
-            for expr in [
-                vec![
-                    matches(payload("ip", "saddr"), Operator::EQ, ip()),
-                    matches(payload("ether", "saddr"), Operator::EQ, mac()),
-                    Statement::Jump(JumpTarget {
-                        target: target.to_owned().into(),
-                    }),
-                ],
-                own_mac_other_ip,
-                vec![
-                    matches(payload("ip", "saddr"), Operator::EQ, ip()),
-                    counter(),
-                    Statement::Drop(None),
-                ],
-            ] {
-                batch.add(rule(family, dispatch_chain, expr, tag.clone()));
-                rules += 1;
-            }
-        }
-        // ARP binding, port or not: nobody else may claim the agent's
-        // address, and the agent may claim no other (0.0.0.0 is a probe).
-        for expr in [
-            vec![
-                matches(payload("arp", "saddr ip"), Operator::EQ, ip()),
-                matches(payload("ether", "saddr"), Operator::NEQ, mac()),
-                counter(),
-                Statement::Drop(None),
-            ],
-            vec![
-                matches(payload("ether", "saddr"), Operator::EQ, mac()),
-                matches(payload("arp", "saddr ip"), Operator::NEQ, ip()),
-                matches(
-                    payload("arp", "saddr ip"),
-                    Operator::NEQ,
-                    v4(Ipv4Addr::UNSPECIFIED),
-                ),
-                counter(),
-                Statement::Drop(None),
-            ],
-        ] {
-            batch.add(rule(
-                NfFamily::Bridge,
-                BRIDGE_PREROUTING.dispatch,
-                expr,
-                tag.clone(),
-            ));
-            rules += 1;
-        }
-        if let Some(port) = &key.port {
-            let on_port = |op| {
-                matches(
-                    meta(MetaKey::Iifname),
-                    op,
-                    Expression::String(port.clone().into()),
-                )
-            };
-            let drop = |mut expr: Vec<Statement<'static>>| {
-                expr.extend([counter(), Statement::Drop(None)]);
-                expr
-            };
-            for expr in [
-                // The port speaks only as the agent...
-                drop(vec![
-                    on_port(Operator::EQ),
-                    matches(payload("ether", "saddr"), Operator::NEQ, mac()),
-                ]),
-                drop(vec![
-                    on_port(Operator::EQ),
-                    matches(payload("ip", "saddr"), Operator::NEQ, ip()),
-                ]),
-                drop(vec![
-                    on_port(Operator::EQ),
-                    matches(payload("arp", "saddr ip"), Operator::NEQ, ip()),
-                ]),
-                drop(vec![
-                    on_port(Operator::EQ),
-                    matches(
-                        meta(MetaKey::Protocol),
-                        Operator::NEQ,
-                        Expression::String("ip".into()),
-                    ),
-                    matches(
-                        meta(MetaKey::Protocol),
-                        Operator::NEQ,
-                        Expression::String("arp".into()),
-                    ),
-                ]),
-                // ...and the agent speaks only on its port.
-                drop(vec![
-                    on_port(Operator::NEQ),
-                    matches(payload("ether", "saddr"), Operator::EQ, mac()),
-                ]),
-                drop(vec![
-                    on_port(Operator::NEQ),
-                    matches(payload("ip", "saddr"), Operator::EQ, ip()),
-                ]),
-                drop(vec![
-                    on_port(Operator::NEQ),
-                    matches(payload("arp", "saddr ip"), Operator::EQ, ip()),
-                ]),
-            ] {
-                batch.add(rule(
-                    NfFamily::Bridge,
-                    BRIDGE_PREROUTING.dispatch,
-                    expr,
-                    tag.clone(),
-                ));
-                rules += 1;
-            }
+        let count = rules.len();
+        for (family, name, expr) in rules {
+            batch.add(rule(family, &name, expr, tag.clone()));
         }
         self.runner.apply(&batch.to_nftables()).await?;
         fail::fail_point!(FP_INSTALL_APPLIED, |_| Err(NetPolicyError::Injected(
             FP_INSTALL_APPLIED
         )));
-        tracing::debug!(%agent, ip = %key.ip, rules, "egress rules installed");
+        tracing::debug!(%agent, ip = %key.ip, rules = count, "egress rules installed");
         Ok(InstalledRules {
             agent: *agent,
-            chains: agent_chains
-                .iter()
-                .map(|(family, name, _)| (family_str(*family).to_owned(), (*name).to_owned()))
+            chains: chains
+                .into_iter()
+                .map(|(family, name)| (family_str(family).to_owned(), name))
                 .collect(),
-            rules,
+            rules: count,
         })
     }
 
@@ -534,22 +388,8 @@ impl EgressTable {
         listing: &Listing,
         agent: &AgentId,
     ) -> Result<usize, NetPolicyError> {
-        let tag = self.agent_comment(agent);
-        let forward_chain = agent_chain_name(self.instance, agent);
-        let input_chain = format!("{forward_chain}{INPUT_SUFFIX}");
         let mut batch = Batch::new();
-        let mut removed = 0;
-        for r in listing.tagged(&tag) {
-            batch.delete(delete_rule(r));
-            removed += 1;
-        }
-        // Chains after their rules (and after the jumps into them): a chain
-        // that is referenced or not empty cannot go.
-        for (family, name) in &listing.chains {
-            if *name == forward_chain || *name == input_chain {
-                batch.delete(NfListObject::Chain(chain(*family, name)));
-            }
-        }
+        let removed = removal(listing, self.instance, agent, &mut batch);
         let batch = batch.to_nftables();
         if !batch.objects.is_empty() {
             self.runner.apply(&batch).await?;
@@ -680,307 +520,28 @@ impl EgressTable {
     }
 }
 
-const COMMENT_PREFIX: &str = "kici-scaler:";
-const DISPATCH_COMMENT: &str = "kici-scaler:dispatch";
-const CHAIN_PREFIX: &str = "ag-";
-const INPUT_SUFFIX: &str = "-in";
-
-fn subnet_comment(instance: InstanceId, subnet: Ipv4Net) -> String {
-    format!("{COMMENT_PREFIX}{instance}:subnet {subnet}")
-}
-
-fn bridge_comment(instance: InstanceId, subnet: Ipv4Net, bridge: &str) -> String {
-    format!("{COMMENT_PREFIX}{instance}:subnet {subnet} bridge {bridge}")
-}
-
-/// A base chain of ours and the regular chain it jumps to first.
-struct BaseChain {
-    name: &'static str,
-    hook: NfHook,
-    prio: i32,
-    dispatch: &'static str,
-    /// Whether the base chain ends with the subnet's default drop.
-    subnet_drop: bool,
-}
-
-// Priority 0 is `filter` for inet, -200 is `filter` for bridge.
-const INET_FORWARD: BaseChain = BaseChain {
-    name: "forward",
-    hook: NfHook::Forward,
-    prio: 0,
-    dispatch: "agents_forward",
-    subnet_drop: true,
-};
-const INET_INPUT: BaseChain = BaseChain {
-    name: "input",
-    hook: NfHook::Input,
-    prio: 0,
-    dispatch: "agents_input",
-    subnet_drop: true,
-};
-const BRIDGE_PREROUTING: BaseChain = BaseChain {
-    name: "prerouting",
-    hook: NfHook::Prerouting,
-    prio: -200,
-    dispatch: "agents_link",
-    subnet_drop: false,
-};
-const BRIDGE_FORWARD: BaseChain = BaseChain {
-    name: "forward",
-    hook: NfHook::Forward,
-    prio: -200,
-    dispatch: "agents_forward",
-    subnet_drop: true,
-};
-const INET_BASES: &[BaseChain] = &[INET_FORWARD, INET_INPUT];
-const BRIDGE_BASES: &[BaseChain] = &[BRIDGE_PREROUTING, BRIDGE_FORWARD];
-
-fn family_str(family: NfFamily) -> &'static str {
-    match family {
-        NfFamily::INet => "inet",
-        NfFamily::Bridge => "bridge",
-        NfFamily::IP => "ip",
-        NfFamily::IP6 => "ip6",
-        NfFamily::ARP => "arp",
-        NfFamily::NetDev => "netdev",
+/// Adds to `batch` the deletion of every rule of `agent` (by handle) and of
+/// its chains (after their rules and the jumps into them: a referenced or
+/// non-empty chain cannot go). Returns the number of rules.
+fn removal(
+    listing: &Listing,
+    instance: InstanceId,
+    agent: &AgentId,
+    batch: &mut Batch<'static>,
+) -> usize {
+    let mut removed = 0;
+    for r in listing.tagged(&agent_comment(instance, agent)) {
+        batch.delete(delete_rule(r));
+        removed += 1;
     }
-}
-
-fn chain(family: NfFamily, name: &str) -> Chain<'static> {
-    Chain {
-        family,
-        table: TABLE_NAME.into(),
-        name: name.to_owned().into(),
-        ..Chain::default()
-    }
-}
-
-fn base_chain(family: NfFamily, b: &BaseChain) -> Chain<'static> {
-    Chain {
-        _type: Some(NfChainType::Filter),
-        hook: Some(b.hook),
-        prio: Some(b.prio),
-        policy: Some(NfChainPolicy::Accept),
-        ..chain(family, b.name)
-    }
-}
-
-fn rule(
-    family: NfFamily,
-    chain: &str,
-    expr: Vec<Statement<'static>>,
-    comment: String,
-) -> NfListObject<'static> {
-    NfListObject::Rule(Rule {
-        family,
-        table: TABLE_NAME.into(),
-        chain: chain.to_owned().into(),
-        expr: expr.into(),
-        handle: None,
-        index: None,
-        comment: Some(comment.into()),
-    })
-}
-
-fn delete_rule(r: &ListedRule) -> NfListObject<'static> {
-    NfListObject::Rule(Rule {
-        family: r.family,
-        table: TABLE_NAME.into(),
-        chain: r.chain.clone().into(),
-        expr: Vec::new().into(),
-        handle: Some(r.handle),
-        index: None,
-        comment: None,
-    })
-}
-
-fn matches(
-    left: Expression<'static>,
-    op: Operator,
-    right: Expression<'static>,
-) -> Statement<'static> {
-    Statement::Match(Match { left, right, op })
-}
-
-fn payload(protocol: &'static str, field: &'static str) -> Expression<'static> {
-    Expression::Named(NamedExpression::Payload(Payload::PayloadField(
-        PayloadField {
-            protocol: protocol.into(),
-            field: field.into(),
-        },
-    )))
-}
-
-fn meta(key: MetaKey) -> Expression<'static> {
-    Expression::Named(NamedExpression::Meta(Meta { key }))
-}
-
-fn counter() -> Statement<'static> {
-    Statement::Counter(Counter::Anonymous(Some(AnonymousCounter::default())))
-}
-
-fn v4(ip: Ipv4Addr) -> Expression<'static> {
-    Expression::String(ip.to_string().into())
-}
-
-fn v4net(net: Ipv4Net) -> Expression<'static> {
-    if net.prefix_len() == 32 {
-        v4(net.addr())
-    } else {
-        Expression::Named(NamedExpression::Prefix(Prefix {
-            addr: Box::new(v4(net.network())),
-            len: u32::from(net.prefix_len()),
-        }))
-    }
-}
-
-fn mac_string(mac: [u8; 6]) -> String {
-    let [a, b, c, d, e, f] = mac;
-    format!("{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{f:02x}")
-}
-
-fn verdict(v: Verdict) -> Statement<'static> {
-    match v {
-        Verdict::Accept => Statement::Accept(None),
-        Verdict::Drop => Statement::Drop(None),
-    }
-}
-
-/// The nft rules (statement lists) one planned rule becomes.
-fn statements(planned: &PlannedRule) -> Vec<Vec<Statement<'static>>> {
-    match *planned {
-        PlannedRule::Dns { resolver } => ["udp", "tcp"]
-            .into_iter()
-            .map(|proto| {
-                vec![
-                    matches(payload("ip", "daddr"), Operator::EQ, v4(resolver)),
-                    matches(
-                        payload(proto, "dport"),
-                        Operator::EQ,
-                        Expression::Number(53),
-                    ),
-                    counter(),
-                    Statement::Accept(None),
-                ]
-            })
-            .collect(),
-        PlannedRule::GatewayPort { port } => vec![vec![
-            matches(
-                payload("tcp", "dport"),
-                Operator::EQ,
-                Expression::Number(u32::from(port)),
-            ),
-            counter(),
-            Statement::Accept(None),
-        ]],
-        PlannedRule::Established => vec![vec![
-            matches(
-                Expression::Named(NamedExpression::CT(CT {
-                    key: "state".into(),
-                    family: None,
-                    dir: None,
-                })),
-                Operator::IN,
-                Expression::List(vec![
-                    Expression::String("established".into()),
-                    Expression::String("related".into()),
-                ]),
-            ),
-            counter(),
-            Statement::Accept(None),
-        ]],
-        PlannedRule::Destination { net, verdict: v } => vec![vec![
-            matches(payload("ip", "daddr"), Operator::EQ, v4net(net)),
-            counter(),
-            verdict(v),
-        ]],
-        PlannedRule::Final(v) => vec![vec![counter(), verdict(v)]],
-    }
-}
-
-/// Linux interface names: 1 to 15 bytes, no '/', whitespace or NUL.
-fn validate_port_name(name: &str) -> Result<(), NetPolicyError> {
-    let ok = !name.is_empty()
-        && name.len() <= 15
-        && name != "."
-        && name != ".."
-        && !name
-            .bytes()
-            .any(|b| b == b'/' || b == 0 || b.is_ascii_whitespace() || b == b'*');
-    if ok {
-        Ok(())
-    } else {
-        Err(NetPolicyError::InvalidPortName(name.to_owned()))
-    }
-}
-
-/// The source address of a dispatch rule (`ip saddr X ether saddr M jump …`).
-fn dispatch_source(r: &ListedRule) -> Option<Ipv4Addr> {
-    if !r.expr.iter().any(|s| matches!(s, Statement::Jump(_))) {
-        return None;
-    }
-    r.expr.iter().find_map(|s| match s {
-        Statement::Match(Match {
-            left: Expression::Named(NamedExpression::Payload(Payload::PayloadField(f))),
-            right: Expression::String(addr),
-            op: Operator::EQ,
-        }) if f.protocol == "ip" && f.field == "saddr" => addr.parse().ok(),
-        _ => None,
-    })
-}
-
-fn sum_counters<'a>(rules: impl Iterator<Item = &'a ListedRule>) -> RuleCounters {
-    let mut sum = RuleCounters::default();
-    for r in rules {
-        let (packets, bytes) = r
-            .expr
-            .iter()
-            .find_map(|s| match s {
-                Statement::Counter(Counter::Anonymous(Some(c))) => {
-                    Some((c.packets.unwrap_or(0) as u64, c.bytes.unwrap_or(0) as u64))
-                }
-                _ => None,
-            })
-            .unwrap_or((0, 0));
-        if r.expr.iter().any(|s| matches!(s, Statement::Drop(_))) {
-            sum.dropped_packets += packets;
-            sum.dropped_bytes += bytes;
-        } else if r.expr.iter().any(|s| matches!(s, Statement::Accept(_))) {
-            sum.accepted_packets += packets;
-            sum.accepted_bytes += bytes;
+    let names = [
+        agent_chain_name(instance, agent),
+        agent_input_chain_name(instance, agent),
+    ];
+    for (family, name) in &listing.chains {
+        if names.contains(name) {
+            batch.delete(NfListObject::Chain(chain(*family, name)));
         }
     }
-    sum
-}
-
-/// Lists both tables (a missing one lists as empty).
-async fn list(runner: &Runner) -> Result<Listing, NetPolicyError> {
-    let mut listing = Listing {
-        rules: Vec::new(),
-        chains: Vec::new(),
-    };
-    for family in [NfFamily::INet, NfFamily::Bridge] {
-        let Some(tables) = runner.list_table(family_str(family), TABLE_NAME).await? else {
-            continue;
-        };
-        for object in tables.objects.iter() {
-            match object {
-                NfObject::ListObject(NfListObject::Rule(r)) => {
-                    let Some(handle) = r.handle else { continue };
-                    listing.rules.push(ListedRule {
-                        family: r.family,
-                        chain: r.chain.to_string(),
-                        handle,
-                        comment: r.comment.as_ref().map(|c| c.to_string()),
-                        expr: r.expr.to_vec(),
-                    });
-                }
-                NfObject::ListObject(NfListObject::Chain(c)) => {
-                    listing.chains.push((c.family, c.name.to_string()));
-                }
-                _ => {}
-            }
-        }
-    }
-    Ok(listing)
+    removed
 }

@@ -720,3 +720,53 @@ async fn agent_bridge_option_drops_an_unknown_mac_outside_the_subnet() {
         "3 subnet drops + 2 bridge drops"
     );
 }
+
+#[tokio::test]
+async fn a_reused_address_replaces_stale_rules_of_this_instance_only() {
+    let mut lab = Lab::new();
+    let b = lab.agent(6);
+    let _private_web = Lab::listen_tcp(&lab.internet, PRIVATE, 8080);
+    let (mine, other) = (InstanceId::random(), InstanceId::random());
+    let t = table(&lab, mine).await;
+    let t_other = table(&lab, other).await;
+    let (old, new) = (
+        AgentId::random(ScalerType::Container),
+        AgentId::random(ScalerType::Container),
+    );
+    let open = EgressPolicy::new(vec!["10.0.0.0/8".parse().unwrap()], false);
+    t.install(&old, &key(&b), &open).await.unwrap();
+    assert!(tcp_reaches(&b.ns, None, PRIVATE, 8080));
+    // No sweep in between (a missed destroy): installing on the same address
+    // must not leave the old allowlist in front of the new policy.
+    t.install(&new, &key(&b), &EgressPolicy::default())
+        .await
+        .unwrap();
+    let owned: Vec<_> = t
+        .owned()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.agent)
+        .collect();
+    assert_eq!(owned, [new]);
+    assert_blocked_by_us(
+        &t,
+        Some(&new),
+        || tcp_reaches(&b.ns, None, PRIVATE, 8080),
+        "new agent on a reused address",
+    )
+    .await;
+    // Another instance's address is not ours to take over.
+    let theirs = AgentId::random(ScalerType::Container);
+    match t_other
+        .install(&theirs, &key(&b), &EgressPolicy::default())
+        .await
+    {
+        Err(kici_netpolicy::NetPolicyError::AddressClaimed { ip, owner }) => {
+            assert_eq!(ip, b.ip);
+            assert_eq!(owner, kici_netpolicy::agent_comment(mine, &new));
+        }
+        other => panic!("expected AddressClaimed, got {other:?}"),
+    }
+    assert!(t_other.owned().await.unwrap().is_empty());
+}

@@ -1,0 +1,274 @@
+//! The nftables JSON vocabulary this crate speaks (built with the
+//! `nftables` crate's typed schema, never as rule text), and reading our
+//! tables back: rules with their handles, comments and counters.
+
+use crate::nft::Runner;
+use crate::policy::{PlannedRule, Verdict};
+use crate::{NetPolicyError, RuleCounters, TABLE_NAME};
+use ipnet::Ipv4Net;
+use nftables::expr::{
+    Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix, CT,
+};
+use nftables::schema::{Chain, NfListObject, NfObject, Rule};
+use nftables::stmt::{AnonymousCounter, Counter, Match, Operator, Statement};
+use nftables::types::{NfChainPolicy, NfChainType, NfFamily};
+use std::net::Ipv4Addr;
+
+use crate::layout::BaseChain;
+
+/// A rule as listed, reduced to what this crate reads back.
+pub(crate) struct ListedRule {
+    pub family: NfFamily,
+    pub chain: String,
+    pub handle: u32,
+    pub comment: Option<String>,
+    pub expr: Vec<Statement<'static>>,
+}
+
+/// Both tables as listed (`None` for a missing table).
+pub(crate) struct Listing {
+    pub rules: Vec<ListedRule>,
+    pub chains: Vec<(NfFamily, String)>,
+}
+
+impl Listing {
+    pub fn tagged<'a>(&'a self, tag: &'a str) -> impl Iterator<Item = &'a ListedRule> + 'a {
+        self.rules
+            .iter()
+            .filter(move |r| r.comment.as_deref() == Some(tag))
+    }
+}
+
+pub(crate) fn family_str(family: NfFamily) -> &'static str {
+    match family {
+        NfFamily::INet => "inet",
+        NfFamily::Bridge => "bridge",
+        NfFamily::IP => "ip",
+        NfFamily::IP6 => "ip6",
+        NfFamily::ARP => "arp",
+        NfFamily::NetDev => "netdev",
+    }
+}
+
+pub(crate) fn chain(family: NfFamily, name: &str) -> Chain<'static> {
+    Chain {
+        family,
+        table: TABLE_NAME.into(),
+        name: name.to_owned().into(),
+        ..Chain::default()
+    }
+}
+
+pub(crate) fn base_chain(family: NfFamily, b: &BaseChain) -> Chain<'static> {
+    Chain {
+        _type: Some(NfChainType::Filter),
+        hook: Some(b.hook),
+        prio: Some(b.prio),
+        policy: Some(NfChainPolicy::Accept),
+        ..chain(family, b.name)
+    }
+}
+
+pub(crate) fn rule(
+    family: NfFamily,
+    chain: &str,
+    expr: Vec<Statement<'static>>,
+    comment: String,
+) -> NfListObject<'static> {
+    NfListObject::Rule(Rule {
+        family,
+        table: TABLE_NAME.into(),
+        chain: chain.to_owned().into(),
+        expr: expr.into(),
+        handle: None,
+        index: None,
+        comment: Some(comment.into()),
+    })
+}
+
+pub(crate) fn delete_rule(r: &ListedRule) -> NfListObject<'static> {
+    NfListObject::Rule(Rule {
+        family: r.family,
+        table: TABLE_NAME.into(),
+        chain: r.chain.clone().into(),
+        expr: Vec::new().into(),
+        handle: Some(r.handle),
+        index: None,
+        comment: None,
+    })
+}
+
+pub(crate) fn matches(
+    left: Expression<'static>,
+    op: Operator,
+    right: Expression<'static>,
+) -> Statement<'static> {
+    Statement::Match(Match { left, right, op })
+}
+
+pub(crate) fn payload(protocol: &'static str, field: &'static str) -> Expression<'static> {
+    Expression::Named(NamedExpression::Payload(Payload::PayloadField(
+        PayloadField {
+            protocol: protocol.into(),
+            field: field.into(),
+        },
+    )))
+}
+
+pub(crate) fn meta(key: MetaKey) -> Expression<'static> {
+    Expression::Named(NamedExpression::Meta(Meta { key }))
+}
+
+pub(crate) fn counter() -> Statement<'static> {
+    Statement::Counter(Counter::Anonymous(Some(AnonymousCounter::default())))
+}
+
+pub(crate) fn v4(ip: Ipv4Addr) -> Expression<'static> {
+    Expression::String(ip.to_string().into())
+}
+
+pub(crate) fn v4net(net: Ipv4Net) -> Expression<'static> {
+    if net.prefix_len() == 32 {
+        v4(net.addr())
+    } else {
+        Expression::Named(NamedExpression::Prefix(Prefix {
+            addr: Box::new(v4(net.network())),
+            len: u32::from(net.prefix_len()),
+        }))
+    }
+}
+
+pub(crate) fn mac_string(mac: [u8; 6]) -> String {
+    let [a, b, c, d, e, f] = mac;
+    format!("{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{f:02x}")
+}
+
+pub(crate) fn verdict(v: Verdict) -> Statement<'static> {
+    match v {
+        Verdict::Accept => Statement::Accept(None),
+        Verdict::Drop => Statement::Drop(None),
+    }
+}
+
+/// The nft rules (statement lists) one planned rule becomes.
+pub(crate) fn statements(planned: &PlannedRule) -> Vec<Vec<Statement<'static>>> {
+    match *planned {
+        PlannedRule::Dns { resolver } => ["udp", "tcp"]
+            .into_iter()
+            .map(|proto| {
+                vec![
+                    matches(payload("ip", "daddr"), Operator::EQ, v4(resolver)),
+                    matches(
+                        payload(proto, "dport"),
+                        Operator::EQ,
+                        Expression::Number(53),
+                    ),
+                    counter(),
+                    Statement::Accept(None),
+                ]
+            })
+            .collect(),
+        PlannedRule::GatewayPort { port } => vec![vec![
+            matches(
+                payload("tcp", "dport"),
+                Operator::EQ,
+                Expression::Number(u32::from(port)),
+            ),
+            counter(),
+            Statement::Accept(None),
+        ]],
+        PlannedRule::Established => vec![vec![
+            matches(
+                Expression::Named(NamedExpression::CT(CT {
+                    key: "state".into(),
+                    family: None,
+                    dir: None,
+                })),
+                Operator::IN,
+                Expression::List(vec![
+                    Expression::String("established".into()),
+                    Expression::String("related".into()),
+                ]),
+            ),
+            counter(),
+            Statement::Accept(None),
+        ]],
+        PlannedRule::Destination { net, verdict: v } => vec![vec![
+            matches(payload("ip", "daddr"), Operator::EQ, v4net(net)),
+            counter(),
+            verdict(v),
+        ]],
+        PlannedRule::Final(v) => vec![vec![counter(), verdict(v)]],
+    }
+}
+
+/// The source address of a dispatch rule (`ip saddr X ether saddr M jump …`).
+pub(crate) fn dispatch_source(r: &ListedRule) -> Option<Ipv4Addr> {
+    if !r.expr.iter().any(|s| matches!(s, Statement::Jump(_))) {
+        return None;
+    }
+    r.expr.iter().find_map(|s| match s {
+        Statement::Match(Match {
+            left: Expression::Named(NamedExpression::Payload(Payload::PayloadField(f))),
+            right: Expression::String(addr),
+            op: Operator::EQ,
+        }) if f.protocol == "ip" && f.field == "saddr" => addr.parse().ok(),
+        _ => None,
+    })
+}
+
+pub(crate) fn sum_counters<'a>(rules: impl Iterator<Item = &'a ListedRule>) -> RuleCounters {
+    let mut sum = RuleCounters::default();
+    for r in rules {
+        let (packets, bytes) = r
+            .expr
+            .iter()
+            .find_map(|s| match s {
+                Statement::Counter(Counter::Anonymous(Some(c))) => {
+                    Some((c.packets.unwrap_or(0) as u64, c.bytes.unwrap_or(0) as u64))
+                }
+                _ => None,
+            })
+            .unwrap_or((0, 0));
+        if r.expr.iter().any(|s| matches!(s, Statement::Drop(_))) {
+            sum.dropped_packets += packets;
+            sum.dropped_bytes += bytes;
+        } else if r.expr.iter().any(|s| matches!(s, Statement::Accept(_))) {
+            sum.accepted_packets += packets;
+            sum.accepted_bytes += bytes;
+        }
+    }
+    sum
+}
+
+/// Lists both tables (a missing one lists as empty).
+pub(crate) async fn list(runner: &Runner) -> Result<Listing, NetPolicyError> {
+    let mut listing = Listing {
+        rules: Vec::new(),
+        chains: Vec::new(),
+    };
+    for family in [NfFamily::INet, NfFamily::Bridge] {
+        let Some(tables) = runner.list_table(family_str(family), TABLE_NAME).await? else {
+            continue;
+        };
+        for object in tables.objects.iter() {
+            match object {
+                NfObject::ListObject(NfListObject::Rule(r)) => {
+                    let Some(handle) = r.handle else { continue };
+                    listing.rules.push(ListedRule {
+                        family: r.family,
+                        chain: r.chain.to_string(),
+                        handle,
+                        comment: r.comment.as_ref().map(|c| c.to_string()),
+                        expr: r.expr.to_vec(),
+                    });
+                }
+                NfObject::ListObject(NfListObject::Chain(c)) => {
+                    listing.chains.push((c.family, c.name.to_string()));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(listing)
+}
