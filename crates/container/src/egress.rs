@@ -1,0 +1,81 @@
+//! The hook through which per-agent egress rules are installed before the
+//! agent starts and removed when it goes.
+//!
+//! The rules themselves belong to `kici-netpolicy` (kici-scaler's own
+//! nftables table); this backend only decides *when*: after the container
+//! is created with its pinned address (so the match is known) and before it
+//! starts (no window with open egress, upstream B2), removed on destroy and
+//! on every failed spawn. The daemon passes an implementation backed by
+//! `kici_netpolicy::EgressTable`; [`NoEgressRules`] is for scalers with
+//! `networkIsolation: false` and for tests that do not look at traffic.
+
+use async_trait::async_trait;
+use kici_model::{AgentId, NetworkPolicy};
+use kici_store::MacAddress;
+use std::net::Ipv4Addr;
+
+/// What identifies one agent's traffic on the host.
+///
+/// The container runs with every capability dropped (no `NET_ADMIN`,
+/// no `NET_RAW`), so it can change neither its address nor its MAC and
+/// cannot forge packets: matching the pinned address on the network's
+/// bridge cannot be escaped from inside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressTarget {
+    pub agent: AgentId,
+    /// The address pinned at create time (from the allocator).
+    pub ip: Ipv4Addr,
+    /// Known before start only where the runtime derives it from the
+    /// address (Docker before API 1.44 cannot be given one).
+    pub mac: Option<MacAddress>,
+    /// The host-side bridge interface of the agent network.
+    pub bridge: String,
+    /// The network's gateway (the host as the agent sees it).
+    pub gateway: Ipv4Addr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("egress rules: {0}")]
+pub struct EgressError(pub String);
+
+#[async_trait]
+pub trait EgressRules: Send + Sync {
+    /// Installs `target`'s rules for `policy` (`None` = the default policy:
+    /// private and metadata ranges blocked). Must be idempotent: a retried
+    /// spawn installs again.
+    async fn install(
+        &self,
+        target: &EgressTarget,
+        policy: Option<&NetworkPolicy>,
+    ) -> Result<(), EgressError>;
+
+    /// Removes every rule of `agent`; nothing to remove is success.
+    async fn remove(&self, agent: &AgentId) -> Result<(), EgressError>;
+
+    /// Removes the rules of every agent not in `live` (a crash left them;
+    /// a reused address must never inherit an old allowlist).
+    async fn sweep_stale(&self, live: &[AgentId]) -> Result<(), EgressError>;
+}
+
+/// No rules at all (`networkIsolation: false`, tests).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoEgressRules;
+
+#[async_trait]
+impl EgressRules for NoEgressRules {
+    async fn install(
+        &self,
+        _target: &EgressTarget,
+        _policy: Option<&NetworkPolicy>,
+    ) -> Result<(), EgressError> {
+        Ok(())
+    }
+
+    async fn remove(&self, _agent: &AgentId) -> Result<(), EgressError> {
+        Ok(())
+    }
+
+    async fn sweep_stale(&self, _live: &[AgentId]) -> Result<(), EgressError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,358 @@
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! Fixtures for the tests against the real dockerd (started by
+//! `scripts/dockerd.sh start`): a backend with its own instance id, its own
+//! network (`kici-t-<instance>`, a random 10.x.y.0/24, bridge `kt<instance>`),
+//! an in-memory address allocator, a recording egress hook, test images
+//! built `FROM scratch` from busybox-static, and a sweep on drop that removes
+//! every container, network and image the test created — also when it fails.
+
+#[path = "../../src/test_support.rs"]
+mod test_support;
+
+pub use test_support::{scaler_from_yaml, spawn_spec};
+
+use async_trait::async_trait;
+use ipnet::Ipv4Net;
+use kici_container::{
+    ContainerBackend, ContainerOptions, EgressError, EgressRules, EgressTarget, NetworkSettings,
+};
+use kici_model::{AgentId, InstanceId, NetworkPolicy};
+use kici_store::{AllocError, IpAllocator, Ipv4Pool, Lease};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+/// Tests in one binary share dockerd and the global failpoint registry:
+/// they run one at a time (nextest runs `serial_*` one at a time anyway).
+pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A transactional-enough allocator for one process (the SQLite one lives
+/// in kici-store).
+pub struct MemoryAllocator {
+    owner: InstanceId,
+    leases: Mutex<BTreeMap<(Ipv4Net, Ipv4Addr), AgentId>>,
+}
+
+impl MemoryAllocator {
+    pub fn new(owner: InstanceId) -> Arc<Self> {
+        Arc::new(Self {
+            owner,
+            leases: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    pub fn held(&self) -> Vec<(Ipv4Addr, AgentId)> {
+        self.leases
+            .lock()
+            .iter()
+            .map(|((_, ip), a)| (*ip, *a))
+            .collect()
+    }
+}
+
+#[async_trait]
+impl IpAllocator for MemoryAllocator {
+    async fn allocate(&self, pool: &Ipv4Pool, agent: &AgentId) -> Result<Lease, AllocError> {
+        let mut leases = self.leases.lock();
+        let network = pool.network();
+        if let Some(((_, ip), _)) = leases
+            .iter()
+            .find(|((n, _), a)| *n == network && *a == agent)
+        {
+            return Ok(Lease {
+                network,
+                ip: *ip,
+                agent: *agent,
+                owner: self.owner,
+            });
+        }
+        let ip = pool
+            .assignable()
+            .find(|ip| !leases.contains_key(&(network, *ip)))
+            .ok_or(AllocError::Exhausted {
+                network,
+                capacity: pool.capacity(),
+            })?;
+        leases.insert((network, ip), *agent);
+        Ok(Lease {
+            network,
+            ip,
+            agent: *agent,
+            owner: self.owner,
+        })
+    }
+
+    async fn release_agent(&self, agent: &AgentId) -> Result<u64, AllocError> {
+        let mut leases = self.leases.lock();
+        let before = leases.len();
+        leases.retain(|_, a| a != agent);
+        Ok((before - leases.len()) as u64)
+    }
+
+    async fn release_ip(&self, network: Ipv4Net, ip: Ipv4Addr) -> Result<bool, AllocError> {
+        Ok(self.leases.lock().remove(&(network, ip)).is_some())
+    }
+
+    async fn leases(&self) -> Result<Vec<Lease>, AllocError> {
+        Ok(self
+            .leases
+            .lock()
+            .iter()
+            .map(|((network, ip), agent)| Lease {
+                network: *network,
+                ip: *ip,
+                agent: *agent,
+                owner: self.owner,
+            })
+            .collect())
+    }
+}
+
+/// Records what the backend asks of the egress hook.
+#[derive(Default)]
+pub struct RecordingEgress {
+    pub installed: Mutex<BTreeMap<AgentId, (EgressTarget, Option<NetworkPolicy>)>>,
+    pub calls: Mutex<Vec<String>>,
+}
+
+#[async_trait]
+impl EgressRules for RecordingEgress {
+    async fn install(
+        &self,
+        target: &EgressTarget,
+        policy: Option<&NetworkPolicy>,
+    ) -> Result<(), EgressError> {
+        self.calls.lock().push(format!("install {}", target.agent));
+        self.installed
+            .lock()
+            .insert(target.agent, (target.clone(), policy.cloned()));
+        Ok(())
+    }
+
+    async fn remove(&self, agent: &AgentId) -> Result<(), EgressError> {
+        self.calls.lock().push(format!("remove {agent}"));
+        self.installed.lock().remove(agent);
+        Ok(())
+    }
+
+    async fn sweep_stale(&self, _live: &[AgentId]) -> Result<(), EgressError> {
+        Ok(())
+    }
+}
+
+pub fn docker(args: &[&str]) -> (bool, String) {
+    let out = Command::new("docker").args(args).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+pub fn docker_ok(args: &[&str]) -> String {
+    let (ok, text) = docker(args);
+    assert!(ok, "docker {args:?} failed: {text}");
+    text
+}
+
+/// `docker inspect` of one object as JSON.
+pub fn inspect(kind: &str, name: &str) -> Option<serde_json::Value> {
+    let (ok, text) = docker(&[kind, "inspect", name]);
+    if !ok {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v.as_array().and_then(|a| a.first().cloned())
+}
+
+/// Names of every container (running or not) with `label`.
+pub fn containers_with_label(label: &str) -> Vec<String> {
+    let text = docker_ok(&[
+        "ps",
+        "-a",
+        "--filter",
+        &format!("label={label}"),
+        "--format",
+        "{{.Names}}",
+    ]);
+    text.lines()
+        .map(str::to_owned)
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// Builds `FROM scratch` with busybox-static as `/bin/busybox` (plus
+/// `/bin/sh`), `cmd` as the image's command; extra files copied in by
+/// (source, destination).
+pub fn build_image(tag: &str, cmd: &[&str], extra: &[(&Path, &str)]) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy("/bin/busybox", dir.path().join("busybox")).unwrap();
+    let mut dockerfile = String::from("FROM scratch\nCOPY busybox /bin/busybox\n");
+    for applet in ["sh", "sleep", "cat", "touch"] {
+        dockerfile.push_str(&format!("COPY busybox /bin/{applet}\n"));
+    }
+    for (i, (src, dst)) in extra.iter().enumerate() {
+        let name = format!("extra{i}");
+        std::fs::copy(src, dir.path().join(&name)).unwrap();
+        dockerfile.push_str(&format!("COPY {name} {dst}\n"));
+    }
+    dockerfile.push_str(&format!("CMD {}\n", serde_json::to_string(cmd).unwrap()));
+    std::fs::write(dir.path().join("Dockerfile"), dockerfile).unwrap();
+    let out = Command::new("docker")
+        .env("DOCKER_BUILDKIT", "0")
+        .args(["build", "-q", "-t", tag])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "docker build {tag}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub struct Fixture {
+    pub instance: InstanceId,
+    pub backend: ContainerBackend,
+    pub options: ContainerOptions,
+    pub allocator: Arc<MemoryAllocator>,
+    pub egress: Arc<RecordingEgress>,
+    /// Images to remove on drop.
+    pub images: Mutex<Vec<String>>,
+    pub dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    pub fn new() -> Self {
+        Self::with(|_| {})
+    }
+
+    pub fn with(adjust: impl FnOnce(&mut ContainerOptions)) -> Self {
+        let instance = InstanceId::random();
+        let network = test_network(instance);
+        Self::on_network(instance, network, MemoryAllocator::new(instance), adjust)
+    }
+
+    /// Another instance on `other`'s network and address store: two
+    /// daemons on one dockerd.
+    pub fn sharing(other: &Fixture) -> Self {
+        Self::on_network(
+            InstanceId::random(),
+            other.options.network.clone(),
+            other.allocator.clone(),
+            |_| {},
+        )
+    }
+
+    fn on_network(
+        instance: InstanceId,
+        network: NetworkSettings,
+        allocator: Arc<MemoryAllocator>,
+        adjust: impl FnOnce(&mut ContainerOptions),
+    ) -> Self {
+        let egress = Arc::new(RecordingEgress::default());
+        let dir = tempfile::Builder::new()
+            .prefix("kici-container-test-")
+            .tempdir()
+            .unwrap();
+        let mut options = ContainerOptions::new(instance, allocator.clone(), Vec::new());
+        options.network = network;
+        options.egress = egress.clone();
+        // An empty credentials file: never the machine's own.
+        options.registry_config = Some(dir.path().join("config.json"));
+        adjust(&mut options);
+        let backend = ContainerBackend::new(options.clone()).unwrap();
+        Self {
+            instance,
+            backend,
+            options,
+            allocator,
+            egress,
+            images: Mutex::new(Vec::new()),
+            dir,
+        }
+    }
+
+    /// The same instance and settings: the daemon after a restart.
+    pub fn restarted(&self) -> ContainerBackend {
+        ContainerBackend::new(self.options.clone()).unwrap()
+    }
+
+    pub fn label(&self) -> String {
+        format!("dev.kici.scaler.instance={}", self.instance)
+    }
+
+    /// A busybox image owned by this fixture, tagged with its instance.
+    pub fn image(&self, name: &str, cmd: &[&str]) -> String {
+        self.image_with(name, cmd, &[])
+    }
+
+    pub fn image_with(&self, name: &str, cmd: &[&str], extra: &[(&Path, &str)]) -> String {
+        let tag = format!("kici-test-{name}:{}", self.instance);
+        build_image(&tag, cmd, extra);
+        self.images.lock().push(tag.clone());
+        tag
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Our containers (by the instance label).
+    pub fn containers(&self) -> Vec<String> {
+        containers_with_label(&self.label())
+    }
+}
+
+/// `kici-t-<instance>` on a random 10.x.y.0/24 with bridge `kt<instance>`.
+pub fn test_network(instance: InstanceId) -> NetworkSettings {
+    use rand::Rng;
+    let mut rng = rand::thread_rng();
+    let subnet = format!(
+        "10.{}.{}.0/24",
+        rng.gen_range(100..=250),
+        rng.gen_range(0..=255)
+    );
+    NetworkSettings {
+        name: format!("kici-t-{instance}"),
+        pool: subnet.parse().unwrap(),
+        bridge: format!("kt{instance}"),
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        for name in self.containers() {
+            let _ = docker(&["rm", "-f", "-v", &name]);
+        }
+        let _ = docker(&["network", "rm", &self.options.network.name]);
+        for image in self.images.lock().drain(..) {
+            let _ = docker(&["rmi", "-f", &image]);
+        }
+    }
+}
+
+/// Scaler YAML for one container label set with `image` and extra
+/// label-set lines (indented by 8 spaces) and scaler lines (4 spaces).
+pub fn scaler_yaml(name: &str, image: &str, scaler_extra: &str, set_extra: &str) -> String {
+    format!(
+        r#"
+version: 1
+scalers:
+  - name: {name}
+    type: container
+    maxAgents: 4
+    runtime: docker
+{scaler_extra}
+    labelSets:
+      - labels: [linux, box]
+        image: "{image}"
+        imagePullPolicy: IfNotPresent
+{set_extra}
+"#
+    )
+}
