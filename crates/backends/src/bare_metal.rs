@@ -27,6 +27,7 @@
 use crate::cgroup::{self, AgentCgroups, CgroupLayout, Controllers, LimitPlan};
 use crate::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
 use crate::failpoints;
+use crate::launch;
 use crate::logs::{self, LogContext, Tailer};
 use crate::notify::FileWatch;
 use crate::process::ProcessIdentity;
@@ -93,6 +94,20 @@ pub struct BareMetalOptions {
     pub forwarded_env: Vec<(String, String)>,
     /// The daemon's environment; only the allowlist reaches agents.
     pub system_env: Vec<(String, String)>,
+    /// How agents enter their tracking cgroup.
+    pub spawn_method: SpawnMethod,
+}
+
+/// How a bare-metal agent enters its cgroups.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SpawnMethod {
+    /// `clone3(CLONE_INTO_CGROUP)` (no migration: ~10 ms faster per spawn
+    /// here), falling back to [`SpawnMethod::PreExec`] for good, logged
+    /// once, when the kernel refuses it.
+    #[default]
+    Auto,
+    /// Fork, then the child writes itself into `cgroup.procs` before exec.
+    PreExec,
 }
 
 impl BareMetalOptions {
@@ -113,6 +128,7 @@ impl BareMetalOptions {
             cgroup_v1_root: PathBuf::from(Self::DEFAULT_CGROUP_V1_ROOT),
             forwarded_env: daemon_env.clone(),
             system_env: daemon_env,
+            spawn_method: SpawnMethod::default(),
         }
     }
 }
@@ -171,6 +187,7 @@ struct Inner {
     system: SystemEnv,
     forwarded: ForwardedEnv,
     tracked: Mutex<HashMap<AgentId, Tracked>>,
+    spawn_method: SpawnMethod,
     /// Spawns create cgroup parents under a read lock; pruning empty parents
     /// takes the write lock, so it never removes a directory a spawn is about
     /// to use.
@@ -217,6 +234,7 @@ impl BareMetalBackend {
                 system,
                 forwarded,
                 tracked: Mutex::new(HashMap::new()),
+                spawn_method: options.spawn_method,
                 tree: RwLock::new(()),
             }),
         })
@@ -298,7 +316,7 @@ impl BareMetalBackend {
                 return Err(e.into());
             }
         };
-        match start_process(binary_path, env, &files, &cgroups) {
+        match start_process(binary_path, env, &files, &cgroups, inner.spawn_method) {
             Ok((child, identity)) => Ok(Spawned {
                 child,
                 identity,
@@ -328,7 +346,7 @@ impl BareMetalBackend {
         let exit = match leader {
             StartedLeader::Unwatched(mut child) => {
                 // Unreaped: the pid is still the child's, safe to signal.
-                let _ = child.kill();
+                child.kill();
                 kill_cgroup(cgroups).await.unwrap_or_else(
                     |e| tracing::warn!(agent_id = %agent, error = %e, "aborted spawn: cannot kill"),
                 );
@@ -452,7 +470,7 @@ impl BareMetalBackend {
 /// The leader of a spawn being aborted.
 enum StartedLeader {
     /// Not yet handed to an exit watch: the abort reaps it.
-    Unwatched(Child),
+    Unwatched(AgentChild),
     /// Watched (the watcher reaps it) and tailed.
     Watched {
         exit: Arc<ExitWatch>,
@@ -605,7 +623,7 @@ fn watch_adopted(
 }
 
 struct Spawned {
-    child: Child,
+    child: AgentChild,
     identity: ProcessIdentity,
     cgroups: AgentCgroups,
     dir: PathBuf,
@@ -729,47 +747,127 @@ impl AgentContext {
     }
 }
 
-/// Forks and execs the agent inside its cgroups.
+/// A started agent leader, unreaped until its exit is seen (so its pid
+/// stays its own).
+enum AgentChild {
+    /// Started by `Command` (the fallback).
+    Std(Child),
+    /// Started by `clone3(CLONE_INTO_CGROUP)`.
+    Cloned(launch::ClonedChild),
+}
+
+impl AgentChild {
+    fn pid(&self) -> Option<Pid> {
+        match self {
+            Self::Std(child) => i32::try_from(child.id()).ok().and_then(Pid::from_raw),
+            Self::Cloned(child) => Some(child.pid()),
+        }
+    }
+
+    /// A pidfd of the leader (the clone's own, duplicated, or a new one).
+    fn pidfd(&self) -> std::io::Result<rustix::fd::OwnedFd> {
+        match self {
+            Self::Std(child) => {
+                let pid = i32::try_from(child.id())
+                    .ok()
+                    .and_then(Pid::from_raw)
+                    .ok_or_else(|| std::io::Error::other("pid out of range"))?;
+                Ok(rustix::process::pidfd_open(pid, PidfdFlags::empty())?)
+            }
+            Self::Cloned(child) => Ok(rustix::io::fcntl_dupfd_cloexec(child.pidfd(), 0)?),
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = match self {
+            Self::Std(child) => child.kill(),
+            Self::Cloned(child) => child.kill(),
+        };
+    }
+
+    fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        match self {
+            Self::Std(child) => child.try_wait(),
+            Self::Cloned(child) => child.try_wait(),
+        }
+    }
+
+    fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        match self {
+            Self::Std(child) => child.wait(),
+            Self::Cloned(child) => child.wait(),
+        }
+    }
+}
+
+/// Forks and execs the agent inside its cgroups: straight into the
+/// tracking cgroup with `clone3(CLONE_INTO_CGROUP)` where the kernel allows
+/// it, else by writing `cgroup.procs` before exec ([`crate::launch`]).
 fn start_process(
     binary: &Path,
     env: Vec<(String, String)>,
     files: &AgentFiles,
     cgroups: &AgentCgroups,
-) -> Result<(Child, ProcessIdentity), SpawnError> {
+    method: SpawnMethod,
+) -> Result<(AgentChild, ProcessIdentity), SpawnError> {
     let exec_err = |source| SpawnError::Exec {
         binary: binary.to_owned(),
         source,
     };
-    let procs = cgroups.open_procs()?;
-    let stdout = files.stdout.try_clone().map_err(exec_err)?;
-    let stderr = files.stderr.try_clone().map_err(exec_err)?;
-    let mut command = Command::new(binary);
-    command
-        .env_clear()
-        .envs(env)
-        .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr)
-        .current_dir(&files.work);
-    enter_session_and_cgroups(&mut command, procs);
-    let child = command.spawn().map_err(exec_err)?;
-    // `command` holds the cgroup.procs descriptors; they close with it.
-    drop(command);
-    let pid = child.id();
-    let identity = i32::try_from(pid)
-        .ok()
-        .and_then(Pid::from_raw)
+    let mut child = None;
+    if method == SpawnMethod::Auto && launch::worth_trying() {
+        if let Some(tracking) = cgroups.open_tracking()? {
+            let v1_procs = cgroups.open_v1_procs()?;
+            let launched = launch::launch(&launch::Launch {
+                binary,
+                env: &env,
+                stdout: &files.stdout,
+                stderr: &files.stderr,
+                work: &files.work,
+                cgroup: &tracking,
+                v1_procs: &v1_procs,
+            });
+            match launched {
+                Ok(cloned) => child = Some(AgentChild::Cloned(cloned)),
+                Err(launch::LaunchError::Refused(refused)) => launch::record_refusal(&refused),
+                Err(launch::LaunchError::Io(e)) => return Err(exec_err(e)),
+            }
+        }
+    }
+    let child = match child {
+        Some(child) => child,
+        None => {
+            let procs = cgroups.open_procs()?;
+            let stdout = files.stdout.try_clone().map_err(exec_err)?;
+            let stderr = files.stderr.try_clone().map_err(exec_err)?;
+            let mut command = Command::new(binary);
+            command
+                .env_clear()
+                .envs(env)
+                .stdin(Stdio::null())
+                .stdout(stdout)
+                .stderr(stderr)
+                .current_dir(&files.work);
+            enter_session_and_cgroups(&mut command, procs);
+            let child = command.spawn().map_err(exec_err)?;
+            // `command` holds the cgroup.procs descriptors; they close with it.
+            drop(command);
+            AgentChild::Std(child)
+        }
+    };
+    let identity = child
+        .pid()
         .ok_or_else(|| std::io::Error::other("pid out of range"))
-        .and_then(ProcessIdentity::of)
-        .map_err(|e| SpawnError::Identify(pid, e));
+        .and_then(ProcessIdentity::of);
     match identity {
         Ok(identity) => Ok((child, identity)),
         Err(e) => {
             // Unreachable in practice: an unreaped child keeps its /proc entry.
+            let pid = child.pid().map_or(0, |p| p.as_raw_nonzero().get());
             let mut child = child;
-            let _ = child.kill();
+            child.kill();
             let _ = child.wait();
-            Err(e)
+            Err(SpawnError::Identify(pid as u32, e))
         }
     }
 }
@@ -809,7 +907,7 @@ fn describe_exit(status: ExitStatus) -> String {
 /// Reaps the leader when it exits and reports the exit, unless destroy
 /// caused it. A pidfd makes the exit visible at once; without one (kernels
 /// before 5.3) a blocking thread waits.
-fn watch_exit(mut child: Child, agent: AgentId, reports: ReportSender, exit: Arc<ExitWatch>) {
+fn watch_exit(mut child: AgentChild, agent: AgentId, reports: ReportSender, exit: Arc<ExitWatch>) {
     let finish = move |status: std::io::Result<ExitStatus>, exit: Arc<ExitWatch>| {
         let detail = match status {
             Ok(status) => describe_exit(status),
@@ -817,15 +915,8 @@ fn watch_exit(mut child: Child, agent: AgentId, reports: ReportSender, exit: Arc
         };
         exit.record(agent, detail, &reports);
     };
-    let pidfd = i32::try_from(child.id())
-        .ok()
-        .and_then(Pid::from_raw)
-        .map(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()));
-    match pidfd.map(|fd| {
-        fd.map_err(std::io::Error::from)
-            .and_then(crate::notify::register)
-    }) {
-        Some(Ok(pidfd)) => {
+    match child.pidfd().and_then(crate::notify::register) {
+        Ok(pidfd) => {
             tokio::spawn(async move {
                 // Readable = exited; an error here still ends in a blocking wait.
                 let _ = pidfd.readable().await;
@@ -838,7 +929,7 @@ fn watch_exit(mut child: Child, agent: AgentId, reports: ReportSender, exit: Arc
                 finish(status, exit);
             });
         }
-        _ => {
+        Err(_) => {
             tokio::task::spawn_blocking(move || {
                 let status = child.wait();
                 finish(status, exit);

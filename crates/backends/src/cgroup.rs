@@ -537,6 +537,37 @@ impl AgentCgroups {
             .collect()
     }
 
+    /// The tracking cgroup's directory, opened for `clone3(CLONE_INTO_CGROUP)`.
+    pub fn open_tracking(&self) -> Result<Option<OwnedFd>, CgroupError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.tracking
+            .as_ref()
+            .map(|dir| {
+                OpenOptions::new()
+                    .read(true)
+                    .custom_flags(rustix::fs::OFlags::DIRECTORY.bits() as i32)
+                    .open(dir)
+                    .map(OwnedFd::from)
+                    .map_err(io_err("open", dir))
+            })
+            .transpose()
+    }
+
+    /// `cgroup.procs` of the v1 limit cgroups only (close-on-exec).
+    pub fn open_v1_procs(&self) -> Result<Vec<OwnedFd>, CgroupError> {
+        self.v1
+            .iter()
+            .map(|(_, dir)| {
+                let path = dir.join("cgroup.procs");
+                OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map(OwnedFd::from)
+                    .map_err(io_err("open", &path))
+            })
+            .collect()
+    }
+
     /// Removes every (empty) cgroup; already-missing ones are fine.
     pub fn remove(&self) -> Result<(), CgroupError> {
         for dir in self.v1.iter().map(|(_, dir)| dir).chain(&self.tracking) {

@@ -7,6 +7,7 @@
 //! - [`logs`]: log files followed and forwarded as wrapped `tracing` events,
 //!   with bounded retention.
 //! - [`process`]: pid + start time identity.
+//! - [`launch`]: fork/exec straight into the tracking cgroup (`clone3`).
 //! - [`failpoints`]: the named failpoints of every step ([`FAILPOINTS`]).
 //!
 //! The container and Firecracker backends will live here too and reuse
@@ -16,6 +17,7 @@ pub mod bare_metal;
 pub mod cgroup;
 pub mod env;
 pub mod failpoints;
+pub mod launch;
 pub mod logs;
 mod notify;
 pub mod process;
@@ -23,6 +25,6 @@ pub mod process;
 #[cfg(test)]
 mod test_support;
 
-pub use bare_metal::{BareMetalBackend, BareMetalOptions, BareMetalSetupError};
+pub use bare_metal::{BareMetalBackend, BareMetalOptions, BareMetalSetupError, SpawnMethod};
 pub use env::{agent_env, ForwardedEnv, ForwardedEnvError, ForwardedEnvProblem, SystemEnv};
 pub use failpoints::FAILPOINTS;

@@ -8,6 +8,7 @@ mod common;
 use common::{next_report, read_fifo, scaler, simple_scaler, spec as spawn_spec, Fixture};
 use kici_backends::cgroup;
 use kici_backends::process::{ProcStat, ProcessIdentity};
+use kici_backends::SpawnMethod;
 use kici_engine::{Backend, BackendReport};
 use kici_model::{AgentId, ScalerType};
 use std::collections::BTreeSet;
@@ -107,9 +108,27 @@ scalers:
     assert!(!cgroup_of(&handle).exists());
 }
 
-#[tokio::test]
-async fn serial_agent_runs_in_its_own_session_and_cgroup_with_argv0_only() {
-    let fx = Fixture::new();
+/// A signal mask line of `/proc/<pid>/status` (`SigBlk`, `SigIgn`, ...).
+fn signal_mask(pid: i32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .unwrap();
+    u64::from_str_radix(mask.trim(), 16).unwrap()
+}
+
+/// Linux ≥ 5.7 offers `clone3(CLONE_INTO_CGROUP)`.
+fn kernel_has_clone_into_cgroup() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major: u32 = parts.next().unwrap().parse().unwrap();
+    let minor: u32 = parts.next().unwrap().parse().unwrap();
+    (major, minor) >= (5, 7)
+}
+
+async fn agent_runs_in_its_own_session_and_cgroup(method: SpawnMethod) {
+    let fx = Fixture::with(|o| o.spawn_method = method);
     let ready = fx.fifo("ready");
     let binary = fx.script(
         "agent.sh",
@@ -121,6 +140,12 @@ async fn serial_agent_runs_in_its_own_session_and_cgroup_with_argv0_only() {
     let agent = spec.agent;
     let handle = fx.backend.spawn(spec).await.unwrap();
     assert_eq!(read_fifo(ready).await, "up\n");
+    if method == SpawnMethod::Auto && kernel_has_clone_into_cgroup() {
+        assert_eq!(
+            kici_backends::launch::clone_into_cgroup_supported(),
+            Some(true)
+        );
+    }
     let leader = pid_of(&handle.id);
     let pid = leader.pid.as_raw_nonzero().get();
     // `exec sleep` kept the pid: argv is sleep's own now; the kernel's
@@ -133,15 +158,77 @@ async fn serial_agent_runs_in_its_own_session_and_cgroup_with_argv0_only() {
     assert!(cg.lines().any(|l| l == expected), "{cg}");
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
     assert!(!String::from_utf8_lossy(&cmdline).contains("kat_secret"));
+    // stdio and working directory as documented; no signal blocked, and
+    // SIGPIPE not ignored (the Rust runtime ignores it in the daemon).
+    let dir = fx.backend.agent_dir(agent);
+    let link = |name: &str| std::fs::read_link(format!("/proc/{pid}/{name}")).unwrap();
+    assert_eq!(link("fd/0"), Path::new("/dev/null"));
+    assert_eq!(link("fd/1"), dir.join("stdout.log"));
+    assert_eq!(link("fd/2"), dir.join("stderr.log"));
+    assert_eq!(link("cwd"), dir.join("work"));
+    assert_eq!(signal_mask(pid, "SigBlk"), 0);
     assert_eq!(
-        handle.extra["logs"],
-        fx.backend.agent_dir(agent).display().to_string()
+        signal_mask(pid, "SigIgn") & (1 << (13 - 1)),
+        0,
+        "SIGPIPE ignored"
     );
+    // Besides stdio, only what this test process itself inherited without
+    // close-on-exec (the harness's jobserver pipe, ...): no descriptor the
+    // backend opened (cgroup files, pidfds, inotify, error pipes) leaked.
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let fd = entry.unwrap().file_name().into_string().unwrap();
+        if ["0", "1", "2"].contains(&fd.as_str()) {
+            continue;
+        }
+        let theirs = link(&format!("fd/{fd}"));
+        let ours = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok();
+        assert_eq!(
+            Some(&theirs),
+            ours.as_ref(),
+            "fd {fd} leaked into the agent"
+        );
+    }
+    assert_eq!(handle.extra["logs"], dir.display().to_string());
     fx.backend
         .destroy(&agent, Some(&handle), GRACE)
         .await
         .unwrap();
     assert!(!leader.is_running());
+}
+
+#[tokio::test]
+async fn serial_agent_runs_in_its_own_session_and_cgroup_with_argv0_only() {
+    agent_runs_in_its_own_session_and_cgroup(SpawnMethod::Auto).await;
+}
+
+#[tokio::test]
+async fn serial_agent_started_by_the_pre_exec_fallback_is_set_up_alike() {
+    agent_runs_in_its_own_session_and_cgroup(SpawnMethod::PreExec).await;
+}
+
+#[tokio::test]
+async fn serial_a_binary_that_cannot_be_exec_d_fails_the_spawn_and_leaves_nothing() {
+    for method in [SpawnMethod::Auto, SpawnMethod::PreExec] {
+        let fx = Fixture::with(|o| o.spawn_method = method);
+        // Valid when the config was checked, gone by the spawn.
+        let binary = fx.script("agent.sh", "exit 0");
+        let scaler = simple_scaler(&binary);
+        std::fs::remove_file(&binary).unwrap();
+        let (spec, mut rx) = spawn_spec(&scaler, 0);
+        let agent = spec.agent;
+        let err = fx.backend.spawn(spec).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "cannot start {}: No such file or directory (os error 2)",
+                binary.display()
+            ),
+            "{method:?}"
+        );
+        assert!(!fx.backend.agent_dir(agent).exists(), "{method:?}");
+        assert!(!fx.layout().instance_dir().exists(), "{method:?}");
+        assert!(rx.try_recv().is_err(), "{method:?}");
+    }
 }
 
 #[tokio::test]
