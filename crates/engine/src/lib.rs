@@ -15,6 +15,7 @@
 pub mod backend;
 pub mod breaker;
 pub mod engine;
+pub mod failpoints;
 pub mod journal;
 pub mod lifecycle;
 pub mod memory_backend;

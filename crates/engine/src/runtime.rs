@@ -402,7 +402,11 @@ impl Runtime {
                     return;
                 }
             }
+            crate::failpoints::hit(crate::failpoints::SPAWN_RECORDED);
             let result = backend.spawn(spec).await;
+            if result.is_ok() {
+                crate::failpoints::hit(crate::failpoints::SPAWN_BACKEND_DONE);
+            }
             rt.inner.spawns.lock().remove(&agent);
             rt.call(|e, now| match result {
                 Ok(handle) => e.spawn_succeeded(agent, handle, now),
@@ -434,6 +438,7 @@ impl Runtime {
             .await;
             match result {
                 Ok(Ok(())) => {
+                    crate::failpoints::hit(crate::failpoints::DESTROY_BACKEND_DONE);
                     rt.inner.bootstrap.revoke(agent);
                     rt.call(|e, now| e.destroy_finished(agent, now));
                 }
