@@ -309,7 +309,8 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         )
         .envs(env)
-        .stdin(Stdio::null())
+        // Inherited: there is no /dev/null inside the jail to open.
+        .stdin(Stdio::inherit())
         .spawn();
     let mut child = match child {
         Ok(c) => c,
