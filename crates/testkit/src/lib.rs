@@ -11,10 +11,14 @@
 //!   (chroot layout, exec-file copy, device nodes, cgroups, uid/gid drop,
 //!   `--new-pid-ns` pid file, `--daemonize`).
 //! - [`fc`]: what tests in other crates call (build the static binaries,
-//!   query a running simulator, set the guest's failure mode).
+//!   query a running simulator, set the guest's failure mode), and
+//!   [`guestnet`]: a guest network namespace whose frames cross the VM's real
+//!   host TAP and whose MMDS address is answered by the simulator.
 
 pub mod fc;
 pub mod guest;
+pub mod guestlink;
+pub mod guestnet;
 pub mod http;
 pub mod jailer;
 pub mod logger;

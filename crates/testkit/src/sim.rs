@@ -250,6 +250,7 @@ pub fn main_with_args(args: &[String]) -> i32 {
             return EXIT_GENERIC;
         }
     };
+    crate::guestlink::spawn(Arc::clone(&shared), &parsed.api_sock);
     for conn in listener.incoming() {
         let Ok(stream) = conn else { continue };
         let shared = Arc::clone(&shared);

@@ -43,14 +43,34 @@ pub enum TapError {
 }
 
 /// Attach to the existing TAP `name`; the returned file keeps the attachment alive.
+/// Frames read from it carry a 10-byte `virtio_net_hdr` (IFF_VNET_HDR).
 pub fn attach(name: &str) -> Result<File, TapError> {
-    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(['/', ' ', '\0']) {
-        return Err(TapError::BadName(name.to_string()));
-    }
+    check_name(name)?;
     // Refuse to let a privileged simulator create the interface on the fly
     // (TUNSETIFF creates a missing TAP when CAP_NET_ADMIN is held; the jailed
     // VMM never holds it).
     nix::net::if_::if_nametoindex(name).map_err(|_| TapError::Missing(name.to_string()))?;
+    set_iff(name, IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
+}
+
+/// Create (or attach to) TAP `name` in the calling thread's network namespace,
+/// without a vnet header: the guest side of [`crate::guestnet`]. Needs CAP_NET_ADMIN.
+pub fn create_plain(name: &str) -> Result<File, TapError> {
+    check_name(name)?;
+    set_iff(name, IFF_TAP | IFF_NO_PI)
+}
+
+/// Size of the `virtio_net_hdr` prefixed to frames of an [`attach`]ed TAP.
+pub const VNET_HDR_LEN: usize = 10;
+
+fn check_name(name: &str) -> Result<(), TapError> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(['/', ' ', '\0']) {
+        return Err(TapError::BadName(name.to_string()));
+    }
+    Ok(())
+}
+
+fn set_iff(name: &str, flags: libc::c_short) -> Result<File, TapError> {
     let tun = OpenOptions::new()
         .read(true)
         .write(true)
@@ -58,7 +78,7 @@ pub fn attach(name: &str) -> Result<File, TapError> {
         .map_err(TapError::OpenTun)?;
     let mut req = IfReqFlags {
         name: [0; libc::IFNAMSIZ],
-        flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
+        flags,
         _pad: [0; 22],
     };
     req.name[..name.len()].copy_from_slice(name.as_bytes());

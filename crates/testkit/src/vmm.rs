@@ -50,7 +50,8 @@ pub struct RecordedRequest {
 struct NetIface {
     id: String,
     config: Value,
-    _tap: File,
+    /// The TAP attachment (kept open for the VM's life, like the real net device).
+    tap: File,
 }
 
 /// Mutable VMM state.
@@ -105,6 +106,25 @@ impl VmmState {
             });
         }
         args
+    }
+
+    /// A duplicate of the TAP descriptor behind interface `iface_id` (for the guest network relay).
+    pub fn tap_for(&self, iface_id: &str) -> Option<std::io::Result<File>> {
+        self.net
+            .iter()
+            .find(|n| n.id == iface_id)
+            .map(|n| n.tap.try_clone())
+    }
+
+    /// Whether the guest may reach MMDS through `iface_id` (booted, and named in the MMDS config).
+    pub fn mmds_on(&self, iface_id: &str) -> bool {
+        self.started
+            && self
+                .mmds_config
+                .as_ref()
+                .and_then(|c| c.get("network_interfaces"))
+                .and_then(Value::as_array)
+                .is_some_and(|a| a.iter().any(|i| i.as_str() == Some(iface_id)))
     }
 
     pub fn drive_ids(&self) -> Vec<String> {
@@ -665,7 +685,7 @@ fn put_net(st: &mut VmmState, body: Value) -> Outcome {
             st.net.push(NetIface {
                 id,
                 config: body,
-                _tap: tap,
+                tap,
             });
             Outcome::NoContent
         }

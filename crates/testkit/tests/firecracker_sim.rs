@@ -730,3 +730,127 @@ fn serial_firecracker_sim_guest_refuses_mmds_v1() {
     assert_eq!(st.guest()["token_status"], 405);
     assert_eq!(st.0["mmds_version"], "V1");
 }
+
+/// The guest namespace: MMDS V2 at 169.254.169.254 answered by the VMM (401
+/// without a token), and guest traffic reaching the host through the VM's TAP.
+#[test]
+fn serial_firecracker_guestnet_serves_mmds_and_carries_traffic_over_the_tap() {
+    use kici_testkit::guestnet::{GuestNet, GuestNetConfig};
+    use std::io::{Read, Write};
+    use std::net::{Ipv4Addr, TcpListener};
+
+    let p = paths();
+    let third = (std::process::id() % 200) as u8 + 20;
+    let host_ip = Ipv4Addr::new(10, 254, third, 1);
+    let guest_ip = Ipv4Addr::new(10, 254, third, 2);
+    let tap = Tap::new("gn", 0, 0).with_addr(&format!("{host_ip}/30"));
+    let dir = tempfile::tempdir().unwrap();
+    files(dir.path());
+    let sim = Simulator::start(&p, dir.path(), &[], &GuestSetup::default()).unwrap();
+    let c = &sim.client;
+    let mac = "06:00:AC:FE:00:02";
+    assert_eq!(
+        c.put(
+            "/network-interfaces/eth0",
+            &json!({"iface_id": "eth0", "guest_mac": mac, "host_dev_name": tap.name})
+        )
+        .unwrap()
+        .status,
+        204
+    );
+    assert_eq!(
+        c.put(
+            "/mmds/config",
+            &json!({"network_interfaces": ["eth0"], "version": "V2"})
+        )
+        .unwrap()
+        .status,
+        204
+    );
+    assert_eq!(
+        c.put(
+            "/mmds",
+            &json!({"latest": {"meta-data": {"kici-agent-id": "scaler-firecracker-feedbeef"}}})
+        )
+        .unwrap()
+        .status,
+        204
+    );
+    boot_minimal(c, dir.path());
+
+    let guest = GuestNet::attach(
+        &dir.path().join(kici_testkit::guestlink::GUEST_LINK_SOCKET),
+        &GuestNetConfig {
+            netns: format!("ktgn{}", std::process::id()),
+            iface_id: "eth0".into(),
+            mac: mac.into(),
+            ip: guest_ip,
+            prefix_len: 30,
+            gateway: Some(host_ip),
+            mmds_address: Ipv4Addr::new(169, 254, 169, 254),
+        },
+    )
+    .unwrap();
+    let curl = |args: &[&str]| {
+        let out = guest
+            .command("curl")
+            .args(["-s", "--max-time", "10"])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let status = curl(&[
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "http://169.254.169.254/latest/meta-data/kici-agent-id",
+    ]);
+    assert_eq!(status, "401", "V2 refuses token-less reads");
+    let token = curl(&[
+        "-X",
+        "PUT",
+        "-H",
+        "X-metadata-token-ttl-seconds: 60",
+        "http://169.254.169.254/latest/api/token",
+    ]);
+    assert_eq!(token.len(), 64, "{token}");
+    let id = curl(&[
+        "-H",
+        &format!("X-metadata-token: {token}"),
+        "http://169.254.169.254/latest/meta-data/kici-agent-id",
+    ]);
+    assert_eq!(id, "scaler-firecracker-feedbeef");
+
+    // Guest → host over the TAP.
+    let listener = TcpListener::bind((host_ip, 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = s.read(&mut buf).unwrap();
+        s.write_all(b"HTTP/1.0 200 OK\r\nContent-Length: 15\r\n\r\nhello-from-host")
+            .unwrap();
+        peer.ip()
+    });
+    let body = curl(&[&format!("http://{host_ip}:{port}/")]);
+    assert_eq!(body, "hello-from-host");
+    assert_eq!(
+        server.join().unwrap(),
+        std::net::IpAddr::V4(guest_ip),
+        "the guest's source address crossed the TAP"
+    );
+    drop(guest);
+    assert!(
+        !String::from_utf8_lossy(
+            &Command::new("ip")
+                .args(["netns", "list"])
+                .output()
+                .unwrap()
+                .stdout
+        )
+        .contains(&format!("ktgn{}", std::process::id())),
+        "the guest namespace is removed"
+    );
+}

@@ -44,6 +44,20 @@ impl Tap {
     }
 }
 
+impl Tap {
+    /// Give the host side an address and bring it up (a TAP without a bridge).
+    pub fn with_addr(self, cidr: &str) -> Self {
+        for args in [
+            vec!["addr", "add", cidr, "dev", &self.name],
+            vec!["link", "set", &self.name, "up"],
+        ] {
+            let st = Command::new("ip").args(&args).status().unwrap();
+            assert!(st.success(), "ip {args:?}");
+        }
+        self
+    }
+}
+
 impl Drop for Tap {
     fn drop(&mut self) {
         let _ = Command::new("ip")
