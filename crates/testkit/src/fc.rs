@@ -12,8 +12,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-pub use crate::guest::GuestMode;
-use crate::guest::{GUEST_AGENT_ENV, GUEST_AGENT_FILE, GUEST_MODE_ENV, GUEST_MODE_FILE};
+pub use crate::guest::{GuestMode, VmmMode};
+use crate::guest::{
+    GUEST_AGENT_ENV, GUEST_AGENT_FILE, GUEST_MODE_ENV, GUEST_MODE_FILE, VMM_MODE_ENV, VMM_MODE_FILE,
+};
 use crate::http::{unix_request, ClientResponse, HttpError};
 pub use crate::jailer::{CGROUP_ROOT_ENV, GUEST_DIR_BESIDE_JAILER, GUEST_DIR_ENV};
 use crate::vmm::TESTKIT_STATE_PATH;
@@ -159,6 +161,8 @@ pub struct GuestSetup {
     pub mode: GuestMode,
     /// A (static) binary run as the guest agent with the MMDS-derived environment.
     pub agent: Option<PathBuf>,
+    /// Failure mode of the VMM process itself.
+    pub vmm: VmmMode,
 }
 
 impl GuestSetup {
@@ -167,6 +171,9 @@ impl GuestSetup {
         let mode_file = dir.join(GUEST_MODE_FILE);
         fs::write(&mode_file, self.mode.as_str())
             .map_err(io_err(format!("writing {}", mode_file.display())))?;
+        let vmm_file = dir.join(VMM_MODE_FILE);
+        fs::write(&vmm_file, self.vmm.as_str())
+            .map_err(io_err(format!("writing {}", vmm_file.display())))?;
         let agent_file = dir.join(GUEST_AGENT_FILE);
         match &self.agent {
             Some(agent) => link_or_copy(agent, &agent_file)?,
@@ -401,6 +408,7 @@ impl Simulator {
             .arg(&socket)
             .args(args)
             .env(GUEST_MODE_ENV, setup.mode.as_str())
+            .env(VMM_MODE_ENV, setup.vmm.as_str())
             .stdin(Stdio::null())
             .stdout(Stdio::from(serial))
             .stderr(Stdio::from(stderr));

@@ -31,6 +31,48 @@ pub const GUEST_AGENT_ENV: &str = "KICI_TESTKIT_GUEST_AGENT";
 pub const GUEST_MODE_FILE: &str = "testkit-guest-mode";
 /// File (in the VMM's working directory) that is the guest agent binary.
 pub const GUEST_AGENT_FILE: &str = "guest-agent";
+/// Env var naming the VMM failure mode ([`VmmMode`]).
+pub const VMM_MODE_ENV: &str = "KICI_TESTKIT_VMM_MODE";
+/// File (in the VMM's working directory) holding the VMM failure mode.
+pub const VMM_MODE_FILE: &str = "testkit-vmm-mode";
+
+/// Failures of the VMM process itself, for the backend's timeout and cleanup paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VmmMode {
+    #[default]
+    Normal,
+    /// Exits with status 1 right after start-up (like a VMM refusing its arguments).
+    ExitAtStart,
+    /// Keeps running but never creates its API socket.
+    NoSocket,
+    /// Accepts API connections and never answers.
+    HangApi,
+    /// `InstanceStart` fails the way it does on a host without usable KVM.
+    FailInstanceStart,
+}
+
+impl VmmMode {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.trim() {
+            "normal" | "" => Self::Normal,
+            "exit-at-start" => Self::ExitAtStart,
+            "no-socket" => Self::NoSocket,
+            "hang-api" => Self::HangApi,
+            "fail-instance-start" => Self::FailInstanceStart,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Normal => "normal",
+            Self::ExitAtStart => "exit-at-start",
+            Self::NoSocket => "no-socket",
+            Self::HangApi => "hang-api",
+            Self::FailInstanceStart => "fail-instance-start",
+        }
+    }
+}
 
 /// How long the guest gives its agent to stop after Ctrl+Alt+Del before killing it.
 const AGENT_STOP_GRACE: Duration = Duration::from_secs(2);
@@ -79,6 +121,7 @@ impl GuestMode {
 pub struct GuestConfig {
     pub mode: GuestMode,
     pub agent: Option<PathBuf>,
+    pub vmm: VmmMode,
 }
 
 impl GuestConfig {
@@ -97,7 +140,14 @@ impl GuestConfig {
                 let p = PathBuf::from(GUEST_AGENT_FILE);
                 p.exists().then(|| PathBuf::from("./").join(p))
             });
-        Ok(Self { mode, agent })
+        let vmm_text = std::env::var(VMM_MODE_ENV)
+            .ok()
+            .or_else(|| std::fs::read_to_string(VMM_MODE_FILE).ok());
+        let vmm = match vmm_text {
+            Some(t) => VmmMode::parse(&t).ok_or_else(|| format!("unknown VMM mode {t:?}"))?,
+            None => VmmMode::Normal,
+        };
+        Ok(Self { mode, agent, vmm })
     }
 }
 

@@ -21,7 +21,7 @@
 //!   instead of the host's cgroup mounts (v2: `<dir>/<parent>/<id>`, v1:
 //!   `<dir>/<controller>/<parent>/<id>`), so tests need not touch the real hierarchy.
 //! - `KICI_TESTKIT_GUEST_DIR=<dir>`, or a directory `testkit-guest` next to the
-//!   fake-jailer binary: its `guest-agent` and `testkit-guest-mode` files are put
+//!   fake-jailer binary: its `guest-agent`, `testkit-guest-mode` and `testkit-vmm-mode` files are put
 //!   into the jail, where `fc-sim`'s simulated guest finds them.
 //!
 //! Deviations: a plain `chroot` instead of a mount namespace plus `pivot_root`;
@@ -41,7 +41,7 @@ use nix::sys::resource::{setrlimit, Resource};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use nix::unistd::{chown, Gid, Uid};
 
-use crate::guest::{GUEST_AGENT_FILE, GUEST_MODE_FILE};
+use crate::guest::{GUEST_AGENT_FILE, GUEST_MODE_FILE, VMM_MODE_FILE};
 use crate::sim::validate_instance_id;
 
 /// Env override for the cgroup root (test only).
@@ -505,7 +505,7 @@ fn run(raw: &[String]) -> Result<(), JailerError> {
     )))?;
     place_file(&args.exec_file, &chroot_dir.join(&args.exec_file_name))?;
     if let Some(dir) = &guest_files {
-        for name in [GUEST_AGENT_FILE, GUEST_MODE_FILE] {
+        for name in [GUEST_AGENT_FILE, GUEST_MODE_FILE, VMM_MODE_FILE] {
             let src = dir.join(name);
             if src.exists() {
                 place_file(&src, &chroot_dir.join(name))?;

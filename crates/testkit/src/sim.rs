@@ -6,7 +6,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::guest::GuestConfig;
+use crate::guest::{GuestConfig, VmmMode};
 use crate::http::{read_request, write_response, HttpError, HttpResponse, DEFAULT_MAX_PAYLOAD};
 use crate::logger::{Level, VmmLogger};
 use crate::spec::{ApiSpec, SPEC_VERSION};
@@ -232,6 +232,19 @@ pub fn main_with_args(args: &[String]) -> i32 {
             return EXIT_GENERIC;
         }
     }
+    match shared.lock().config.guest.vmm {
+        VmmMode::ExitAtStart => {
+            eprintln!(
+                "kici-testkit fc-sim: simulated start-up failure (testkit-vmm-mode exit-at-start)"
+            );
+            return EXIT_GENERIC;
+        }
+        VmmMode::NoSocket => loop {
+            std::thread::park();
+        },
+        _ => {}
+    }
+    let hang_api = shared.lock().config.guest.vmm == VmmMode::HangApi;
     let listener = match UnixListener::bind(&parsed.api_sock) {
         Ok(l) => l,
         Err(e) => {
@@ -251,7 +264,15 @@ pub fn main_with_args(args: &[String]) -> i32 {
         }
     };
     crate::guestlink::spawn(Arc::clone(&shared), &parsed.api_sock);
+    let mut held = Vec::new();
     for conn in listener.incoming() {
+        if hang_api {
+            // Accept and never answer: the wedged VMM a backend must time out on.
+            if let Ok(stream) = conn {
+                held.push(stream);
+            }
+            continue;
+        }
         let Ok(stream) = conn else { continue };
         let shared = Arc::clone(&shared);
         std::thread::spawn(move || serve_connection(shared, stream));

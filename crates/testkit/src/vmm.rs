@@ -508,6 +508,9 @@ fn action(st: &mut VmmState, body: &Value) -> Outcome {
                     "Start microvm error: Cannot start microvm without kernel configuration.",
                 );
             };
+            if st.config.guest.vmm == crate::guest::VmmMode::FailInstanceStart {
+                return fault("Start microvm error: Cannot create the KVM object: Error creating KVM object: Permission denied (os error 13) Make sure the user launching the firecracker process is configured on the /dev/kvm file's ACL.");
+            }
             if let Err(e) = File::open(&kernel) {
                 return fault(format!(
                     "Start microvm error: Cannot load kernel due to invalid memory configuration or invalid kernel image: Kernel Loader: failed to load ELF kernel image: {e}"

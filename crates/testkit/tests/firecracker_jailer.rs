@@ -35,6 +35,7 @@ impl Jail {
         kit.set_guest(&GuestSetup {
             mode: GuestMode::Normal,
             agent: agent.then(|| p.testkit_agent.clone()),
+            ..Default::default()
         })
         .unwrap();
         let base = tmp.path().join("jailer");

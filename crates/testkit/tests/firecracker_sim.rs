@@ -30,7 +30,17 @@ fn files(dir: &Path) {
 
 fn start(dir: &Path, args: &[&str], mode: GuestMode) -> Simulator {
     files(dir);
-    Simulator::start(&paths(), dir, args, &GuestSetup { mode, agent: None }).unwrap()
+    Simulator::start(
+        &paths(),
+        dir,
+        args,
+        &GuestSetup {
+            mode,
+            agent: None,
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 fn assert_fault(c: &SimClient, method: &str, path: &str, body: Option<&str>, expect: &str) {
@@ -606,6 +616,7 @@ fn serial_firecracker_sim_mmds_v2_guest_flow_runs_the_agent() {
         &GuestSetup {
             mode: GuestMode::Normal,
             agent: Some(p.testkit_agent.clone()),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -688,6 +699,7 @@ fn serial_firecracker_sim_guest_refuses_mmds_v1() {
         &GuestSetup {
             mode: GuestMode::Normal,
             agent: Some(p.testkit_agent.clone()),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -853,4 +865,76 @@ fn serial_firecracker_guestnet_serves_mmds_and_carries_traffic_over_the_tap() {
         .contains(&format!("ktgn{}", std::process::id())),
         "the guest namespace is removed"
     );
+}
+
+/// VMM failure modes the backend's timeouts and cleanup must survive.
+#[test]
+fn firecracker_sim_vmm_failure_modes() {
+    let p = paths();
+    // exit-at-start: the process ends with status 1 before any socket exists.
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(&p.fc_sim)
+        .arg("--api-sock")
+        .arg(dir.path().join("api.sock"))
+        .env("KICI_TESTKIT_VMM_MODE", "exit-at-start")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!dir.path().join("api.sock").exists());
+
+    // hang-api: connections are accepted, requests never answered.
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let mut child = Command::new(&p.fc_sim)
+        .arg("--api-sock")
+        .arg(&sock)
+        .env("KICI_TESTKIT_VMM_MODE", "hang-api")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let client = SimClient {
+        socket: sock.clone(),
+        timeout: Duration::from_millis(300),
+    };
+    let err = client.wait_ready(Duration::from_millis(300)).unwrap_err();
+    assert!(
+        matches!(err, kici_testkit::fc::TestkitError::NotReady(..)),
+        "{err}"
+    );
+    assert!(sock.exists(), "the socket exists, the API never answers");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // fail-instance-start: configuration works, InstanceStart is refused.
+    let dir = tempfile::tempdir().unwrap();
+    files(dir.path());
+    let sim = Simulator::start(
+        &p,
+        dir.path(),
+        &[],
+        &GuestSetup {
+            vmm: kici_testkit::fc::VmmMode::FailInstanceStart,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let kernel = dir.path().join("kernel");
+    assert_eq!(
+        sim.client
+            .put("/boot-source", &json!({"kernel_image_path": kernel}))
+            .unwrap()
+            .status,
+        204
+    );
+    let r = sim
+        .client
+        .put("/actions", &json!({"action_type": "InstanceStart"}))
+        .unwrap();
+    assert_eq!(r.status, 400);
+    assert!(r
+        .fault_message()
+        .unwrap()
+        .starts_with("Start microvm error: Cannot create the KVM object"));
+    assert_eq!(sim.client.instance_info().unwrap()["state"], "Not started");
 }
