@@ -98,6 +98,41 @@ pub fn agent_comment(instance: InstanceId, agent: &AgentId) -> String {
     format!("{COMMENT_PREFIX}{instance}:{agent}")
 }
 
+/// The chains every agent has rules in besides its own.
+pub(crate) fn dispatch_chains() -> Vec<(NfFamily, String)> {
+    [
+        (NfFamily::INet, INET_FORWARD.dispatch),
+        (NfFamily::INet, INET_INPUT.dispatch),
+        (NfFamily::Bridge, BRIDGE_FORWARD.dispatch),
+        (NfFamily::Bridge, BRIDGE_PREROUTING.dispatch),
+    ]
+    .into_iter()
+    .map(|(f, c)| (f, c.to_owned()))
+    .collect()
+}
+
+/// Our base chains (where the dispatch jumps and the subnet drops live).
+pub(crate) fn base_chains() -> Vec<(NfFamily, String)> {
+    INET_BASES
+        .iter()
+        .map(|b| (NfFamily::INet, b.name.to_owned()))
+        .chain(
+            BRIDGE_BASES
+                .iter()
+                .map(|b| (NfFamily::Bridge, b.name.to_owned())),
+        )
+        .collect()
+}
+
+/// One agent's own chains.
+pub(crate) fn agent_chains(instance: InstanceId, agent: &AgentId) -> Vec<(NfFamily, String)> {
+    vec![
+        (NfFamily::INet, agent_chain_name(instance, agent)),
+        (NfFamily::INet, agent_input_chain_name(instance, agent)),
+        (NfFamily::Bridge, agent_chain_name(instance, agent)),
+    ]
+}
+
 /// One rule to add: family, chain, statements.
 pub(crate) type PlannedNftRule = (NfFamily, String, Vec<Statement<'static>>);
 
@@ -120,11 +155,7 @@ pub(crate) fn agent_rules(
 ) -> (Vec<(NfFamily, String)>, Vec<PlannedNftRule>) {
     let forward_chain = agent_chain_name(instance, agent);
     let input_chain = agent_input_chain_name(instance, agent);
-    let chains = vec![
-        (NfFamily::INet, forward_chain.clone()),
-        (NfFamily::INet, input_chain.clone()),
-        (NfFamily::Bridge, forward_chain.clone()),
-    ];
+    let chains = agent_chains(instance, agent);
     let mut rules: Vec<PlannedNftRule> = Vec::new();
     for ((family, name), hook) in
         chains

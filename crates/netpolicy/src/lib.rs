@@ -24,6 +24,57 @@
 //! Everything is applied through the `nftables` crate's JSON schema piped to
 //! `nft -j -f -` (one atomic transaction per operation), never through rule
 //! text.
+//!
+//! # What an agent may reach
+//!
+//! * Routed egress (inet `forward`) and bridged frames (bridge `forward`):
+//!   [`default_blocked_v4`] dropped unless an allowlist entry at least as
+//!   specific covers the destination; DNS (udp/tcp 53) to a private resolver
+//!   allowed; everything else accepted. `denyAll`: everything dropped.
+//! * The host itself (inet `input`): only the agent gateway's TCP port (on
+//!   any host address), DNS to a resolver, and replies to flows the host
+//!   opened. The allowlist never opens the host.
+//! * IPv6: none (every IPv6 packet from an agent's MAC drops).
+//!
+//! # How a backend uses it
+//!
+//! ```no_run
+//! # async fn spawn() -> Result<(), kici_netpolicy::NetPolicyError> {
+//! use kici_model::ids::{AgentId, InstanceId, ScalerType};
+//! use kici_netpolicy::{AgentMatch, EgressPolicy, EgressTable, TableOptions};
+//!
+//! let instance: InstanceId = "0a1b2c3d".parse().expect("instance id");
+//! // Once at start-up, per agent subnet:
+//! let table = EgressTable::ensure(
+//!     instance,
+//!     "172.29.0.0/16".parse().expect("subnet"),
+//!     TableOptions { gateway_port: Some(8700), ..TableOptions::default() },
+//! )
+//! .await?;
+//! // Then at start-up, after recovering the live agents from the store:
+//! let live: Vec<AgentId> = Vec::new();
+//! table.sweep_stale(&live).await?;
+//!
+//! // Per spawn, BEFORE the agent starts (until then its traffic is dropped):
+//! let agent = AgentId::random(ScalerType::Container);
+//! let ip = "172.29.0.5".parse().expect("ip");
+//! let key = AgentMatch {
+//!     ip,
+//!     // The MAC the container/VM is given: kici_store::ipam::MacAddress::for_ip(ip).0
+//!     mac: [0x06, 0x00, 0xac, 29, 0, 5],
+//!     // Firecracker: Some(tap name); containers: None (the veth is not known yet).
+//!     port: None,
+//! };
+//! table.install(&agent, &key, &EgressPolicy::from_config(None)).await?;
+//! // Per destroy (idempotent):
+//! table.remove(&agent).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The agent's MAC must be the one given here: containers set it on their
+//! endpoint, Firecracker as the guest MAC. Firecracker also passes its TAP as
+//! [`AgentMatch::port`] (a guest has root and could change both its MAC and
+//! its address) and, on a host with dockerd, [`DockerUserMode::AcceptSubnet`].
 
 pub mod docker_user;
 mod error;
@@ -51,4 +102,5 @@ pub const FAILPOINTS: &[&str] = &[
     table::FP_ENSURE_DOCKER_USER,
     table::FP_INSTALL_APPLIED,
     table::FP_REMOVE_DELETED,
+    table::FP_SWEEP_DELETED,
 ];

@@ -121,30 +121,25 @@ impl Runner {
             .map(drop)
     }
 
-    /// `nft -j list table <family> <name>`; `None` when the table does not exist.
-    pub async fn list_table(
-        &self,
-        family: &str,
-        name: &str,
-    ) -> Result<Option<Nftables<'static>>, NetPolicyError> {
-        let args = ["-j", "list", "table", family, name];
-        let (done, shown) = self.run("nft", &args, None).await?;
-        if !done.success {
-            if done.stderr.contains("No such file or directory") {
-                return Ok(None);
-            }
-            return Err(NetPolicyError::Failed {
+    /// `nft -j list <args…>`: its JSON text and the command shown, or `None`
+    /// when the object (table or chain) does not exist.
+    pub async fn list(&self, args: &[&str]) -> Result<Option<(String, String)>, NetPolicyError> {
+        let argv: Vec<&str> = ["-j", "list"]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        let (done, shown) = self.run("nft", &argv, None).await?;
+        if done.success {
+            Ok(Some((done.stdout, shown)))
+        } else if done.stderr.contains("No such file or directory") {
+            Ok(None)
+        } else {
+            Err(NetPolicyError::Failed {
                 command: shown,
                 status: done.status,
                 stderr: done.stderr,
-            });
-        }
-        serde_json::from_str(&done.stdout)
-            .map(Some)
-            .map_err(|source| NetPolicyError::Json {
-                command: shown,
-                source,
             })
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use ipnet::Ipv4Net;
 use nftables::expr::{
     Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, Prefix, CT,
 };
-use nftables::schema::{Chain, NfListObject, NfObject, Rule};
+use nftables::schema::{Chain, NfListObject, Rule};
 use nftables::stmt::{AnonymousCounter, Counter, Match, Operator, Statement};
 use nftables::types::{NfChainPolicy, NfChainType, NfFamily};
 use std::net::Ipv4Addr;
@@ -241,34 +241,110 @@ pub(crate) fn sum_counters<'a>(rules: impl Iterator<Item = &'a ListedRule>) -> R
     sum
 }
 
-/// Lists both tables (a missing one lists as empty).
-pub(crate) async fn list(runner: &Runner) -> Result<Listing, NetPolicyError> {
+/// Which listed rules to read in full (parsing every rule of a busy table
+/// into the typed schema costs more than nft's listing itself).
+#[derive(Debug, Clone)]
+pub(crate) enum Keep {
+    All,
+    /// Rules with exactly this comment.
+    Tag(String),
+    /// Rules whose comment starts with this.
+    Prefix(String),
+}
+
+impl Keep {
+    fn keeps(&self, comment: Option<&str>) -> bool {
+        match self {
+            Keep::All => true,
+            Keep::Tag(tag) => comment == Some(tag.as_str()),
+            Keep::Prefix(prefix) => comment.is_some_and(|c| c.starts_with(prefix.as_str())),
+        }
+    }
+}
+
+/// Lists the given chains of our tables, concurrently (listing single
+/// chains keeps the cost independent of how many agents the other chains
+/// hold). A missing chain or table lists as absent.
+pub(crate) async fn list_chains(
+    runner: &Runner,
+    chains: &[(NfFamily, String)],
+    keep: Keep,
+) -> Result<Listing, NetPolicyError> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for (family, name) in chains {
+        let (runner, family, name) = (runner.clone(), *family, name.clone());
+        tasks.spawn(async move {
+            runner
+                .list(&["chain", family_str(family), TABLE_NAME, &name])
+                .await
+        });
+    }
+    let mut listing = Listing {
+        rules: Vec::new(),
+        chains: Vec::new(),
+    };
+    while let Some(joined) = tasks.join_next().await {
+        let listed = joined.map_err(|e| NetPolicyError::Spawn {
+            command: "nft -j list chain".to_owned(),
+            source: std::io::Error::other(e),
+        })??;
+        if let Some((json, shown)) = listed {
+            listing.absorb(&json, &shown, &keep)?;
+        }
+    }
+    Ok(listing)
+}
+
+/// Lists the names of all chains of our tables (no rules: cheap).
+pub(crate) async fn list_chain_names(runner: &Runner) -> Result<Listing, NetPolicyError> {
     let mut listing = Listing {
         rules: Vec::new(),
         chains: Vec::new(),
     };
     for family in [NfFamily::INet, NfFamily::Bridge] {
-        let Some(tables) = runner.list_table(family_str(family), TABLE_NAME).await? else {
-            continue;
-        };
-        for object in tables.objects.iter() {
-            match object {
-                NfObject::ListObject(NfListObject::Rule(r)) => {
-                    let Some(handle) = r.handle else { continue };
-                    listing.rules.push(ListedRule {
-                        family: r.family,
-                        chain: r.chain.to_string(),
-                        handle,
-                        comment: r.comment.as_ref().map(|c| c.to_string()),
-                        expr: r.expr.to_vec(),
-                    });
-                }
-                NfObject::ListObject(NfListObject::Chain(c)) => {
-                    listing.chains.push((c.family, c.name.to_string()));
-                }
-                _ => {}
-            }
+        if let Some((json, shown)) = runner.list(&["chains", family_str(family)]).await? {
+            listing.absorb(&json, &shown, &Keep::All)?;
         }
     }
     Ok(listing)
+}
+
+/// `nft -j list` output, one level deep: each object stays raw JSON until
+/// [`Keep`] wants it.
+#[derive(serde::Deserialize)]
+struct RawListing {
+    nftables: Vec<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl Listing {
+    fn absorb(&mut self, json: &str, shown: &str, keep: &Keep) -> Result<(), NetPolicyError> {
+        let bad = |source| NetPolicyError::Json {
+            command: shown.to_owned(),
+            source,
+        };
+        let raw: RawListing = serde_json::from_str(json).map_err(bad)?;
+        for object in raw.nftables {
+            let ours =
+                |o: &serde_json::Value| o.get("table").and_then(|t| t.as_str()) == Some(TABLE_NAME);
+            if let Some(r) = object.get("rule").filter(|r| ours(r)) {
+                let comment = r.get("comment").and_then(|c| c.as_str());
+                if !keep.keeps(comment) {
+                    continue;
+                }
+                let r: Rule<'static> = serde_json::from_value(r.clone()).map_err(bad)?;
+                let Some(handle) = r.handle else { continue };
+                self.rules.push(ListedRule {
+                    family: r.family,
+                    chain: r.chain.to_string(),
+                    handle,
+                    comment: r.comment.as_ref().map(|c| c.to_string()),
+                    expr: r.expr.to_vec(),
+                });
+            } else if let Some(c) = object.get("chain").filter(|c| ours(c)) {
+                let c: Chain<'static> = serde_json::from_value(c.clone()).map_err(bad)?;
+                self.chains.push((c.family, c.name.to_string()));
+            }
+        }
+        Ok(())
+    }
 }

@@ -3,14 +3,14 @@
 
 use crate::docker_user::{self, DockerUserOutcome};
 use crate::layout::{
-    agent_chain_name, agent_comment, agent_input_chain_name, agent_rules, bridge_comment,
-    subnet_comment, validate_port_name, BRIDGE_BASES, CHAIN_PREFIX, COMMENT_PREFIX,
-    DISPATCH_COMMENT, INET_BASES, INPUT_SUFFIX,
+    agent_chain_name, agent_chains, agent_comment, agent_input_chain_name, agent_rules,
+    base_chains, bridge_comment, dispatch_chains, subnet_comment, validate_port_name, BRIDGE_BASES,
+    CHAIN_PREFIX, COMMENT_PREFIX, DISPATCH_COMMENT, INET_BASES, INET_FORWARD, INPUT_SUFFIX,
 };
 use crate::nft::Runner;
 use crate::nftjson::{
-    base_chain, chain, counter, delete_rule, dispatch_source, family_str, list, matches, meta,
-    payload, rule, sum_counters, v4net, ListedRule, Listing,
+    base_chain, chain, counter, delete_rule, dispatch_source, family_str, list_chain_names,
+    list_chains, matches, meta, payload, rule, sum_counters, v4net, Keep, ListedRule, Listing,
 };
 use crate::{EgressPolicy, NetPolicyError, TABLE_NAME};
 use ipnet::Ipv4Net;
@@ -28,6 +28,7 @@ pub(crate) const FP_ENSURE_TABLE: &str = "netpolicy::ensure::table";
 pub(crate) const FP_ENSURE_DOCKER_USER: &str = "netpolicy::ensure::docker_user";
 pub(crate) const FP_INSTALL_APPLIED: &str = "netpolicy::install::applied";
 pub(crate) const FP_REMOVE_DELETED: &str = "netpolicy::remove::deleted";
+pub(crate) const FP_SWEEP_DELETED: &str = "netpolicy::sweep::deleted";
 
 /// Whether [`EgressTable::ensure`] adds accepts for the subnet to dockerd's
 /// `DOCKER-USER` chain (see [`crate::docker_user`]).
@@ -116,7 +117,8 @@ pub struct OwnedRules {
     pub agent: AgentId,
     /// Source addresses its dispatch rules match.
     pub addresses: Vec<Ipv4Addr>,
-    /// Tagged rules (per-agent chains and dispatch).
+    /// Its rules in the shared dispatch chains (its own chains hold the rest;
+    /// listing those for every agent would cost a command per chain).
     pub rules: usize,
 }
 
@@ -176,7 +178,7 @@ impl EgressTable {
         }
         runner.apply(&skeleton.to_nftables()).await?;
 
-        let listing = list(&runner).await?;
+        let listing = list_chains(&runner, &base_chains(), Keep::All).await?;
         let subnet_tag = subnet_comment(instance, subnet);
         let mut missing = Batch::new();
         for (family, base) in [
@@ -308,7 +310,22 @@ impl EgressTable {
             validate_port_name(port)?;
         }
         let tag = self.agent_comment(agent);
-        let listing = list(&self.runner).await?;
+        // Every agent has its jumps in inet `agents_forward`: that one chain
+        // says who holds the address and whether this is a re-install.
+        let mut listing = list_chains(
+            &self.runner,
+            &[(NfFamily::INet, INET_FORWARD.dispatch.to_owned())],
+            Keep::Prefix(COMMENT_PREFIX.to_owned()),
+        )
+        .await?;
+        if listing.tagged(&tag).next().is_some() {
+            let rest: Vec<_> = dispatch_chains()
+                .into_iter()
+                .filter(|(f, c)| !(*f == NfFamily::INet && c == INET_FORWARD.dispatch))
+                .collect();
+            let more = list_chains(&self.runner, &rest, Keep::Tag(tag.clone())).await?;
+            listing.rules.extend(more.rules);
+        }
         let mut batch = Batch::new();
 
         let own_prefix = format!("{COMMENT_PREFIX}{}:", self.instance);
@@ -326,7 +343,13 @@ impl EgressTable {
             match stale {
                 Some(stale) => {
                     tracing::warn!(%agent, %stale, ip = %key.ip, "replacing stale egress rules on a reused address");
-                    removal(&listing, self.instance, &stale, &mut batch);
+                    let own = list_chains(
+                        &self.runner,
+                        &self.chains_of(&stale),
+                        Keep::Tag(agent_comment(self.instance, &stale)),
+                    )
+                    .await?;
+                    removal(&own, self.instance, &stale, &mut batch);
                 }
                 None => {
                     return Err(NetPolicyError::AddressClaimed {
@@ -375,33 +398,46 @@ impl EgressTable {
     /// and the agent's chains, in one transaction. Idempotent: returns 0 when
     /// nothing was left.
     pub async fn remove(&self, agent: &AgentId) -> Result<usize, NetPolicyError> {
-        let listing = list(&self.runner).await?;
-        let removed = self.remove_listed(&listing, agent).await?;
+        let listing = list_chains(
+            &self.runner,
+            &self.chains_of(agent),
+            Keep::Tag(self.agent_comment(agent)),
+        )
+        .await?;
+        let mut batch = Batch::new();
+        let removed = removal(&listing, self.instance, agent, &mut batch);
+        let batch = batch.to_nftables();
+        if !batch.objects.is_empty() {
+            self.runner.apply(&batch).await?;
+            tracing::debug!(%agent, removed, "egress rules removed");
+        }
         fail::fail_point!(FP_REMOVE_DELETED, |_| Err(NetPolicyError::Injected(
             FP_REMOVE_DELETED
         )));
         Ok(removed)
     }
 
-    async fn remove_listed(
-        &self,
-        listing: &Listing,
-        agent: &AgentId,
-    ) -> Result<usize, NetPolicyError> {
-        let mut batch = Batch::new();
-        let removed = removal(listing, self.instance, agent, &mut batch);
-        let batch = batch.to_nftables();
-        if !batch.objects.is_empty() {
-            self.runner.apply(&batch).await?;
-            tracing::debug!(%agent, removed, "egress rules removed");
-        }
-        Ok(removed)
+    /// The dispatch chains and `agent`'s own chains: everything its rules are in.
+    fn chains_of(&self, agent: &AgentId) -> Vec<(NfFamily, String)> {
+        let mut chains = dispatch_chains();
+        chains.extend(agent_chains(self.instance, agent));
+        chains
     }
 
     /// Agents of THIS instance with rules in the tables (any subnet).
     pub async fn owned(&self) -> Result<Vec<OwnedRules>, NetPolicyError> {
-        let listing = list(&self.runner).await?;
-        Ok(self.owned_in(&listing))
+        Ok(self.owned_in(&self.owned_listing().await?))
+    }
+
+    /// This instance's rules in the dispatch chains, and every chain name.
+    async fn owned_listing(&self) -> Result<Listing, NetPolicyError> {
+        let own_prefix = format!("{COMMENT_PREFIX}{}:", self.instance);
+        let mut listing =
+            list_chains(&self.runner, &dispatch_chains(), Keep::Prefix(own_prefix)).await?;
+        listing
+            .chains
+            .extend(list_chain_names(&self.runner).await?.chains);
+        Ok(listing)
     }
 
     fn owned_in(&self, listing: &Listing) -> Vec<OwnedRules> {
@@ -451,33 +487,49 @@ impl EgressTable {
     /// not in `live`, so a reused address never inherits an old allowlist.
     /// Never touches another instance's rules. Returns the agents swept.
     pub async fn sweep_stale(&self, live: &[AgentId]) -> Result<Vec<AgentId>, NetPolicyError> {
-        let listing = list(&self.runner).await?;
-        let mut swept = Vec::new();
-        for owned in self.owned_in(&listing) {
-            let in_subnet = owned.addresses.is_empty()
-                || owned.addresses.iter().any(|a| self.subnet.contains(a));
-            if live.contains(&owned.agent) || !in_subnet {
-                continue;
-            }
-            self.remove_listed(&listing, &owned.agent).await?;
-            swept.push(owned.agent);
+        let listing = self.owned_listing().await?;
+        let stale: Vec<AgentId> = self
+            .owned_in(&listing)
+            .into_iter()
+            .filter(|owned| {
+                let in_subnet = owned.addresses.is_empty()
+                    || owned.addresses.iter().any(|a| self.subnet.contains(a));
+                in_subnet && !live.contains(&owned.agent)
+            })
+            .map(|owned| owned.agent)
+            .collect();
+        if stale.is_empty() {
+            return Ok(stale);
         }
-        if !swept.is_empty() {
-            tracing::info!(swept = swept.len(), subnet = %self.subnet, "stale egress rules swept");
+        // One transaction for all of them: dispatch rules by handle, then the
+        // agents' chains (deleting a chain takes its rules along).
+        let mut batch = Batch::new();
+        for agent in &stale {
+            removal(&listing, self.instance, agent, &mut batch);
         }
-        Ok(swept)
+        self.runner.apply(&batch.to_nftables()).await?;
+        fail::fail_point!(FP_SWEEP_DELETED, |_| Err(NetPolicyError::Injected(
+            FP_SWEEP_DELETED
+        )));
+        tracing::info!(swept = stale.len(), subnet = %self.subnet, "stale egress rules swept");
+        Ok(stale)
     }
 
     /// Counters of `agent`'s rules (this instance's).
     pub async fn counters(&self, agent: &AgentId) -> Result<RuleCounters, NetPolicyError> {
-        let listing = list(&self.runner).await?;
+        let listing = list_chains(
+            &self.runner,
+            &self.chains_of(agent),
+            Keep::Tag(self.agent_comment(agent)),
+        )
+        .await?;
         Ok(sum_counters(listing.tagged(&self.agent_comment(agent))))
     }
 
     /// Counters of this instance's default drop for the subnet (sources
     /// matching no installed agent).
     pub async fn unmatched_counters(&self) -> Result<RuleCounters, NetPolicyError> {
-        let listing = list(&self.runner).await?;
+        let listing = list_chains(&self.runner, &base_chains(), Keep::All).await?;
         Ok(sum_counters(self.subnet_rules(&listing)))
     }
 
@@ -501,7 +553,7 @@ impl EgressTable {
     /// rules are left to [`Self::remove`] and [`Self::sweep_stale`]; after
     /// this the subnet no longer fails closed. Returns the rules removed.
     pub async fn teardown(&self) -> Result<usize, NetPolicyError> {
-        let listing = list(&self.runner).await?;
+        let listing = list_chains(&self.runner, &base_chains(), Keep::All).await?;
         let mut batch = Batch::new();
         let mut removed = 0;
         for r in self.subnet_rules(&listing) {

@@ -429,7 +429,7 @@ async fn remove_deletes_every_tagged_rule_and_is_idempotent() {
     assert_eq!(installed.rules, again.rules);
     let owned = t.owned().await.unwrap();
     assert_eq!(owned.len(), 1);
-    assert_eq!(owned[0].rules, installed.rules);
+    assert!(owned[0].rules > 0 && owned[0].rules < installed.rules);
     assert_eq!(owned[0].addresses, [a.ip]);
 
     assert_eq!(t.remove(&id).await.unwrap(), installed.rules);

@@ -34,7 +34,7 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
     let subnet = lab::SUBNET.parse().unwrap();
     let instance = InstanceId::random();
     let nft_list = || lab::output(&["ip", "netns", "exec", &lab.host, "nft", "list", "ruleset"]);
-    assert_eq!(FAILPOINTS.len(), 4);
+    assert_eq!(FAILPOINTS.len(), 5);
 
     fail::cfg("netpolicy::ensure::table", "return").unwrap();
     injected(
@@ -113,6 +113,19 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
         "the rules were deleted"
     );
     assert_eq!(table.remove(&id).await.unwrap(), 0);
+
+    table
+        .install(&id, &key, &EgressPolicy::default())
+        .await
+        .unwrap();
+    fail::cfg("netpolicy::sweep::deleted", "return").unwrap();
+    injected(table.sweep_stale(&[]).await, "netpolicy::sweep::deleted");
+    fail::remove("netpolicy::sweep::deleted");
+    assert!(
+        table.owned().await.unwrap().is_empty(),
+        "the stale rules were deleted"
+    );
+    assert!(table.sweep_stale(&[]).await.unwrap().is_empty());
 
     assert_eq!(table.teardown().await.unwrap(), 5);
     assert!(!nft_list().contains(&instance.to_string()));
