@@ -17,7 +17,9 @@ use crate::guest::{
     GUEST_AGENT_ENV, GUEST_AGENT_FILE, GUEST_MODE_ENV, GUEST_MODE_FILE, VMM_MODE_ENV, VMM_MODE_FILE,
 };
 use crate::http::{unix_request, ClientResponse, HttpError};
-pub use crate::jailer::{CGROUP_ROOT_ENV, GUEST_DIR_BESIDE_JAILER, GUEST_DIR_ENV};
+pub use crate::jailer::{
+    CGROUP_ROOT_ENV, CGROUP_ROOT_FILE, GUEST_DIR_BESIDE_JAILER, GUEST_DIR_ENV,
+};
 use crate::vmm::TESTKIT_STATE_PATH;
 
 /// The musl target the binaries are built for (they run inside a chroot).
@@ -193,6 +195,36 @@ impl Kit {
     pub fn set_guest(&self, setup: &GuestSetup) -> Result<(), TestkitError> {
         setup.write_into(&self.guest_dir)
     }
+
+    /// Make the jailer create its cgroups under `root` instead of the host's
+    /// cgroup mounts (v2: `<root>/<parent>/<id>`, v1: `<root>/<controller>/<parent>/<id>`).
+    pub fn set_cgroup_root(&self, root: &Path) -> Result<(), TestkitError> {
+        let file = self.dir().join(CGROUP_ROOT_FILE);
+        fs::write(&file, root.as_os_str().as_encoded_bytes())
+            .map_err(io_err(format!("writing {}", file.display())))
+    }
+
+    /// The kit directory.
+    pub fn dir(&self) -> &Path {
+        self.jailer.parent().unwrap_or_else(|| Path::new("/"))
+    }
+
+    /// The API socket of the VM `id` jailed under `chroot_base` by this kit's jailer.
+    pub fn api_socket(&self, chroot_base: &Path, id: &str) -> PathBuf {
+        jail_root(chroot_base, id).join("run/firecracker.socket")
+    }
+
+    /// The guest-link socket of that VM (for [`crate::guestnet::GuestNet::attach`]).
+    pub fn guest_link(&self, chroot_base: &Path, id: &str) -> PathBuf {
+        jail_root(chroot_base, id)
+            .join("run")
+            .join(crate::guestlink::GUEST_LINK_SOCKET)
+    }
+}
+
+/// `<chroot_base>/firecracker/<id>/root`: where the kit's jailer puts VM `id`.
+pub fn jail_root(chroot_base: &Path, id: &str) -> PathBuf {
+    chroot_base.join("firecracker").join(id).join("root")
 }
 
 /// A client for a running simulator's API socket.

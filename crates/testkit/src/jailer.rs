@@ -20,6 +20,8 @@
 //! - `KICI_TESTKIT_CGROUP_ROOT=<dir>`: cgroups are created under this directory
 //!   instead of the host's cgroup mounts (v2: `<dir>/<parent>/<id>`, v1:
 //!   `<dir>/<controller>/<parent>/<id>`), so tests need not touch the real hierarchy.
+//!   The same path may instead be written into a file `testkit-cgroup-root` next
+//!   to the fake-jailer binary (for callers that clear the jailer's environment).
 //! - `KICI_TESTKIT_GUEST_DIR=<dir>`, or a directory `testkit-guest` next to the
 //!   fake-jailer binary: its `guest-agent`, `testkit-guest-mode` and `testkit-vmm-mode` files are put
 //!   into the jail, where `fc-sim`'s simulated guest finds them.
@@ -46,6 +48,8 @@ use crate::sim::validate_instance_id;
 
 /// Env override for the cgroup root (test only).
 pub const CGROUP_ROOT_ENV: &str = "KICI_TESTKIT_CGROUP_ROOT";
+/// File next to the fake-jailer binary holding the cgroup root override (test only).
+pub const CGROUP_ROOT_FILE: &str = "testkit-cgroup-root";
 /// Env naming a directory whose guest files are put into the jail (test only).
 pub const GUEST_DIR_ENV: &str = "KICI_TESTKIT_GUEST_DIR";
 /// Directory next to the fake-jailer binary with guest files (test only).
@@ -483,6 +487,18 @@ pub fn main_with_args(args: &[String]) -> i32 {
     }
 }
 
+/// `KICI_TESTKIT_CGROUP_ROOT`, else the path in `testkit-cgroup-root` next to the binary
+/// (for backends that spawn the jailer with a cleared environment).
+fn cgroup_root_override() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os(CGROUP_ROOT_ENV) {
+        return Some(PathBuf::from(d));
+    }
+    let exe = std::env::current_exe().ok()?;
+    let text = fs::read_to_string(exe.parent()?.join(CGROUP_ROOT_FILE)).ok()?;
+    let path = text.trim();
+    (!path.is_empty()).then(|| PathBuf::from(path))
+}
+
 fn guest_dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os(GUEST_DIR_ENV) {
         return Some(PathBuf::from(d));
@@ -495,7 +511,7 @@ fn guest_dir() -> Option<PathBuf> {
 fn run(raw: &[String]) -> Result<(), JailerError> {
     let start_us = now_us();
     let args = JailerArgs::parse(raw)?;
-    let cgroup_root = std::env::var_os(CGROUP_ROOT_ENV).map(PathBuf::from);
+    let cgroup_root = cgroup_root_override();
     let guest_files = guest_dir();
 
     let chroot_dir = args.chroot_dir();

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use kici_testkit::fc::{GuestMode, GuestSetup, Kit, SimClient, CGROUP_ROOT_ENV};
+use kici_testkit::fc::{GuestMode, GuestSetup, Kit, SimClient};
 use serde_json::{json, Value};
 use support::{paths, wait_pid_gone, KillOnDrop, Tap};
 
@@ -41,6 +41,7 @@ impl Jail {
         let base = tmp.path().join("jailer");
         fs::create_dir_all(&base).unwrap();
         let cgroups = tmp.path().join("cgroup");
+        kit.set_cgroup_root(&cgroups).unwrap();
         Self {
             _tmp: tmp,
             kit,
@@ -94,7 +95,7 @@ impl Jail {
             .args(extra)
             .arg("--")
             .args(fc_args)
-            .env(CGROUP_ROOT_ENV, &self.cgroups)
+            .env_clear()
             .stdin(Stdio::null());
         cmd
     }
@@ -215,7 +216,7 @@ fn serial_firecracker_jailer_boots_the_simulator_in_a_chroot_as_the_jailer_user(
     );
 
     // The backend's sequence, paths relative to the jail.
-    let c = SimClient::new(root.join("run/firecracker.socket"));
+    let c = SimClient::new(jail.kit.api_socket(&jail.base, id));
     c.wait_ready(Duration::from_secs(10)).unwrap();
     let r = c.put("/drives/rootfs", &json!({"drive_id": "rootfs", "path_on_host": root.join("rootfs.ext4"), "is_root_device": true, "is_read_only": true})).unwrap();
     assert_eq!(
@@ -301,12 +302,71 @@ fn serial_firecracker_jailer_boots_the_simulator_in_a_chroot_as_the_jailer_user(
     assert_eq!(report["env"]["KICI_AGENT_TOKEN"], "tok-123");
     assert_eq!(report["uid"], UID);
 
-    // config.ack: the backend clears MMDS; the store is empty afterwards.
+    // The guest namespace reads MMDS through the jailed VMM: 401 without a token.
+    let guest = kici_testkit::guestnet::GuestNet::attach(
+        &jail.kit.guest_link(&jail.base, id),
+        &kici_testkit::guestnet::GuestNetConfig {
+            netns: format!("ktjb{}", std::process::id()),
+            iface_id: "eth0".into(),
+            mac: "06:00:AC:0A:00:02".into(),
+            ip: "10.0.0.2".parse().unwrap(),
+            prefix_len: 24,
+            gateway: None,
+            mmds_address: "169.254.169.254".parse().unwrap(),
+        },
+    )
+    .unwrap();
+    let curl = |args: &[&str]| {
+        let out = guest
+            .command("curl")
+            .args(["-s", "--max-time", "10"])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let no_token = [
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "http://169.254.169.254/latest/meta-data/",
+    ];
+    assert_eq!(curl(&no_token), "401");
+    let token = curl(&[
+        "-X",
+        "PUT",
+        "-H",
+        "X-metadata-token-ttl-seconds: 30",
+        "http://169.254.169.254/latest/api/token",
+    ]);
+    let auth = format!("X-metadata-token: {token}");
+    assert_eq!(
+        curl(&[
+            "-H",
+            &auth,
+            "http://169.254.169.254/latest/meta-data/kici-agent-token"
+        ]),
+        "tok-123"
+    );
+
+    // config.ack: the backend clears MMDS; the store is empty afterwards, for the guest too.
     put_ok(&c, "/mmds", json!({"latest": {"meta-data": {}}}));
     assert_eq!(
         c.state().unwrap().mmds(),
         &json!({"latest": {"meta-data": {}}})
     );
+    let after = curl(&[
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "-H",
+        &auth,
+        "http://169.254.169.254/latest/meta-data/kici-agent-token",
+    ]);
+    assert_eq!(after, "404", "the token is gone from MMDS");
+    drop(guest);
     let r = c
         .put("/boot-source", &json!({"kernel_image_path": "/kernel"}))
         .unwrap();
