@@ -5,15 +5,17 @@
 //!
 //! * two tables named [`TABLE_NAME`]: `inet kici_scaler` (hooks `forward` and
 //!   `input`: routed egress and traffic to the host's own addresses) and
-//!   `bridge kici_scaler` (hooks `prerouting` and `forward`: the TAP/port
-//!   binding and agent-to-agent frames that never reach the `inet` hooks when
-//!   `bridge-nf-call-iptables` is 0);
+//!   `bridge kici_scaler` (hooks `prerouting`: ARP and TAP/port binding, and
+//!   `forward`: agent-to-agent frames, which never reach the `inet` hooks
+//!   when `bridge-nf-call-iptables` is 0);
 //! * per agent, regular chains named after the instance and agent id
 //!   ([`agent_chain_name`]) and dispatch rules keyed by
 //!   `ip saddr . ether saddr` (and, for a TAP, its bridge port), every rule
 //!   commented `kici-scaler:<instance>:<agent id>` and removed by handle;
 //! * per subnet, a default drop: traffic from the agent subnet that matches no
-//!   installed agent is dropped, so a gap fails closed;
+//!   installed agent is dropped, so a gap fails closed (with
+//!   [`TableOptions::agent_bridge`], anything routed from the agents' bridge
+//!   that matches no agent, whatever its source address);
 //! * optionally, `iptables` accepts in dockerd's `DOCKER-USER` chain
 //!   ([`docker_user`]).
 //!

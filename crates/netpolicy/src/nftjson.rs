@@ -348,3 +348,87 @@ impl Listing {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    /// Shaped like `nft -j list chain` output (nft 1.0.6).
+    const LISTED: &str = r#"{"nftables": [
+      {"metainfo": {"version": "1.0.6", "release_name": "Lester Gooch #5", "json_schema_version": 1}},
+      {"chain": {"family": "inet", "table": "kici_scaler", "name": "agents_forward", "handle": 3}},
+      {"rule": {"family": "inet", "table": "kici_scaler", "chain": "agents_forward", "handle": 20,
+        "comment": "kici-scaler:0a1b2c3d:scaler-container-00000001",
+        "expr": [{"match": {"op": "==", "left": {"payload": {"protocol": "ip", "field": "saddr"}}, "right": "172.29.0.5"}},
+                 {"match": {"op": "==", "left": {"payload": {"protocol": "ether", "field": "saddr"}}, "right": "06:00:ac:1d:00:05"}},
+                 {"jump": {"target": "ag-0a1b2c3d-scaler-container-00000001"}}]}},
+      {"rule": {"family": "inet", "table": "kici_scaler", "chain": "agents_forward", "handle": 21,
+        "comment": "kici-scaler:0a1b2c3d:scaler-container-00000001",
+        "expr": [{"match": {"op": "==", "left": {"payload": {"protocol": "ether", "field": "saddr"}}, "right": "06:00:ac:1d:00:05"}},
+                 {"counter": {"packets": 3, "bytes": 180}}, {"drop": null}]}},
+      {"rule": {"family": "inet", "table": "kici_scaler", "chain": "agents_forward", "handle": 22,
+        "comment": "kici-scaler:ffffffff:scaler-container-00000002",
+        "expr": [{"counter": {"packets": 7, "bytes": 700}}, {"accept": null}]}},
+      {"rule": {"family": "inet", "table": "other", "chain": "agents_forward", "handle": 5,
+        "comment": "kici-scaler:0a1b2c3d:scaler-container-00000001",
+        "expr": [{"counter": {"packets": 100, "bytes": 100}}, {"drop": null}]}}
+    ]}"#;
+
+    fn absorbed(keep: Keep) -> Listing {
+        let mut listing = Listing {
+            rules: Vec::new(),
+            chains: Vec::new(),
+        };
+        listing.absorb(LISTED, "nft -j list chain", &keep).unwrap();
+        listing
+    }
+
+    #[test]
+    fn keep_filters_before_parsing_and_other_tables_are_ignored() {
+        assert_eq!(absorbed(Keep::All).rules.len(), 3);
+        let mine = absorbed(Keep::Prefix("kici-scaler:0a1b2c3d:".into()));
+        assert_eq!(
+            mine.rules.iter().map(|r| r.handle).collect::<Vec<_>>(),
+            [20, 21]
+        );
+        assert_eq!(mine.chains, [(NfFamily::INet, "agents_forward".to_owned())]);
+        let one = absorbed(Keep::Tag(
+            "kici-scaler:ffffffff:scaler-container-00000002".into(),
+        ));
+        assert_eq!(one.rules.len(), 1);
+    }
+
+    #[test]
+    fn sources_and_counters_are_read_back() {
+        let listing = absorbed(Keep::All);
+        let sources: Vec<_> = listing.rules.iter().filter_map(dispatch_source).collect();
+        assert_eq!(sources, [Ipv4Addr::new(172, 29, 0, 5)]);
+        let mine = sum_counters(listing.tagged("kici-scaler:0a1b2c3d:scaler-container-00000001"));
+        assert_eq!(
+            mine,
+            RuleCounters {
+                dropped_packets: 3,
+                dropped_bytes: 180,
+                accepted_packets: 0,
+                accepted_bytes: 0
+            }
+        );
+        let theirs = sum_counters(listing.tagged("kici-scaler:ffffffff:scaler-container-00000002"));
+        assert_eq!((theirs.accepted_packets, theirs.dropped_packets), (7, 0));
+    }
+
+    #[test]
+    fn garbage_names_the_command() {
+        let mut listing = Listing {
+            rules: Vec::new(),
+            chains: Vec::new(),
+        };
+        let err = listing
+            .absorb("{", "nft -j list chain inet kici_scaler x", &Keep::All)
+            .unwrap_err();
+        assert!(err
+            .to_string()
+            .contains("nft -j list chain inet kici_scaler x"));
+    }
+}

@@ -101,13 +101,14 @@ pub struct AgentMatch {
     pub port: Option<String>,
 }
 
-/// Chains and handles one [`EgressTable::install`] created.
+/// What one [`EgressTable::install`] created.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InstalledRules {
     pub agent: AgentId,
     /// `(family, chain)` of every per-agent chain.
     pub chains: Vec<(String, String)>,
-    /// Rules added, in all chains (dispatch rules included).
+    /// Rules added, in all chains (dispatch and link rules included); what a
+    /// later [`EgressTable::remove`] returns.
     pub rules: usize,
 }
 
@@ -159,6 +160,10 @@ impl EgressTable {
             netns: options.netns.clone(),
             timeout: options.command_timeout,
         };
+        // Two backends of one daemon ensuring at once would both see a
+        // dispatch jump missing and both insert it (harmless, but untidy).
+        static ENSURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let _one_at_a_time = ENSURING.lock().await;
         // `add table` / `add chain` are no-ops for what exists (upstream B20:
         // an existing table must not skip its chains).
         let mut skeleton = Batch::new();
