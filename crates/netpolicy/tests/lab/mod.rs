@@ -23,7 +23,7 @@ pub const RESOLVER: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 53);
 pub const SUBNET: &str = "172.29.0.0/24";
 /// How long a flow may take before it counts as dropped. Every path is
 /// inside one machine: a reply that takes this long was not coming.
-pub const BLOCKED_AFTER: Duration = Duration::from_millis(700);
+pub const BLOCKED_AFTER: Duration = Duration::from_millis(1000);
 
 pub fn run(argv: &[&str]) {
     let out = Command::new(argv[0]).args(&argv[1..]).output().unwrap();
