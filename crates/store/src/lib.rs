@@ -1,6 +1,146 @@
 //! Durable state of kici-scaler: agents, pending requests, IP leases, token
-//! hashes and events, in embedded SQLite or PostgreSQL, all owner-scoped.
+//! hashes and events, in embedded SQLite (the default) or a shared
+//! PostgreSQL, behind one trait, [`StateStore`].
+//!
+//! Every row carries its owner, the [`InstanceId`] of the daemon that wrote
+//! it; a store handle is bound to one owner at [`open`] and only ever reads,
+//! changes or deletes that owner's rows (IP pools are the one shared thing:
+//! several instances draw from one network, see [`ipam`]).
+//!
+//! Queries are checked at run time (no `sqlx::query!`), so a clean clone
+//! builds without a database. Each database has its own migration folder
+//! (`migrations/sqlite`, `migrations/postgres`), embedded in the binary and
+//! applied by [`open`]; a test migrates both and compares the schemas.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kici_store::StoreError> {
+//! use kici_store::{open, StoreOptions, StoreUrl};
+//! let url: StoreUrl = "sqlite:/var/lib/kici-scaler/state.db".parse()?;
+//! let owner = "0a1b2c3d".parse().expect("instance id");
+//! let store = open(&url, owner, StoreOptions::default()).await?;
+//! let recorded = store.agents().await?;
+//! # let _ = recorded; Ok(()) }
+//! ```
 
+pub mod error;
 pub mod ipam;
+mod postgres;
+pub mod record;
+mod sql;
+mod sqlite;
+pub mod url;
 
+pub use error::StoreError;
 pub use ipam::{AllocError, IpAllocator, Ipv4Pool, Lease, MacAddress, PoolError};
+pub use record::{AgentRecord, EventRecord, PendingRecord, ResourceNames, UnixMillis};
+pub use url::{StoreOptions, StoreUrl};
+
+use async_trait::async_trait;
+use kici_model::{AgentId, InstanceId, JobId};
+use std::sync::Arc;
+
+/// Every failpoint of this crate (feature `failpoints`), each placed right
+/// after its step's side effect is committed:
+/// - `store::ip::after_claim`: a lease is committed, the caller not told.
+/// - `store::ip::after_release`: leases are freed, the caller not told.
+pub const FAILPOINTS: &[&str] = &["store::ip::after_claim", "store::ip::after_release"];
+
+/// Which database a store runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreKind {
+    /// Embedded SQLite file.
+    Sqlite,
+    /// Shared PostgreSQL.
+    Postgres,
+}
+
+/// The durable state of one instance (its owner). All methods are scoped to
+/// [`StateStore::owner`]; a call that fails with
+/// [`StoreError::Unavailable`] changed nothing and can be retried.
+///
+/// Every write is committed before the call returns (SQLite: WAL with
+/// `synchronous=NORMAL`, durable across a daemon crash, see the `sqlite`
+/// module; PostgreSQL: as its `synchronous_commit` says).
+#[async_trait]
+pub trait StateStore: IpAllocator {
+    /// The instance whose rows this handle reads and writes.
+    fn owner(&self) -> InstanceId;
+
+    /// Which database this is.
+    fn kind(&self) -> StoreKind;
+
+    /// Round trip to the database. On PostgreSQL it also re-takes the
+    /// instance's advisory lock if the connection holding it was lost (a
+    /// server restart): call it periodically. Fails with
+    /// [`StoreError::IdentityInUse`] if another session took the lock
+    /// meanwhile.
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Inserts or fully replaces an agent's record (`updated_at` as given).
+    /// Fails with [`StoreError::AgentIdTaken`] if another instance recorded
+    /// the same id.
+    async fn put_agent(&self, agent: &AgentRecord) -> Result<(), StoreError>;
+
+    /// One of this owner's agents, if recorded.
+    async fn agent(&self, id: &AgentId) -> Result<Option<AgentRecord>, StoreError>;
+
+    /// Every agent this owner recorded, ordered by creation time.
+    async fn agents(&self) -> Result<Vec<AgentRecord>, StoreError>;
+
+    /// Forgets an agent; returns whether it was recorded.
+    async fn delete_agent(&self, id: &AgentId) -> Result<bool, StoreError>;
+
+    /// Inserts or replaces the pending request of `pending.job_id`.
+    async fn put_pending(&self, pending: &PendingRecord) -> Result<(), StoreError>;
+
+    /// Forgets a pending request; returns whether it was recorded.
+    async fn delete_pending(&self, job: &JobId) -> Result<bool, StoreError>;
+
+    /// This owner's pending requests, oldest first.
+    async fn pending(&self) -> Result<Vec<PendingRecord>, StoreError>;
+
+    /// Records event `seq` (must be new for this owner; a duplicate is a
+    /// [`StoreError::Database`] error).
+    async fn append_event(&self, seq: u64, at: UnixMillis, body: &str) -> Result<(), StoreError>;
+
+    /// Up to `limit` events with a sequence number above `seq`, in order.
+    async fn events_after(&self, seq: u64, limit: u32) -> Result<Vec<EventRecord>, StoreError>;
+
+    /// The highest recorded sequence number (to continue numbering after a
+    /// restart), if any event is recorded.
+    async fn last_event_seq(&self) -> Result<Option<u64>, StoreError>;
+
+    /// Deletes all but the newest `keep` events; returns how many went.
+    async fn trim_events(&self, keep: u64) -> Result<u64, StoreError>;
+
+    /// Closes the pools (and on PostgreSQL releases the advisory lock) once
+    /// in-flight calls finish; later calls fail with `Unavailable`.
+    async fn close(&self);
+}
+
+/// Opens (creating if needed) the store at `url` for `owner`, applies the
+/// migrations and records the instance.
+///
+/// SQLite: creates the file and its directory; never falls back to another
+/// location. PostgreSQL: takes a session advisory lock keyed by `owner`,
+/// held on a dedicated connection for the store's life, and fails with
+/// [`StoreError::IdentityInUse`] if another session holds it.
+pub async fn open(
+    url: &StoreUrl,
+    owner: InstanceId,
+    options: StoreOptions,
+) -> Result<Arc<dyn StateStore>, StoreError> {
+    Ok(match url {
+        StoreUrl::Sqlite(path) => Arc::new(sqlite::SqliteStore::open(path, owner, &options).await?),
+        StoreUrl::Postgres(u) => Arc::new(postgres::PgStore::open(u, owner, &options).await?),
+    })
+}
+
+/// The embedded migrations of each database, for tools and tests that need
+/// the schema without a store (e.g. the schema comparison).
+pub mod migrations {
+    /// `migrations/sqlite`.
+    pub static SQLITE: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+    /// `migrations/postgres`.
+    pub static POSTGRES: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+}

@@ -1,0 +1,116 @@
+//! The rows the store keeps, as plain values. Every one belongs to the
+//! store's owner (the instance id), which the store stamps on write and
+//! filters on read, so the records themselves carry no owner.
+
+use kici_model::{AgentId, JobId, MemoryBytes, MilliCpu, ScalerName, ScalerType};
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// A wall-clock instant as milliseconds since the Unix epoch: the only time
+/// representation in the store (portable across both databases, sortable).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UnixMillis(pub i64);
+
+impl UnixMillis {
+    /// Now, from the system clock (clamped to the epoch if the clock is
+    /// before 1970).
+    pub fn now() -> Self {
+        Self::from(SystemTime::now())
+    }
+
+    /// As a [`SystemTime`] (negative values clamp to the epoch).
+    pub fn to_system_time(self) -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(u64::try_from(self.0).unwrap_or(0))
+    }
+}
+
+impl From<SystemTime> for UnixMillis {
+    fn from(t: SystemTime) -> Self {
+        let ms = t
+            .duration_since(UNIX_EPOCH)
+            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+            .unwrap_or(0);
+        Self(ms)
+    }
+}
+
+/// Backend resource names of one agent, by kind: what recovery needs to
+/// re-adopt or destroy it. Keys are free-form but conventional:
+/// `container` (container id), `pid` (`<pid>:<start time>`), `vm`, `tap`,
+/// `chroot`, `cgroup`, `ip`, …. Stored as a JSON object.
+pub type ResourceNames = BTreeMap<String, String>;
+
+/// One agent, as recorded by its owning instance (table `agents`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentRecord {
+    /// The agent's id (primary key across every instance of the store).
+    pub agent_id: AgentId,
+    /// The scaler entry that spawned it.
+    pub scaler: ScalerName,
+    /// The scaler's backend type.
+    pub backend: ScalerType,
+    /// Index of its label set in the scaler entry at spawn time.
+    pub label_set_index: u32,
+    /// The label set's normalized labels, joined: identifies the label set
+    /// across config reloads that reorder entries.
+    pub label_set_key: String,
+    /// The lifecycle state name (the engine's, e.g. `provisioning`).
+    pub state: String,
+    /// Who dispatches its jobs: `orchestrator` or `standalone` (recovery
+    /// resumes the two differently).
+    pub mode: String,
+    /// The job it is bound to, if any (warm agents have none).
+    pub job_id: Option<JobId>,
+    /// The orchestrator's run id of that job, if any.
+    pub run_id: Option<String>,
+    /// Spawned for the warm pool.
+    pub warm: bool,
+    /// CPU reserved for it at admission.
+    pub milli_cpu: MilliCpu,
+    /// Memory reserved for it at admission.
+    pub memory_bytes: MemoryBytes,
+    /// The machine pool its reservation is held in, if any.
+    pub machine_pool: Option<String>,
+    /// The backend's primary handle (container id, pid, VM id), once known.
+    pub resource_id: Option<String>,
+    /// Every backend resource created for it so far.
+    pub resources: ResourceNames,
+    /// Hash of its registration token, if one was issued.
+    pub token_hash: Option<String>,
+    /// When that token expires.
+    pub token_expires_at: Option<UnixMillis>,
+    /// Why it failed, once it has.
+    pub failure: Option<String>,
+    /// When it was first recorded.
+    pub created_at: UnixMillis,
+    /// When the record last changed.
+    pub updated_at: UnixMillis,
+}
+
+/// A scale request waiting for capacity (table `pending_requests`), keyed by
+/// job id within the owner.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingRecord {
+    /// The job waiting for an agent.
+    pub job_id: JobId,
+    /// The requested labels as given.
+    pub labels: Vec<String>,
+    /// The whole request body, to replay it after a restart.
+    pub request: serde_json::Value,
+    /// The orchestrator's run id, if any.
+    pub run_id: Option<String>,
+    /// When it was queued.
+    pub created_at: UnixMillis,
+}
+
+/// One event of the SSE stream (table `events`), for replay after a
+/// reconnect or a restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventRecord {
+    /// Position in this owner's stream (strictly increasing; the SSE id).
+    pub seq: u64,
+    /// When it happened.
+    pub at: UnixMillis,
+    /// The event as JSON text, sent as is.
+    pub body: String,
+}

@@ -1,0 +1,636 @@
+//! What both stores share: the SQL (portable between SQLite ≥ 3.35 and
+//! PostgreSQL ≥ 13 except the one claim statement each store supplies), row
+//! decoding, and [`impl_state_store!`], which implements [`crate::StateStore`]
+//! and [`crate::IpAllocator`] once for both drivers.
+//!
+//! A store type using the macro provides fields `owner: InstanceId`,
+//! `owner_text: String`, `filled: tokio::sync::Mutex<HashSet<Ipv4Net>>` and
+//! methods `reader()`, `writer()` (pools), `begin_write()` (a write
+//! transaction), `ping_impl()`, `close_impl()` and the constant `CLAIM_IP`.
+
+use crate::error::StoreError;
+use crate::record::{AgentRecord, EventRecord, PendingRecord, ResourceNames, UnixMillis};
+use kici_model::{AgentId, JobId, MemoryBytes, MilliCpu, ScalerName, ScalerType};
+use std::net::Ipv4Addr;
+
+pub(crate) const AGENT_COLUMNS: &str = "agent_id, scaler, backend, label_set_index, label_set_key, state, mode, job_id, run_id, warm, milli_cpu, memory_bytes, machine_pool, resource_id, resources, token_hash, token_expires_at, failure, created_at, updated_at";
+
+/// Upsert guarded by owner: a row of another instance with the same id is
+/// left alone and the statement affects 0 rows.
+pub(crate) const PUT_AGENT: &str = "INSERT INTO agents (agent_id, owner, scaler, backend, label_set_index, label_set_key, state, mode, job_id, run_id, warm, milli_cpu, memory_bytes, machine_pool, resource_id, resources, token_hash, token_expires_at, failure, created_at, updated_at) \
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21) \
+ON CONFLICT (agent_id) DO UPDATE SET scaler = excluded.scaler, backend = excluded.backend, label_set_index = excluded.label_set_index, label_set_key = excluded.label_set_key, state = excluded.state, mode = excluded.mode, job_id = excluded.job_id, run_id = excluded.run_id, warm = excluded.warm, milli_cpu = excluded.milli_cpu, memory_bytes = excluded.memory_bytes, machine_pool = excluded.machine_pool, resource_id = excluded.resource_id, resources = excluded.resources, token_hash = excluded.token_hash, token_expires_at = excluded.token_expires_at, failure = excluded.failure, created_at = excluded.created_at, updated_at = excluded.updated_at \
+WHERE agents.owner = excluded.owner";
+
+pub(crate) const AGENT_OWNER: &str = "SELECT owner FROM agents WHERE agent_id = $1";
+pub(crate) const DELETE_AGENT: &str = "DELETE FROM agents WHERE owner = $1 AND agent_id = $2";
+
+pub(crate) const PUT_PENDING: &str = "INSERT INTO pending_requests (owner, job_id, labels, request, run_id, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
+ON CONFLICT (owner, job_id) DO UPDATE SET labels = excluded.labels, request = excluded.request, run_id = excluded.run_id, created_at = excluded.created_at";
+pub(crate) const DELETE_PENDING: &str =
+    "DELETE FROM pending_requests WHERE owner = $1 AND job_id = $2";
+pub(crate) const PENDING: &str = "SELECT job_id, labels, request, run_id, created_at FROM pending_requests WHERE owner = $1 ORDER BY created_at, job_id";
+
+pub(crate) const APPEND_EVENT: &str =
+    "INSERT INTO events (owner, seq, at, body) VALUES ($1, $2, $3, $4)";
+pub(crate) const EVENTS_AFTER: &str =
+    "SELECT seq, at, body FROM events WHERE owner = $1 AND seq > $2 ORDER BY seq LIMIT $3";
+pub(crate) const LAST_EVENT_SEQ: &str = "SELECT MAX(seq) FROM events WHERE owner = $1";
+/// Deletes every event at or below the (keep+1)-th newest.
+pub(crate) const TRIM_EVENTS: &str = "DELETE FROM events WHERE owner = $1 AND seq <= (SELECT seq FROM events WHERE owner = $1 ORDER BY seq DESC LIMIT 1 OFFSET $2)";
+
+pub(crate) const PUT_INSTANCE: &str = "INSERT INTO instances (owner, hostname, started_at, heartbeat_at) VALUES ($1, $2, $3, $3) \
+ON CONFLICT (owner) DO UPDATE SET hostname = excluded.hostname, started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at";
+
+pub(crate) const NETWORK_FILLED: &str = "SELECT capacity FROM ip_networks WHERE network = $1";
+/// Every assignable address of `$1` from `$2` to `$3` (u32 values), once.
+/// `WHERE true` resolves SQLite's INSERT … SELECT … ON CONFLICT ambiguity.
+pub(crate) const FILL_NETWORK: &str = "WITH RECURSIVE addr(n) AS (SELECT CAST($2 AS BIGINT) UNION ALL SELECT n + 1 FROM addr WHERE n < CAST($3 AS BIGINT)) \
+INSERT INTO ip_leases (network, ip) SELECT $1, n FROM addr WHERE true ON CONFLICT (network, ip) DO NOTHING";
+pub(crate) const MARK_FILLED: &str = "INSERT INTO ip_networks (network, capacity, filled_at) VALUES ($1, $2, $3) ON CONFLICT (network) DO NOTHING";
+pub(crate) const LEASE_OF_AGENT: &str =
+    "SELECT ip FROM ip_leases WHERE network = $1 AND agent_id = $2 AND owner = $3";
+pub(crate) const RELEASE_AGENT: &str = "UPDATE ip_leases SET agent_id = NULL, owner = NULL, leased_at = NULL WHERE owner = $1 AND agent_id = $2";
+pub(crate) const RELEASE_IP: &str = "UPDATE ip_leases SET agent_id = NULL, owner = NULL, leased_at = NULL WHERE owner = $1 AND network = $2 AND ip = $3";
+pub(crate) const LEASES: &str =
+    "SELECT network, ip, agent_id FROM ip_leases WHERE owner = $1 ORDER BY network, ip";
+
+/// An `agents` row as stored.
+#[derive(sqlx::FromRow)]
+pub(crate) struct AgentRow {
+    agent_id: String,
+    scaler: String,
+    backend: String,
+    label_set_index: i64,
+    label_set_key: String,
+    state: String,
+    mode: String,
+    job_id: Option<String>,
+    run_id: Option<String>,
+    warm: bool,
+    milli_cpu: i64,
+    memory_bytes: i64,
+    machine_pool: Option<String>,
+    resource_id: Option<String>,
+    resources: String,
+    token_hash: Option<String>,
+    token_expires_at: Option<i64>,
+    failure: Option<String>,
+    created_at: i64,
+    updated_at: i64,
+}
+
+fn corrupt(table: &'static str, what: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt {
+        table,
+        reason: what.to_string(),
+    }
+}
+
+fn non_negative(table: &'static str, field: &str, v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v).map_err(|_| corrupt(table, format_args!("{field} = {v} is negative")))
+}
+
+pub(crate) fn to_i64(field: &'static str, value: u64) -> Result<i64, StoreError> {
+    i64::try_from(value).map_err(|_| StoreError::OutOfRange { field, value })
+}
+
+impl TryFrom<AgentRow> for AgentRecord {
+    type Error = StoreError;
+    fn try_from(r: AgentRow) -> Result<Self, StoreError> {
+        const T: &str = "agents";
+        let agent_id: AgentId = r.agent_id.parse().map_err(|e| corrupt(T, e))?;
+        let job_id = r
+            .job_id
+            .map(|j| j.parse::<JobId>())
+            .transpose()
+            .map_err(|e| corrupt(T, e))?;
+        let resources: ResourceNames = serde_json::from_str(&r.resources)
+            .map_err(|e| corrupt(T, format_args!("resources of {agent_id}: {e}")))?;
+        Ok(Self {
+            agent_id,
+            scaler: ScalerName::new(&r.scaler),
+            backend: r.backend.parse::<ScalerType>().map_err(|e| corrupt(T, e))?,
+            label_set_index: u32::try_from(r.label_set_index).map_err(|_| {
+                corrupt(
+                    T,
+                    format_args!("label_set_index {} out of range", r.label_set_index),
+                )
+            })?,
+            label_set_key: r.label_set_key,
+            state: r.state,
+            mode: r.mode,
+            job_id,
+            run_id: r.run_id,
+            warm: r.warm,
+            milli_cpu: MilliCpu::from_millis(non_negative(T, "milli_cpu", r.milli_cpu)?),
+            memory_bytes: MemoryBytes::from_bytes(non_negative(T, "memory_bytes", r.memory_bytes)?),
+            machine_pool: r.machine_pool,
+            resource_id: r.resource_id,
+            resources,
+            token_hash: r.token_hash,
+            token_expires_at: r.token_expires_at.map(UnixMillis),
+            failure: r.failure,
+            created_at: UnixMillis(r.created_at),
+            updated_at: UnixMillis(r.updated_at),
+        })
+    }
+}
+
+/// An [`AgentRecord`] converted to bindable column values (in
+/// [`PUT_AGENT`] order, owner excluded).
+pub(crate) struct AgentParams {
+    pub agent_id: String,
+    pub scaler: String,
+    pub backend: &'static str,
+    pub label_set_index: i64,
+    pub label_set_key: String,
+    pub state: String,
+    pub mode: String,
+    pub job_id: Option<String>,
+    pub run_id: Option<String>,
+    pub warm: bool,
+    pub milli_cpu: i64,
+    pub memory_bytes: i64,
+    pub machine_pool: Option<String>,
+    pub resource_id: Option<String>,
+    pub resources: String,
+    pub token_hash: Option<String>,
+    pub token_expires_at: Option<i64>,
+    pub failure: Option<String>,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+impl AgentParams {
+    pub(crate) fn new(a: &AgentRecord) -> Result<Self, StoreError> {
+        Ok(Self {
+            agent_id: a.agent_id.to_string(),
+            scaler: a.scaler.to_string(),
+            backend: a.backend.as_str(),
+            label_set_index: i64::from(a.label_set_index),
+            label_set_key: a.label_set_key.clone(),
+            state: a.state.clone(),
+            mode: a.mode.clone(),
+            job_id: a.job_id.as_ref().map(ToString::to_string),
+            run_id: a.run_id.clone(),
+            warm: a.warm,
+            milli_cpu: to_i64("milli_cpu", a.milli_cpu.millis())?,
+            memory_bytes: to_i64("memory_bytes", a.memory_bytes.bytes())?,
+            machine_pool: a.machine_pool.clone(),
+            resource_id: a.resource_id.clone(),
+            // A BTreeMap<String, String> always serializes.
+            resources: serde_json::to_string(&a.resources)
+                .map_err(|e| StoreError::Database(e.to_string()))?,
+            token_hash: a.token_hash.clone(),
+            token_expires_at: a.token_expires_at.map(|t| t.0),
+            failure: a.failure.clone(),
+            created_at: a.created_at.0,
+            updated_at: a.updated_at.0,
+        })
+    }
+}
+
+/// A `pending_requests` row as stored.
+#[derive(sqlx::FromRow)]
+pub(crate) struct PendingRow {
+    job_id: String,
+    labels: String,
+    request: String,
+    run_id: Option<String>,
+    created_at: i64,
+}
+
+impl TryFrom<PendingRow> for PendingRecord {
+    type Error = StoreError;
+    fn try_from(r: PendingRow) -> Result<Self, StoreError> {
+        const T: &str = "pending_requests";
+        Ok(Self {
+            job_id: r.job_id.parse().map_err(|e| corrupt(T, e))?,
+            labels: serde_json::from_str(&r.labels).map_err(|e| corrupt(T, e))?,
+            request: serde_json::from_str(&r.request).map_err(|e| corrupt(T, e))?,
+            run_id: r.run_id,
+            created_at: UnixMillis(r.created_at),
+        })
+    }
+}
+
+/// An `events` row as stored.
+#[derive(sqlx::FromRow)]
+pub(crate) struct EventRow {
+    seq: i64,
+    at: i64,
+    body: String,
+}
+
+impl TryFrom<EventRow> for EventRecord {
+    type Error = StoreError;
+    fn try_from(r: EventRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            seq: non_negative("events", "seq", r.seq)?,
+            at: UnixMillis(r.at),
+            body: r.body,
+        })
+    }
+}
+
+/// An `ip_leases` column value back to an address.
+pub(crate) fn ip_from_i64(v: i64) -> Result<Ipv4Addr, StoreError> {
+    u32::try_from(v)
+        .map(Ipv4Addr::from)
+        .map_err(|_| corrupt("ip_leases", format_args!("ip {v} is not an IPv4 address")))
+}
+
+/// The machine's host name for the `instances` row (best effort: it is
+/// informational).
+pub(crate) fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".to_owned())
+}
+
+/// Implements [`crate::StateStore`] and [`crate::IpAllocator`] for a store
+/// type (see the module docs for what it must provide). One body for both
+/// drivers keeps their behaviour identical.
+macro_rules! impl_state_store {
+    ($store:ty, $kind:expr) => {
+        #[async_trait::async_trait]
+        impl $crate::StateStore for $store {
+            fn owner(&self) -> kici_model::InstanceId {
+                self.owner
+            }
+
+            fn kind(&self) -> $crate::StoreKind {
+                $kind
+            }
+
+            async fn ping(&self) -> Result<(), $crate::StoreError> {
+                self.ping_impl().await
+            }
+
+            async fn put_agent(
+                &self,
+                agent: &$crate::AgentRecord,
+            ) -> Result<(), $crate::StoreError> {
+                use $crate::error::classify;
+                let p = $crate::sql::AgentParams::new(agent)?;
+                let done = sqlx::query($crate::sql::PUT_AGENT)
+                    .bind(&p.agent_id)
+                    .bind(&self.owner_text)
+                    .bind(&p.scaler)
+                    .bind(p.backend)
+                    .bind(p.label_set_index)
+                    .bind(&p.label_set_key)
+                    .bind(&p.state)
+                    .bind(&p.mode)
+                    .bind(&p.job_id)
+                    .bind(&p.run_id)
+                    .bind(p.warm)
+                    .bind(p.milli_cpu)
+                    .bind(p.memory_bytes)
+                    .bind(&p.machine_pool)
+                    .bind(&p.resource_id)
+                    .bind(&p.resources)
+                    .bind(&p.token_hash)
+                    .bind(p.token_expires_at)
+                    .bind(&p.failure)
+                    .bind(p.created_at)
+                    .bind(p.updated_at)
+                    .execute(self.writer())
+                    .await
+                    .map_err(classify)?;
+                if done.rows_affected() == 0 {
+                    let other: Option<String> = sqlx::query_scalar($crate::sql::AGENT_OWNER)
+                        .bind(&p.agent_id)
+                        .fetch_optional(self.reader())
+                        .await
+                        .map_err(classify)?;
+                    return Err($crate::StoreError::AgentIdTaken {
+                        agent: p.agent_id,
+                        other_owner: other.unwrap_or_else(|| "?".to_owned()),
+                    });
+                }
+                Ok(())
+            }
+
+            async fn agent(
+                &self,
+                id: &kici_model::AgentId,
+            ) -> Result<Option<$crate::AgentRecord>, $crate::StoreError> {
+                let q = format!(
+                    "SELECT {} FROM agents WHERE owner = $1 AND agent_id = $2",
+                    $crate::sql::AGENT_COLUMNS
+                );
+                let row: Option<$crate::sql::AgentRow> = sqlx::query_as(&q)
+                    .bind(&self.owner_text)
+                    .bind(id.to_string())
+                    .fetch_optional(self.reader())
+                    .await
+                    .map_err($crate::error::classify)?;
+                row.map($crate::AgentRecord::try_from).transpose()
+            }
+
+            async fn agents(&self) -> Result<Vec<$crate::AgentRecord>, $crate::StoreError> {
+                let q = format!(
+                    "SELECT {} FROM agents WHERE owner = $1 ORDER BY created_at, agent_id",
+                    $crate::sql::AGENT_COLUMNS
+                );
+                let rows: Vec<$crate::sql::AgentRow> = sqlx::query_as(&q)
+                    .bind(&self.owner_text)
+                    .fetch_all(self.reader())
+                    .await
+                    .map_err($crate::error::classify)?;
+                rows.into_iter()
+                    .map($crate::AgentRecord::try_from)
+                    .collect()
+            }
+
+            async fn delete_agent(
+                &self,
+                id: &kici_model::AgentId,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::DELETE_AGENT)
+                    .bind(&self.owner_text)
+                    .bind(id.to_string())
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected() > 0)
+            }
+
+            async fn put_pending(
+                &self,
+                pending: &$crate::PendingRecord,
+            ) -> Result<(), $crate::StoreError> {
+                // Vec<String> and serde_json::Value always serialize.
+                let labels = serde_json::to_string(&pending.labels)
+                    .map_err(|e| $crate::StoreError::Database(e.to_string()))?;
+                let request = serde_json::to_string(&pending.request)
+                    .map_err(|e| $crate::StoreError::Database(e.to_string()))?;
+                sqlx::query($crate::sql::PUT_PENDING)
+                    .bind(&self.owner_text)
+                    .bind(pending.job_id.as_str())
+                    .bind(labels)
+                    .bind(request)
+                    .bind(&pending.run_id)
+                    .bind(pending.created_at.0)
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(())
+            }
+
+            async fn delete_pending(
+                &self,
+                job: &kici_model::JobId,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::DELETE_PENDING)
+                    .bind(&self.owner_text)
+                    .bind(job.as_str())
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected() > 0)
+            }
+
+            async fn pending(&self) -> Result<Vec<$crate::PendingRecord>, $crate::StoreError> {
+                let rows: Vec<$crate::sql::PendingRow> = sqlx::query_as($crate::sql::PENDING)
+                    .bind(&self.owner_text)
+                    .fetch_all(self.reader())
+                    .await
+                    .map_err($crate::error::classify)?;
+                rows.into_iter()
+                    .map($crate::PendingRecord::try_from)
+                    .collect()
+            }
+
+            async fn append_event(
+                &self,
+                seq: u64,
+                at: $crate::UnixMillis,
+                body: &str,
+            ) -> Result<(), $crate::StoreError> {
+                sqlx::query($crate::sql::APPEND_EVENT)
+                    .bind(&self.owner_text)
+                    .bind($crate::sql::to_i64("seq", seq)?)
+                    .bind(at.0)
+                    .bind(body)
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(())
+            }
+
+            async fn events_after(
+                &self,
+                seq: u64,
+                limit: u32,
+            ) -> Result<Vec<$crate::EventRecord>, $crate::StoreError> {
+                let rows: Vec<$crate::sql::EventRow> = sqlx::query_as($crate::sql::EVENTS_AFTER)
+                    .bind(&self.owner_text)
+                    .bind($crate::sql::to_i64("seq", seq)?)
+                    .bind(i64::from(limit))
+                    .fetch_all(self.reader())
+                    .await
+                    .map_err($crate::error::classify)?;
+                rows.into_iter()
+                    .map($crate::EventRecord::try_from)
+                    .collect()
+            }
+
+            async fn last_event_seq(&self) -> Result<Option<u64>, $crate::StoreError> {
+                let max: Option<i64> = sqlx::query_scalar($crate::sql::LAST_EVENT_SEQ)
+                    .bind(&self.owner_text)
+                    .fetch_one(self.reader())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(max.and_then(|m| u64::try_from(m).ok()))
+            }
+
+            async fn trim_events(&self, keep: u64) -> Result<u64, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::TRIM_EVENTS)
+                    .bind(&self.owner_text)
+                    .bind($crate::sql::to_i64("keep", keep)?)
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn close(&self) {
+                self.close_impl().await
+            }
+        }
+
+        impl $store {
+            /// Inserts a row per assignable address of `pool` unless this
+            /// store (or any instance, per `ip_networks`) already did. The
+            /// in-process mutex keeps concurrent first allocations from all
+            /// inserting the same rows; across processes the inserts are
+            /// idempotent (`ON CONFLICT DO NOTHING`).
+            async fn ensure_pool(&self, pool: &$crate::Ipv4Pool) -> Result<(), $crate::StoreError> {
+                use $crate::error::classify;
+                let mut filled = self.filled.lock().await;
+                if filled.contains(&pool.network()) {
+                    return Ok(());
+                }
+                let network = pool.network().to_string();
+                let known: Option<i64> = sqlx::query_scalar($crate::sql::NETWORK_FILLED)
+                    .bind(&network)
+                    .fetch_optional(self.writer())
+                    .await
+                    .map_err(classify)?;
+                if known.is_none() {
+                    let first = pool.assignable().next().map(u32::from).unwrap_or(0);
+                    let last = pool.assignable().last().map(u32::from).unwrap_or(0);
+                    let mut tx = self.begin_write().await.map_err(classify)?;
+                    sqlx::query($crate::sql::FILL_NETWORK)
+                        .bind(&network)
+                        .bind(i64::from(first))
+                        .bind(i64::from(last))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(classify)?;
+                    sqlx::query($crate::sql::MARK_FILLED)
+                        .bind(&network)
+                        .bind(i64::from(pool.capacity()))
+                        .bind($crate::UnixMillis::now().0)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(classify)?;
+                    tx.commit().await.map_err(classify)?;
+                }
+                filled.insert(pool.network());
+                Ok(())
+            }
+
+            /// One claim transaction: the agent's existing lease in the
+            /// network, else the lowest free address. `None`: exhausted.
+            async fn claim(&self, network: &str, agent: &str) -> Result<Option<i64>, sqlx::Error> {
+                let mut tx = self.begin_write().await?;
+                let existing: Option<i64> = sqlx::query_scalar($crate::sql::LEASE_OF_AGENT)
+                    .bind(network)
+                    .bind(agent)
+                    .bind(&self.owner_text)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                let ip = match existing {
+                    Some(ip) => Some(ip),
+                    None => {
+                        sqlx::query_scalar(Self::CLAIM_IP)
+                            .bind(network)
+                            .bind(agent)
+                            .bind(&self.owner_text)
+                            .bind($crate::UnixMillis::now().0)
+                            .fetch_optional(&mut *tx)
+                            .await?
+                    }
+                };
+                tx.commit().await?;
+                Ok(ip)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::IpAllocator for $store {
+            async fn allocate(
+                &self,
+                pool: &$crate::Ipv4Pool,
+                agent: &kici_model::AgentId,
+            ) -> Result<$crate::Lease, $crate::AllocError> {
+                self.ensure_pool(pool).await?;
+                let network = pool.network().to_string();
+                let agent_text = agent.to_string();
+                // A unique violation means a concurrent call for the same
+                // agent claimed first: the retry finds that lease.
+                let mut retries = 3;
+                let ip = loop {
+                    match self.claim(&network, &agent_text).await {
+                        Ok(ip) => break ip,
+                        Err(e) if retries > 0 && $crate::error::is_unique_violation(&e) => {
+                            retries -= 1;
+                        }
+                        Err(e) => return Err($crate::error::classify(e).into()),
+                    }
+                };
+                let Some(ip) = ip else {
+                    return Err($crate::AllocError::Exhausted {
+                        network: pool.network(),
+                        capacity: pool.capacity(),
+                    });
+                };
+                fail::fail_point!("store::ip::after_claim", |_| Err(
+                    $crate::AllocError::Store("failpoint store::ip::after_claim".to_owned())
+                ));
+                Ok($crate::Lease {
+                    network: pool.network(),
+                    ip: $crate::sql::ip_from_i64(ip)?,
+                    agent: *agent,
+                    owner: self.owner,
+                })
+            }
+
+            async fn release_agent(
+                &self,
+                agent: &kici_model::AgentId,
+            ) -> Result<u64, $crate::AllocError> {
+                let done = sqlx::query($crate::sql::RELEASE_AGENT)
+                    .bind(&self.owner_text)
+                    .bind(agent.to_string())
+                    .execute(self.writer())
+                    .await
+                    .map_err(|e| $crate::AllocError::from($crate::error::classify(e)))?;
+                fail::fail_point!("store::ip::after_release", |_| Err(
+                    $crate::AllocError::Store("failpoint store::ip::after_release".to_owned())
+                ));
+                Ok(done.rows_affected())
+            }
+
+            async fn release_ip(
+                &self,
+                network: ipnet::Ipv4Net,
+                ip: std::net::Ipv4Addr,
+            ) -> Result<bool, $crate::AllocError> {
+                let done = sqlx::query($crate::sql::RELEASE_IP)
+                    .bind(&self.owner_text)
+                    .bind(network.to_string())
+                    .bind(i64::from(u32::from(ip)))
+                    .execute(self.writer())
+                    .await
+                    .map_err(|e| $crate::AllocError::from($crate::error::classify(e)))?;
+                fail::fail_point!("store::ip::after_release", |_| Err(
+                    $crate::AllocError::Store("failpoint store::ip::after_release".to_owned())
+                ));
+                Ok(done.rows_affected() > 0)
+            }
+
+            async fn leases(&self) -> Result<Vec<$crate::Lease>, $crate::AllocError> {
+                let rows: Vec<(String, i64, String)> = sqlx::query_as($crate::sql::LEASES)
+                    .bind(&self.owner_text)
+                    .fetch_all(self.reader())
+                    .await
+                    .map_err(|e| $crate::AllocError::from($crate::error::classify(e)))?;
+                rows.into_iter()
+                    .map(|(network, ip, agent)| {
+                        let bad = |what: String| {
+                            $crate::AllocError::from($crate::StoreError::Corrupt {
+                                table: "ip_leases",
+                                reason: what,
+                            })
+                        };
+                        Ok($crate::Lease {
+                            network: network
+                                .parse()
+                                .map_err(|_| bad(format!("network {network:?}")))?,
+                            ip: $crate::sql::ip_from_i64(ip)?,
+                            agent: agent.parse().map_err(|_| bad(format!("agent {agent:?}")))?,
+                            owner: self.owner,
+                        })
+                    })
+                    .collect()
+            }
+        }
+    };
+}
+
+pub(crate) use impl_state_store;

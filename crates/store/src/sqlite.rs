@@ -1,0 +1,128 @@
+//! The embedded store: one SQLite file in WAL mode.
+//!
+//! Durability: WAL with `synchronous=NORMAL`. A commit is in the WAL file
+//! (the OS page cache) before the call returns, so it survives a crash or
+//! `kill -9` of the daemon, which is what recovery has to survive; only a
+//! power loss or kernel crash can roll back the last commits (never corrupt
+//! the file), and that also ends every process, container, VM, TAP and
+//! cgroup those rows describe: the sweep finds what is left on disk (chroot
+//! dirs) by its owner marker. `FULL` would add one fsync per commit (4-5 ms
+//! on this project's VMs), making every agent transition and IP claim wait
+//! on the disk for no recoverable state. The WAL is fsynced at checkpoints.
+//!
+//! Concurrency: exactly one writer connection (a pool of one), so writes
+//! queue in this process instead of contending for SQLite's file lock, and
+//! a read pool. Multi-statement writes (the IP claim) run in `BEGIN
+//! IMMEDIATE` transactions: the write lock is taken at `BEGIN`, so the
+//! transaction's reads see the latest commit and no other writer (another
+//! process on the same file) can slip in between its read and its write;
+//! SQLite has no row locks, and needs none with one writer at a time.
+//! `busy_timeout` bounds the wait for another process's lock.
+
+use crate::error::{classify, StoreError};
+use crate::{StoreKind, StoreOptions};
+use ipnet::Ipv4Net;
+use kici_model::InstanceId;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{Sqlite, Transaction};
+use std::collections::HashSet;
+use std::path::Path;
+
+/// [`crate::StateStore`] on an SQLite file.
+pub(crate) struct SqliteStore {
+    owner: InstanceId,
+    owner_text: String,
+    writer: SqlitePool,
+    reader: SqlitePool,
+    filled: tokio::sync::Mutex<HashSet<Ipv4Net>>,
+}
+
+impl SqliteStore {
+    /// Lowest free address, claimed in the caller's `BEGIN IMMEDIATE`
+    /// transaction (which already excludes every other writer).
+    const CLAIM_IP: &'static str = "UPDATE ip_leases SET agent_id = $2, owner = $3, leased_at = $4 \
+        WHERE network = $1 AND agent_id IS NULL AND ip = (SELECT ip FROM ip_leases WHERE network = $1 AND agent_id IS NULL ORDER BY ip LIMIT 1) \
+        RETURNING ip";
+
+    pub(crate) async fn open(
+        path: &Path,
+        owner: InstanceId,
+        options: &StoreOptions,
+    ) -> Result<Self, StoreError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
+                path: dir.to_owned(),
+                source,
+            })?;
+        }
+        let connect = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(options.sqlite_busy_timeout)
+            .foreign_keys(true);
+        // Waiting for the one writer is queueing behind local commits, not
+        // an outage: allow it the busy timeout.
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(options.acquire_timeout.max(options.sqlite_busy_timeout))
+            .connect_with(connect.clone())
+            .await
+            .map_err(classify)?;
+        crate::migrations::SQLITE
+            .run(&writer)
+            .await
+            .map_err(|e| StoreError::Migrate(e.to_string()))?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(options.max_connections.max(1))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_with(connect.read_only(true))
+            .await
+            .map_err(classify)?;
+        let owner_text = owner.to_string();
+        sqlx::query(crate::sql::PUT_INSTANCE)
+            .bind(&owner_text)
+            .bind(crate::sql::hostname())
+            .bind(crate::UnixMillis::now().0)
+            .execute(&writer)
+            .await
+            .map_err(classify)?;
+        Ok(Self {
+            owner,
+            owner_text,
+            writer,
+            reader,
+            filled: tokio::sync::Mutex::new(HashSet::new()),
+        })
+    }
+
+    fn reader(&self) -> &SqlitePool {
+        &self.reader
+    }
+
+    fn writer(&self) -> &SqlitePool {
+        &self.writer
+    }
+
+    async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+        self.writer.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn ping_impl(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.reader)
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn close_impl(&self) {
+        self.reader.close().await;
+        self.writer.close().await;
+    }
+}
+
+crate::sql::impl_state_store!(SqliteStore, StoreKind::Sqlite);

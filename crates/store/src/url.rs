@@ -1,0 +1,163 @@
+//! Where the state lives: the parsed `--state` flag and the connection
+//! options both stores share.
+
+use crate::error::StoreError;
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The parsed `--state` value.
+#[derive(Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// `sqlite:PATH` or `sqlite://PATH`: an embedded database file, created
+    /// (with its directory) if missing.
+    Sqlite(PathBuf),
+    /// `postgres://…` or `postgresql://…`, passed to the driver as is.
+    Postgres(String),
+}
+
+impl StoreUrl {
+    /// The default store inside a state dir: `<state-dir>/state.db`.
+    pub fn default_in(state_dir: &std::path::Path) -> Self {
+        Self::Sqlite(state_dir.join("state.db"))
+    }
+}
+
+impl FromStr for StoreUrl {
+    type Err = StoreError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = |reason: &str| StoreError::InvalidUrl {
+            input: redact(s),
+            reason: reason.to_owned(),
+        };
+        if let Some(rest) = s.strip_prefix("sqlite:") {
+            let path = rest.strip_prefix("//").unwrap_or(rest);
+            // A query string (`?mode=…`) would be taken as part of the file
+            // name; refuse it instead of creating an oddly named file.
+            if path.is_empty() {
+                return Err(bad("no database path after sqlite:"));
+            }
+            if path == ":memory:" || path.contains('?') {
+                return Err(bad(
+                    "durable state needs a file path (no :memory:, no ?options)",
+                ));
+            }
+            return Ok(Self::Sqlite(PathBuf::from(path)));
+        }
+        if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            let rest = s.split_once("://").map(|(_, r)| r).unwrap_or_default();
+            if rest.is_empty() || rest.starts_with('/') && !rest.contains("host=") {
+                return Err(bad("no host in the PostgreSQL URL"));
+            }
+            return Ok(Self::Postgres(s.to_owned()));
+        }
+        Err(bad("unknown scheme"))
+    }
+}
+
+/// `postgres://user:secret@host` → `postgres://user:***@host`, for errors
+/// and logs.
+fn redact(s: &str) -> String {
+    let Some((scheme, rest)) = s.split_once("://") else {
+        return s.to_owned();
+    };
+    match rest.split_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+            None => s.to_owned(),
+        },
+        None => s.to_owned(),
+    }
+}
+
+impl fmt::Display for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Sqlite(p) => write!(f, "sqlite:{}", p.display()),
+            Self::Postgres(u) => f.write_str(&redact(u)),
+        }
+    }
+}
+
+impl fmt::Debug for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StoreUrl({self})")
+    }
+}
+
+/// Connection tuning shared by both stores.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// How long a call waits for a pooled connection (including connecting)
+    /// before failing with [`StoreError::Unavailable`]. Bounds how long a
+    /// scale request hangs while PostgreSQL is down. Default 1 s.
+    pub acquire_timeout: Duration,
+    /// Pool size. PostgreSQL: connections (plus one held for the advisory
+    /// lock). SQLite: readers (there is always exactly one writer).
+    /// Default 16.
+    pub max_connections: u32,
+    /// SQLite only: how long a statement waits for the file lock held by
+    /// another process before failing with `Unavailable`. Default 5 s.
+    pub sqlite_busy_timeout: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            acquire_timeout: Duration::from_secs(1),
+            max_connections: 16,
+            sqlite_busy_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn parses_the_three_forms_and_refuses_the_rest() {
+        assert_eq!(
+            "sqlite:/var/lib/k/state.db".parse::<StoreUrl>().unwrap(),
+            StoreUrl::Sqlite("/var/lib/k/state.db".into())
+        );
+        assert_eq!(
+            "sqlite:///var/lib/k/state.db".parse::<StoreUrl>().unwrap(),
+            StoreUrl::Sqlite("/var/lib/k/state.db".into())
+        );
+        assert_eq!(
+            "sqlite:rel/state.db".parse::<StoreUrl>().unwrap(),
+            StoreUrl::Sqlite("rel/state.db".into())
+        );
+        assert!(matches!(
+            "postgresql://u:p@h:5432/db".parse::<StoreUrl>().unwrap(),
+            StoreUrl::Postgres(_)
+        ));
+        for bad in [
+            "",
+            "sqlite:",
+            "sqlite::memory:",
+            "sqlite:x.db?mode=ro",
+            "mysql://h/db",
+            "/var/lib/state.db",
+            "postgres://",
+        ] {
+            let e = bad.parse::<StoreUrl>().unwrap_err();
+            assert!(matches!(e, StoreError::InvalidUrl { .. }), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn display_hides_the_password() {
+        let u: StoreUrl = "postgres://kici:hunter2@db:5432/k".parse().unwrap();
+        assert_eq!(u.to_string(), "postgres://kici:***@db:5432/k");
+        let e = "postgres:/kici:hunter2@db"
+            .parse::<StoreUrl>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown scheme"), "{e}");
+        assert!(!format!("{u:?}").contains("hunter2"));
+    }
+}
