@@ -450,6 +450,26 @@ impl ContainerBackend {
         check
     }
 
+    /// Removes the egress rules of this instance's agents that have no
+    /// container any more (a crash between remove and rule removal), so a
+    /// reused address never inherits an old allowlist. Returns the agents
+    /// whose containers exist (running or not).
+    pub async fn sweep_stale_rules(&self) -> Result<Vec<AgentId>, BackendError> {
+        let live: Vec<AgentId> = self
+            .list_owned()
+            .await?
+            .into_iter()
+            .filter_map(|o| o.agent)
+            .collect();
+        self.inner
+            .options
+            .egress
+            .sweep_stale(&live)
+            .await
+            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+        Ok(live)
+    }
+
     fn pull_lock(&self, image: &str) -> Arc<tokio::sync::Mutex<()>> {
         self.inner
             .pulls
@@ -666,9 +686,7 @@ impl ContainerBackend {
                     &EgressTarget {
                         agent,
                         ip: lease.ip,
-                        // Docker before API 1.44 derives the MAC from the
-                        // address; others choose it at start.
-                        mac: (rt.conn.kind == RuntimeKind::Docker).then(|| docker_mac(lease.ip)),
+                        mac: agent_mac(lease.ip),
                         bridge: rt.network.bridge.clone(),
                         gateway: rt.network.gateway,
                     },
@@ -970,9 +988,11 @@ impl ContainerBackend {
     }
 }
 
-/// Docker (bridge driver, API < 1.44) derives an endpoint's MAC from its
-/// IPv4 address: `02:42` + the four octets.
-fn docker_mac(ip: std::net::Ipv4Addr) -> kici_store::MacAddress {
+/// The agent's MAC: `02:42` + the four octets of its address. Docker's
+/// bridge driver before API 1.44 derives exactly this (and ignores a MAC it
+/// is given); newer Docker and Podman are given it on the endpoint. Locally
+/// administered, unicast.
+pub fn agent_mac(ip: std::net::Ipv4Addr) -> kici_store::MacAddress {
     let [a, b, c, d] = ip.octets();
     kici_store::MacAddress([0x02, 0x42, a, b, c, d])
 }

@@ -187,6 +187,7 @@ pub fn create_body(
             ipv4_address: Some(ctx.ip.to_string()),
             ..Default::default()
         }),
+        mac_address: Some(crate::backend::agent_mac(ctx.ip).to_string()),
         ..Default::default()
     };
     ContainerCreateBody {
@@ -306,6 +307,7 @@ scalers:
             ep.ipam_config.as_ref().unwrap().ipv4_address.as_deref(),
             Some("172.29.0.7")
         );
+        assert_eq!(ep.mac_address.as_deref(), Some("02:42:ac:1d:00:07"));
     }
 
     #[test]

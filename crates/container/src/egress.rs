@@ -5,9 +5,9 @@
 //! nftables table); this backend only decides *when*: after the container
 //! is created with its pinned address (so the match is known) and before it
 //! starts (no window with open egress, upstream B2), removed on destroy and
-//! on every failed spawn. The daemon passes an implementation backed by
-//! `kici_netpolicy::EgressTable`; [`NoEgressRules`] is for scalers with
-//! `networkIsolation: false` and for tests that do not look at traffic.
+//! on every failed spawn. [`NftEgress`] is the real one (kici-scaler's own
+//! nftables tables through `kici_netpolicy::EgressTable`); [`NoEgressRules`]
+//! is for tests that do not look at traffic.
 
 use async_trait::async_trait;
 use kici_model::{AgentId, NetworkPolicy};
@@ -15,6 +15,11 @@ use kici_store::MacAddress;
 use std::net::Ipv4Addr;
 
 /// What identifies one agent's traffic on the host.
+///
+/// The MAC is `02:42:` + the address's octets on every runtime: Docker
+/// before API 1.44 derives exactly that from the address (and ignores any
+/// MAC it is given, verified on 20.10), newer Docker and Podman are given it
+/// on the endpoint.
 ///
 /// The container runs with every capability dropped (no `NET_ADMIN`,
 /// no `NET_RAW`), so it can change neither its address nor its MAC and
@@ -25,9 +30,7 @@ pub struct EgressTarget {
     pub agent: AgentId,
     /// The address pinned at create time (from the allocator).
     pub ip: Ipv4Addr,
-    /// Known before start only where the runtime derives it from the
-    /// address (Docker before API 1.44 cannot be given one).
-    pub mac: Option<MacAddress>,
+    pub mac: MacAddress,
     /// The host-side bridge interface of the agent network.
     pub bridge: String,
     /// The network's gateway (the host as the agent sees it).
@@ -77,5 +80,65 @@ impl EgressRules for NoEgressRules {
 
     async fn sweep_stale(&self, _live: &[AgentId]) -> Result<(), EgressError> {
         Ok(())
+    }
+}
+
+/// Egress rules in kici-scaler's own nftables tables (`kici-netpolicy`),
+/// for the agent network's subnet. Build the table once at start-up with
+/// `EgressTable::ensure(instance, subnet, TableOptions { gateway_port,
+/// agent_bridge: Some(<network bridge>), .. })`.
+#[derive(Debug, Clone)]
+pub struct NftEgress {
+    table: kici_netpolicy::EgressTable,
+}
+
+impl NftEgress {
+    pub fn new(table: kici_netpolicy::EgressTable) -> Self {
+        Self { table }
+    }
+
+    pub fn table(&self) -> &kici_netpolicy::EgressTable {
+        &self.table
+    }
+}
+
+#[async_trait]
+impl EgressRules for NftEgress {
+    async fn install(
+        &self,
+        target: &EgressTarget,
+        policy: Option<&NetworkPolicy>,
+    ) -> Result<(), EgressError> {
+        let key = kici_netpolicy::AgentMatch {
+            ip: target.ip,
+            mac: target.mac.0,
+            // A container's veth is created at start: not known yet.
+            port: None,
+        };
+        self.table
+            .install(
+                &target.agent,
+                &key,
+                &kici_netpolicy::EgressPolicy::from_config(policy),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|e| EgressError(e.to_string()))
+    }
+
+    async fn remove(&self, agent: &AgentId) -> Result<(), EgressError> {
+        self.table
+            .remove(agent)
+            .await
+            .map(|_| ())
+            .map_err(|e| EgressError(e.to_string()))
+    }
+
+    async fn sweep_stale(&self, live: &[AgentId]) -> Result<(), EgressError> {
+        self.table
+            .sweep_stale(live)
+            .await
+            .map(|_| ())
+            .map_err(|e| EgressError(e.to_string()))
     }
 }

@@ -27,9 +27,9 @@ pub mod runtime;
 #[cfg(test)]
 mod test_support;
 
-pub use backend::{ContainerBackend, ContainerOptions, ContainerSetupError, HostCheck};
+pub use backend::{agent_mac, ContainerBackend, ContainerOptions, ContainerSetupError, HostCheck};
 pub use create::{container_name, Ulimit, LABEL_AGENT, LABEL_INSTANCE, LABEL_JOB, LABEL_SCALER};
-pub use egress::{EgressError, EgressRules, EgressTarget, NoEgressRules};
+pub use egress::{EgressError, EgressRules, EgressTarget, NftEgress, NoEgressRules};
 pub use network::NetworkSettings;
 pub use reference::ImageReference;
 pub use runtime::{Endpoint, RuntimeKind, TlsFiles};

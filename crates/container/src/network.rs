@@ -234,6 +234,17 @@ async fn inspect_checked(
             options.get(OPT_ICC).map(String::as_str).unwrap_or("unset")
         ));
     }
+    let bridge_option = options.get(OPT_BRIDGE_NAME).filter(|b| !b.is_empty());
+    if conn.kind == RuntimeKind::Docker && bridge_option != Some(&settings.bridge) {
+        problems.push(format!(
+            "bridge interface is {}, expected {} (the egress rules match on it)",
+            bridge_option.map_or_else(
+                || format!("br-{}", id.get(..12).unwrap_or(&id)),
+                Clone::clone
+            ),
+            settings.bridge
+        ));
+    }
     if !problems.is_empty() {
         return Err(NetworkError::Mismatch {
             name: settings.name.clone(),
@@ -243,6 +254,9 @@ async fn inspect_checked(
     }
     let bridge = match options.get(OPT_BRIDGE_NAME) {
         Some(name) if !name.is_empty() => name.clone(),
+        // Podman honours the bridge name at create but its compat inspect
+        // does not report driver options back.
+        _ if conn.kind == RuntimeKind::Podman => settings.bridge.clone(),
         _ => format!("br-{}", id.get(..12).unwrap_or(&id)),
     };
     Ok(Some(NetworkInfo {

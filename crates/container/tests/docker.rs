@@ -337,7 +337,12 @@ async fn serial_a_failure_at_each_spawn_step_leaves_nothing() {
     }
     // A real Engine error (create refuses an unknown bind mode) too.
     let bad = scaler_from_yaml(
-        &scaler_yaml("boxes", &image, "", "        volumes: [\"/tmp:/x:notamode\"]"),
+        &scaler_yaml(
+            "boxes",
+            &image,
+            "",
+            "        volumes: [\"/tmp:/x:notamode\"]",
+        ),
         "boxes",
     );
     let (spec, _rx) = spawn_spec(&bad, 0);
@@ -544,6 +549,7 @@ async fn serial_validation_reports_bad_images_networks_and_limits() {
     );
     assert!(all.contains(&format!("subnet is {other_subnet}")), "{all}");
     assert!(all.contains("enable_icc"), "{all}");
+    assert!(all.contains("bridge interface is br-"), "{all}");
     docker_ok(&["network", "rm", &fx.options.network.name]);
 
     // With the network fixed (created by us), the limits are what's wrong.
@@ -604,4 +610,89 @@ async fn serial_image_pull_policies() {
     assert!(err.starts_with(&format!("pull {image}")), "{err}");
     assert!(fx.containers().is_empty() && fx.allocator.held().is_empty());
     let _ = Arc::clone(&fx.allocator);
+}
+
+#[tokio::test]
+async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
+    use kici_netpolicy::{EgressTable, TableOptions};
+    let _serial = SERIAL.lock().await;
+    let instance = kici_model::InstanceId::random();
+    let network = test_network(instance);
+    let table = EgressTable::ensure(
+        instance,
+        network.pool.network(),
+        TableOptions {
+            agent_bridge: Some(network.bridge.clone()),
+            ..TableOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let nft = kici_container::NftEgress::new(table.clone());
+    let fx = Fixture::on(instance, network, |o| o.egress = Arc::new(nft.clone()));
+    // 10.255.0.1 is RFC1918: blocked by default. The attempt ends the agent.
+    let image = fx.image(
+        "prober",
+        &[
+            "sh",
+            "-c",
+            "cat /sys/class/net/eth0/address; nc -w 2 10.255.0.1 80 </dev/null; echo rc=$?",
+        ],
+    );
+    let scaler = scaler_from_yaml(&scaler_yaml("boxes", &image, "", ""), "boxes");
+    let (spec, mut reports) = spawn_spec(&scaler, 0);
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    let ip: std::net::Ipv4Addr = handle.extra["ip"].parse().unwrap();
+    let owned = table.owned().await.unwrap();
+    let mine = owned
+        .iter()
+        .find(|o| o.agent == agent)
+        .expect("rules installed");
+    assert_eq!(mine.addresses, vec![ip]);
+    match next_report(&mut reports).await {
+        BackendReport::Exited { agent: a, detail } => {
+            assert_eq!(a, agent);
+            assert_eq!(detail, "exit status 0");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // Our own rule dropped the attempt (not dockerd's, not another table's).
+    let counters = table.counters(&agent).await.unwrap();
+    assert!(counters.dropped_packets > 0, "{counters:?}");
+    // The MAC the rules are keyed on is the container's.
+    let output = docker_ok(&["logs", &format!("kici-{agent}")]);
+    assert_eq!(
+        output.lines().next(),
+        Some(kici_container::agent_mac(ip).to_string().as_str()),
+        "{output}"
+    );
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+    assert!(table
+        .owned()
+        .await
+        .unwrap()
+        .iter()
+        .all(|o| o.agent != agent));
+    // Stale rules of an agent whose container vanished are swept.
+    let ghost = kici_model::AgentId::random(kici_model::ScalerType::Container);
+    let ghost_ip = fx.options.network.pool.assignable().nth(7).unwrap();
+    table
+        .install(
+            &ghost,
+            &kici_netpolicy::AgentMatch {
+                ip: ghost_ip,
+                mac: kici_container::agent_mac(ghost_ip).0,
+                port: None,
+            },
+            &kici_netpolicy::EgressPolicy::from_config(None),
+        )
+        .await
+        .unwrap();
+    assert!(fx.backend.sweep_stale_rules().await.unwrap().is_empty());
+    assert!(table.owned().await.unwrap().is_empty());
+    table.teardown().await.unwrap();
 }

@@ -189,10 +189,15 @@ pub fn containers_with_label(label: &str) -> Vec<String> {
 /// `/bin/sh`), `cmd` as the image's command; extra files copied in by
 /// (source, destination).
 pub fn build_image(tag: &str, cmd: &[&str], extra: &[(&Path, &str)]) {
+    build_image_with("docker", tag, cmd, extra)
+}
+
+/// [`build_image`] with another CLI (`podman`).
+pub fn build_image_with(cli: &str, tag: &str, cmd: &[&str], extra: &[(&Path, &str)]) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy("/bin/busybox", dir.path().join("busybox")).unwrap();
     let mut dockerfile = String::from("FROM scratch\nCOPY busybox /bin/busybox\n");
-    for applet in ["sh", "sleep", "cat", "touch"] {
+    for applet in ["sh", "sleep", "cat", "touch", "nc"] {
         dockerfile.push_str(&format!("COPY busybox /bin/{applet}\n"));
     }
     for (i, (src, dst)) in extra.iter().enumerate() {
@@ -202,7 +207,7 @@ pub fn build_image(tag: &str, cmd: &[&str], extra: &[(&Path, &str)]) {
     }
     dockerfile.push_str(&format!("CMD {}\n", serde_json::to_string(cmd).unwrap()));
     std::fs::write(dir.path().join("Dockerfile"), dockerfile).unwrap();
-    let out = Command::new("docker")
+    let out = Command::new(cli)
         .env("DOCKER_BUILDKIT", "0")
         .args(["build", "-q", "-t", tag])
         .arg(dir.path())
@@ -246,6 +251,15 @@ impl Fixture {
             other.allocator.clone(),
             |_| {},
         )
+    }
+
+    /// A fixture for `instance` on `network` (set up by the caller).
+    pub fn on(
+        instance: InstanceId,
+        network: NetworkSettings,
+        adjust: impl FnOnce(&mut ContainerOptions),
+    ) -> Self {
+        Self::on_network(instance, network, MemoryAllocator::new(instance), adjust)
     }
 
     fn on_network(
