@@ -45,8 +45,10 @@ async fn ensure_service() {
         return;
     }
     std::fs::create_dir_all("/run/podman").unwrap();
-    Command::new("setsid")
+    // `setsid -f` forks the service into its own session and returns.
+    let started = Command::new("setsid")
         .args([
+            "-f",
             "podman",
             "system",
             "service",
@@ -56,8 +58,9 @@ async fn ensure_service() {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .spawn()
+        .status()
         .unwrap();
+    assert!(started.success(), "cannot start podman system service");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !answers() {
         assert!(
