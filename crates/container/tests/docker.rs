@@ -91,7 +91,8 @@ async fn serial_spawn_creates_exactly_the_container_asked_for() {
             ("KICI_AGENT_ENV_EXTRA".into(), "forwarded".into()),
             ("UNRELATED".into(), "never".into()),
         ];
-    });
+    })
+    .await;
     let image = fx.image(
         "sleeper",
         &[
@@ -211,7 +212,7 @@ async fn serial_spawn_creates_exactly_the_container_asked_for() {
     assert!(!writable, "read-only root");
 
     // The pinned address from the allocator, on our network.
-    let held = fx.allocator.held();
+    let held = fx.held().await;
     assert_eq!(held.len(), 1);
     let (ip, lease_agent) = held[0];
     assert_eq!(lease_agent, agent);
@@ -257,7 +258,7 @@ async fn serial_spawn_creates_exactly_the_container_asked_for() {
         .await
         .unwrap();
     assert!(inspect("container", &name).is_none());
-    assert!(fx.allocator.held().is_empty());
+    assert!(fx.held().await.is_empty());
     assert!(fx.egress.installed.lock().is_empty());
     assert!(fx.backend.list_owned().await.unwrap().is_empty());
     assert!(
@@ -269,7 +270,7 @@ async fn serial_spawn_creates_exactly_the_container_asked_for() {
 #[tokio::test]
 async fn serial_exit_and_oom_kill_are_reported() {
     let _serial = SERIAL.lock().await;
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let quitter = fx.image("quitter", &["sh", "-c", "echo bye; exit 3"]);
     let hog = fx.image(
         "hog",
@@ -312,14 +313,14 @@ async fn serial_exit_and_oom_kill_are_reported() {
         .await
         .unwrap();
     assert!(fx.containers().is_empty());
-    assert!(fx.allocator.held().is_empty());
+    assert!(fx.held().await.is_empty());
 }
 
 #[tokio::test]
 async fn serial_a_failure_at_each_spawn_step_leaves_nothing() {
     let _serial = SERIAL.lock().await;
     let scenario = fail::FailScenario::setup();
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let image = fx.image("sleeper", &["sleep", "3600"]);
     let scaler = scaler_from_yaml(&scaler_yaml("boxes", &image, "", ""), "boxes");
     fx.backend.validate(&scaler).await.unwrap();
@@ -332,7 +333,7 @@ async fn serial_a_failure_at_each_spawn_step_leaves_nothing() {
         fail::remove(&name);
         assert!(err.to_string().contains(&name), "{step}: {err}");
         assert!(fx.containers().is_empty(), "{step}: container left");
-        assert!(fx.allocator.held().is_empty(), "{step}: lease left");
+        assert!(fx.held().await.is_empty(), "{step}: lease left");
         assert!(fx.egress.installed.lock().is_empty(), "{step}: rules left");
     }
     // A real Engine error (create refuses an unknown bind mode) too.
@@ -349,7 +350,7 @@ async fn serial_a_failure_at_each_spawn_step_leaves_nothing() {
     let err = fx.backend.spawn(spec).await.unwrap_err();
     assert!(err.to_string().contains("POST /containers/create"), "{err}");
     assert!(fx.containers().is_empty());
-    assert!(fx.allocator.held().is_empty());
+    assert!(fx.held().await.is_empty());
     // Everything works again afterwards.
     let (spec, _rx) = spawn_spec(&scaler, 0);
     let agent = spec.agent;
@@ -366,7 +367,7 @@ async fn serial_a_failure_at_each_spawn_step_leaves_nothing() {
 async fn serial_a_failed_destroy_step_is_retried_to_completion() {
     let _serial = SERIAL.lock().await;
     let scenario = fail::FailScenario::setup();
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let image = fx.image("sleeper", &["sleep", "3600"]);
     let scaler = scaler_from_yaml(&scaler_yaml("boxes", &image, "", ""), "boxes");
     for step in ["stop", "remove", "rules", "lease"] {
@@ -388,7 +389,7 @@ async fn serial_a_failed_destroy_step_is_retried_to_completion() {
             .await
             .unwrap();
         assert!(fx.containers().is_empty(), "{step}");
-        assert!(fx.allocator.held().is_empty(), "{step}");
+        assert!(fx.held().await.is_empty(), "{step}");
         assert!(fx.egress.installed.lock().is_empty(), "{step}");
     }
     scenario.teardown();
@@ -397,7 +398,7 @@ async fn serial_a_failed_destroy_step_is_retried_to_completion() {
 #[tokio::test]
 async fn serial_destroy_succeeds_when_the_container_is_already_gone() {
     let _serial = SERIAL.lock().await;
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let image = fx.image("sleeper", &["sleep", "3600"]);
     let scaler = scaler_from_yaml(&scaler_yaml("boxes", &image, "", ""), "boxes");
     let (spec, mut reports) = spawn_spec(&scaler, 0);
@@ -413,7 +414,7 @@ async fn serial_destroy_succeeds_when_the_container_is_already_gone() {
         .destroy(&agent, Some(&handle), GRACE)
         .await
         .unwrap();
-    assert!(fx.allocator.held().is_empty());
+    assert!(fx.held().await.is_empty());
     assert!(fx.egress.installed.lock().is_empty());
     // Without a handle, after a restart, for an agent that never existed.
     let restarted = fx.restarted();
@@ -430,9 +431,9 @@ async fn serial_destroy_succeeds_when_the_container_is_already_gone() {
 #[tokio::test]
 async fn serial_each_instance_sees_and_touches_only_its_own_containers() {
     let _serial = SERIAL.lock().await;
-    let a = Fixture::new();
+    let a = Fixture::new().await;
     // Another daemon on the same dockerd and network, sharing the store.
-    let b = Fixture::sharing(&a);
+    let b = Fixture::sharing(&a).await;
     let image = a.image("sleeper", &["sleep", "3600"]);
     let scaler = scaler_from_yaml(&scaler_yaml("boxes", &image, "", ""), "boxes");
     let (spec_a, _ra) = spawn_spec(&scaler, 0);
@@ -477,7 +478,7 @@ async fn serial_each_instance_sees_and_touches_only_its_own_containers() {
 #[tokio::test]
 async fn serial_a_restarted_daemon_adopts_running_agents() {
     let _serial = SERIAL.lock().await;
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let image = fx.image("sleeper", &["sleep", "3600"]);
     let scaler = scaler_from_yaml(&scaler_yaml("boxes", &image, "", ""), "boxes");
     let (spec, _old_reports) = spawn_spec(&scaler, 0);
@@ -518,7 +519,7 @@ async fn serial_a_restarted_daemon_adopts_running_agents() {
 #[tokio::test]
 async fn serial_validation_reports_bad_images_networks_and_limits() {
     let _serial = SERIAL.lock().await;
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     // Someone else's network under our name, with another subnet.
     let other_subnet = "10.99.0.0/24";
     docker_ok(&[
@@ -580,7 +581,7 @@ async fn serial_validation_reports_bad_images_networks_and_limits() {
 #[tokio::test]
 async fn serial_image_pull_policies() {
     let _serial = SERIAL.lock().await;
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let image = fx.image("sleeper", &["sleep", "3600"]);
     // Never, absent: a clear error, nothing left.
     let absent = format!("kici-test-absent:{}", fx.instance);
@@ -592,7 +593,7 @@ async fn serial_image_pull_policies() {
         err.contains("is not present and imagePullPolicy is Never"),
         "{err}"
     );
-    assert!(fx.containers().is_empty() && fx.allocator.held().is_empty());
+    assert!(fx.containers().is_empty() && fx.held().await.is_empty());
     // IfNotPresent, present: no pull (the tag exists nowhere else).
     let scaler = scaler_from_yaml(&scaler_yaml("boxes", &image, "", ""), "boxes");
     let (spec, _rx) = spawn_spec(&scaler, 0);
@@ -608,8 +609,7 @@ async fn serial_image_pull_policies() {
     let (spec, _rx) = spawn_spec(&scaler, 0);
     let err = fx.backend.spawn(spec).await.unwrap_err().to_string();
     assert!(err.starts_with(&format!("pull {image}")), "{err}");
-    assert!(fx.containers().is_empty() && fx.allocator.held().is_empty());
-    let _ = Arc::clone(&fx.allocator);
+    assert!(fx.containers().is_empty() && fx.held().await.is_empty());
 }
 
 #[tokio::test]
@@ -629,7 +629,7 @@ async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
     .await
     .unwrap();
     let nft = kici_container::NftEgress::new(table.clone());
-    let fx = Fixture::on(instance, network, |o| o.egress = Arc::new(nft.clone()));
+    let fx = Fixture::on(instance, network, |o| o.egress = Arc::new(nft.clone())).await;
     // 10.255.0.1 is RFC1918: blocked by default. The attempt ends the agent.
     let image = fx.image(
         "prober",

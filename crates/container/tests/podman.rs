@@ -109,7 +109,8 @@ async fn serial_podman_runs_agents_through_its_docker_compatible_socket() {
             "nofile=20000:20000".parse().unwrap(),
             "nproc=4096:4096".parse().unwrap(),
         ];
-    });
+    })
+    .await;
     let image = format!("localhost/kici-test-podman:{instance}");
     build_image_with(
         "podman",
@@ -162,7 +163,7 @@ async fn serial_podman_runs_agents_through_its_docker_compatible_socket() {
         .unwrap();
     let (exists, _) = podman(&["container", "exists", &format!("kici-{agent}")]);
     assert!(!exists);
-    assert!(fx.allocator.held().is_empty());
+    assert!(fx.held().await.is_empty());
     assert!(reports.try_recv().is_err());
 
     // An exit is reported through the same wait call.
@@ -184,5 +185,5 @@ async fn serial_podman_runs_agents_through_its_docker_compatible_socket() {
         .destroy(&agent, Some(&handle), GRACE)
         .await
         .unwrap();
-    assert!(fx.allocator.held().is_empty());
+    assert!(fx.held().await.is_empty());
 }

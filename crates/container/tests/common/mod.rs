@@ -2,7 +2,7 @@
 //! Fixtures for the tests against the real dockerd (started by
 //! `scripts/dockerd.sh start`): a backend with its own instance id, its own
 //! network (`kici-t-<instance>`, a random 10.x.y.0/24, bridge `kt<instance>`),
-//! an in-memory address allocator, a recording egress hook, test images
+//! the SQLite store's address allocator, a recording egress hook, test images
 //! built `FROM scratch` from busybox-static, and a sweep on drop that removes
 //! every container, network and image the test created — also when it fails.
 
@@ -12,12 +12,11 @@ mod test_support;
 pub use test_support::{scaler_from_yaml, spawn_spec};
 
 use async_trait::async_trait;
-use ipnet::Ipv4Net;
 use kici_container::{
     ContainerBackend, ContainerOptions, EgressError, EgressRules, EgressTarget, NetworkSettings,
 };
 use kici_model::{AgentId, InstanceId, NetworkPolicy};
-use kici_store::{AllocError, IpAllocator, Ipv4Pool, Lease};
+use kici_store::{IpAllocator, StateStore};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -28,88 +27,6 @@ use std::sync::Arc;
 /// Tests in one binary share dockerd and the global failpoint registry:
 /// they run one at a time (nextest runs `serial_*` one at a time anyway).
 pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// A transactional-enough allocator for one process (the SQLite one lives
-/// in kici-store).
-pub struct MemoryAllocator {
-    owner: InstanceId,
-    leases: Mutex<BTreeMap<(Ipv4Net, Ipv4Addr), AgentId>>,
-}
-
-impl MemoryAllocator {
-    pub fn new(owner: InstanceId) -> Arc<Self> {
-        Arc::new(Self {
-            owner,
-            leases: Mutex::new(BTreeMap::new()),
-        })
-    }
-
-    pub fn held(&self) -> Vec<(Ipv4Addr, AgentId)> {
-        self.leases
-            .lock()
-            .iter()
-            .map(|((_, ip), a)| (*ip, *a))
-            .collect()
-    }
-}
-
-#[async_trait]
-impl IpAllocator for MemoryAllocator {
-    async fn allocate(&self, pool: &Ipv4Pool, agent: &AgentId) -> Result<Lease, AllocError> {
-        let mut leases = self.leases.lock();
-        let network = pool.network();
-        if let Some(((_, ip), _)) = leases
-            .iter()
-            .find(|((n, _), a)| *n == network && *a == agent)
-        {
-            return Ok(Lease {
-                network,
-                ip: *ip,
-                agent: *agent,
-                owner: self.owner,
-            });
-        }
-        let ip = pool
-            .assignable()
-            .find(|ip| !leases.contains_key(&(network, *ip)))
-            .ok_or(AllocError::Exhausted {
-                network,
-                capacity: pool.capacity(),
-            })?;
-        leases.insert((network, ip), *agent);
-        Ok(Lease {
-            network,
-            ip,
-            agent: *agent,
-            owner: self.owner,
-        })
-    }
-
-    async fn release_agent(&self, agent: &AgentId) -> Result<u64, AllocError> {
-        let mut leases = self.leases.lock();
-        let before = leases.len();
-        leases.retain(|_, a| a != agent);
-        Ok((before - leases.len()) as u64)
-    }
-
-    async fn release_ip(&self, network: Ipv4Net, ip: Ipv4Addr) -> Result<bool, AllocError> {
-        Ok(self.leases.lock().remove(&(network, ip)).is_some())
-    }
-
-    async fn leases(&self) -> Result<Vec<Lease>, AllocError> {
-        Ok(self
-            .leases
-            .lock()
-            .iter()
-            .map(|((network, ip), agent)| Lease {
-                network: *network,
-                ip: *ip,
-                agent: *agent,
-                owner: self.owner,
-            })
-            .collect())
-    }
-}
 
 /// Records what the backend asks of the egress hook.
 #[derive(Default)]
@@ -224,7 +141,8 @@ pub struct Fixture {
     pub instance: InstanceId,
     pub backend: ContainerBackend,
     pub options: ContainerOptions,
-    pub allocator: Arc<MemoryAllocator>,
+    /// The instance's SQLite store (its IP allocator is the backend's).
+    pub allocator: Arc<dyn StateStore>,
     pub egress: Arc<RecordingEgress>,
     /// Images to remove on drop.
     pub images: Mutex<Vec<String>>,
@@ -232,40 +150,42 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    pub fn new() -> Self {
-        Self::with(|_| {})
+    pub async fn new() -> Self {
+        Self::with(|_| {}).await
     }
 
-    pub fn with(adjust: impl FnOnce(&mut ContainerOptions)) -> Self {
+    pub async fn with(adjust: impl FnOnce(&mut ContainerOptions)) -> Self {
         let instance = InstanceId::random();
         let network = test_network(instance);
-        Self::on_network(instance, network, MemoryAllocator::new(instance), adjust)
+        Self::on_network(instance, network, None, adjust).await
     }
 
     /// Another instance on `other`'s network and address store: two
     /// daemons on one dockerd.
-    pub fn sharing(other: &Fixture) -> Self {
+    pub async fn sharing(other: &Fixture) -> Self {
         Self::on_network(
             InstanceId::random(),
             other.options.network.clone(),
-            other.allocator.clone(),
+            Some(other.dir.path().join("state.db")),
             |_| {},
         )
+        .await
     }
 
     /// A fixture for `instance` on `network` (set up by the caller).
-    pub fn on(
+    pub async fn on(
         instance: InstanceId,
         network: NetworkSettings,
         adjust: impl FnOnce(&mut ContainerOptions),
     ) -> Self {
-        Self::on_network(instance, network, MemoryAllocator::new(instance), adjust)
+        Self::on_network(instance, network, None, adjust).await
     }
 
-    fn on_network(
+    /// `db`: another fixture's store file (one store, two instances).
+    async fn on_network(
         instance: InstanceId,
         network: NetworkSettings,
-        allocator: Arc<MemoryAllocator>,
+        db: Option<PathBuf>,
         adjust: impl FnOnce(&mut ContainerOptions),
     ) -> Self {
         let egress = Arc::new(RecordingEgress::default());
@@ -273,7 +193,10 @@ impl Fixture {
             .prefix("kici-container-test-")
             .tempdir()
             .unwrap();
-        let mut options = ContainerOptions::new(instance, allocator.clone(), Vec::new());
+        let db = db.unwrap_or_else(|| dir.path().join("state.db"));
+        let allocator = open_store(&db, instance).await;
+        let ip_allocator: Arc<dyn IpAllocator> = allocator.clone();
+        let mut options = ContainerOptions::new(instance, ip_allocator, Vec::new());
         options.network = network;
         options.egress = egress.clone();
         // An empty credentials file: never the machine's own.
@@ -316,10 +239,29 @@ impl Fixture {
         self.dir.path().join(name)
     }
 
+    /// This instance's leases, as (address, agent).
+    pub async fn held(&self) -> Vec<(Ipv4Addr, AgentId)> {
+        self.allocator
+            .leases()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|l| (l.ip, l.agent))
+            .collect()
+    }
+
     /// Our containers (by the instance label).
     pub fn containers(&self) -> Vec<String> {
         containers_with_label(&self.label())
     }
+}
+
+/// The SQLite store at `db`, owned by `instance`.
+async fn open_store(db: &Path, instance: InstanceId) -> Arc<dyn StateStore> {
+    let url: kici_store::StoreUrl = format!("sqlite:{}", db.display()).parse().unwrap();
+    kici_store::open(&url, instance, kici_store::StoreOptions::default())
+        .await
+        .unwrap()
 }
 
 /// `kici-t-<instance>` on a random 10.x.y.0/24 with bridge `kt<instance>`.
