@@ -281,16 +281,18 @@ pub async fn concurrent_allocations_are_unique(store: Arc<dyn StateStore>, pool:
         let rows: HashSet<Ipv4Addr> = leases.iter().map(|l| l.ip).collect();
         assert_eq!(rows, distinct);
         assert!(leases.iter().all(|l| l.owner == store.owner()));
+        let mut releases = Vec::new();
         for t in 0..TASKS {
-            for i in 0..PER_TASK {
-                assert_eq!(
-                    store
-                        .release_agent(&agent_id(t * 10_000 + i))
-                        .await
-                        .unwrap(),
-                    1
-                );
-            }
+            let store = store.clone();
+            releases.push(tokio::spawn(async move {
+                for i in 0..PER_TASK {
+                    let agent = agent_id(t * 10_000 + i);
+                    assert_eq!(store.release_agent(&agent).await.unwrap(), 1);
+                }
+            }));
+        }
+        for r in releases {
+            r.await.unwrap();
         }
         assert!(store.leases().await.unwrap().is_empty());
     }
