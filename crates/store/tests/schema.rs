@@ -154,7 +154,9 @@ async fn postgres_schema(url: &str) -> Schema {
             nullable: nullable == "YES",
         });
     }
-    let indexes: Vec<(String, String, bool, bool, Vec<String>, Option<String>)> = sqlx::query_as(
+    /// table, index, primary, unique, columns, predicate
+    type IndexRow = (String, String, bool, bool, Vec<String>, Option<String>);
+    let indexes: Vec<IndexRow> = sqlx::query_as(
         "SELECT t.relname::text, i.relname::text, x.indisprimary, x.indisunique, \
                 ARRAY(SELECT a.attname::text FROM unnest(x.indkey) WITH ORDINALITY AS k(attnum, ord) \
                       JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum ORDER BY k.ord), \
