@@ -26,6 +26,9 @@ use crate::vmm::TESTKIT_STATE_PATH;
 pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
 /// Env var overriding the target directory of the nested static build.
 pub const TARGET_DIR_ENV: &str = "KICI_TESTKIT_TARGET_DIR";
+/// Env var selecting the profile of the nested static build: `release` for
+/// benchmarks (the simulator's own cost is then ~µs per request), debug otherwise.
+pub const PROFILE_ENV: &str = "KICI_TESTKIT_PROFILE";
 
 /// Errors of the test helpers.
 #[derive(Debug, thiserror::Error)]
@@ -85,24 +88,29 @@ pub fn build_binaries() -> Result<Paths, TestkitError> {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let target = target_dir();
             let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
-            let out = Command::new(cargo)
-                .args([
-                    "build",
-                    "--quiet",
-                    "--bins",
-                    "--target",
-                    MUSL_TARGET,
-                    "--manifest-path",
-                ])
-                .arg(&manifest)
-                .env("CARGO_TARGET_DIR", &target)
-                .stdin(Stdio::null())
-                .output()
-                .map_err(|e| format!("cannot run cargo: {e}"))?;
+            let release = std::env::var(PROFILE_ENV).is_ok_and(|p| p == "release");
+            let mut cmd = Command::new(cargo);
+            cmd.args([
+                "build",
+                "--quiet",
+                "--bins",
+                "--target",
+                MUSL_TARGET,
+                "--manifest-path",
+            ])
+            .arg(&manifest)
+            .env("CARGO_TARGET_DIR", &target)
+            .stdin(Stdio::null());
+            if release {
+                cmd.arg("--release");
+            }
+            let out = cmd.output().map_err(|e| format!("cannot run cargo: {e}"))?;
             if !out.status.success() {
                 return Err(String::from_utf8_lossy(&out.stderr).into_owned());
             }
-            let dir = target.join(MUSL_TARGET).join("debug");
+            let dir = target
+                .join(MUSL_TARGET)
+                .join(if release { "release" } else { "debug" });
             Ok(Paths {
                 fc_sim: dir.join("fc-sim"),
                 fake_jailer: dir.join("fake-jailer"),
