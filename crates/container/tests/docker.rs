@@ -628,6 +628,25 @@ async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
     )
     .await
     .unwrap();
+    // Whatever happens below, this instance's rules go at the end.
+    struct RulesGuard(EgressTable);
+    impl Drop for RulesGuard {
+        fn drop(&mut self) {
+            let table = self.0.clone();
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    let _ = table.sweep_stale(&[]).await;
+                    let _ = table.teardown().await;
+                });
+            })
+            .join();
+        }
+    }
+    let _guard = RulesGuard(table.clone());
     let nft = kici_container::NftEgress::new(table.clone());
     let fx = Fixture::on(instance, network, |o| o.egress = Arc::new(nft.clone())).await;
     // 10.255.0.1 is RFC1918: blocked by default. The attempt ends the agent.
@@ -694,5 +713,74 @@ async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
         .unwrap();
     assert!(fx.backend.sweep_stale_rules().await.unwrap().is_empty());
     assert!(table.owned().await.unwrap().is_empty());
-    table.teardown().await.unwrap();
+}
+
+#[tokio::test]
+async fn serial_the_agent_image_connects_back_from_its_pinned_address() {
+    use tokio::io::AsyncReadExt;
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    // The FROM scratch image of scripts/build-test-image.sh: the static
+    // kici-agent-lite (built here when missing) plus busybox.
+    let tag = format!("kici-test-agent:{}", fx.instance);
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/build-test-image.sh"
+    );
+    let out = std::process::Command::new(script)
+        .arg(&tag)
+        .output()
+        .unwrap();
+    fx.images.lock().push(tag.clone());
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let scaler = scaler_from_yaml(&scaler_yaml("boxes", &tag, "", ""), "boxes");
+    // The network (and its gateway address on the host) exists from here.
+    fx.backend.validate(&scaler).await.unwrap();
+    let gateway = fx.options.network.pool.gateway();
+    let listener = tokio::net::TcpListener::bind((gateway, 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (mut spec, mut reports) = spawn_spec(&scaler, 0);
+    spec.orchestrator_url = format!("ws://{gateway}:{port}/ws");
+    spec.token = Some(Secret::new(format!("kat_{}", "0f".repeat(32))));
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    let accepted = tokio::select! {
+        accepted = tokio::time::timeout(PATIENCE, listener.accept()) => accepted.ok(),
+        report = reports.recv() => {
+            let (_, logs) = docker(&["logs", &format!("kici-{agent}")]);
+            panic!("the agent ended ({report:?}) instead of connecting; its output:\n{logs}");
+        }
+    };
+    let Some(accepted) = accepted else {
+        let (_, logs) = docker(&["logs", &format!("kici-{agent}")]);
+        panic!("the agent did not connect; its output:\n{logs}");
+    };
+    let (mut conn, peer) = accepted.unwrap();
+    assert_eq!(peer.ip().to_string(), handle.extra["ip"]);
+    let mut request = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(PATIENCE, conn.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "connection closed before the request ended");
+        request.extend_from_slice(&buf[..n]);
+    }
+    let request = String::from_utf8_lossy(&request).to_ascii_lowercase();
+    assert!(request.starts_with("get /ws http/1.1"), "{request}");
+    assert!(request.contains("upgrade: websocket"), "{request}");
+    assert!(!request.contains("kat_"), "the token is not in the URL");
+    drop(conn);
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+    assert!(fx.containers().is_empty());
+    assert!(fx.held().await.is_empty());
+    assert!(reports.try_recv().is_err());
 }
