@@ -703,7 +703,25 @@ impl ContainerBackend {
                 .docker
                 .start_container(&created.id, None::<StartContainerOptions>),
         )
-        .await?;
+        .await
+        .map_err(|e| match e {
+            // Podman asks for its own default rlimits, which root cannot
+            // raise on hosts with lower hard limits.
+            StepError::Api {
+                call,
+                endpoint,
+                reason,
+            } if reason.contains("rlimit") => StepError::Api {
+                call,
+                endpoint,
+                reason: format!(
+                    "{reason} (the runtime could not set the container's rlimits: configure \
+                     ulimits within this host's hard limits, e.g. nofile=20000:20000 and \
+                     nproc=4096:4096)"
+                ),
+            },
+            other => other,
+        })?;
         failpoint("kici_container::spawn::start")?;
 
         self.follow(&rt, spec.agent, &created.id, spec, spec.reports.clone(), 0);

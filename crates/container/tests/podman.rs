@@ -187,3 +187,61 @@ async fn serial_podman_runs_agents_through_its_docker_compatible_socket() {
         .unwrap();
     assert!(fx.held().await.is_empty());
 }
+
+/// The host's hard limit on open files (`ulimit -Hn`).
+fn hard_nofile() -> u64 {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    // "Max open files <soft> <hard> files"
+    fields[fields.len() - 2].parse().unwrap_or(u64::MAX)
+}
+
+/// Podman's own default `nofile` for containers (containers.conf).
+const PODMAN_DEFAULT_NOFILE: u64 = 1_048_576;
+
+#[tokio::test]
+async fn serial_podman_without_ulimits_fails_clearly_where_root_cannot_raise_them() {
+    let _serial = SERIAL.lock().await;
+    ensure_service().await;
+    let instance = InstanceId::random();
+    let mut network = test_network(instance);
+    network.name = format!("kici-tp-{instance}");
+    network.bridge = format!("kp{instance}");
+    let fx = Fixture::on(instance, network, |o| o.ulimits.clear()).await;
+    let image = format!("localhost/kici-test-podman:{instance}");
+    build_image_with("podman", &image, &["sleep", "3600"], &[]);
+    let fixture = PodmanFixture { fx, image };
+    let fx = &fixture.fx;
+    let yaml = scaler_yaml(
+        "pods",
+        &fixture.image,
+        &format!("    socketPath: {SOCKET}"),
+        "",
+    )
+    .replace("runtime: docker", "runtime: podman");
+    let scaler = scaler_from_yaml(&yaml, "pods");
+    let (spec, _rx) = spawn_spec(&scaler, 0);
+    let agent = spec.agent;
+    let result = fx.backend.spawn(spec).await;
+    if hard_nofile() < PODMAN_DEFAULT_NOFILE {
+        // These machines: evidence that the ulimits are needed, and that
+        // the failure says what to do and leaves nothing behind.
+        let err = result.unwrap_err().to_string();
+        assert!(err.contains("POST /containers/{id}/start"), "{err}");
+        assert!(err.contains("rlimit"), "{err}");
+        assert!(err.contains("nofile=20000:20000"), "{err}");
+    } else {
+        let handle = result.unwrap();
+        fx.backend
+            .destroy(&agent, Some(&handle), GRACE)
+            .await
+            .unwrap();
+    }
+    let (exists, _) = podman(&["container", "exists", &format!("kici-{agent}")]);
+    assert!(!exists);
+    assert!(fx.held().await.is_empty());
+}
