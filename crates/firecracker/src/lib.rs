@@ -1,1 +1,106 @@
-//! The Firecracker backend: agents as jailed microVMs.
+//! The Firecracker backend: agents as jailed microVMs (issue 6).
+//!
+//! - [`backend`]: [`FirecrackerBackend`] — spawn (transactional: every
+//!   failure releases what was taken), destroy, adopt, list_owned, the MMDS
+//!   clear after `config.ack`;
+//! - [`names`]: TAP names, owner tags, the jail layout — derived in one place;
+//! - [`jailer`]: the jailer's argv and cgroup directories;
+//! - [`api`]: a typed client of the Firecracker API (v1.16.1) with a
+//!   per-call timeout;
+//! - [`vmconfig`]: machine size, boot args, drives, interface;
+//! - [`mmds`]: the MMDS document (32 KiB env budget, POSIX key filter);
+//! - [`tap`]: TAP ioctls and rtnetlink (bridge port isolation, ifalias);
+//! - [`chroot`]: the VM directory, images, overlay, log files;
+//! - [`logs`]: serial and VMM logs followed for the VM's life, boot failures;
+//! - [`egress`]: the seam to per-VM egress rules;
+//! - [`sweep`]: the orphan sweep;
+//! - [`host`]: the host bridge check/provision ([`HostNetwork`]).
+
+pub mod api;
+pub mod backend;
+pub mod chroot;
+pub mod egress;
+pub mod host;
+pub mod jailer;
+pub mod logs;
+pub mod mmds;
+pub mod names;
+mod pidfd;
+pub mod sweep;
+pub mod tap;
+mod validate;
+pub mod vmconfig;
+
+pub use backend::{
+    DestroyError, FirecrackerBackend, FirecrackerOptions, MmdsClearError, SetupError, SpawnError,
+    Timeouts,
+};
+pub use egress::{EgressError, EgressRules, NoEgressRules, VmMatch};
+pub use host::{BridgeStatus, HostNetwork};
+pub use jailer::{CgroupVersion, JailerCgroups};
+pub use sweep::SweepReport;
+
+/// Failpoint names, one per provisioning, release and reconcile step, each
+/// placed right after the step's side effect.
+pub mod fp {
+    pub const SPAWN_VM_DIR: &str = "firecracker::spawn::vm_dir";
+    pub const SPAWN_LEASE: &str = "firecracker::spawn::lease";
+    pub const SPAWN_TAP: &str = "firecracker::spawn::tap";
+    pub const SPAWN_ATTACH: &str = "firecracker::spawn::attach";
+    pub const SPAWN_RULES: &str = "firecracker::spawn::rules";
+    pub const SPAWN_CHROOT: &str = "firecracker::spawn::chroot";
+    pub const SPAWN_OVERLAY: &str = "firecracker::spawn::overlay";
+    pub const SPAWN_JAILER: &str = "firecracker::spawn::jailer";
+    pub const SPAWN_SOCKET: &str = "firecracker::spawn::socket";
+    pub const SPAWN_CONFIGURE: &str = "firecracker::spawn::configure";
+    pub const SPAWN_MMDS: &str = "firecracker::spawn::mmds";
+    pub const SPAWN_START: &str = "firecracker::spawn::start";
+    pub const MMDS_CLEAR: &str = "firecracker::mmds::clear";
+    pub const DESTROY_STOP: &str = "firecracker::destroy::stop";
+    pub const DESTROY_RULES: &str = "firecracker::destroy::rules";
+    pub const DESTROY_TAP: &str = "firecracker::destroy::tap";
+    pub const DESTROY_LEASE: &str = "firecracker::destroy::lease";
+    pub const DESTROY_CHROOT: &str = "firecracker::destroy::chroot";
+    pub const SWEEP_TAP: &str = "firecracker::sweep::tap";
+    pub const SWEEP_LEASES: &str = "firecracker::sweep::leases";
+
+    /// The spawn steps, in order.
+    pub const SPAWN: &[&str] = &[
+        SPAWN_VM_DIR,
+        SPAWN_LEASE,
+        SPAWN_TAP,
+        SPAWN_ATTACH,
+        SPAWN_RULES,
+        SPAWN_CHROOT,
+        SPAWN_OVERLAY,
+        SPAWN_JAILER,
+        SPAWN_SOCKET,
+        SPAWN_CONFIGURE,
+        SPAWN_MMDS,
+        SPAWN_START,
+    ];
+}
+
+/// Every failpoint of the crate.
+pub const FAILPOINTS: &[&str] = &[
+    fp::SPAWN_VM_DIR,
+    fp::SPAWN_LEASE,
+    fp::SPAWN_TAP,
+    fp::SPAWN_ATTACH,
+    fp::SPAWN_RULES,
+    fp::SPAWN_CHROOT,
+    fp::SPAWN_OVERLAY,
+    fp::SPAWN_JAILER,
+    fp::SPAWN_SOCKET,
+    fp::SPAWN_CONFIGURE,
+    fp::SPAWN_MMDS,
+    fp::SPAWN_START,
+    fp::MMDS_CLEAR,
+    fp::DESTROY_STOP,
+    fp::DESTROY_RULES,
+    fp::DESTROY_TAP,
+    fp::DESTROY_LEASE,
+    fp::DESTROY_CHROOT,
+    fp::SWEEP_TAP,
+    fp::SWEEP_LEASES,
+];
