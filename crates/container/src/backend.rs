@@ -292,6 +292,11 @@ fn settings_of(scaler: &ScalerEntry) -> Result<&ContainerSettings, StepError> {
     }
 }
 
+/// Engine-call bound where no scaler is at hand (destroy, sweeps).
+fn default_api_deadline() -> Duration {
+    kici_model::Deadlines::defaults_for(ScalerType::Container).api_call
+}
+
 fn describe_exit(code: i64, oom: bool) -> String {
     if oom {
         format!("killed: out of memory (OOMKilled, exit status {code})")
@@ -324,9 +329,16 @@ impl ContainerBackend {
     /// The runtime of `scaler`, connected and with its network ensured.
     async fn runtime_for(&self, scaler: &ScalerEntry) -> Result<Arc<Runtime>, StepError> {
         let settings = settings_of(scaler)?;
+        let target = RuntimeTarget::of(settings, self.inner.options.tls.as_ref())?;
+        self.runtime_at(target, scaler.ext.deadlines.api_call).await
+    }
+
+    async fn runtime_at(
+        &self,
+        target: RuntimeTarget,
+        deadline: Duration,
+    ) -> Result<Arc<Runtime>, StepError> {
         let options = &self.inner.options;
-        let target = RuntimeTarget::of(settings, options.tls.as_ref())?;
-        let deadline = scaler.ext.deadlines.api_call;
         let mut runtimes = self.inner.runtimes.lock().await;
         if let Some(rt) = runtimes.get(&target) {
             return Ok(rt.clone());
@@ -346,17 +358,25 @@ impl ContainerBackend {
         Ok(rt)
     }
 
-    /// Every runtime connected so far (destroy and sweeps look there).
-    async fn connected(&self) -> Vec<Arc<Runtime>> {
-        let runtimes = self.inner.runtimes.lock().await;
+    /// Every runtime connected so far (destroy and sweeps look there); when
+    /// none is yet (no scaler validated), the auto-detected one. An error
+    /// when nothing answers: "nothing found" must never be concluded from
+    /// a runtime that is down.
+    async fn connected(&self) -> Result<Vec<Arc<Runtime>>, StepError> {
         let mut all: Vec<Arc<Runtime>> = Vec::new();
-        for rt in runtimes.values() {
+        for rt in self.inner.runtimes.lock().await.values() {
             // Two targets (auto, explicit socket) may reach one endpoint.
             if !all.iter().any(|o| o.conn.endpoint == rt.conn.endpoint) {
                 all.push(rt.clone());
             }
         }
-        all
+        if all.is_empty() {
+            all.push(
+                self.runtime_at(RuntimeTarget::Probe(None), default_api_deadline())
+                    .await?,
+            );
+        }
+        Ok(all)
     }
 
     /// Serve start-up and `kici-scaler doctor`: the runtime answers, the
@@ -775,11 +795,13 @@ impl ContainerBackend {
         reports: ReportSender,
         logs_since: i32,
     ) {
+        let tail = Arc::new(logs::Tail::default());
         let logs = logs::forward(
             rt.conn.docker.clone(),
             container.to_owned(),
             ctx,
             logs_since,
+            tail.clone(),
         );
         let destroying = Arc::new(AtomicBool::new(false));
         let watch = tokio::spawn(watch_exit(
@@ -788,6 +810,7 @@ impl ContainerBackend {
             agent,
             reports,
             destroying.clone(),
+            tail,
         ));
         let previous = self.inner.tracked.lock().insert(
             agent,
@@ -990,8 +1013,11 @@ impl ContainerBackend {
 
     /// Runtimes to look for `agent` in: the one its handle names, else every
     /// connected one, else the default probe.
-    async fn runtimes_for_destroy(&self, handle: Option<&ResourceHandle>) -> Vec<Arc<Runtime>> {
-        let connected = self.connected().await;
+    async fn runtimes_for_destroy(
+        &self,
+        handle: Option<&ResourceHandle>,
+    ) -> Result<Vec<Arc<Runtime>>, StepError> {
+        let connected = self.connected().await?;
         if let Some(endpoint) = handle.and_then(|h| h.extra.get("endpoint")) {
             let named: Vec<_> = connected
                 .iter()
@@ -999,10 +1025,10 @@ impl ContainerBackend {
                 .cloned()
                 .collect();
             if !named.is_empty() {
-                return named;
+                return Ok(named);
             }
         }
-        connected
+        Ok(connected)
     }
 }
 
@@ -1023,6 +1049,7 @@ async fn watch_exit(
     agent: AgentId,
     reports: ReportSender,
     destroying: Arc<AtomicBool>,
+    tail: Arc<logs::Tail>,
 ) {
     let docker = &rt.conn.docker;
     let mut failures = 0;
@@ -1073,6 +1100,13 @@ async fn watch_exit(
     };
     tracing::info!(agent_id = %agent, container = %container, detail = %detail, "container agent exited");
     if !destroying.load(Ordering::SeqCst) {
+        // Why it ended is usually in what it said last.
+        let output = tail.text(LOG_DRAIN).await;
+        let detail = if output.is_empty() {
+            detail
+        } else {
+            format!("{detail}\n--- captured output ---\n{output}")
+        };
         // The engine may be gone (shutdown): nothing to tell then.
         let _ = reports.send(BackendReport::Exited { agent, detail });
     }
@@ -1141,9 +1175,14 @@ impl Backend for ContainerBackend {
                 t.destroying.store(true, Ordering::SeqCst);
                 (vec![t.runtime.clone()], t.logs)
             }
-            None => (self.runtimes_for_destroy(handle).await, None),
+            None => (
+                self.runtimes_for_destroy(handle)
+                    .await
+                    .map_err(|e| BackendError::Destroy(format!("{agent}: {e}")))?,
+                None,
+            ),
         };
-        let api = kici_model::Deadlines::defaults_for(ScalerType::Container).api_call;
+        let api = default_api_deadline();
         let container = handle.map(|h| h.id.as_str()).filter(|id| !id.is_empty());
         self.teardown(*agent, container, &runtimes, logs, grace, api)
             .await
@@ -1161,8 +1200,12 @@ impl Backend for ContainerBackend {
             vec![format!("{LABEL_INSTANCE}={instance}")],
         )]);
         let mut owned = Vec::new();
-        let api = kici_model::Deadlines::defaults_for(ScalerType::Container).api_call;
-        for rt in self.connected().await {
+        let api = default_api_deadline();
+        let runtimes = self
+            .connected()
+            .await
+            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+        for rt in runtimes {
             let list = rt
                 .call(
                     "GET /containers/json",
@@ -1218,14 +1261,18 @@ impl Backend for ContainerBackend {
         handle: &ResourceHandle,
         reports: ReportSender,
     ) -> Result<Adoption, BackendError> {
-        let api = kici_model::Deadlines::defaults_for(ScalerType::Container).api_call;
+        let api = default_api_deadline();
         let name = container_name(agent);
         let target = if handle.id.is_empty() {
             name.as_str()
         } else {
             handle.id.as_str()
         };
-        for rt in self.runtimes_for_destroy(Some(handle)).await {
+        let runtimes = self
+            .runtimes_for_destroy(Some(handle))
+            .await
+            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+        for rt in runtimes {
             let found = rt
                 .call_opt(
                     "GET /containers/{id}/json",

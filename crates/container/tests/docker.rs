@@ -284,11 +284,12 @@ async fn serial_exit_and_oom_kill_are_reported() {
     let (spec, mut reports) = spawn_spec(&scaler, 0);
     let quitter_agent = spec.agent;
     let h1 = fx.backend.spawn(spec).await.unwrap();
+    // What it said last comes with the exit (upstream lost it, B3).
     assert_eq!(
         next_report(&mut reports).await,
         BackendReport::Exited {
             agent: quitter_agent,
-            detail: "exit status 3".into()
+            detail: "exit status 3\n--- captured output ---\nbye".into()
         }
     );
     let (mut spec, mut reports) = spawn_spec(&scaler, 1);
@@ -672,7 +673,8 @@ async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
     match next_report(&mut reports).await {
         BackendReport::Exited { agent: a, detail } => {
             assert_eq!(a, agent);
-            assert_eq!(detail, "exit status 0");
+            assert!(detail.starts_with("exit status 0\n"), "{detail}");
+            assert!(detail.ends_with("rc=1"), "nc failed: {detail}");
         }
         other => panic!("unexpected {other:?}"),
     }
