@@ -116,6 +116,15 @@ impl GuestMode {
     }
 }
 
+/// An unknown mode name in the environment or a mode file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GuestConfigError {
+    #[error("unknown guest mode {0:?}")]
+    GuestMode(String),
+    #[error("unknown VMM mode {0:?}")]
+    VmmMode(String),
+}
+
 /// Guest configuration resolved at simulator start.
 #[derive(Debug, Clone, Default)]
 pub struct GuestConfig {
@@ -126,12 +135,12 @@ pub struct GuestConfig {
 
 impl GuestConfig {
     /// From the environment, falling back to files in the working directory.
-    pub fn from_env_and_cwd() -> Result<Self, String> {
+    pub fn from_env_and_cwd() -> Result<Self, GuestConfigError> {
         let mode_text = std::env::var(GUEST_MODE_ENV)
             .ok()
             .or_else(|| std::fs::read_to_string(GUEST_MODE_FILE).ok());
         let mode = match mode_text {
-            Some(t) => GuestMode::parse(&t).ok_or_else(|| format!("unknown guest mode {t:?}"))?,
+            Some(t) => GuestMode::parse(&t).ok_or(GuestConfigError::GuestMode(t))?,
             None => GuestMode::Normal,
         };
         let agent = std::env::var_os(GUEST_AGENT_ENV)
@@ -144,7 +153,7 @@ impl GuestConfig {
             .ok()
             .or_else(|| std::fs::read_to_string(VMM_MODE_FILE).ok());
         let vmm = match vmm_text {
-            Some(t) => VmmMode::parse(&t).ok_or_else(|| format!("unknown VMM mode {t:?}"))?,
+            Some(t) => VmmMode::parse(&t).ok_or(GuestConfigError::VmmMode(t))?,
             None => VmmMode::Normal,
         };
         Ok(Self { mode, agent, vmm })
