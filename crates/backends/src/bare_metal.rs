@@ -96,6 +96,11 @@ pub struct BareMetalOptions {
     pub system_env: Vec<(String, String)>,
     /// How agents enter their tracking cgroup.
     pub spawn_method: SpawnMethod,
+    /// `pids.max` of every agent's cgroup (processes and threads), whatever
+    /// `enforceCgroups` says: a daemon-wide guard against fork bombs. Spawns
+    /// are refused when no pids controller (v2, or the v1 hierarchy) can
+    /// enforce it. `None`: no limit.
+    pub pids_max: Option<std::num::NonZeroU64>,
 }
 
 /// How a bare-metal agent enters its cgroups.
@@ -129,6 +134,7 @@ impl BareMetalOptions {
             forwarded_env: daemon_env.clone(),
             system_env: daemon_env,
             spawn_method: SpawnMethod::default(),
+            pids_max: None,
         }
     }
 }
@@ -188,6 +194,7 @@ struct Inner {
     forwarded: ForwardedEnv,
     tracked: Mutex<HashMap<AgentId, Tracked>>,
     spawn_method: SpawnMethod,
+    pids_max: Option<std::num::NonZeroU64>,
     /// Spawns create cgroup parents under a read lock; pruning empty parents
     /// takes the write lock, so it never removes a directory a spawn is about
     /// to use.
@@ -235,6 +242,7 @@ impl BareMetalBackend {
                 forwarded,
                 tracked: Mutex::new(HashMap::new()),
                 spawn_method: options.spawn_method,
+                pids_max: options.pids_max,
                 tree: RwLock::new(()),
             }),
         })
@@ -271,15 +279,19 @@ impl BareMetalBackend {
         let LabelSetBackend::BareMetal { binary_path } = &spec.label_set.backend else {
             return Err(SpawnError::NotBareMetal(spec.scaler.name.to_string()));
         };
-        let plan = if settings.enforce_cgroups {
-            LimitPlan::for_limits(
-                spec.resources.limits,
-                &Controllers::detect(&inner.layout),
-                &inner.layout,
-            )?
+        let controllers = if settings.enforce_cgroups || inner.pids_max.is_some() {
+            Controllers::detect(&inner.layout)
+        } else {
+            Controllers::default()
+        };
+        let mut plan = if settings.enforce_cgroups {
+            LimitPlan::for_limits(spec.resources.limits, &controllers, &inner.layout)?
         } else {
             LimitPlan::default()
         };
+        if let Some(max) = inner.pids_max {
+            plan = plan.with_pids(max, &controllers, &inner.layout)?;
+        }
         let env = agent_env(spec, ScalerType::BareMetal, &inner.system, &inner.forwarded);
 
         let dir = self.agent_dir(spec.agent);
@@ -1098,6 +1110,15 @@ impl Backend for BareMetalBackend {
                     "enforceCgroups: no cpu controller: not offered by the cgroup v2 root {} and no cgroup v1 cpu hierarchy at {}",
                     root.display(),
                     v1(cgroup::V1Controller::Cpu)
+                ));
+            }
+        }
+        if let Some(max) = self.inner.pids_max {
+            if !Controllers::detect(&self.inner.layout).can_limit_pids() {
+                errors.push(format!(
+                    "pids limit {max}: no pids controller: not offered by the cgroup v2 root {} and no cgroup v1 pids hierarchy at {}",
+                    root.display(),
+                    self.inner.layout.v1_dir(cgroup::V1Controller::Pids).display()
                 ));
             }
         }

@@ -10,7 +10,8 @@
 //!   owner marker: reconcile lists it, destroy finds it without a handle.
 //!   Tracking needs no controller, so it works on hosts whose v2 mount has
 //!   none (as this project's CI hosts: the v1 hierarchies hold them).
-//! - **Limits** (only for `enforceCgroups: true`): memory and CPU, per
+//! - **Limits** (only for `enforceCgroups: true`; a pids limit whenever the
+//!   daemon sets one): memory, CPU and tasks, per
 //!   dimension on v2 when the v2 root offers the controller (enabled down the
 //!   path through `cgroup.subtree_control`), else on the v1 hierarchy of the
 //!   same name (`<v1 root>/memory`, `<v1 root>/cpu`) at the same relative
@@ -91,6 +92,16 @@ pub enum LimitError {
         v2_root: PathBuf,
         v1_dir: PathBuf,
     },
+    #[error(
+        "a pids limit of {limit} cannot be enforced: the cgroup v2 root {} does not offer \
+         the pids controller and there is no cgroup v1 pids hierarchy at {}",
+        v2_root.display(), v1_dir.display()
+    )]
+    NoPidsController {
+        limit: u64,
+        v2_root: PathBuf,
+        v1_dir: PathBuf,
+    },
 }
 
 /// A cgroup v1 hierarchy kici-scaler may set limits on.
@@ -98,10 +109,11 @@ pub enum LimitError {
 pub enum V1Controller {
     Memory,
     Cpu,
+    Pids,
 }
 
 impl V1Controller {
-    pub const ALL: [Self; 2] = [Self::Memory, Self::Cpu];
+    pub const ALL: [Self; 3] = [Self::Memory, Self::Cpu, Self::Pids];
 
     /// The hierarchy's directory under the v1 root (`cpu` is a symlink to
     /// `cpu,cpuacct` where the two are co-mounted).
@@ -109,14 +121,18 @@ impl V1Controller {
         match self {
             Self::Memory => "memory",
             Self::Cpu => "cpu",
+            Self::Pids => "pids",
         }
     }
 
-    /// A file only this controller's hierarchy has.
+    /// A file only this controller's hierarchy has at its root (the pids
+    /// controller has no files in the root cgroup: `tasks` marks a v1
+    /// hierarchy, the directory name which one).
     fn probe_file(self) -> &'static str {
         match self {
             Self::Memory => "memory.limit_in_bytes",
             Self::Cpu => "cpu.cfs_quota_us",
+            Self::Pids => "tasks",
         }
     }
 }
@@ -269,6 +285,7 @@ pub struct Controllers {
     pub v2: Vec<String>,
     pub v1_memory: bool,
     pub v1_cpu: bool,
+    pub v1_pids: bool,
 }
 
 impl Controllers {
@@ -281,6 +298,7 @@ impl Controllers {
             v2,
             v1_memory: v1(V1Controller::Memory),
             v1_cpu: v1(V1Controller::Cpu),
+            v1_pids: v1(V1Controller::Pids),
         }
     }
 
@@ -294,6 +312,10 @@ impl Controllers {
 
     pub fn can_limit_cpu(&self) -> bool {
         self.v2_has("cpu") || self.v1_cpu
+    }
+
+    pub fn can_limit_pids(&self) -> bool {
+        self.v2_has("pids") || self.v1_pids
     }
 }
 
@@ -309,6 +331,8 @@ pub enum Hierarchy {
 pub struct LimitPlan {
     pub memory: Option<(MemoryBytes, Hierarchy)>,
     pub cpu: Option<(MilliCpu, Hierarchy)>,
+    /// `pids.max`: how many tasks the agent's cgroup may hold.
+    pub pids: Option<(u64, Hierarchy)>,
 }
 
 impl LimitPlan {
@@ -350,6 +374,29 @@ impl LimitPlan {
         Ok(plan)
     }
 
+    /// Adds a limit on the number of tasks (processes and threads), v2
+    /// first.
+    pub fn with_pids(
+        mut self,
+        max: std::num::NonZeroU64,
+        controllers: &Controllers,
+        layout: &CgroupLayout,
+    ) -> Result<Self, LimitError> {
+        let hierarchy = if controllers.v2_has("pids") {
+            Hierarchy::V2
+        } else if controllers.v1_pids {
+            Hierarchy::V1
+        } else {
+            return Err(LimitError::NoPidsController {
+                limit: max.get(),
+                v2_root: layout.v2_root.clone(),
+                v1_dir: layout.v1_dir(V1Controller::Pids),
+            });
+        };
+        self.pids = Some((max.get(), hierarchy));
+        Ok(self)
+    }
+
     fn v2_controllers(&self) -> Vec<&'static str> {
         let mut c = Vec::new();
         if matches!(self.memory, Some((_, Hierarchy::V2))) {
@@ -357,6 +404,9 @@ impl LimitPlan {
         }
         if matches!(self.cpu, Some((_, Hierarchy::V2))) {
             c.push("cpu");
+        }
+        if matches!(self.pids, Some((_, Hierarchy::V2))) {
+            c.push("pids");
         }
         c
     }
@@ -513,6 +563,18 @@ impl AgentCgroups {
                     self.v1.push((V1Controller::Cpu, dir.clone()));
                     write_file(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
                     write_file(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                }
+            }
+        }
+        if let Some((max, hierarchy)) = plan.pids {
+            let max = max.to_string();
+            match hierarchy {
+                Hierarchy::V2 => write_file(&tracking.join("pids.max"), &max)?,
+                Hierarchy::V1 => {
+                    let dir = layout.v1_agent_dir(V1Controller::Pids, scaler, agent);
+                    make_cgroup(&dir)?;
+                    self.v1.push((V1Controller::Pids, dir.clone()));
+                    write_file(&dir.join("pids.max"), &max)?;
                 }
             }
         }
@@ -691,6 +753,7 @@ mod tests {
             LimitPlan {
                 memory: Some((MemoryBytes::from_bytes(50 << 20), Hierarchy::V2)),
                 cpu: Some((MilliCpu::from_millis(1500), Hierarchy::V2)),
+                pids: None,
             }
         );
         let agent = AgentId::random(ScalerType::BareMetal);
@@ -728,6 +791,7 @@ mod tests {
         let plan = LimitPlan {
             memory: Some((MemoryBytes::from_bytes(1 << 20), Hierarchy::V2)),
             cpu: None,
+            pids: None,
         };
         let agent = AgentId::random(ScalerType::BareMetal);
         AgentCgroups::create(&layout, "s", agent, &plan).unwrap();
@@ -749,8 +813,49 @@ mod tests {
             LimitPlan {
                 memory: Some((MemoryBytes::from_bytes(1 << 30), Hierarchy::V2)),
                 cpu: Some((MilliCpu::from_millis(500), Hierarchy::V1)),
+                pids: None,
             }
         );
+    }
+
+    #[test]
+    fn pids_limits_go_to_v2_when_offered_else_v1_else_are_refused() {
+        let max = std::num::NonZeroU64::new(64).unwrap();
+        let (_dir, layout) = fake_v2("pids");
+        let plan = LimitPlan::default()
+            .with_pids(max, &Controllers::detect(&layout), &layout)
+            .unwrap();
+        assert_eq!(plan.pids, Some((64, Hierarchy::V2)));
+        let agent = AgentId::random(ScalerType::BareMetal);
+        let cgroups = AgentCgroups::create(&layout, "s", agent, &plan).unwrap();
+        let leaf = cgroups.tracking.clone().unwrap();
+        assert_eq!(fs::read_to_string(leaf.join("pids.max")).unwrap(), "64");
+        assert_eq!(
+            fs::read_to_string(layout.v2_root().join("cgroup.subtree_control")).unwrap(),
+            "+pids"
+        );
+
+        let (dir, layout) = fake_v2("");
+        let controllers = Controllers::detect(&layout);
+        assert!(!controllers.can_limit_pids());
+        let err = LimitPlan::default()
+            .with_pids(max, &controllers, &layout)
+            .unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with("a pids limit of 64 cannot be enforced"));
+        let v1 = dir.path().join("v1/pids");
+        fs::create_dir_all(&v1).unwrap();
+        fs::write(v1.join("tasks"), "").unwrap();
+        let plan = LimitPlan::default()
+            .with_pids(max, &Controllers::detect(&layout), &layout)
+            .unwrap();
+        assert_eq!(plan.pids, Some((64, Hierarchy::V1)));
+        let cgroups = AgentCgroups::create(&layout, "s", agent, &plan).unwrap();
+        let (controller, leaf) = &cgroups.v1[0];
+        assert_eq!(*controller, V1Controller::Pids);
+        assert_eq!(fs::read_to_string(leaf.join("pids.max")).unwrap(), "64");
+        assert_eq!(layout.find_agent(agent), cgroups);
     }
 
     #[test]

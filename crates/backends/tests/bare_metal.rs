@@ -771,3 +771,67 @@ async fn serial_agent_lines_are_forwarded_wrapped_never_merged() {
         );
     }
 }
+
+#[tokio::test]
+async fn serial_a_pids_limit_stops_forks_on_cgroup_v1() {
+    let fx = Fixture::with(|o| o.pids_max = std::num::NonZeroU64::new(8));
+    let ready = fx.fifo("ready");
+    // Tries 20 forks, counts the ones that worked, reports, then waits.
+    let binary = fx.script(
+        "forker.sh",
+        &format!(
+            r#"exec perl -e 'my $n = 0; for (1..20) {{ my $p = fork; last unless defined $p; if ($p == 0) {{ sleep 1000; exit }} $n++ }} open my $f, ">", "{}" or die; print $f "$n\n"; close $f; sleep 1000'"#,
+            ready.display()
+        ),
+    );
+    let scaler = simple_scaler(&binary);
+    fx.backend.validate(&scaler).await.unwrap();
+    let (spec, _rx) = spawn_spec(&scaler, 0);
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    let forked: u32 = read_fifo(ready).await.trim().parse().unwrap();
+    // This host's v2 mount has no pids controller: the limit is on v1.
+    let pids = PathBuf::from(&handle.extra["cgroup-v1-pids"]);
+    let read = |name: &str| std::fs::read_to_string(pids.join(name)).unwrap();
+    assert_eq!(read("pids.max").trim(), "8");
+    // The leader and 7 children: the 8th fork was refused.
+    assert_eq!(forked, 7);
+    assert_eq!(read("pids.current").trim(), "8");
+    assert_eq!(cgroup::procs(&cgroup_of(&handle)).unwrap().len(), 8);
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+    assert!(!pids.exists() && !cgroup_of(&handle).exists());
+    assert!(!fx
+        .layout()
+        .v1_dir(cgroup::V1Controller::Pids)
+        .join(cgroup::TREE)
+        .join(fx.options.instance.to_string())
+        .exists());
+}
+
+#[tokio::test]
+async fn a_pids_limit_no_controller_can_enforce_is_refused() {
+    let fake = tempfile::tempdir().unwrap();
+    let v2 = fake.path().join("unified");
+    std::fs::create_dir_all(&v2).unwrap();
+    std::fs::write(v2.join("cgroup.controllers"), "").unwrap();
+    std::fs::write(v2.join("cgroup.procs"), "").unwrap();
+    let fx = Fixture::with(|o| {
+        o.cgroup_root = v2.clone();
+        o.cgroup_v1_root = fake.path().join("v1");
+        o.pids_max = std::num::NonZeroU64::new(100);
+    });
+    let scaler = simple_scaler(Path::new("/bin/true"));
+    let errors = fx.backend.validate(&scaler).await.unwrap_err();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].starts_with("pids limit 100: no pids controller"));
+    let (spec, _rx) = spawn_spec(&scaler, 0);
+    let agent = spec.agent;
+    let err = fx.backend.spawn(spec).await.unwrap_err();
+    assert!(err
+        .to_string()
+        .starts_with("a pids limit of 100 cannot be enforced"));
+    assert!(!fx.backend.agent_dir(agent).exists());
+}
