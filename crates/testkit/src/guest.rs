@@ -197,10 +197,143 @@ impl GuestStatus {
     }
 }
 
+/// Where the guest's serial console goes: nowhere when the kernel command line
+/// has no `console=ttyS0` (Firecracker's serial device only sees what the guest
+/// writes to it), the `PUT /serial` `serial_out_path` file, or the VMM's stdout;
+/// optionally through the `PUT /serial` token bucket (excess bytes dropped).
+#[derive(Debug)]
+pub struct SerialOut {
+    enabled: bool,
+    file: Option<std::fs::File>,
+    bucket: Option<TokenBucket>,
+    /// Bytes the rate limiter dropped (Firecracker's `uart.rate_limiter_dropped_bytes`).
+    pub dropped_bytes: u64,
+}
+
+/// Firecracker's token bucket (bytes): `size` per `refill_time` ms, plus a one-time burst.
+#[derive(Debug, Clone)]
+pub struct TokenBucket {
+    size: u64,
+    refill_ms: u64,
+    budget: u64,
+    burst: u64,
+    last: std::time::Instant,
+}
+
+impl TokenBucket {
+    pub fn from_json(v: &Value) -> Option<Self> {
+        let size = v.get("size")?.as_u64()?;
+        let refill_ms = v.get("refill_time")?.as_u64()?;
+        if size == 0 || refill_ms == 0 {
+            return None;
+        }
+        Some(Self {
+            size,
+            refill_ms,
+            budget: size,
+            burst: v.get("one_time_burst").and_then(Value::as_u64).unwrap_or(0),
+            last: std::time::Instant::now(),
+        })
+    }
+
+    /// How many of `n` bytes may pass now.
+    fn take(&mut self, n: u64) -> u64 {
+        let elapsed = self.last.elapsed().as_millis() as u64;
+        if elapsed > 0 {
+            let refill = self.size.saturating_mul(elapsed) / self.refill_ms;
+            if refill > 0 {
+                self.budget = (self.budget + refill).min(self.size);
+                self.last = std::time::Instant::now();
+            }
+        }
+        let from_burst = n.min(self.burst);
+        self.burst -= from_burst;
+        let from_budget = (n - from_burst).min(self.budget);
+        self.budget -= from_budget;
+        from_burst + from_budget
+    }
+}
+
+static SERIAL: std::sync::Mutex<Option<SerialOut>> = std::sync::Mutex::new(None);
+
+/// Configure the serial sink at boot from the kernel command line and the `/serial` config.
+pub fn configure_serial(cmdline: &str, serial_config: Option<&Value>) -> std::io::Result<()> {
+    let enabled = cmdline
+        .split_whitespace()
+        .any(|a| a.starts_with("console=ttyS"));
+    let file = match serial_config
+        .and_then(|c| c.get("serial_out_path"))
+        .and_then(Value::as_str)
+    {
+        Some(path) => Some(std::fs::OpenOptions::new().append(true).open(path)?),
+        None => None,
+    };
+    let bucket = serial_config
+        .and_then(|c| c.get("rate_limiter"))
+        .and_then(TokenBucket::from_json);
+    let mut guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    *guard = Some(SerialOut {
+        enabled,
+        file,
+        bucket,
+        dropped_bytes: 0,
+    });
+    Ok(())
+}
+
+/// Bytes dropped by the serial rate limiter so far.
+pub fn serial_dropped_bytes() -> u64 {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map_or(0, |s| s.dropped_bytes)
+}
+
+/// Write raw bytes to the serial console.
+pub fn serial_bytes(bytes: &[u8]) {
+    let mut guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(out) = guard.as_mut() else {
+        return;
+    };
+    if !out.enabled {
+        return;
+    }
+    let allowed = match out.bucket.as_mut() {
+        Some(b) => b.take(bytes.len() as u64) as usize,
+        None => bytes.len(),
+    };
+    out.dropped_bytes += (bytes.len() - allowed) as u64;
+    let chunk = &bytes[..allowed];
+    match out.file.as_mut() {
+        Some(f) => {
+            let _ = f.write_all(chunk);
+        }
+        None => {
+            let mut stdout = std::io::stdout().lock();
+            let _ = stdout.write_all(chunk);
+            let _ = stdout.flush();
+        }
+    }
+}
+
 fn serial(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
+    let mut bytes = line.as_bytes().to_vec();
+    bytes.push(b'\n');
+    serial_bytes(&bytes);
+}
+
+/// Copy a guest process's output to the serial console.
+fn pump(mut from: impl std::io::Read + Send + 'static) {
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = from.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            serial_bytes(&buf[..n]);
+        }
+    });
 }
 
 /// How long an exiting VMM lets in-flight API responses go out.
@@ -227,10 +360,18 @@ pub fn run(shared: Arc<Shared>) {
         let mut st = shared.lock();
         st.guest.phase = "booting";
         st.guest.mode = st.config.guest.mode.as_str();
+        let cmdline = st.kernel_cmdline();
+        if let Err(e) = configure_serial(&cmdline, st.serial_config()) {
+            st.logger.log(
+                Level::Error,
+                "main",
+                &format!("Failed to open the serial output: {e}"),
+            );
+        }
         (
             st.config.guest.mode,
             st.config.guest.agent.clone(),
-            st.kernel_cmdline(),
+            cmdline,
             st.drive_ids(),
             st.machine().clone(),
         )
@@ -370,6 +511,8 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
         .envs(env)
         // Inherited: there is no /dev/null inside the jail to open.
         .stdin(Stdio::inherit())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn();
     let mut child = match child {
         Ok(c) => c,
@@ -383,6 +526,12 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
             vmm_exit(shared, "panicked");
         }
     };
+    if let Some(out) = child.stdout.take() {
+        pump(out);
+    }
+    if let Some(err) = child.stderr.take() {
+        pump(err);
+    }
     let pid = child.id();
     {
         let mut st = shared.lock();

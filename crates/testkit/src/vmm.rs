@@ -127,6 +127,11 @@ impl VmmState {
                 .is_some_and(|a| a.iter().any(|i| i.as_str() == Some(iface_id)))
     }
 
+    /// The `PUT /serial` configuration, if any.
+    pub fn serial_config(&self) -> Option<&Value> {
+        self.other_devices.get("serial")
+    }
+
     pub fn drive_ids(&self) -> Vec<String> {
         self.drives.iter().map(|(id, _)| id.clone()).collect()
     }
@@ -161,6 +166,7 @@ impl VmmState {
             "logger": self.logger_config,
             "metrics": self.metrics,
             "ctrl_alt_del_count": self.ctrl_alt_del_count,
+            "serial_dropped_bytes": crate::guest::serial_dropped_bytes(),
             "guest": self.guest.to_json(),
         })
     }
@@ -461,7 +467,18 @@ fn dispatch(shared: &Arc<Shared>, st: &mut VmmState, req: &HttpRequest) -> Outco
             let r = st.mmds.patch(&body);
             mmds_result(shared, st, r)
         }
-        (ApiMethod::Put, dev @ ("vsock" | "entropy" | "balloon" | "cpu-config" | "serial")) => {
+        (ApiMethod::Put, "serial") => {
+            if let Some(path) = body.get("serial_out_path").and_then(Value::as_str) {
+                if let Err(e) = OpenOptions::new().append(true).open(path) {
+                    return fault(format!(
+                        "Serial device error: Cannot open the serial output file {path}: {e}"
+                    ));
+                }
+            }
+            st.other_devices.insert("serial".to_string(), body);
+            Outcome::NoContent
+        }
+        (ApiMethod::Put, dev @ ("vsock" | "entropy" | "balloon" | "cpu-config")) => {
             st.other_devices.insert(dev.to_string(), body);
             Outcome::NoContent
         }

@@ -938,3 +938,64 @@ fn firecracker_sim_vmm_failure_modes() {
         .starts_with("Start microvm error: Cannot create the KVM object"));
     assert_eq!(sim.client.instance_info().unwrap()["state"], "Not started");
 }
+
+/// The serial console: silent without `console=ttyS0` on the kernel command
+/// line, redirected by `PUT /serial`, and bounded by its rate limiter.
+#[test]
+fn firecracker_sim_serial_console_follows_cmdline_and_serial_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = start(dir.path(), &[], GuestMode::KernelPanic);
+    let kernel = dir.path().join("kernel");
+    let r = sim
+        .client
+        .put(
+            "/boot-source",
+            &json!({"kernel_image_path": kernel, "boot_args": "reboot=k panic=1"}),
+        )
+        .unwrap();
+    assert_eq!(r.status, 204);
+    assert_eq!(
+        sim.client
+            .put("/actions", &json!({"action_type": "InstanceStart"}))
+            .unwrap()
+            .status,
+        204
+    );
+    let (code, serial) = sim.wait_exit().unwrap();
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        serial, "",
+        "no console=ttyS0: nothing reaches the serial device"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let sim = start(dir.path(), &[], GuestMode::KernelPanic);
+    let c = &sim.client;
+    let out = dir.path().join("guest-serial.log");
+    let r = c.put("/serial", &json!({"serial_out_path": out})).unwrap();
+    assert_eq!(
+        r.status, 400,
+        "the serial output file must exist: {}",
+        r.body
+    );
+    std::fs::write(&out, b"").unwrap();
+    let limiter = json!({"size": 64, "refill_time": 3_600_000});
+    let r = c
+        .put(
+            "/serial",
+            &json!({"serial_out_path": out, "rate_limiter": limiter}),
+        )
+        .unwrap();
+    assert_eq!(r.status, 204, "{}", r.body);
+    boot_minimal(c, dir.path());
+    let (code, stdout) = sim.wait_exit().unwrap();
+    assert_eq!(code, Some(0));
+    assert_eq!(stdout, "", "serial output went to serial_out_path");
+    let written = std::fs::read(&out).unwrap();
+    assert_eq!(
+        written.len(),
+        64,
+        "the token bucket let exactly its size through"
+    );
+    assert!(written.starts_with(b"[    0.000000] Linux version"));
+}
