@@ -45,6 +45,8 @@ pub enum TestkitError {
     Http(#[from] HttpError),
     #[error("the simulator's API socket {0} did not answer within {1:?}")]
     NotReady(PathBuf, Duration),
+    #[error("the simulator exited with {0:?} before answering: {1}")]
+    Exited(Option<i32>, String),
     #[error("unexpected response {status}: {body}")]
     Unexpected { status: u16, body: String },
 }
@@ -457,13 +459,27 @@ impl Simulator {
             None => cmd.env_remove(GUEST_AGENT_ENV),
         };
         let child = cmd.spawn().map_err(io_err("spawning fc-sim"))?;
-        let sim = Self {
+        let mut sim = Self {
             child: Some(child),
             client: SimClient::new(socket),
             dir: dir.to_path_buf(),
         };
-        sim.client.wait_ready(Duration::from_secs(10))?;
-        Ok(sim)
+        let within = Duration::from_secs(10);
+        let deadline = Instant::now() + within;
+        loop {
+            if sim.client.get("/").is_ok() {
+                return Ok(sim);
+            }
+            // A simulator that exited (bad arguments, a VMM failure mode) will never answer.
+            if let Some(status) = sim.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                let stderr = fs::read_to_string(dir.join(STDERR_FILE)).unwrap_or_default();
+                return Err(TestkitError::Exited(status.code(), stderr));
+            }
+            if Instant::now() >= deadline {
+                return Err(TestkitError::NotReady(sim.client.socket.clone(), within));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     pub fn pid(&self) -> Option<u32> {

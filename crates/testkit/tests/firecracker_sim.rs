@@ -999,3 +999,17 @@ fn firecracker_sim_serial_console_follows_cmdline_and_serial_config() {
     );
     assert!(written.starts_with(b"[    0.000000] Linux version"));
 }
+
+#[test]
+fn firecracker_sim_start_reports_an_early_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let err =
+        Simulator::start(&paths(), dir.path(), &["--bogus"], &GuestSetup::default()).unwrap_err();
+    match err {
+        kici_testkit::fc::TestkitError::Exited(code, stderr) => {
+            assert_eq!(code, Some(153));
+            assert!(stderr.contains("--bogus"), "{stderr}");
+        }
+        other => panic!("unexpected {other}"),
+    }
+}
