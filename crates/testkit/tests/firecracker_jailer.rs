@@ -492,3 +492,83 @@ fn serial_firecracker_jailer_without_new_pid_ns_execs_the_vmm_in_place() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+#[test]
+fn serial_firecracker_jailer_joins_the_netns_and_daemonizes() {
+    let jail = Jail::new(false);
+    let id = "vm-netns";
+    let root = jail.prepare(id);
+    let ns = format!("ktjn{}", std::process::id());
+    assert!(Command::new("ip")
+        .args(["netns", "add", &ns])
+        .status()
+        .unwrap()
+        .success());
+    struct DelNs(String);
+    impl Drop for DelNs {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+    let _ns_guard = DelNs(ns.clone());
+    let netns_path = format!("/run/netns/{ns}");
+    let status = jail
+        .jailer(
+            id,
+            &[
+                "--new-pid-ns",
+                "--daemonize",
+                "--netns",
+                &netns_path,
+                "--resource-limit",
+                "no-file=512",
+            ],
+            &["--api-sock", "/run/firecracker.socket"],
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let pid = pid_file(&root);
+    let _guard = KillOnDrop(Some(pid));
+    let ns_inode = fs::metadata(&netns_path).unwrap().ino();
+    let vmm_ns = fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    assert_eq!(
+        vmm_ns.to_string_lossy(),
+        format!("net:[{ns_inode}]"),
+        "the VMM runs in --netns"
+    );
+    assert_eq!(
+        fs::read_link(format!("/proc/{pid}/fd/1")).unwrap(),
+        Path::new("/dev/null"),
+        "--daemonize: stdio on /dev/null"
+    );
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let session: u32 = fields[3].parse().unwrap();
+    assert_ne!(
+        session,
+        nix::unistd::getsid(None).unwrap().as_raw() as u32,
+        "--daemonize: a new session"
+    );
+    let limits = fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let nofile = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    assert_eq!(nofile.split_whitespace().nth(3), Some("512"), "{nofile}");
+    let st = SimClient::new(root.join("run/firecracker.socket"));
+    st.wait_ready(Duration::from_secs(10)).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(wait_pid_gone(pid, Duration::from_secs(10)));
+}
