@@ -225,9 +225,8 @@ pub enum MmdsClearError {
 #[derive(Default)]
 struct Taken {
     vm_dir: Option<JailLayout>,
-    lease: bool,
+    /// The TAP this spawn created (it is untagged until attached).
     tap: Option<String>,
-    rules: bool,
     vmm: Option<ProcessIdentity>,
     watch: Option<VmWatch>,
     api: Option<ApiClient>,
@@ -401,7 +400,6 @@ impl FirecrackerBackend {
         step!(fp::SPAWN_VM_DIR, SpawnError::Injected);
 
         let lease = inner.allocator.allocate(&inner.pool, &agent).await?;
-        taken.lease = true;
         step!(fp::SPAWN_LEASE, SpawnError::Injected);
         let mac = MacAddress::for_ip(lease.ip);
 
@@ -420,7 +418,6 @@ impl FirecrackerBackend {
             mac,
             tap: tap_name.clone(),
         };
-        taken.rules = true;
         inner
             .egress
             .install(&agent, &vm, spec.label_set.network_policy.as_ref())
@@ -670,12 +667,12 @@ impl FirecrackerBackend {
         note(fail_step(fp::DESTROY_STOP));
         note(inner.egress.remove(agent).await.map_err(Into::into));
         note(fail_step(fp::DESTROY_RULES));
-        let tap = names::tap_name(agent);
-        let deleted = match Netlink::connect() {
-            Ok(netlink) => netlink.delete(&tap).await.map(drop),
-            Err(e) => Err(e),
-        };
-        note(deleted.map_err(Into::into));
+        let tag = names::owner_tag(inner.instance, agent);
+        note(
+            delete_own_tap(agent, &tag, parts.tap_created)
+                .await
+                .map_err(Into::into),
+        );
         note(fail_step(fp::DESTROY_TAP));
         note(
             inner
@@ -707,6 +704,61 @@ impl FirecrackerBackend {
         }
     }
 
+    async fn spawn_transaction(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
+        let agent = spec.agent;
+        self.inner.in_flight.lock().insert(agent);
+        let _in_flight = InFlight(&self.inner, agent);
+        let mut taken = Taken::default();
+        match self.spawn_steps(&spec, &mut taken).await {
+            Ok(handle) => {
+                if let (Some(layout), Some(identity), Some(watch), Some(api)) =
+                    (taken.vm_dir, taken.vmm, taken.watch, taken.api)
+                {
+                    self.inner.tracked.lock().insert(
+                        agent,
+                        Tracked {
+                            layout,
+                            identity,
+                            watch,
+                            api,
+                        },
+                    );
+                }
+                Ok(handle)
+            }
+            Err(error) => {
+                tracing::warn!(agent_id = %agent, error = %error, "microVM spawn failed; releasing what it took");
+                if let Some(watch) = &taken.watch {
+                    watch.state.destroying.store(true, Ordering::SeqCst);
+                }
+                let identity = taken.vmm.or_else(|| {
+                    taken.vm_dir.as_ref().and_then(|l| {
+                        // The jailer may have started Firecracker before
+                        // failing; only a process as young as the spawn can
+                        // be it.
+                        std::fs::read_to_string(l.pid_file(&agent))
+                            .ok()
+                            .and_then(|s| s.trim().parse::<i32>().ok())
+                            .and_then(Pid::from_raw)
+                            .and_then(|p| ProcessIdentity::of(p).ok())
+                    })
+                });
+                let parts = Teardown {
+                    layout: taken.vm_dir,
+                    identity,
+                    api: None,
+                    watch: taken.watch,
+                    grace: Duration::ZERO,
+                    tap_created: taken.tap.is_some(),
+                };
+                if let Err(e) = self.teardown(&agent, parts).await {
+                    tracing::error!(agent_id = %agent, error = %e, "releasing a failed spawn left something behind; the sweep will retry");
+                }
+                Err(BackendError::Provision(error.to_string()))
+            }
+        }
+    }
+
     async fn destroy_inner(
         &self,
         agent: &AgentId,
@@ -723,6 +775,7 @@ impl FirecrackerBackend {
                     api: Some(t.api),
                     watch: Some(t.watch),
                     grace,
+                    tap_created: false,
                 }
             }
             None => {
@@ -743,6 +796,7 @@ impl FirecrackerBackend {
                     api,
                     watch: None,
                     grace,
+                    tap_created: false,
                 }
             }
         };
@@ -763,6 +817,29 @@ pub(crate) struct Teardown {
     pub(crate) api: Option<ApiClient>,
     pub(crate) watch: Option<VmWatch>,
     pub(crate) grace: Duration,
+    /// The TAP was created by the spawn being rolled back (it may not carry
+    /// its tag yet); otherwise only a TAP tagged as ours is deleted.
+    pub(crate) tap_created: bool,
+}
+
+/// Deletes the agent's TAP if it is ours: tagged with our owner tag, or
+/// untagged but just created by this spawn.
+async fn delete_own_tap(agent: &AgentId, tag: &str, created_here: bool) -> Result<(), LinkError> {
+    let name = names::tap_name(agent);
+    let netlink = Netlink::connect()?;
+    let Some(link) = netlink.get(&name).await? else {
+        return Ok(());
+    };
+    let ours = match link.alias.as_deref() {
+        Some(alias) => alias == tag,
+        None => created_here,
+    };
+    if ours {
+        netlink.delete(&name).await.map(drop)
+    } else {
+        tracing::warn!(agent_id = %agent, tap = %name, alias = ?link.alias, "not deleting a TAP that is not ours");
+        Ok(())
+    }
 }
 
 fn fail_step(name: &'static str) -> Result<(), DestroyError> {
@@ -891,58 +968,31 @@ impl Backend for FirecrackerBackend {
         crate::validate::validate(self, scaler)
     }
 
+    /// Runs on its own task: if the caller stops waiting (a deadline
+    /// cancelled it), the spawn still ends in a consistent state — a
+    /// failure is released as always, and a VM nobody waits for any more is
+    /// destroyed.
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
-        let agent = spec.agent;
-        self.inner.in_flight.lock().insert(agent);
-        let _in_flight = InFlight(&self.inner, agent);
-        let mut taken = Taken::default();
-        match self.spawn_steps(&spec, &mut taken).await {
-            Ok(handle) => {
-                if let (Some(layout), Some(identity), Some(watch), Some(api)) =
-                    (taken.vm_dir, taken.vmm, taken.watch, taken.api)
+        let backend = self.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let agent = spec.agent;
+            let result = backend.spawn_transaction(spec).await;
+            if let Err(Ok(handle)) = tx.send(result) {
+                tracing::warn!(agent_id = %agent, "spawn finished after its caller gave up; destroying the VM");
+                if let Err(e) = backend
+                    .destroy_inner(&agent, Some(&handle), Duration::ZERO)
+                    .await
                 {
-                    self.inner.tracked.lock().insert(
-                        agent,
-                        Tracked {
-                            layout,
-                            identity,
-                            watch,
-                            api,
-                        },
-                    );
+                    tracing::error!(agent_id = %agent, error = %e, "cannot destroy an abandoned VM; the sweep will");
                 }
-                Ok(handle)
             }
-            Err(error) => {
-                tracing::warn!(agent_id = %agent, error = %error, "microVM spawn failed; releasing what it took");
-                if let Some(watch) = &taken.watch {
-                    watch.state.destroying.store(true, Ordering::SeqCst);
-                }
-                let identity = taken.vmm.or_else(|| {
-                    taken.vm_dir.as_ref().and_then(|l| {
-                        // The jailer may have started Firecracker before
-                        // failing; only a process as young as the spawn can
-                        // be it.
-                        std::fs::read_to_string(l.pid_file(&agent))
-                            .ok()
-                            .and_then(|s| s.trim().parse::<i32>().ok())
-                            .and_then(Pid::from_raw)
-                            .and_then(|p| ProcessIdentity::of(p).ok())
-                    })
-                });
-                let parts = Teardown {
-                    layout: taken.vm_dir,
-                    identity,
-                    api: None,
-                    watch: taken.watch,
-                    grace: Duration::ZERO,
-                };
-                if let Err(e) = self.teardown(&agent, parts).await {
-                    tracing::error!(agent_id = %agent, error = %e, "releasing a failed spawn left something behind; the sweep will retry");
-                }
-                Err(BackendError::Provision(error.to_string()))
-            }
-        }
+        });
+        rx.await.unwrap_or_else(|_| {
+            Err(BackendError::Provision(
+                "the spawn task ended without a result".into(),
+            ))
+        })
     }
 
     async fn destroy(

@@ -41,6 +41,54 @@ pub trait EgressRules: Send + Sync {
     async fn sweep_stale(&self, live: &HashSet<AgentId>) -> Result<usize, EgressError>;
 }
 
+/// The real rules: kici-netpolicy's tables for the Firecracker subnet
+/// (create it with `agent_bridge` = the Firecracker bridge and
+/// `DockerUserMode::AcceptSubnet`). The TAP is bound as the agent's port,
+/// so neither its address nor its MAC can be forged through another port.
+pub struct NetPolicyEgress(pub kici_netpolicy::EgressTable);
+
+#[async_trait]
+impl EgressRules for NetPolicyEgress {
+    async fn install(
+        &self,
+        agent: &AgentId,
+        vm: &VmMatch,
+        policy: Option<&NetworkPolicy>,
+    ) -> Result<(), EgressError> {
+        let key = kici_netpolicy::AgentMatch {
+            ip: vm.ip,
+            mac: vm.mac.0,
+            port: Some(vm.tap.clone()),
+        };
+        self.0
+            .install(
+                agent,
+                &key,
+                &kici_netpolicy::EgressPolicy::from_config(policy),
+            )
+            .await
+            .map(drop)
+            .map_err(|e| EgressError(e.to_string()))
+    }
+
+    async fn remove(&self, agent: &AgentId) -> Result<(), EgressError> {
+        self.0
+            .remove(agent)
+            .await
+            .map(drop)
+            .map_err(|e| EgressError(e.to_string()))
+    }
+
+    async fn sweep_stale(&self, live: &HashSet<AgentId>) -> Result<usize, EgressError> {
+        let live: Vec<AgentId> = live.iter().copied().collect();
+        self.0
+            .sweep_stale(&live)
+            .await
+            .map(|gone| gone.len())
+            .map_err(|e| EgressError(e.to_string()))
+    }
+}
+
 /// No per-VM rules at all: VMs reach whatever the host's forward rules let
 /// through. For hosts whose isolation lives elsewhere, and for tests; the
 /// backend warns when it is constructed with it.

@@ -35,7 +35,7 @@ pub use backend::{
     DestroyError, FirecrackerBackend, FirecrackerOptions, MmdsClearError, SetupError, SpawnError,
     Timeouts,
 };
-pub use egress::{EgressError, EgressRules, NoEgressRules, VmMatch};
+pub use egress::{EgressError, EgressRules, NetPolicyEgress, NoEgressRules, VmMatch};
 pub use host::{BridgeStatus, HostNetwork};
 pub use jailer::{CgroupVersion, JailerCgroups};
 pub use sweep::SweepReport;

@@ -128,6 +128,7 @@ impl FirecrackerBackend {
                     api: None,
                     watch: None,
                     grace: std::time::Duration::ZERO,
+                    tap_created: false,
                 };
                 match self.teardown(&agent, parts).await {
                     Ok(()) => {

@@ -299,6 +299,9 @@ mod tun {
     const IFF_TAP: libc::c_short = 0x0002;
     const IFF_NO_PI: libc::c_short = 0x1000;
     const IFF_VNET_HDR: libc::c_short = 0x4000;
+    /// Fail with EBUSY instead of attaching to an existing device: root
+    /// could otherwise silently take over another agent's TAP.
+    const IFF_TUN_EXCL: libc::c_short = 0x8000u16 as libc::c_short;
 
     /// `struct ifreq` with the `ifr_flags` member of its union; padded to
     /// the kernel's 40 bytes.
@@ -330,7 +333,7 @@ mod tun {
         let fd = file.as_raw_fd();
         let mut req = IfReqFlags {
             name: [0; libc::IFNAMSIZ],
-            flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
+            flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR | IFF_TUN_EXCL,
             _pad: [0; 22],
         };
         req.name[..bytes.len()].copy_from_slice(bytes);
@@ -458,6 +461,11 @@ mod tests {
         assert!(link.up);
         assert!(netlink.list().await.unwrap().iter().any(|l| l.name == tap));
 
+        // An existing TAP is never taken over.
+        assert!(matches!(
+            create_tap(&tap, 10_000, 10_001),
+            Err(LinkError::Tun { step: "TUNSETIFF", ref source, .. }) if source.raw_os_error() == Some(libc::EBUSY)
+        ));
         assert!(netlink.delete(&tap).await.unwrap());
         assert!(!netlink.delete(&tap).await.unwrap());
         assert!(netlink.get(&tap).await.unwrap().is_none());

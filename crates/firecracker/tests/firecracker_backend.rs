@@ -357,21 +357,3 @@ async fn serial_firecracker_sweep_removes_exactly_the_planted_orphans() {
         .unwrap();
     h.assert_nothing_left(&live).await;
 }
-
-/// Each spawn step's failpoint: the spawn fails and leaves nothing behind.
-#[cfg(feature = "failpoints")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serial_firecracker_every_spawn_failpoint_releases_what_was_taken() {
-    let h = Harness::new("").await;
-    let scenario = fail::FailScenario::setup();
-    for name in kici_firecracker::fp::SPAWN {
-        fail::cfg(*name, "return").unwrap();
-        let agent = random_agent();
-        let (spec, _rx) = h.spec(agent);
-        let err = h.backend.spawn(spec).await.unwrap_err();
-        assert!(err.to_string().contains(name), "{name}: {err}");
-        fail::remove(*name);
-        h.assert_nothing_left(&agent).await;
-    }
-    scenario.teardown();
-}
