@@ -28,7 +28,7 @@ use crate::cgroup::{self, AgentCgroups, CgroupLayout, Controllers, LimitPlan};
 use crate::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
 use crate::failpoints;
 use crate::launch;
-use crate::logs::{self, LogContext, Tailer};
+use crate::logs::{self, LogContext, Tailer, TailerOptions};
 use crate::notify::FileWatch;
 use crate::process::ProcessIdentity;
 use async_trait::async_trait;
@@ -101,6 +101,10 @@ pub struct BareMetalOptions {
     /// are refused when no pids controller (v2, or the v1 hierarchy) can
     /// enforce it. `None`: no limit.
     pub pids_max: Option<std::num::NonZeroU64>,
+    /// Disk use of each agent log file while the agent runs: forwarded
+    /// output further back than this is punched out of the file, marked by
+    /// a line at its start ([`crate::logs`]). `None`: files grow freely.
+    pub log_keep_bytes: Option<std::num::NonZeroU64>,
 }
 
 /// How a bare-metal agent enters its cgroups.
@@ -118,6 +122,9 @@ pub enum SpawnMethod {
 impl BareMetalOptions {
     pub const DEFAULT_CGROUP_ROOT: &'static str = "/sys/fs/cgroup/unified";
     pub const DEFAULT_CGROUP_V1_ROOT: &'static str = "/sys/fs/cgroup";
+    /// 16 MiB of each log file stay on disk while an agent runs (everything
+    /// is forwarded to the daemon's log anyway).
+    pub const DEFAULT_LOG_KEEP_BYTES: u64 = 16 << 20;
 
     /// Default cgroup roots; both env lists from `daemon_env` (usually
     /// `std::env::vars()`).
@@ -135,6 +142,7 @@ impl BareMetalOptions {
             system_env: daemon_env,
             spawn_method: SpawnMethod::default(),
             pids_max: None,
+            log_keep_bytes: std::num::NonZeroU64::new(Self::DEFAULT_LOG_KEEP_BYTES),
         }
     }
 }
@@ -195,6 +203,7 @@ struct Inner {
     tracked: Mutex<HashMap<AgentId, Tracked>>,
     spawn_method: SpawnMethod,
     pids_max: Option<std::num::NonZeroU64>,
+    tailer_options: TailerOptions,
     /// Spawns create cgroup parents under a read lock; pruning empty parents
     /// takes the write lock, so it never removes a directory a spawn is about
     /// to use.
@@ -243,6 +252,10 @@ impl BareMetalBackend {
                 tracked: Mutex::new(HashMap::new()),
                 spawn_method: options.spawn_method,
                 pids_max: options.pids_max,
+                tailer_options: TailerOptions {
+                    resumable: true,
+                    keep_bytes: options.log_keep_bytes,
+                },
                 tree: RwLock::new(()),
             }),
         })
@@ -573,7 +586,7 @@ impl BareMetalBackend {
             }
         });
         let exit = ExitWatch::new();
-        let tailer = Tailer::start_resumable(
+        let tailer = Tailer::start_with_options(
             LogContext {
                 agent,
                 scaler: context.scaler,
@@ -581,6 +594,7 @@ impl BareMetalBackend {
                 source: LOG_SOURCE,
             },
             &dir,
+            self.inner.tailer_options,
         );
         let watch = watch_adopted(pidfd, identity, agent, reports, exit.clone());
         if let Err(e) = failpoints::check(failpoints::ADOPT_WATCH, AdoptError::Injected) {
@@ -1155,7 +1169,7 @@ impl Backend for BareMetalBackend {
             return Err(provision(e));
         }
         let exit = ExitWatch::new();
-        let tailer = Tailer::start_resumable(
+        let tailer = Tailer::start_with_options(
             LogContext {
                 agent,
                 scaler: spec.scaler.name.clone(),
@@ -1163,6 +1177,7 @@ impl Backend for BareMetalBackend {
                 source: LOG_SOURCE,
             },
             &dir,
+            self.inner.tailer_options,
         );
         watch_exit(child, agent, spec.reports.clone(), exit.clone());
         if let Err(e) = failpoints::check(failpoints::SPAWN_WATCH, SpawnError::Injected) {

@@ -25,6 +25,18 @@
 //! would silently drop everything written while the daemon was down — the
 //! output of a job that ran through the restart.
 //!
+//! Bounded while the agent runs ([`TailerOptions::keep_bytes`]): once more
+//! than the kept amount of a file was forwarded, the forwarded head is
+//! punched out (`fallocate(PUNCH_HOLE | KEEP_SIZE)`), in steps of a quarter
+//! of the kept amount, and a marker line at offset 0 says how many bytes
+//! went. The agent keeps appending (its descriptor and `O_APPEND` position
+//! are untouched), offsets stay valid for a resumed tailer, and nothing
+//! unforwarded is ever dropped — which truncating or rotating under a
+//! writer that is not ours could not promise. The file's apparent size
+//! keeps growing; its disk use stays near the kept amount plus whatever is
+//! not yet forwarded (while no daemon runs, nothing is bounded). The holes
+//! read as NUL bytes.
+//!
 //! Retention: after destroy an agent's directory is reduced to the last
 //! [`RETAINED_BYTES_PER_FILE`] of each log file under `retired/<agent id>`,
 //! and only the newest [`RETAINED_AGENTS`] retired directories are kept —
@@ -215,6 +227,90 @@ fn record_offset(file: Option<&std::fs::File>, forwarded: u64, persisted: &mut u
     }
 }
 
+/// Holes are freed in whole filesystem blocks: punch block-aligned ranges.
+const PUNCH_ALIGN: u64 = 4096;
+
+/// Keeps a followed file's forwarded head from using disk.
+struct Bound {
+    keep: u64,
+    /// Bytes from offset 0 already punched out.
+    punched: u64,
+    /// Write access for the punch and the marker (opened on first use).
+    writer: Option<std::fs::File>,
+    /// The filesystem cannot punch holes (or the file cannot be opened for
+    /// writing): stop trying, after one warning.
+    disabled: bool,
+}
+
+impl Bound {
+    fn new(keep: std::num::NonZeroU64) -> Self {
+        Self {
+            // Never less than the retired tail, so that tail is never a hole.
+            keep: keep.get().max(RETAINED_BYTES_PER_FILE),
+            punched: 0,
+            writer: None,
+            disabled: false,
+        }
+    }
+
+    /// Punches out what lies more than `keep` bytes before `forwarded`.
+    fn apply(&mut self, path: &Path, forwarded: u64) {
+        use std::os::unix::fs::FileExt;
+        if self.disabled {
+            return;
+        }
+        let end = forwarded.saturating_sub(self.keep) / PUNCH_ALIGN * PUNCH_ALIGN;
+        if end < self.punched + (self.keep / 4).max(PUNCH_ALIGN) {
+            return;
+        }
+        if self.writer.is_none() {
+            match std::fs::OpenOptions::new().write(true).open(path) {
+                Ok(f) => self.writer = Some(f),
+                Err(e) => return self.disable(path, &e),
+            }
+        }
+        let Some(writer) = &self.writer else {
+            return;
+        };
+        let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        if let Err(e) = rustix::fs::fallocate(writer, punch, 0, end) {
+            return self.disable(path, &e.into());
+        }
+        self.punched = end;
+        // Within the forwarded head, so never under the agent's appends.
+        let marker = truncation_marker(end);
+        if let Err(e) = writer.write_at(marker.as_bytes(), 0) {
+            tracing::debug!(file = %path.display(), error = %e, "cannot mark the removed log head");
+        }
+    }
+
+    fn disable(&mut self, path: &Path, error: &io::Error) {
+        self.disabled = true;
+        tracing::warn!(
+            file = %path.display(),
+            error = %error,
+            "cannot bound the agent's log file (punching holes failed): it grows until the agent is destroyed"
+        );
+    }
+}
+
+/// The line at offset 0 of a file whose first `removed` bytes were punched.
+pub fn truncation_marker(removed: u64) -> String {
+    format!("[kici-scaler: the first {removed} bytes of this file were forwarded and removed to bound it]\n")
+}
+
+/// How a [`Tailer`] treats the files it follows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TailerOptions {
+    /// Keep each file's forwarded offset beside it and start from a
+    /// previous tailer's ([`Tailer::start_resumable`]).
+    pub resumable: bool,
+    /// Bound each file's disk use while following it: forwarded bytes more
+    /// than this far behind are punched out (at least
+    /// [`RETAINED_BYTES_PER_FILE`]). `None`: files grow freely.
+    pub keep_bytes: Option<std::num::NonZeroU64>,
+}
+
 /// One followed file.
 struct Source {
     stream: Stream,
@@ -228,12 +324,13 @@ struct Source {
     offset_file: Option<std::fs::File>,
     /// The last value written there.
     persisted: u64,
+    bound: Option<Bound>,
 }
 
 impl Source {
-    fn new(stream: Stream, dir: &Path, resumable: bool) -> Self {
+    fn new(stream: Stream, dir: &Path, options: TailerOptions) -> Self {
         let path = dir.join(stream.file_name());
-        let (offset, offset_file) = if resumable {
+        let (offset, offset_file) = if options.resumable {
             let offset = read_offset(&path);
             let file = std::fs::OpenOptions::new()
                 .create(true)
@@ -254,6 +351,7 @@ impl Source {
             splitter: LineSplitter::default(),
             offset_file,
             persisted: offset,
+            bound: options.keep_bytes.map(Bound::new),
         }
     }
 
@@ -308,12 +406,13 @@ impl Source {
                         .push(&buf[..n], &mut |line| ctx.emit(stream, &line));
                     // Before the next await: only a crash can come between
                     // forwarding a chunk's lines and recording them.
-                    record_offset(
-                        self.offset_file.as_ref(),
-                        self.offset
-                            .saturating_sub(self.splitter.pending_bytes() as u64),
-                        &mut self.persisted,
-                    );
+                    let forwarded = self
+                        .offset
+                        .saturating_sub(self.splitter.pending_bytes() as u64);
+                    record_offset(self.offset_file.as_ref(), forwarded, &mut self.persisted);
+                    if let Some(bound) = &mut self.bound {
+                        bound.apply(&self.path, forwarded);
+                    }
                 }
             }
         }
@@ -336,20 +435,28 @@ impl Tailer {
     /// Starts following `<dir>/stdout.log` and `<dir>/stderr.log` from their
     /// beginning (they are created empty before the agent starts).
     pub fn start(ctx: LogContext, dir: &Path) -> Self {
-        Self::start_with(ctx, dir, false)
+        Self::start_with_options(ctx, dir, TailerOptions::default())
     }
 
     /// Like [`Tailer::start`], but keeps each file's forwarded offset beside
     /// it and starts from the offsets a previous tailer (of an earlier
     /// daemon) kept: see the module docs for why.
     pub fn start_resumable(ctx: LogContext, dir: &Path) -> Self {
-        Self::start_with(ctx, dir, true)
+        Self::start_with_options(
+            ctx,
+            dir,
+            TailerOptions {
+                resumable: true,
+                keep_bytes: None,
+            },
+        )
     }
 
-    fn start_with(ctx: LogContext, dir: &Path, resumable: bool) -> Self {
+    /// Follows `<dir>/stdout.log` and `<dir>/stderr.log` as `options` say.
+    pub fn start_with_options(ctx: LogContext, dir: &Path, options: TailerOptions) -> Self {
         let sources: Vec<Source> = [Stream::Stdout, Stream::Stderr]
             .into_iter()
-            .map(|stream| Source::new(stream, dir, resumable))
+            .map(|stream| Source::new(stream, dir, options))
             .collect();
         let watch = FileWatch::new(sources.iter().map(|s| s.path.as_path()))
             .map_err(|e| tracing::warn!(agent_id = %ctx.agent, error = %e, "no inotify for agent logs; polling"))
@@ -606,6 +713,71 @@ mod tests {
         );
         plain.finish().await;
         assert!(!offset_path(&log).exists());
+    }
+
+    #[tokio::test]
+    async fn a_bounded_tailer_punches_out_the_forwarded_head_and_marks_it() {
+        use std::os::unix::fs::MetadataExt;
+        use tracing_subscriber::layer::SubscriberExt;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let _guard =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(Lines(tx)));
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("stdout.log");
+        // 10,240 lines of 100 bytes: 1,024,000 bytes.
+        let lines: Vec<String> = (0..10_240).map(|i| format!("{i:099}")).collect();
+        std::fs::write(
+            &log,
+            lines.iter().map(|l| format!("{l}\n")).collect::<String>(),
+        )
+        .unwrap();
+        let keep = RETAINED_BYTES_PER_FILE;
+        let ctx = LogContext {
+            agent: AgentId::random(kici_model::ScalerType::BareMetal),
+            scaler: ScalerName::new("metal"),
+            job: None,
+            source: "test",
+        };
+        let tailer = Tailer::start_with_options(
+            ctx,
+            dir.path(),
+            TailerOptions {
+                resumable: true,
+                keep_bytes: std::num::NonZeroU64::new(keep),
+            },
+        );
+        // Every line forwarded once, in order, none lost to the punching.
+        assert_eq!(next_lines(&mut rx, lines.len()).await, lines);
+        tailer.finish().await;
+        assert!(rx.try_recv().is_err());
+
+        let meta = std::fs::metadata(&log).unwrap();
+        assert_eq!(meta.len(), 1_024_000, "the apparent size is kept");
+        let on_disk = meta.blocks() * 512;
+        // What is kept, the punching step, partial blocks and the marker's.
+        assert!(
+            on_disk <= keep + keep / 4 + 4 * PUNCH_ALIGN,
+            "{on_disk} bytes on disk"
+        );
+        let text = std::fs::read(&log).unwrap();
+        let first = text.split(|b| *b == b'\n').next().unwrap();
+        let first = String::from_utf8(first.to_vec()).unwrap();
+        let removed: u64 = first
+            .strip_prefix("[kici-scaler: the first ")
+            .and_then(|r| r.split(' ').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(first, truncation_marker(removed).trim_end());
+        assert!(
+            removed.is_multiple_of(PUNCH_ALIGN)
+                && removed >= 1_024_000 - keep - keep / 4 - PUNCH_ALIGN
+        );
+        // The kept tail is intact.
+        let tail = &text[text.len() - keep as usize..];
+        assert!(tail.ends_with(format!("{}\n", lines[10_239]).as_bytes()));
+        assert!(!tail.contains(&0));
+        assert_eq!(read_offset(&log), 1_024_000);
     }
 
     #[tokio::test]
