@@ -850,3 +850,74 @@ async fn a_pids_limit_no_controller_can_enforce_is_refused() {
         .starts_with("a pids limit of 100 cannot be enforced"));
     assert!(!fx.backend.agent_dir(agent).exists());
 }
+
+/// Forwarded agent lines, as they are emitted.
+struct ForwardedLines(tokio::sync::mpsc::UnboundedSender<String>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ForwardedLines {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Visit(Option<String>);
+        impl tracing::field::Visit for Visit {
+            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                if field.name() == "line" {
+                    self.0 = Some(value.to_owned());
+                }
+            }
+            fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+        }
+        let mut visit = Visit(None);
+        event.record(&mut visit);
+        if let Some(line) = visit.0 {
+            let _ = self.0.send(line);
+        }
+    }
+}
+
+#[tokio::test]
+async fn serial_a_running_agent_s_log_file_stays_bounded_on_disk() {
+    use std::os::unix::fs::MetadataExt;
+    use tracing_subscriber::layer::SubscriberExt;
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(ForwardedLines(tx)));
+    let keep = kici_backends::logs::RETAINED_BYTES_PER_FILE;
+    let fx = Fixture::with(|o| o.log_keep_bytes = std::num::NonZeroU64::new(keep));
+    // 100,000 lines of 7 bytes, then the agent keeps running.
+    let binary = fx.script("chatty.sh", "seq -w 1 100000\nexec sleep 1000");
+    let (spec, _rx) = spawn_spec(&simple_scaler(&binary), 0);
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    let mut expected = 1;
+    while expected <= 100_000 {
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.recv())
+            .await
+            .expect("forwarded within a minute")
+            .unwrap();
+        assert_eq!(line, format!("{expected:06}"));
+        expected += 1;
+    }
+    let log = fx.backend.agent_dir(agent).join("stdout.log");
+    let meta = std::fs::metadata(&log).unwrap();
+    assert_eq!(meta.len(), 700_000);
+    let on_disk = meta.blocks() * 512;
+    assert!(
+        on_disk <= keep + keep / 4 + 16 * 1024,
+        "{on_disk} bytes on disk"
+    );
+    let head = std::fs::read(&log).unwrap();
+    assert!(head.starts_with(b"[kici-scaler: the first "));
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+    // The retired tail is real output, not a hole.
+    let retired = std::fs::read(
+        fx.backend
+            .retired_dir()
+            .join(agent.to_string())
+            .join("stdout.log"),
+    )
+    .unwrap();
+    assert_eq!(retired.len() as u64, keep);
+    assert!(retired.ends_with(b"099999\n100000\n") && !retired.contains(&0));
+}
