@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # THE test command (README): every check CI runs, in order.
 #
+#   services   scripts/dockerd.sh start, scripts/postgres.sh start (idempotent):
+#              the real dockerd and PostgreSQL the tests run against
 #   fmt        cargo fmt --check (workspace and the fuzz crate)
 #   clippy     cargo clippy --workspace --all-targets -- -D warnings
 #   nextest    cargo nextest run --workspace --no-fail-fast (profile `ci` when CI=true)
@@ -54,6 +56,14 @@ stage() {
 # rustfmt colours its diff whenever TERM says it may, even into a CI log.
 fmt_color=never
 if [ -t 1 ]; then fmt_color=auto; fi
+
+run_services() {
+    scripts/dockerd.sh start &&
+        scripts/postgres.sh start &&
+        KICI_SCALER_TEST_POSTGRES="$(scripts/postgres.sh url)" &&
+        export KICI_SCALER_TEST_POSTGRES &&
+        printf 'services: dockerd answers; PostgreSQL at %s\n' "$KICI_SCALER_TEST_POSTGRES"
+}
 
 run_fmt() {
     cargo fmt --all -- --check --color "$fmt_color" &&
@@ -112,6 +122,7 @@ run_fuzz() {
     scripts/fuzz.sh "$fuzz_seconds"
 }
 
+stage services run_services
 stage fmt run_fmt
 stage clippy run_clippy
 stage nextest run_nextest

@@ -81,6 +81,14 @@ pub enum Command {
     /// Check what the bare-metal backend needs on this host: agent
     /// binaries, cgroups, the state and ledger directories.
     Doctor(crate::doctor::DoctorArgs),
+    /// One reconcile pass while no daemon runs: forget recorded agents whose
+    /// resource is gone, remove our unowned resources older than the age
+    /// threshold, release leases nobody holds.
+    Sweep(crate::sweep::SweepArgs),
+    /// Every named failpoint of this binary, one per line (for the crash
+    /// tests; `KICI_SCALER_CRASH_AT` arms them in `failpoints` builds).
+    #[command(hide = true)]
+    Failpoints,
 }
 
 /// How to reach a running daemon. The bearer token, if the daemon needs
@@ -201,6 +209,8 @@ pub enum CliError {
     Runtime(io::Error),
     #[error("serve and run are not one-shot commands")]
     NotOneShot,
+    #[error("sweep: {0}")]
+    Sweep(String),
 }
 
 /// How a command that did not fail ended.
@@ -329,6 +339,13 @@ pub fn execute(
         Command::Route(args) => route(args, out, err),
         Command::Serve(_) | Command::Run(_) => Err(CliError::NotOneShot),
         Command::Doctor(args) => crate::doctor::doctor(args, out),
+        Command::Sweep(args) => crate::sweep::sweep(args, out),
+        Command::Failpoints => {
+            for name in crate::crashpoints::all() {
+                writeln!(out, "{name}")?;
+            }
+            Ok(Outcome::Ok)
+        }
         remote => crate::remote::execute(remote, out, err),
     }
 }

@@ -18,6 +18,7 @@ use crate::api::{self, AppState};
 use crate::backends::{BackendContext, BackendRegistry};
 use crate::gateway::GatewaySettings;
 use crate::identity::{IdentityError, IdentitySource, StateDir};
+use crate::reconcile::{Reaping, Reconciler, SweepReport};
 use crate::reload::{ConfigReloader, Reload};
 use crate::settings::{
     DaemonFile, DaemonSettings, ListenAddr, ServeArgs, SettingsError, API_TOKEN_ENV,
@@ -29,6 +30,7 @@ use axum::Router;
 use axum_server::tls_rustls::RustlsConfig;
 use axum_server::Handle;
 use kici_admission::MachineLedger;
+use kici_store::StoreOptions;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +72,10 @@ pub enum ServeError {
     Signal(&'static str, io::Error),
     #[error("the control API failed: {0}")]
     Serve(io::Error),
+    #[error("state store: {0}")]
+    Store(kici_store::StoreError),
+    #[error("{0}")]
+    Crashpoints(#[from] crate::crashpoints::CrashpointError),
     #[error("shutdown: {0} agent(s) were not destroyed within the shutdown grace")]
     AgentsLeft(usize),
 }
@@ -82,6 +88,10 @@ pub fn serve(args: &ServeArgs) -> Result<(), ServeError> {
         .map(DaemonFile::load)
         .transpose()?;
     let settings = DaemonSettings::resolve(args, file.as_ref())?;
+    let armed = crate::crashpoints::arm_from_env()?;
+    if !armed.is_empty() {
+        tracing::warn!(failpoints = ?armed, "crash failpoints armed: this daemon kills itself when it reaches them");
+    }
     let registry = registry_for(args);
     let api_token = api_token_from_env(&settings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -208,6 +218,12 @@ async fn run(
             source,
         })?;
 
+    // The store before any backend: what it records decides what the
+    // backends' resources are (ours and live, or orphans).
+    let store = kici_store::open(&settings.state, instance, StoreOptions::default())
+        .await
+        .map_err(ServeError::Store)?;
+
     let ctx = BackendContext {
         instance,
         state_dir: settings.state_dir.clone(),
@@ -217,7 +233,7 @@ async fn run(
         .await
         .map_err(ServeError::Backends)?;
     let ledger = MachineLedger::open(settings.machine_ledger_dir.as_deref(), instance)?;
-    let stack = Stack::start(
+    let (stack, recovery) = Stack::start(
         Arc::clone(&config),
         backends,
         Some(ledger),
@@ -227,8 +243,34 @@ async fn run(
             event_replay: settings.event_replay,
             gateway: GatewaySettings::default(),
         },
-    )?;
+        Some(Arc::clone(&store)),
+    )
+    .await?;
+    for row in &recovery.unreadable {
+        tracing::error!(row = %row, "recorded agent unreadable; its row is left as is");
+    }
+    tracing::info!(
+        adopted = recovery.report.adopted.len(),
+        released = recovery.report.released.len(),
+        errors = recovery.report.errors.len(),
+        "recovery done"
+    );
+    for e in &recovery.report.errors {
+        tracing::warn!(error = %e, "recovery");
+    }
     let runtime = stack.runtime.clone();
+    let reconciler = Arc::new(Reconciler::new(
+        Arc::clone(&store),
+        runtime.backends(),
+        Some(runtime.clone()),
+        Some(Arc::clone(&stack.metrics)),
+        settings.reconcile_age,
+    ));
+    // The first pass at start-up marks; the periodic ones reap what is
+    // still unowned.
+    let first = reconciler.pass(Reaping::MarkThenReap).await;
+    log_sweep(&first);
+    let reconcile_task = spawn_reconciler(Arc::clone(&reconciler), settings.reconcile_every);
     let reloader: Arc<dyn Reload> = Arc::new(ConfigReloader::new(
         settings.config.clone(),
         settings.config_dir.clone(),
@@ -245,6 +287,7 @@ async fn run(
         Arc::clone(&reloader),
         api_token,
     );
+    state.set_store(Arc::clone(&store));
     let router = api::router_with(state.clone(), api::jobs::routes());
 
     let mut hangup = signal(SignalKind::hangup()).map_err(|e| ServeError::Signal("SIGHUP", e))?;
@@ -302,7 +345,9 @@ async fn run(
     // No new connections; open ones continue, so event and log streams
     // report the shutdown's destroys and the jobs' ends.
     handle.graceful_shutdown(None);
+    reconcile_task.abort();
     let stopped = stack.shutdown(settings.shutdown_grace).await;
+    store.close().await;
     handle.graceful_shutdown(Some(CONNECTION_DRAIN));
     match tokio::time::timeout(CONNECTION_DRAIN * 2, &mut server_task).await {
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "control API ended with an error"),
@@ -329,6 +374,36 @@ async fn run(
         );
         Err(ServeError::AgentsLeft(stopped.agents_left))
     }
+}
+
+/// Logs what a reconcile pass found (one line; details at debug).
+pub fn log_sweep(report: &SweepReport) {
+    tracing::info!(
+        orphans = report.orphans.len(),
+        marked = report.marked.len(),
+        reaped = report.reaped.len(),
+        young = report.young,
+        leases_released = report.leases_released.len(),
+        stale_rows = report.stale_rows_deleted.len(),
+        errors = report.errors.len(),
+        "reconcile pass"
+    );
+    for e in &report.errors {
+        tracing::warn!(error = %e, "reconcile");
+    }
+}
+
+fn spawn_reconciler(reconciler: Arc<Reconciler>, every: Duration) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick completes at once; start-up already ran a pass.
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            log_sweep(&reconciler.pass(Reaping::MarkThenReap).await);
+        }
+    })
 }
 
 /// The serving task and its controls.

@@ -237,19 +237,32 @@ fn acquire_lock(dir: &Path) -> Result<File, IdentityError> {
             path: path.clone(),
             source,
         })?;
-    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => {}
-        Err(rustix::io::Errno::WOULDBLOCK) => {
-            return Err(IdentityError::InUse {
-                dir: dir.to_owned(),
-                holder: read_lock_holder(&path),
-            })
-        }
-        Err(errno) => {
-            return Err(IdentityError::Lock {
-                path,
-                source: errno.into(),
-            })
+    // A daemon killed a moment ago can leave the lock held briefly by a
+    // child it forked but that had not exec'd yet (the descriptor is
+    // close-on-exec, not close-on-fork). When the recorded holder is dead,
+    // wait for that to pass rather than refuse a restart.
+    let mut waited = std::time::Duration::ZERO;
+    loop {
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                let holder = read_lock_holder(&path);
+                if holder_is_dead(holder) && waited < DEAD_HOLDER_WAIT {
+                    std::thread::sleep(LOCK_RETRY);
+                    waited += LOCK_RETRY;
+                    continue;
+                }
+                return Err(IdentityError::InUse {
+                    dir: dir.to_owned(),
+                    holder,
+                });
+            }
+            Err(errno) => {
+                return Err(IdentityError::Lock {
+                    path,
+                    source: errno.into(),
+                })
+            }
         }
     }
     let pid = format!("{}\n", std::process::id());
@@ -257,6 +270,24 @@ fn acquire_lock(dir: &Path) -> Result<File, IdentityError> {
         .and_then(|()| file.write_all_at(pid.as_bytes(), 0))
         .map_err(|source| IdentityError::Write { path, source })?;
     Ok(file)
+}
+
+/// How long a lock whose recorded holder is dead may stay held (by a
+/// not-yet-exec'd child of that holder) before start-up gives up.
+const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+const LOCK_RETRY: std::time::Duration = std::time::Duration::from_millis(20);
+
+fn holder_is_dead(holder: LockHolder) -> bool {
+    let LockHolder::Pid(pid) = holder else {
+        return false;
+    };
+    let Some(pid) = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    else {
+        return false;
+    };
+    rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
 }
 
 fn read_lock_holder(path: &Path) -> LockHolder {

@@ -22,6 +22,10 @@
 //! - [`client`]: the CLI's HTTP client for the control API; [`remote`]: the
 //!   commands that talk to a running daemon.
 //! - [`tls`]: rustls configurations.
+//! - [`crashpoints`]: failpoints turned into kill -9 (test builds).
+//! - [`state`]: the engine's journal in the state store, and back.
+//! - [`reconcile`]: store ↔ host reality: orphans, leases, stale rows;
+//!   [`sweep`]: one pass by hand.
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -30,6 +34,7 @@ pub mod api;
 pub mod backends;
 pub mod cli;
 pub mod client;
+pub mod crashpoints;
 pub mod daemon;
 pub mod doctor;
 pub mod events;
@@ -38,10 +43,13 @@ pub mod identity;
 pub mod jobs;
 pub mod metrics;
 pub mod pump;
+pub mod reconcile;
 pub mod reload;
 pub mod remote;
 pub mod run;
 pub mod settings;
 pub mod stack;
+pub mod state;
+pub mod sweep;
 pub mod tls;
 pub mod token;

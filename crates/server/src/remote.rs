@@ -131,7 +131,9 @@ async fn run(
         | Command::Route(_)
         | Command::Serve(_)
         | Command::Run(_)
-        | Command::Doctor(_) => Err(CliError::NotOneShot),
+        | Command::Doctor(_)
+        | Command::Sweep(_)
+        | Command::Failpoints => Err(CliError::NotOneShot),
     }
 }
 

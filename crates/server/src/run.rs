@@ -346,7 +346,12 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
             event_replay: EVENT_REPLAY,
             gateway: GatewaySettings::default(),
         },
-    )?;
+        // `run` lives in a temporary state dir with a fresh identity:
+        // nothing of it is left to recover, so nothing is recorded.
+        None,
+    )
+    .await?
+    .0;
 
     let outcome = run_job(&stack, input, &mut interrupts).await;
     let stopped = stack.shutdown(SHUTDOWN_GRACE).await;

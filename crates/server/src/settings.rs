@@ -18,6 +18,8 @@ use std::time::Duration;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7878";
 pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:7879";
+/// Reconcile interval and age threshold (DESIGN, *Deadlines*: 120 s).
+const DEFAULT_RECONCILE_SECONDS: u64 = 120;
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(60);
 pub const DEFAULT_EVENT_REPLAY: usize = 10_000;
 /// The environment variable holding the control API's bearer token.
@@ -81,32 +83,8 @@ impl fmt::Display for ListenAddr {
     }
 }
 
-/// The durable-state store URL. Only `sqlite:PATH` is accepted; the store
-/// itself is a later piece of work, so nothing is written there yet.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreUrl {
-    Sqlite(PathBuf),
-}
-
-impl FromStr for StoreUrl {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.strip_prefix("sqlite:") {
-            Some(path) if !path.is_empty() => Ok(Self::Sqlite(PathBuf::from(path))),
-            _ => Err(format!(
-                "{s:?}: only sqlite:PATH is supported (PostgreSQL arrives with the durable state store)"
-            )),
-        }
-    }
-}
-
-impl fmt::Display for StoreUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Sqlite(p) => write!(f, "sqlite:{}", p.display()),
-        }
-    }
-}
+/// The durable-state store URL: `sqlite:PATH` or `postgres://…`.
+pub use kici_store::StoreUrl;
 
 /// `kici-scaler serve` flags. Every daemon setting is `Option` here so that a
 /// missing flag (and variable) falls through to the daemon-config file.
@@ -134,8 +112,7 @@ pub struct ServeArgs {
     /// [default: /var/lib/kici-scaler].
     #[arg(long, value_name = "DIR", env = "KICI_SCALER_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
-    /// Durable state store URL. Only sqlite:PATH is accepted for now, and
-    /// nothing is stored yet: durable state is a later piece of work
+    /// Durable state store URL: sqlite:PATH or postgres://USER@HOST/DB
     /// [default: sqlite:<state-dir>/state.db].
     #[arg(long, value_name = "URL", env = "KICI_SCALER_STATE")]
     pub state: Option<String>,
@@ -171,6 +148,22 @@ pub struct ServeArgs {
     /// [default: 10000].
     #[arg(long, value_name = "N", env = "KICI_SCALER_EVENT_REPLAY")]
     pub event_replay: Option<usize>,
+    /// How often the reconciler compares the store with the host
+    /// [default: 120].
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "KICI_SCALER_RECONCILE_INTERVAL_SECONDS"
+    )]
+    pub reconcile_interval_seconds: Option<u64>,
+    /// Unowned resources younger than this are never reaped (they may
+    /// belong to a spawn in flight) [default: 120].
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "KICI_SCALER_RECONCILE_AGE_SECONDS"
+    )]
+    pub reconcile_age_seconds: Option<u64>,
     /// Mint a new instance id when the state dir belongs to another machine
     /// or its identity is unreadable.
     #[arg(long)]
@@ -199,6 +192,8 @@ pub struct DaemonFile {
     pub shutdown_grace_seconds: Option<u64>,
     pub machine_ledger_dir: Option<PathBuf>,
     pub event_replay: Option<usize>,
+    pub reconcile_interval_seconds: Option<u64>,
+    pub reconcile_age_seconds: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -265,6 +260,10 @@ pub struct DaemonSettings {
     pub machine_ledger_dir: Option<PathBuf>,
     pub event_replay: usize,
     pub reset_identity: bool,
+    /// Between reconcile passes.
+    pub reconcile_every: Duration,
+    /// Reconcile age threshold (DESIGN, *Deadlines*).
+    pub reconcile_age: Duration,
 }
 
 impl DaemonSettings {
@@ -352,6 +351,20 @@ impl DaemonSettings {
             .or(file.shutdown_grace_seconds)
             .map_or(DEFAULT_SHUTDOWN_GRACE, Duration::from_secs);
 
+        let reconcile_every = pick(
+            &args.reconcile_interval_seconds,
+            &file.reconcile_interval_seconds,
+            DEFAULT_RECONCILE_SECONDS,
+        );
+        if reconcile_every == 0 {
+            errors.push("reconcile-interval-seconds must be at least 1".to_owned());
+        }
+        let reconcile_age = pick(
+            &args.reconcile_age_seconds,
+            &file.reconcile_age_seconds,
+            DEFAULT_RECONCILE_SECONDS,
+        );
+
         match (config, listen, gateway_listen, state) {
             (Some(config), Some(listen), Some(gateway_listen), Some(state))
                 if errors.is_empty() =>
@@ -377,6 +390,8 @@ impl DaemonSettings {
                         .or_else(|| file.machine_ledger_dir.clone()),
                     event_replay,
                     reset_identity: args.reset_identity,
+                    reconcile_every: Duration::from_secs(reconcile_every),
+                    reconcile_age: Duration::from_secs(reconcile_age),
                 })
             }
             _ => Err(SettingsError::Invalid(errors.join("\n"))),
@@ -446,7 +461,7 @@ mod tests {
     fn every_problem_is_reported_at_once() {
         let a = ServeArgs {
             listen: Some("nowhere".into()),
-            state: Some("postgres://db".into()),
+            state: Some("mysql://db".into()),
             tls_cert: Some("c.pem".into()),
             pending_ttl_seconds: Some(0),
             ..ServeArgs::default()

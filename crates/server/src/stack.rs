@@ -17,18 +17,22 @@ use crate::gateway::{EngineFollower, Gateway, GatewaySettings};
 use crate::jobs::JobBook;
 use crate::metrics::Metrics;
 use crate::pump::Pump;
+use crate::state::{durable_from_record, RecordedToken, StoreJournal};
 use crate::token::{TokenBootstrapper, TokenStore};
 use kici_admission::{Admission, MachineLedger};
-use kici_engine::runtime::Runtime;
+use kici_engine::runtime::{RecoveryReport, Runtime};
 use kici_engine::{Engine, EngineSettings};
 use kici_model::Config;
+use kici_model::{AgentId, Label, LabelSet};
 use kici_routing::HostPlatform;
+use kici_store::StateStore;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+use std::time::SystemTime;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -98,6 +102,16 @@ pub enum StackError {
     Admission(#[from] kici_admission::AdmissionError),
     #[error("the agent gateway: {0}")]
     Gateway(io::Error),
+    #[error("reading recorded agents: {0}")]
+    Store(#[from] kici_store::StoreError),
+}
+
+/// What start-up recovery found in the state store.
+#[derive(Debug, Clone, Default)]
+pub struct Recovery {
+    pub report: RecoveryReport,
+    /// Rows that did not decode; left in the store untouched.
+    pub unreadable: Vec<String>,
 }
 
 /// How a shutdown went.
@@ -127,14 +141,17 @@ pub struct Stack {
 
 impl Stack {
     /// Starts the engine on `backends` and serves the gateway on `gateway`.
+    /// With a state store, every agent it records is taken back first (see
+    /// [`kici_engine::Engine::recover`]) and every change is written to it.
     /// Must run inside a tokio runtime.
-    pub fn start(
+    pub async fn start(
         config: Arc<Config>,
         backends: Built,
         ledger: Option<MachineLedger>,
         gateway: std::net::TcpListener,
         options: StackOptions,
-    ) -> Result<Self, StackError> {
+        store: Option<Arc<dyn StateStore>>,
+    ) -> Result<(Self, Recovery), StackError> {
         let gateway_addr = gateway.local_addr().map_err(StackError::Gateway)?;
         let listener = tokio::net::TcpListener::from_std(gateway).map_err(StackError::Gateway)?;
         let admission = Admission::new(&config, ledger)?;
@@ -149,7 +166,22 @@ impl Stack {
         let metrics = Arc::new(Metrics::new(&config));
         let events = Arc::new(EventLog::new(options.event_replay.max(1)));
         let jobs = Arc::new(JobBook::new());
-        let runtime = Runtime::start(engine, backends.backends, bootstrapper);
+        let mut recovery = Recovery::default();
+        let mut recorded = Vec::new();
+        let runtime = match &store {
+            None => Runtime::start(engine, backends.backends, bootstrapper),
+            Some(store) => {
+                let now = SystemTime::now();
+                for row in store.agents().await? {
+                    match durable_from_record(&row, now) {
+                        Ok(pair) => recorded.push(pair),
+                        Err(e) => recovery.unreadable.push(e),
+                    }
+                }
+                let journal = Arc::new(StoreJournal::new(Arc::clone(store), Arc::clone(&tokens)));
+                Runtime::with_journal(engine, backends.backends, bootstrapper, journal)
+            }
+        };
         // Subscribed before anything yields: the runtime's first tick runs
         // only then.
         let gateway = Gateway::new(
@@ -165,6 +197,14 @@ impl Stack {
             Arc::clone(&metrics),
             Arc::clone(&tokens),
         );
+        if store.is_some() {
+            let (records, tokens_of): (Vec<_>, Vec<_>) = recorded
+                .into_iter()
+                .map(|(d, t)| (d.clone(), (d.agent, t)))
+                .unzip();
+            recovery.report = runtime.recover_and_start(records).await;
+            restore_tokens(&runtime, &tokens, &recovery.report.adopted, tokens_of);
+        }
         let (gateway_stop, stopped) = oneshot::channel::<()>();
         let router = gateway.router();
         let gateway_task = tokio::spawn(async move {
@@ -175,7 +215,7 @@ impl Stack {
                 .await
         });
         tracing::info!(addr = %gateway_addr, "agent gateway listening");
-        Ok(Self {
+        let stack = Self {
             config,
             runtime,
             tokens,
@@ -189,7 +229,8 @@ impl Stack {
             gateway_stop,
             gateway_task,
             after_shutdown: backends.after_shutdown,
-        })
+        };
+        Ok((stack, recovery))
     }
 
     /// Whether the gateway's server task ended on its own (its error).
@@ -220,5 +261,30 @@ impl Stack {
             }
         }
         Stopped { agents_left }
+    }
+}
+
+/// A re-adopted agent keeps the token it was given before the restart
+/// (its hash was recorded), scoped to its `KICI_LABELS` as before.
+fn restore_tokens(
+    runtime: &Runtime,
+    tokens: &TokenStore,
+    adopted: &[AgentId],
+    recorded: Vec<(AgentId, Option<RecordedToken>)>,
+) {
+    let now = SystemTime::now();
+    for (agent, token) in recorded {
+        let Some(token) = token else { continue };
+        if !adopted.contains(&agent) {
+            continue;
+        }
+        let remaining = token.expires_at.duration_since(now).unwrap_or_default();
+        let scope = runtime
+            .call(|e, _| e.agent_labels_of(agent))
+            .map(|labels| LabelSet::from_labels(labels.iter().filter_map(|l| Label::parse(l).ok())))
+            .unwrap_or_default();
+        if let Err(e) = tokens.restore(agent, &token.hash, remaining, scope) {
+            tracing::warn!(agent = %agent, error = %e, "recorded token unusable; the agent cannot register again");
+        }
     }
 }

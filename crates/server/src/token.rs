@@ -208,6 +208,42 @@ impl TokenStore {
         })
     }
 
+    /// The hash of `agent`'s token (hex) and the time it has left, for the
+    /// state store: a re-adopted agent keeps the token it was given.
+    pub fn export(&self, agent: AgentId) -> Option<(String, Duration)> {
+        let now = (self.clock)();
+        let tokens = self.tokens.lock();
+        let r = tokens.get(&agent)?;
+        Some((
+            hex::encode(r.hash),
+            r.expires.saturating_duration_since(now),
+        ))
+    }
+
+    /// Re-installs a token recorded by [`TokenStore::export`] before a
+    /// restart. A malformed hash is refused (the agent then cannot register
+    /// and is reaped by its registration deadline).
+    pub fn restore(
+        &self,
+        agent: AgentId,
+        hash_hex: &str,
+        remaining: Duration,
+        scope: LabelSet,
+    ) -> Result<(), TokenRejection> {
+        let mut hash = [0u8; 32];
+        hex::decode_to_slice(hash_hex, &mut hash).map_err(|_| TokenRejection::Mismatch)?;
+        let now = (self.clock)();
+        self.tokens.lock().insert(
+            agent,
+            TokenRecord {
+                hash,
+                expires: now.checked_add(remaining).unwrap_or(now),
+                scope,
+            },
+        );
+        Ok(())
+    }
+
     /// Forgets `agent`'s token. Returns whether there was one.
     pub fn revoke(&self, agent: AgentId) -> bool {
         self.tokens.lock().remove(&agent).is_some()
@@ -322,6 +358,29 @@ mod tests {
 
     fn scope() -> LabelSet {
         LabelSet::parse(["linux", "kici:agent:bare-metal"]).unwrap()
+    }
+
+    #[test]
+    fn an_exported_token_restored_in_a_new_store_still_verifies_until_its_expiry() {
+        let (old, clock) = store();
+        let token = old
+            .mint(agent(1), Duration::from_secs(60), scope())
+            .unwrap();
+        clock.store(20, Ordering::SeqCst);
+        let (hash, remaining) = old.export(agent(1)).unwrap();
+        assert_eq!(remaining, Duration::from_secs(40));
+        assert!(!hash.contains("kat_"), "only the hash leaves the store");
+        let (new, clock2) = store();
+        new.restore(agent(1), &hash, remaining, scope()).unwrap();
+        assert_eq!(new.verify(agent(1), token.expose()), Ok(()));
+        assert_eq!(new.identify(token.expose()).unwrap().scope, scope());
+        clock2.store(40, Ordering::SeqCst);
+        assert_eq!(
+            new.verify(agent(1), token.expose()),
+            Err(TokenRejection::Expired)
+        );
+        assert!(new.restore(agent(2), "zz", remaining, scope()).is_err());
+        assert_eq!(old.export(agent(9)), None);
     }
 
     #[test]

@@ -89,8 +89,11 @@ impl Setup {
                 event_replay: 100,
                 gateway: settings,
             },
+            None,
         )
-        .unwrap();
+        .await
+        .unwrap()
+        .0;
         let events = stack.runtime.subscribe();
         let url = format!("ws://{}/ws", stack.gateway_addr);
         Self {

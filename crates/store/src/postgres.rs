@@ -42,9 +42,17 @@ pub(crate) struct PgStore {
 }
 
 impl PgStore {
-    /// Lowest free address not locked by a concurrent claim.
-    const CLAIM_IP: &'static str = "UPDATE ip_leases SET agent_id = $2, owner = $3, leased_at = $4 \
-        WHERE network = $1 AND agent_id IS NULL AND ip = (SELECT ip FROM ip_leases WHERE network = $1 AND agent_id IS NULL ORDER BY ip LIMIT 1 FOR UPDATE SKIP LOCKED) \
+    /// The IP claim, one statement, one round trip: the
+    /// agent's existing lease in the network (rewritten unchanged, which
+    /// makes the call idempotent) or else the lowest free address.
+    /// The free row is locked `FOR UPDATE SKIP LOCKED` (re-checked after
+    /// the lock, skipped if another claim holds it); COALESCE evaluates the
+    /// second sub-select (an init plan) only when the first found nothing,
+    /// so no free row is locked for an agent that already has one.
+    const CLAIM_IP: &'static str = "UPDATE ip_leases SET agent_id = $2, owner = $3, leased_at = COALESCE(leased_at, $4) \
+        WHERE network = $1 AND ip = COALESCE( \
+            (SELECT ip FROM ip_leases WHERE network = $1 AND agent_id = $2 AND owner = $3), \
+            (SELECT ip FROM ip_leases WHERE network = $1 AND agent_id IS NULL ORDER BY ip LIMIT 1 FOR UPDATE SKIP LOCKED)) \
         RETURNING ip";
 
     pub(crate) async fn open(

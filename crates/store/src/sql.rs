@@ -6,7 +6,9 @@
 //! A store type using the macro provides fields `owner: InstanceId`,
 //! `owner_text: String`, `filled: tokio::sync::Mutex<HashSet<Ipv4Net>>` and
 //! methods `reader()`, `writer()` (pools), `begin_write()` (a write
-//! transaction), `ping_impl()`, `close_impl()` and the constant `CLAIM_IP`.
+//! transaction), `ping_impl()`, `close_impl()` and the constant `CLAIM_IP`: one statement (binds: network,
+//! agent, owner, now) that returns the agent's existing lease in the network
+//! or claims the lowest free address, or returns no row.
 
 use crate::error::StoreError;
 use crate::record::{AgentRecord, EventRecord, PendingRecord, ResourceNames, UnixMillis};
@@ -48,8 +50,10 @@ pub(crate) const NETWORK_FILLED: &str = "SELECT capacity FROM ip_networks WHERE 
 pub(crate) const FILL_NETWORK: &str = "WITH RECURSIVE addr(n) AS (SELECT CAST($2 AS BIGINT) UNION ALL SELECT n + 1 FROM addr WHERE n < CAST($3 AS BIGINT)) \
 INSERT INTO ip_leases (network, ip) SELECT $1, n FROM addr WHERE true ON CONFLICT (network, ip) DO NOTHING";
 pub(crate) const MARK_FILLED: &str = "INSERT INTO ip_networks (network, capacity, filled_at) VALUES ($1, $2, $3) ON CONFLICT (network) DO NOTHING";
-pub(crate) const LEASE_OF_AGENT: &str =
-    "SELECT ip FROM ip_leases WHERE network = $1 AND agent_id = $2 AND owner = $3";
+/// Whether `$1` has a free address (a claim found none: exhausted, or all
+/// free rows locked by concurrent claims?).
+pub(crate) const ANY_FREE: &str =
+    "SELECT EXISTS (SELECT 1 FROM ip_leases WHERE network = $1 AND agent_id IS NULL)";
 pub(crate) const RELEASE_AGENT: &str = "UPDATE ip_leases SET agent_id = NULL, owner = NULL, leased_at = NULL WHERE owner = $1 AND agent_id = $2";
 pub(crate) const RELEASE_IP: &str = "UPDATE ip_leases SET agent_id = NULL, owner = NULL, leased_at = NULL WHERE owner = $1 AND network = $2 AND ip = $3";
 pub(crate) const LEASES: &str =
@@ -503,32 +507,6 @@ macro_rules! impl_state_store {
                 filled.insert(pool.network());
                 Ok(())
             }
-
-            /// One claim transaction: the agent's existing lease in the
-            /// network, else the lowest free address. `None`: exhausted.
-            async fn claim(&self, network: &str, agent: &str) -> Result<Option<i64>, sqlx::Error> {
-                let mut tx = self.begin_write().await?;
-                let existing: Option<i64> = sqlx::query_scalar($crate::sql::LEASE_OF_AGENT)
-                    .bind(network)
-                    .bind(agent)
-                    .bind(&self.owner_text)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                let ip = match existing {
-                    Some(ip) => Some(ip),
-                    None => {
-                        sqlx::query_scalar(Self::CLAIM_IP)
-                            .bind(network)
-                            .bind(agent)
-                            .bind(&self.owner_text)
-                            .bind($crate::UnixMillis::now().0)
-                            .fetch_optional(&mut *tx)
-                            .await?
-                    }
-                };
-                tx.commit().await?;
-                Ok(ip)
-            }
         }
 
         #[async_trait::async_trait]
@@ -541,23 +519,45 @@ macro_rules! impl_state_store {
                 self.ensure_pool(pool).await?;
                 let network = pool.network().to_string();
                 let agent_text = agent.to_string();
-                // A unique violation means a concurrent call for the same
-                // agent claimed first: the retry finds that lease.
-                let mut retries = 3;
+                // Retries: a unique violation means a concurrent call for the
+                // same agent claimed first (the retry returns that lease); no
+                // row under SKIP LOCKED can mean every free row is being
+                // claimed or released right now, so it is only exhaustion
+                // once no free row is left at all.
+                let mut retries = 8;
                 let ip = loop {
-                    match self.claim(&network, &agent_text).await {
-                        Ok(ip) => break ip,
+                    let claimed: Result<Option<i64>, sqlx::Error> =
+                        sqlx::query_scalar(Self::CLAIM_IP)
+                            .bind(&network)
+                            .bind(&agent_text)
+                            .bind(&self.owner_text)
+                            .bind($crate::UnixMillis::now().0)
+                            .fetch_optional(self.writer())
+                            .await;
+                    match claimed {
+                        Ok(Some(ip)) => break ip,
+                        Ok(None) => {
+                            let free: bool = sqlx::query_scalar($crate::sql::ANY_FREE)
+                                .bind(&network)
+                                .fetch_one(self.writer())
+                                .await
+                                .map_err(|e| {
+                                    $crate::AllocError::from($crate::error::classify(e))
+                                })?;
+                            if !free || retries == 0 {
+                                return Err($crate::AllocError::Exhausted {
+                                    network: pool.network(),
+                                    capacity: pool.capacity(),
+                                });
+                            }
+                            retries -= 1;
+                            tokio::task::yield_now().await;
+                        }
                         Err(e) if retries > 0 && $crate::error::is_unique_violation(&e) => {
                             retries -= 1;
                         }
                         Err(e) => return Err($crate::error::classify(e).into()),
                     }
-                };
-                let Some(ip) = ip else {
-                    return Err($crate::AllocError::Exhausted {
-                        network: pool.network(),
-                        capacity: pool.capacity(),
-                    });
                 };
                 fail::fail_point!("store::ip::after_claim", |_| Err(
                     $crate::AllocError::Store("failpoint store::ip::after_claim".to_owned())

@@ -12,12 +12,13 @@
 //!
 //! Concurrency: exactly one writer connection (a pool of one), so writes
 //! queue in this process instead of contending for SQLite's file lock, and
-//! a read pool. Multi-statement writes (the IP claim) run in `BEGIN
-//! IMMEDIATE` transactions: the write lock is taken at `BEGIN`, so the
-//! transaction's reads see the latest commit and no other writer (another
-//! process on the same file) can slip in between its read and its write;
-//! SQLite has no row locks, and needs none with one writer at a time.
-//! `busy_timeout` bounds the wait for another process's lock.
+//! a read pool. The IP claim is one `UPDATE … RETURNING` statement and the
+//! pool fill a `BEGIN IMMEDIATE` transaction: either way the write lock is
+//! taken before the first read, so what was read is the latest commit and
+//! no other writer (another process on the same file) can slip in between
+//! the read and the write; SQLite has no row locks, and needs none with one
+//! writer at a time. `busy_timeout` bounds the wait for another process's
+//! lock.
 
 use crate::error::{classify, StoreError};
 use crate::{StoreKind, StoreOptions};
@@ -40,10 +41,15 @@ pub(crate) struct SqliteStore {
 }
 
 impl SqliteStore {
-    /// Lowest free address, claimed in the caller's `BEGIN IMMEDIATE`
-    /// transaction (which already excludes every other writer).
-    const CLAIM_IP: &'static str = "UPDATE ip_leases SET agent_id = $2, owner = $3, leased_at = $4 \
-        WHERE network = $1 AND agent_id IS NULL AND ip = (SELECT ip FROM ip_leases WHERE network = $1 AND agent_id IS NULL ORDER BY ip LIMIT 1) \
+    /// The IP claim, one statement, one round trip: the
+    /// agent's existing lease in the network (rewritten unchanged, which
+    /// makes the call idempotent) or else the lowest free address.
+    /// A write statement in autocommit takes SQLite's write lock before it
+    /// reads, so the address it picks cannot be taken in between.
+    const CLAIM_IP: &'static str = "UPDATE ip_leases SET agent_id = $2, owner = $3, leased_at = COALESCE(leased_at, $4) \
+        WHERE network = $1 AND ip = COALESCE( \
+            (SELECT ip FROM ip_leases WHERE network = $1 AND agent_id = $2 AND owner = $3), \
+            (SELECT ip FROM ip_leases WHERE network = $1 AND agent_id IS NULL ORDER BY ip LIMIT 1)) \
         RETURNING ip";
 
     pub(crate) async fn open(

@@ -159,7 +159,7 @@ fn job_not_found(id: &JobId) -> ApiError {
         (status = 415, description = "Not application/json", body = ErrorBody),
         (status = 422, description = "A field is invalid, or `no-backend` / `too-large` (`message` says why)", body = ErrorBody),
         (status = 500, description = "Admission failed (machine-pool ledger)", body = ErrorBody),
-        (status = 503, description = "Shutting down, or the pending queue is full", body = ErrorBody)
+        (status = 503, description = "Shutting down, the pending queue is full, or the state store is unreachable", body = ErrorBody)
     )
 )]
 pub async fn submit_job(
@@ -167,6 +167,7 @@ pub async fn submit_job(
     ApiJson(body): ApiJson<JobBody>,
 ) -> Result<(StatusCode, Json<JobAccepted>), ApiError> {
     let request = body.into_request(JobBook::mint_id())?;
+    state.store_reachable().await?;
     let view = jobs::submit(&state.runtime, &state.jobs, request).map_err(submit_error)?;
     Ok((
         StatusCode::ACCEPTED,

@@ -37,6 +37,7 @@ use axum::Router;
 use error::{ApiError, MAX_BODY_BYTES};
 use kici_engine::runtime::Runtime;
 use kici_model::InstanceId;
+use kici_store::StateStore;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
@@ -60,6 +61,9 @@ pub struct Shared {
     pub reloader: Arc<dyn Reload>,
     /// `KICI_SCALER_API_TOKEN`; when set, every request must carry it.
     pub api_token: Option<Secret>,
+    /// The durable state store (`None` in `run` and in tests without one).
+    /// New scale requests need it reachable.
+    store: parking_lot::RwLock<Option<Arc<dyn StateStore>>>,
     /// Start-up finished and not shutting down.
     ready: AtomicBool,
     /// The OpenAPI document, serialised once.
@@ -87,9 +91,32 @@ impl AppState {
             metrics,
             reloader,
             api_token,
+            store: parking_lot::RwLock::new(None),
             ready: AtomicBool::new(false),
             openapi_json: parking_lot::RwLock::new(Arc::from("{}")),
         }))
+    }
+
+    /// The state store every new scale request must be able to reach.
+    pub fn set_store(&self, store: Arc<dyn StateStore>) {
+        *self.0.store.write() = Some(store);
+    }
+
+    /// Checks that the state store answers (bounded by its pool's acquire
+    /// timeout, 1 s by default): a request it could not record must not
+    /// start anything.
+    pub async fn store_reachable(&self) -> Result<(), ApiError> {
+        let store = self.0.store.read().clone();
+        match store {
+            None => Ok(()),
+            Some(store) => store.ping().await.map_err(|e| {
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store-unavailable",
+                    e.to_string(),
+                )
+            }),
+        }
     }
 
     pub fn set_ready(&self, ready: bool) {

@@ -30,7 +30,7 @@ use kici_engine::{ScaleError, ScaleOutcome};
         (status = 415, description = "Not application/json", body = ErrorBody),
         (status = 422, description = "A field is invalid (`field` names it)", body = ErrorBody),
         (status = 500, description = "Admission failed (machine-pool ledger)", body = ErrorBody),
-        (status = 503, description = "Shutting down, or the pending queue is full", body = ErrorBody)
+        (status = 503, description = "Shutting down, the pending queue is full, or the state store is unreachable", body = ErrorBody)
     )
 )]
 pub async fn request_scale(
@@ -39,6 +39,7 @@ pub async fn request_scale(
 ) -> Result<(StatusCode, Json<ScaleAnswer>), ApiError> {
     let request = body.into_request()?;
     let job = request.job.clone();
+    state.store_reachable().await?;
     let outcome = state.runtime.request_scale(request).map_err(|e| match e {
         ScaleError::Conflict(_) => {
             ApiError::new(StatusCode::CONFLICT, "job-conflict", e.to_string()).field("jobId")

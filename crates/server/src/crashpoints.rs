@@ -1,0 +1,74 @@
+//! Turning named failpoints into real crashes, for the kill -9 tests.
+//!
+//! Every crate with provisioning, release or reconcile steps exports its
+//! failpoint names (`FAILPOINTS`); [`all`] lists them for the binary. In a
+//! build with the `failpoints` feature, `KICI_SCALER_CRASH_AT=<name>[,…]`
+//! makes the daemon send itself SIGKILL the moment a step reaches that
+//! point: the crash leaves exactly that step's side effect behind, which is
+//! what recovery and the reconciler must then clean up. Without the feature
+//! the variable is refused, so a production binary cannot be told to crash.
+
+/// The environment variable naming the failpoints to crash at.
+pub const CRASH_AT_ENV: &str = "KICI_SCALER_CRASH_AT";
+
+/// Every failpoint the binary has, by crate.
+pub fn all() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    v.extend_from_slice(kici_engine::failpoints::FAILPOINTS);
+    v.extend_from_slice(kici_backends::failpoints::FAILPOINTS);
+    v.extend_from_slice(kici_store::FAILPOINTS);
+    v.extend_from_slice(crate::reconcile::FAILPOINTS);
+    v
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CrashpointError {
+    #[error("{CRASH_AT_ENV}: unknown failpoint `{0}` (`kici-scaler failpoints` lists them)")]
+    Unknown(String),
+    #[error("{CRASH_AT_ENV} is set but this binary was built without the `failpoints` feature")]
+    NotBuiltIn,
+}
+
+/// Arms the crashes `KICI_SCALER_CRASH_AT` asks for; returns their names.
+pub fn arm_from_env() -> Result<Vec<String>, CrashpointError> {
+    let Ok(raw) = std::env::var(CRASH_AT_ENV) else {
+        return Ok(Vec::new());
+    };
+    let names: Vec<String> = raw
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let known = all();
+    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
+        return Err(CrashpointError::Unknown(bad.clone()));
+    }
+    arm(&names)?;
+    Ok(names)
+}
+
+#[cfg(feature = "failpoints")]
+fn arm(names: &[String]) -> Result<(), CrashpointError> {
+    for name in names {
+        let point = name.clone();
+        // Err only for an invalid action string; a callback has none.
+        let _ = fail::cfg_callback(name.clone(), move || {
+            tracing::warn!(failpoint = %point, "crashing here (kill -9 of ourselves)");
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        });
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "failpoints"))]
+fn arm(names: &[String]) -> Result<(), CrashpointError> {
+    if names.is_empty() {
+        Ok(())
+    } else {
+        Err(CrashpointError::NotBuiltIn)
+    }
+}
