@@ -37,10 +37,11 @@ async fn concurrent_allocators_never_duplicate() {
     db.drop_db().await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exhaustion_at_range_size_and_reuse() {
     let db = TestDb::new().await;
     let store = open_fresh(&db.url).await;
+    same_agent_concurrently(store.clone(), "10.43.0.32/27".parse().unwrap()).await;
     exhaustion_and_reuse(store.as_ref(), "10.43.0.32/27".parse().unwrap()).await;
     store.close().await;
     db.drop_db().await;

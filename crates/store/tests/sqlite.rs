@@ -58,10 +58,11 @@ async fn concurrent_allocators_never_duplicate() {
     concurrent_allocations_are_unique(store, "10.42.0.0/16".parse().unwrap()).await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exhaustion_at_range_size_and_reuse() {
     let dir = tempfile::tempdir().unwrap();
     let store = open_fresh(&sqlite_url(&dir)).await;
+    same_agent_concurrently(store.clone(), "10.43.0.32/27".parse().unwrap()).await;
     exhaustion_and_reuse(store.as_ref(), "10.43.0.32/27".parse().unwrap()).await;
 }
 

@@ -298,6 +298,25 @@ pub async fn concurrent_allocations_are_unique(store: Arc<dyn StateStore>, pool:
     }
 }
 
+/// Eight concurrent allocations for one agent (a retried spawn racing
+/// itself) get one address, and exactly one row holds it.
+pub async fn same_agent_concurrently(store: Arc<dyn StateStore>, pool: Ipv4Pool) {
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            store.allocate(&pool, &agent_id(4242)).await.unwrap()
+        }));
+    }
+    let mut leases = Vec::new();
+    for t in tasks {
+        leases.push(t.await.unwrap());
+    }
+    assert!(leases.iter().all(|l| *l == leases[0]), "{leases:?}");
+    assert_eq!(store.leases().await.unwrap(), vec![leases[0].clone()]);
+    assert_eq!(store.release_agent(&agent_id(4242)).await.unwrap(), 1);
+}
+
 /// A /27 has 29 assignable addresses: the 30th allocation is Exhausted,
 /// repeat allocations are idempotent, release by IP and by agent make the
 /// addresses reusable, all 29 again.
