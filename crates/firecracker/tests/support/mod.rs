@@ -140,9 +140,22 @@ pub fn random_agent() -> AgentId {
     AgentId::new(ScalerType::Firecracker, random_u32().to_le_bytes())
 }
 
+/// Which jailer and Firecracker the harness runs.
+pub enum Binaries {
+    /// The small stand-ins in `tests/support` (Python VMM, shell jailer).
+    StandIn,
+    /// crates/testkit's spec-enforcing `fc-sim` and its faithful
+    /// `fake-jailer` (real chroot, PID namespace, uid drop).
+    Testkit(kici_testkit::fc::GuestSetup),
+}
+
 impl Harness {
     /// `label_set_yaml` is appended under the label set (indented 8).
     pub async fn new(label_set_yaml: &str) -> Self {
+        Self::with(label_set_yaml, Binaries::StandIn).await
+    }
+
+    pub async fn with(label_set_yaml: &str, binaries: Binaries) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("kfc")
             .tempdir_in("/tmp")
@@ -164,18 +177,34 @@ impl Harness {
         let pids = dir.path().join("pids");
         std::fs::create_dir_all(&bin).unwrap();
         std::fs::create_dir_all(&pids).unwrap();
-        let firecracker = bin.join("firecracker");
-        std::fs::write(&firecracker, include_str!("fake_firecracker.py")).unwrap();
-        let jailer = bin.join("jailer");
-        std::fs::write(
-            &jailer,
-            include_str!("fake_jailer.sh").replace("@PIDS@", pids.to_str().unwrap()),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        for f in [&firecracker, &jailer] {
-            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
+        let (firecracker, jailer) = match binaries {
+            Binaries::StandIn => {
+                let firecracker = bin.join("firecracker");
+                std::fs::write(&firecracker, include_str!("fake_firecracker.py")).unwrap();
+                let jailer = bin.join("jailer");
+                std::fs::write(
+                    &jailer,
+                    include_str!("fake_jailer.sh").replace("@PIDS@", pids.to_str().unwrap()),
+                )
+                .unwrap();
+                use std::os::unix::fs::PermissionsExt;
+                for f in [&firecracker, &jailer] {
+                    std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
+                }
+                (firecracker, jailer)
+            }
+            Binaries::Testkit(guest) => {
+                let paths = kici_testkit::fc::build_binaries().unwrap();
+                let kit = paths.kit(&bin).unwrap();
+                let mut guest = guest;
+                if guest.agent.is_none() {
+                    guest.agent = Some(paths.testkit_agent.clone());
+                }
+                kit.set_guest(&guest).unwrap();
+                kit.set_cgroup_root(&dir.path().join("cgroup")).unwrap();
+                (kit.firecracker.clone(), kit.jailer.clone())
+            }
+        };
         let kernel = dir.path().join("vmlinux");
         let rootfs = dir.path().join("rootfs.ext4");
         std::fs::write(&kernel, b"kernel image").unwrap();
@@ -287,13 +316,21 @@ scalers:
         std::fs::read_to_string(self.root(agent).join("serial-console.log")).unwrap_or_default()
     }
 
-    /// The pid every VMM the fake jailer started for `agent` had.
+    /// The pid the VMM of `agent` had (recorded by the stand-in jailer, or
+    /// by [`Self::remember`] from a spawn's handle).
     pub fn vmm_pid(&self, agent: &AgentId) -> Option<i32> {
         std::fs::read_to_string(self.pids.join(agent.to_string()))
             .ok()?
             .trim()
             .parse()
             .ok()
+    }
+
+    /// Records the VMM pid of a spawn's handle (`pid:<pid>:<start>`).
+    pub fn remember(&self, agent: &AgentId, handle: &kici_engine::ResourceHandle) {
+        if let Some(pid) = handle.extra.get("vmm").and_then(|v| v.split(':').nth(1)) {
+            std::fs::write(self.pids.join(agent.to_string()), pid).unwrap();
+        }
     }
 
     pub async fn link_exists(&self, name: &str) -> bool {
