@@ -129,6 +129,24 @@ fn bench(c: &mut Criterion) {
                 total
             })
         });
+        // Until `spawn` returns (the agent has exec'd by then: the launch
+        // waits for it), without bash's start-up: the backend's own share.
+        group.bench_function(format!("{name}/spawn_call"), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let spec = spec_for(&scaler);
+                    let agent = spec.agent;
+                    let started = std::time::Instant::now();
+                    let handle = rt.block_on(backend.spawn(spec)).unwrap();
+                    total += started.elapsed();
+                    stamp_after(&fifo, SystemTime::now());
+                    rt.block_on(backend.destroy(&agent, Some(&handle), Duration::from_secs(5)))
+                        .unwrap();
+                }
+                total
+            })
+        });
         backend.prune_empty_cgroups();
     }
     group.bench_function("direct_command", |b| {
