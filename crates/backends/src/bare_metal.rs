@@ -5,13 +5,19 @@
 //! only in the environment, never in argv), in its own session and process
 //! group, stdin from `/dev/null`, stdout and stderr appended to
 //! `<state dir>/agents/<agent id>/{stdout,stderr}.log`, working directory
-//! `<state dir>/agents/<agent id>/work`. Before it execs, the child moves
-//! itself into its tracking cgroup (and its v1 limit cgroups), so nothing it
-//! forks can escape ([`crate::cgroup`]).
+//! `<state dir>/agents/<agent id>/work`. The child is created inside its
+//! tracking cgroup (`clone3(CLONE_INTO_CGROUP)`, [`crate::launch`]; where the
+//! kernel refuses that, it writes itself into `cgroup.procs` before exec)
+//! and enters its v1 limit cgroups before exec, so nothing it forks can
+//! escape ([`crate::cgroup`]). An optional daemon-wide `pids.max`
+//! ([`BareMetalOptions::pids_max`]) caps forks.
 //!
 //! The backend owns, per agent: the tracking cgroup and its limits, the log
 //! directory, the exit watch (a pidfd: the exit is reported at once and the
-//! child reaped) and the log tailer. Destroy verifies the pid's start time
+//! child reaped) and the log tailer (resumable offsets, disk use bounded by
+//! [`BareMetalOptions::log_keep_bytes`]). Every step has a named failpoint
+//! ([`crate::failpoints`]); a spawn failing after its process started kills
+//! and removes it again. Destroy verifies the pid's start time
 //! before signalling the process group, kills whatever remains in the cgroup
 //! after the grace, and removes everything; it works from the agent id alone
 //! (after a daemon restart) and when the agent is long gone.
