@@ -685,10 +685,8 @@ impl FirecrackerBackend {
         note(fail_step(fp::DESTROY_LEASE));
         if let (Some(cgroups), Some(layout)) = (&inner.cgroups, &parts.layout) {
             for dir in cgroups.vm_dirs(layout.exec_name(), agent) {
-                match std::fs::remove_dir(&dir) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(source) => note(Err(DestroyError::Cgroup { path: dir, source })),
+                if let Err(source) = remove_cgroup_dir(&dir) {
+                    note(Err(DestroyError::Cgroup { path: dir, source }));
                 }
             }
         }
@@ -846,6 +844,30 @@ fn fail_step(name: &'static str) -> Result<(), DestroyError> {
     fail::fail_point!(name, |_| Err(DestroyError::Injected(name)));
     let _ = name;
     Ok(())
+}
+
+/// Removes a VM's (empty, the VMM being dead) cgroup directory. On a
+/// cgroup filesystem `rmdir` is the only way and works once no process is
+/// left; anywhere else (a test tree standing in for one) the directory
+/// holds plain files and goes whole.
+fn remove_cgroup_dir(dir: &Path) -> std::io::Result<()> {
+    const CGROUP_SUPER_MAGIC: i64 = 0x0027_e0eb;
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    match std::fs::remove_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => {
+            let on_cgroupfs = rustix::fs::statfs(dir).is_ok_and(|s| {
+                let kind = s.f_type;
+                kind == CGROUP_SUPER_MAGIC || kind == CGROUP2_SUPER_MAGIC
+            });
+            if on_cgroupfs {
+                Err(e)
+            } else {
+                std::fs::remove_dir_all(dir)
+            }
+        }
+    }
 }
 
 /// `<base>/<exec name>/<agent id>` → its layout.

@@ -357,3 +357,131 @@ async fn serial_firecracker_sweep_removes_exactly_the_planted_orphans() {
         .unwrap();
     h.assert_nothing_left(&live).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serial_firecracker_sweep_removes_a_recorded_vm_whose_process_is_gone() {
+    let h = Harness::new("").await;
+    let agent = random_agent();
+    let (spec, _rx) = h.spec(agent);
+    let handle = h.backend.spawn(spec).await.unwrap();
+    // The daemon restarts: a new backend that follows nothing; the VM died
+    // while no daemon ran; its owner marker is old.
+    let pid = h.vmm_pid(&agent).unwrap();
+    std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    let fresh = kici_firecracker::FirecrackerBackend::new({
+        let mut o = kici_firecracker::FirecrackerOptions::new(
+            h.instance,
+            h.network.clone(),
+            h.allocator.clone(),
+            h.egress.clone(),
+            vec![],
+        );
+        o.sweep_min_age = Duration::from_secs(60);
+        o
+    })
+    .unwrap();
+    h.backend.register_layout(&h.layout());
+    fresh.register_layout(&h.layout());
+    let marker = h.vm_dir(&agent).join(".kici-owner");
+    std::fs::File::open(&marker)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
+    // Until the process is really gone (a zombie counts as gone), a
+    // recorded VM is left to adoption.
+    let known: HashSet<_> = [agent].into();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while process_running(pid) && std::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    let report = fresh.sweep(&known).await;
+    assert_eq!(report.vms, [agent], "{report:?}");
+    h.assert_nothing_left(&agent).await;
+    // The old backend's destroy is then a no-op.
+    h.backend
+        .destroy(&agent, Some(&handle), Duration::from_secs(1))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serial_firecracker_host_network_provisions_checks_and_tears_down_only_its_bridge() {
+    let h = Harness::new("").await;
+    let host = kici_firecracker::HostNetwork {
+        network: &h.network,
+    };
+    let status = host.check().await.unwrap();
+    assert!(status.healthy() && status.tagged, "{status:?}");
+    assert!(status.problems(&h.network).is_empty());
+    // Idempotent: provisioning again changes nothing and keeps the ports.
+    let live = random_agent();
+    let (spec, _rx) = h.spec(live);
+    let handle = h.backend.spawn(spec).await.unwrap();
+    assert!(host.provision().await.unwrap().healthy());
+    let port = Netlink::connect()
+        .unwrap()
+        .get(&tap_name(&live))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(port.controller.is_some());
+    h.backend
+        .destroy(&live, Some(&handle), Duration::from_secs(5))
+        .await
+        .unwrap();
+
+    // A bridge of the same name not created by us is never torn down.
+    let mut foreign = h.network.clone();
+    foreign.bridge_name = format!("kfx{}", &h.network.bridge_name[3..]);
+    let other = kici_firecracker::HostNetwork { network: &foreign };
+    assert!(!other.check().await.unwrap().exists);
+    assert!(other.check().await.unwrap().problems(&foreign)[0].contains("does not exist"));
+    std::process::Command::new("ip")
+        .args(["link", "add", &foreign.bridge_name, "type", "bridge"])
+        .status()
+        .unwrap();
+    let status = other.check().await.unwrap();
+    assert!(status.exists && !status.tagged && !status.gateway_assigned);
+    assert!(!other.teardown().await.unwrap());
+    assert!(h.link_exists(&foreign.bridge_name).await);
+    Netlink::connect()
+        .unwrap()
+        .delete(&foreign.bridge_name)
+        .await
+        .unwrap();
+
+    assert!(host.teardown().await.unwrap());
+    assert!(!host.check().await.unwrap().exists);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serial_firecracker_validate_names_every_problem() {
+    let h = Harness::new("").await;
+    h.backend.validate(&h.scaler).await.unwrap();
+    // A long chroot base, an unreadable image, a root uid, a missing jailer.
+    let mut bad = (*h.scaler).clone();
+    let kici_model::BackendSettings::Firecracker(s) = &mut bad.backend else {
+        panic!()
+    };
+    s.chroot_base_dir = std::path::PathBuf::from(format!("/{}", "x".repeat(70)));
+    s.uid = 0;
+    s.jailer_path = h.dir.path().join("missing-jailer");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&s.kernel_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let errors = h.backend.validate(&bad).await.unwrap_err();
+    let all = errors.join("\n");
+    for needle in ["unix socket path", "must not be root", "missing-jailer"] {
+        assert!(all.contains(needle), "{needle} not in:\n{all}");
+    }
+    // The jailer user (10000) cannot read a root-only image, and it is never
+    // chmodded for it.
+    let errors = h.backend.validate(&h.scaler).await.unwrap_err();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("not readable by the jailer user 10000:10000"),
+        "{errors:?}"
+    );
+}

@@ -172,3 +172,35 @@ async fn serial_firecracker_testkit_guest_ignoring_ctrl_alt_del_is_killed_after_
     assert!(!process_running(pid));
     h.assert_nothing_left(&agent).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serial_firecracker_testkit_destroy_removes_the_jailers_cgroup() {
+    let h = Harness::with_cgroups("", Binaries::Testkit(GuestSetup::default()), |dir| {
+        Some(kici_firecracker::JailerCgroups {
+            version: kici_firecracker::CgroupVersion::V2,
+            parent: Some("kici-test".into()),
+            settings: vec!["pids.max=512".into()],
+            mount: dir.join("cgroup"),
+        })
+    })
+    .await;
+    let agent = random_agent();
+    let (spec, _reports) = h.spec(agent);
+    let handle = h.backend.spawn(spec).await.unwrap();
+    h.remember(&agent, &handle);
+    let cgroup = h
+        .dir
+        .path()
+        .join("cgroup/kici-test")
+        .join(agent.to_string());
+    assert!(cgroup.is_dir(), "the jailer made {}", cgroup.display());
+    h.backend
+        .destroy(&agent, Some(&handle), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        !cgroup.exists(),
+        "the jailer never removes it; destroy does"
+    );
+    h.assert_nothing_left(&agent).await;
+}

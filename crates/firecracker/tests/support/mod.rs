@@ -156,6 +156,16 @@ impl Harness {
     }
 
     pub async fn with(label_set_yaml: &str, binaries: Binaries) -> Self {
+        Self::with_cgroups(label_set_yaml, binaries, |_| None).await
+    }
+
+    /// `cgroups` gets the harness directory (the testkit jailer creates
+    /// its cgroups under `<dir>/cgroup`).
+    pub async fn with_cgroups(
+        label_set_yaml: &str,
+        binaries: Binaries,
+        cgroups: impl FnOnce(&Path) -> Option<kici_firecracker::JailerCgroups>,
+    ) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("kfc")
             .tempdir_in("/tmp")
@@ -256,6 +266,7 @@ scalers:
             )],
         );
         options.sweep_min_age = std::time::Duration::from_secs(60);
+        options.cgroups = cgroups(dir.path());
         let backend = FirecrackerBackend::new(options).unwrap();
         Self {
             dir,
@@ -293,6 +304,10 @@ scalers:
             reports,
         };
         (spec, rx)
+    }
+
+    pub fn layout(&self) -> kici_firecracker::names::JailLayout {
+        kici_firecracker::names::JailLayout::new(&self.chroot_base, "firecracker".into()).unwrap()
     }
 
     pub fn vm_dir(&self, agent: &AgentId) -> PathBuf {
@@ -415,6 +430,7 @@ impl Drop for Harness {
         }
         let _ = std::process::Command::new("ip")
             .args(["link", "del", &self.network.bridge_name])
+            .stderr(std::process::Stdio::null())
             .status();
     }
 }
