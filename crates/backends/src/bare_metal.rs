@@ -47,6 +47,7 @@ use kici_model::{
     ScalerType,
 };
 use parking_lot::{Mutex, RwLock};
+use rustix::fd::AsFd;
 use rustix::fs::Access;
 use rustix::io::Errno;
 use rustix::process::{Pid, PidfdFlags, Signal};
@@ -632,10 +633,14 @@ enum AdoptError {
     Injected(&'static str),
 }
 
-/// Reports an adopted agent's exit as soon as its pidfd turns readable. It
-/// is not our child: its new parent (init or a subreaper) reaps it, so there
-/// is nothing to wait for here — a `waitpid` would fail with ECHILD, or
-/// worse, reap a child of ours that merely reuses the pid.
+/// Reports an adopted agent's exit as soon as its pidfd turns readable.
+/// Usually it is not our child: its new parent (init or a subreaper) reaps
+/// it, and a `waitpid` on its pid would fail with ECHILD — or worse, reap a
+/// child of ours that merely reuses the pid. It is our child only when this
+/// daemon is a child subreaper (or the daemon that spawned it lives on);
+/// then it must be reaped here. `waitid` on the pidfd does exactly that:
+/// it names this one process, reaps it if it is ours, and fails with
+/// ECHILD, touching nothing, if it is not.
 fn watch_adopted(
     pidfd: tokio::io::unix::AsyncFd<rustix::fd::OwnedFd>,
     identity: ProcessIdentity,
@@ -650,7 +655,19 @@ fn watch_adopted(
                 tokio::time::sleep(EMPTY_POLL).await;
             }
         }
-        exit.record(agent, ADOPTED_EXIT.to_owned(), &reports);
+        let reaped = rustix::process::waitid(
+            rustix::process::WaitId::PidFd(pidfd.get_ref().as_fd()),
+            rustix::process::WaitIdOptions::EXITED | rustix::process::WaitIdOptions::NOHANG,
+        );
+        let detail = match reaped {
+            Ok(Some(status)) => match (status.exit_status(), status.terminating_signal()) {
+                (Some(code), _) if status.exited() => format!("exit status {code}"),
+                (_, Some(signal)) => format!("killed by signal {signal}"),
+                _ => ADOPTED_EXIT.to_owned(),
+            },
+            _ => ADOPTED_EXIT.to_owned(),
+        };
+        exit.record(agent, detail, &reports);
     })
 }
 

@@ -16,6 +16,7 @@ use kici_engine::{Adoption, Backend, BackendReport, ResourceHandle};
 use kici_model::{AgentId, InstanceId};
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -319,4 +320,44 @@ async fn serial_an_agent_gone_during_the_restart_is_gone() {
     assert!(!PathBuf::from(&handle.extra["cgroup"]).exists());
     assert!(!restarted.agent_dir(agent).exists());
     assert!(rx.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn serial_an_adopted_agent_that_is_our_child_is_reaped_with_its_status() {
+    // As when the daemon is a child subreaper: the recorded agent's parent
+    // is this very process. Its exit must be reaped here (no zombie) and
+    // its status is then known.
+    let fx = Fixture::new();
+    let go = fx.fifo("go");
+    let script = fx.script("child.sh", &format!("read x < {}\nexit 5", go.display()));
+    let child = std::process::Command::new(&script)
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    let identity = ProcessIdentity::of(pid).unwrap();
+    let agent = AgentId::random(kici_model::ScalerType::BareMetal);
+    let handle = ResourceHandle {
+        id: identity.to_string(),
+        extra: BTreeMap::new(),
+    };
+    let (reports, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    assert_eq!(
+        fx.backend.adopt(&agent, &handle, reports).await.unwrap(),
+        Adoption::Alive
+    );
+    write_fifo(go, "go\n").await;
+    assert_eq!(
+        next_report(&mut rx).await,
+        BackendReport::Exited {
+            agent,
+            detail: "exit status 5".into()
+        }
+    );
+    assert!(!identity.is_current(), "left as a zombie");
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+    drop(child);
 }
