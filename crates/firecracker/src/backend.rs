@@ -62,6 +62,8 @@ pub const EXTRA_TAP: &str = "tap";
 pub const EXTRA_VM_DIR: &str = "vm_dir";
 pub const EXTRA_IP: &str = "ip";
 pub const EXTRA_VMM: &str = "vmm";
+/// The scaler's name (adoption forwards logs under it).
+pub const EXTRA_SCALER: &str = "scaler";
 /// ifalias of the bridge [`crate::HostNetwork`] creates.
 pub const BRIDGE_TAG: &str = "kici-scaler:bridge";
 
@@ -562,6 +564,7 @@ impl FirecrackerBackend {
             layout.vm_dir(&agent).display().to_string(),
         );
         extra.insert(EXTRA_VMM.into(), identity.to_string());
+        extra.insert(EXTRA_SCALER.into(), spec.scaler.name.to_string());
         Ok(ResourceHandle {
             id: agent.to_string(),
             extra,
@@ -1062,9 +1065,15 @@ impl Backend for FirecrackerBackend {
         if pidfd.is_none() || !identity.is_running() {
             return Ok(Adoption::Gone);
         }
+        let scaler = kici_model::ScalerName::new(
+            handle
+                .extra
+                .get(EXTRA_SCALER)
+                .map_or("unknown", String::as_str),
+        );
         let log = |source| LogContext {
             agent: *agent,
-            scaler: kici_model::ScalerName::new("adopted"),
+            scaler: scaler.clone(),
             job: None,
             source,
         };

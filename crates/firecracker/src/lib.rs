@@ -38,7 +38,7 @@ pub use backend::{
 pub use egress::{EgressError, EgressRules, NetPolicyEgress, NoEgressRules, VmMatch};
 pub use host::{BridgeStatus, HostNetwork};
 pub use jailer::{CgroupVersion, JailerCgroups};
-pub use sweep::SweepReport;
+pub use sweep::{SweepReport, DEFAULT_SWEEP_INTERVAL};
 
 /// Failpoint names, one per provisioning, release and reconcile step, each
 /// placed right after the step's side effect.

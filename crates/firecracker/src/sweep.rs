@@ -26,6 +26,9 @@ use kici_model::{AgentId, InstanceId};
 use std::collections::HashSet;
 use std::time::SystemTime;
 
+/// How often the daemon sweeps (upstream's period).
+pub const DEFAULT_SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
 /// What one sweep removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SweepReport {
@@ -216,6 +219,34 @@ impl FirecrackerBackend {
             );
         }
         report
+    }
+}
+
+impl FirecrackerBackend {
+    /// Sweeps every `interval` (not at once: the daemon sweeps at startup
+    /// itself, after recovery) until the returned task is aborted. `known`
+    /// is asked for the store's agents at each tick; a tick never overlaps
+    /// the previous one.
+    pub fn spawn_periodic_sweep<F, Fut>(
+        &self,
+        interval: std::time::Duration,
+        known: F,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = HashSet<AgentId>> + Send,
+    {
+        let backend = self.clone();
+        tokio::spawn(async move {
+            let mut ticks =
+                tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let known = known().await;
+                backend.sweep(&known).await;
+            }
+        })
     }
 }
 

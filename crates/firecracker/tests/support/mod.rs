@@ -147,6 +147,36 @@ pub enum Binaries {
     /// crates/testkit's spec-enforcing `fc-sim` and its faithful
     /// `fake-jailer` (real chroot, PID namespace, uid drop).
     Testkit(kici_testkit::fc::GuestSetup),
+    /// Real binaries and images (`KICI_SCALER_TEST_FIRECRACKER`).
+    Real(RealFirecracker),
+}
+
+/// `KICI_SCALER_TEST_FIRECRACKER=firecracker=<path>,jailer=<path>,kernel=<path>,rootfs=<path>`.
+#[derive(Debug, Clone)]
+pub struct RealFirecracker {
+    pub firecracker: PathBuf,
+    pub jailer: PathBuf,
+    pub kernel: PathBuf,
+    pub rootfs: PathBuf,
+}
+
+impl RealFirecracker {
+    pub const ENV: &'static str = "KICI_SCALER_TEST_FIRECRACKER";
+
+    pub fn from_env() -> Option<Self> {
+        let spec = std::env::var(Self::ENV).ok()?;
+        let mut map = HashMap::new();
+        for part in spec.split(',') {
+            let (k, v) = part.split_once('=')?;
+            map.insert(k.trim().to_owned(), PathBuf::from(v.trim()));
+        }
+        Some(Self {
+            firecracker: map.remove("firecracker")?,
+            jailer: map.remove("jailer")?,
+            kernel: map.remove("kernel")?,
+            rootfs: map.remove("rootfs")?,
+        })
+    }
 }
 
 impl Harness {
@@ -187,7 +217,11 @@ impl Harness {
         let pids = dir.path().join("pids");
         std::fs::create_dir_all(&bin).unwrap();
         std::fs::create_dir_all(&pids).unwrap();
-        let (firecracker, jailer) = match binaries {
+        let kernel = dir.path().join("vmlinux");
+        let rootfs = dir.path().join("rootfs.ext4");
+        std::fs::write(&kernel, b"kernel image").unwrap();
+        std::fs::write(&rootfs, b"rootfs image").unwrap();
+        let (firecracker, jailer, kernel, rootfs) = match binaries {
             Binaries::StandIn => {
                 let firecracker = bin.join("firecracker");
                 std::fs::write(&firecracker, include_str!("fake_firecracker.py")).unwrap();
@@ -201,8 +235,9 @@ impl Harness {
                 for f in [&firecracker, &jailer] {
                     std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
                 }
-                (firecracker, jailer)
+                (firecracker, jailer, kernel, rootfs)
             }
+            Binaries::Real(real) => (real.firecracker, real.jailer, real.kernel, real.rootfs),
             Binaries::Testkit(guest) => {
                 let paths = kici_testkit::fc::build_binaries().unwrap();
                 let kit = paths.kit(&bin).unwrap();
@@ -212,13 +247,9 @@ impl Harness {
                 }
                 kit.set_guest(&guest).unwrap();
                 kit.set_cgroup_root(&dir.path().join("cgroup")).unwrap();
-                (kit.firecracker.clone(), kit.jailer.clone())
+                (kit.firecracker.clone(), kit.jailer.clone(), kernel, rootfs)
             }
         };
-        let kernel = dir.path().join("vmlinux");
-        let rootfs = dir.path().join("rootfs.ext4");
-        std::fs::write(&kernel, b"kernel image").unwrap();
-        std::fs::write(&rootfs, b"rootfs image").unwrap();
         let chroot_base = dir.path().join("jail");
         let yaml = format!(
             r#"
