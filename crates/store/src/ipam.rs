@@ -20,17 +20,35 @@ pub struct Ipv4Pool {
     network: Ipv4Net,
 }
 
+/// Why a CIDR cannot be an address pool.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
     #[error("`{input}` is not an IPv4 CIDR (expected a.b.c.d/n)")]
-    Syntax { input: String },
+    /// Not `a.b.c.d/n` IPv4 notation.
+    Syntax {
+        /// What was given.
+        input: String,
+    },
     #[error("`{input}` has host bits set; the network is {network}")]
-    HostBits { input: String, network: Ipv4Net },
+    /// Bits set below the prefix (`10.0.0.1/24`): ambiguous, refused.
+    HostBits {
+        /// What was given.
+        input: String,
+        /// The network it probably meant.
+        network: Ipv4Net,
+    },
     #[error("`{input}` is too small: a /{prefix} leaves no address for agents once network, gateway and broadcast are excluded (use /29 or shorter)")]
-    TooSmall { input: String, prefix: u8 },
+    /// Longer than /29: no address left for agents.
+    TooSmall {
+        /// What was given.
+        input: String,
+        /// Its prefix length.
+        prefix: u8,
+    },
 }
 
 impl Ipv4Pool {
+    /// A pool of `network` (host bits clear, /29 or shorter).
     pub fn new(network: Ipv4Net) -> Result<Self, PoolError> {
         if network.network() != network.addr() {
             return Err(PoolError::HostBits {
@@ -49,6 +67,7 @@ impl Ipv4Pool {
         Ok(Self { network })
     }
 
+    /// The network, as configured.
     pub fn network(&self) -> Ipv4Net {
         self.network
     }
@@ -58,6 +77,7 @@ impl Ipv4Pool {
         Ipv4Addr::from(u32::from(self.network.network()) + 1)
     }
 
+    /// The netmask (for guest boot arguments).
     pub fn netmask(&self) -> Ipv4Addr {
         self.network.netmask()
     }
@@ -74,6 +94,7 @@ impl Ipv4Pool {
         u32::from(self.network.broadcast()) - u32::from(self.network.network()) - 2
     }
 
+    /// Whether `ip` is one of [`Self::assignable`].
     pub fn contains(&self, ip: Ipv4Addr) -> bool {
         let n = u32::from(ip);
         n >= u32::from(self.network.network()) + 2 && n < u32::from(self.network.broadcast())
@@ -118,6 +139,7 @@ impl fmt::Display for Ipv4Pool {
 pub struct MacAddress(pub [u8; 6]);
 
 impl MacAddress {
+    /// The MAC of the guest holding `ip`.
     pub fn for_ip(ip: Ipv4Addr) -> Self {
         let [_, b, c, d] = ip.octets();
         Self([0x06, 0x00, 0xac, b, c, d])
@@ -134,24 +156,39 @@ impl fmt::Display for MacAddress {
 /// One address held by one agent of one instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
+    /// The pool's network.
     pub network: Ipv4Net,
+    /// The leased address.
     pub ip: Ipv4Addr,
+    /// The agent holding it.
     pub agent: AgentId,
+    /// The instance that leased it.
     pub owner: InstanceId,
 }
 
 impl Lease {
+    /// The guest MAC derived from the address.
     pub fn mac(&self) -> MacAddress {
         MacAddress::for_ip(self.ip)
     }
 }
 
+/// Why an [`IpAllocator`] call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllocError {
     #[error("no free address in {network}: all {capacity} are leased")]
-    Exhausted { network: Ipv4Net, capacity: u32 },
+    /// Every assignable address of the pool is leased (by any instance).
+    Exhausted {
+        /// The pool's network.
+        network: Ipv4Net,
+        /// How many addresses it has.
+        capacity: u32,
+    },
     #[error("state store unavailable: {0}")]
+    /// The store cannot be reached; nothing changed, retry later.
     Unavailable(String),
+    /// Any other failure (a bug, a corrupt row, a pool too large to
+    /// pre-fill).
     #[error("state store error: {0}")]
     Store(String),
 }

@@ -22,6 +22,8 @@
 //! # let _ = recorded; Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod error;
 pub mod ipam;
 mod postgres;

@@ -24,6 +24,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, Postgres, Transaction};
 use std::collections::HashSet;
 use std::str::FromStr;
+use std::time::Duration;
 
 /// First key of the two-key advisory lock: "kici" in ASCII, so our locks
 /// are recognisable in `pg_locks` and do not collide with other users of
@@ -39,6 +40,8 @@ pub(crate) struct PgStore {
     /// The connection holding the advisory lock (`None` once lost).
     lock: tokio::sync::Mutex<Option<PgConnection>>,
     filled: tokio::sync::Mutex<HashSet<Ipv4Net>>,
+    /// Bounds (re)connecting the lock connection, like pool acquires.
+    connect_timeout: Duration,
 }
 
 impl PgStore {
@@ -66,7 +69,7 @@ impl PgStore {
                 reason: e.to_string(),
             })?
             .application_name(&format!("kici-scaler {owner}"));
-        let lock = Self::take_lock(&connect, owner).await?;
+        let lock = Self::take_lock(&connect, owner, options.acquire_timeout).await?;
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections.max(1))
             .acquire_timeout(options.acquire_timeout)
@@ -92,6 +95,7 @@ impl PgStore {
             connect,
             lock: tokio::sync::Mutex::new(Some(lock)),
             filled: tokio::sync::Mutex::new(HashSet::new()),
+            connect_timeout: options.acquire_timeout,
         })
     }
 
@@ -108,8 +112,14 @@ impl PgStore {
     async fn take_lock(
         connect: &PgConnectOptions,
         owner: InstanceId,
+        timeout: Duration,
     ) -> Result<PgConnection, StoreError> {
-        let mut conn = connect.connect().await.map_err(classify)?;
+        let mut conn = tokio::time::timeout(timeout, connect.connect())
+            .await
+            .map_err(|_| {
+                StoreError::Unavailable(format!("connecting to PostgreSQL took over {timeout:?}"))
+            })?
+            .map_err(classify)?;
         let (ns, key) = Self::lock_keys(owner);
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
             .bind(ns)
@@ -150,7 +160,7 @@ impl PgStore {
             tracing::warn!(owner = %self.owner, "lost the connection holding the instance's advisory lock; taking it again");
             *lock = None;
         }
-        *lock = Some(Self::take_lock(&self.connect, self.owner).await?);
+        *lock = Some(Self::take_lock(&self.connect, self.owner, self.connect_timeout).await?);
         Ok(())
     }
 

@@ -44,6 +44,10 @@ pub(crate) const TRIM_EVENTS: &str = "DELETE FROM events WHERE owner = $1 AND se
 pub(crate) const PUT_INSTANCE: &str = "INSERT INTO instances (owner, hostname, started_at, heartbeat_at) VALUES ($1, $2, $3, $3) \
 ON CONFLICT (owner) DO UPDATE SET hostname = excluded.hostname, started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at";
 
+/// The largest pool whose rows are pre-filled (a /12: 1,048,574 rows); a
+/// larger one is refused rather than written row by row for minutes.
+pub(crate) const MAX_PREFILL: u32 = (1 << 20) - 2;
+
 pub(crate) const NETWORK_FILLED: &str = "SELECT capacity FROM ip_networks WHERE network = $1";
 /// Every assignable address of `$1` from `$2` to `$3` (u32 values), once.
 /// `WHERE true` resolves SQLite's INSERT … SELECT … ON CONFLICT ambiguity.
@@ -474,6 +478,14 @@ macro_rules! impl_state_store {
             /// idempotent (`ON CONFLICT DO NOTHING`).
             async fn ensure_pool(&self, pool: &$crate::Ipv4Pool) -> Result<(), $crate::StoreError> {
                 use $crate::error::classify;
+                if pool.capacity() > $crate::sql::MAX_PREFILL {
+                    return Err($crate::StoreError::Database(format!(
+                        "address pool {} has {} addresses; at most {} (a /12) are pre-filled: use a smaller network",
+                        pool.network(),
+                        pool.capacity(),
+                        $crate::sql::MAX_PREFILL
+                    )));
+                }
                 let mut filled = self.filled.lock().await;
                 if filled.contains(&pool.network()) {
                     return Ok(());

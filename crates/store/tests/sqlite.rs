@@ -74,3 +74,29 @@ async fn two_owners_on_one_file_share_the_pool() {
     let b = open_fresh(&url).await;
     two_owners_share_a_pool(a, b, "10.44.0.0/27".parse().unwrap()).await;
 }
+
+#[tokio::test]
+async fn wal_and_a_clear_error_for_pools_too_large_to_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(&dir);
+    let store = open_fresh(&url).await;
+    match store
+        .allocate(&"10.0.0.0/8".parse().unwrap(), &agent_id(1))
+        .await
+    {
+        Err(kici_store::AllocError::Store(m)) => assert!(m.contains("/12"), "{m}"),
+        other => panic!("expected a Store error, got {other:?}"),
+    }
+    let StoreUrl::Sqlite(path) = url else {
+        unreachable!()
+    };
+    use sqlx::Connection;
+    let mut c = sqlx::SqliteConnection::connect(&format!("sqlite:{}", path.display()))
+        .await
+        .unwrap();
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(mode, "wal");
+}
