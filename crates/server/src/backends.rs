@@ -8,17 +8,27 @@
 
 use kici_engine::Backend;
 use kici_model::{Config, InstanceId, ScalerType};
+use kici_store::StateStore;
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::IpAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
 
 /// What a backend may need to know about the daemon to start.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct BackendContext {
     /// Owner of every resource the backend creates.
     pub instance: InstanceId,
     /// The daemon's state dir (per-agent files may live below it).
     pub state_dir: PathBuf,
+    /// The state store (its IP allocator gives containers and VMs their
+    /// addresses); `None` in `run`, which keeps no durable state.
+    pub store: Option<Arc<dyn StateStore>>,
+    /// The agent gateway's port: agents on a backend network reach it on
+    /// that network's gateway address (their egress rules allow it).
+    pub gateway_port: u16,
 }
 
 /// A started backend and what to do once every agent is gone (remove
@@ -26,6 +36,10 @@ pub struct BackendContext {
 pub struct Started {
     pub backend: Arc<dyn Backend>,
     pub after_shutdown: Option<Box<dyn FnOnce() + Send>>,
+    /// Where this backend's agents reach the host (the gateway address of
+    /// its network): the agent gateway listens there too and agents are
+    /// told `ws://<it>:<port>/ws`. `None`: loopback (host processes).
+    pub agent_gateway: Option<IpAddr>,
 }
 
 impl Started {
@@ -33,12 +47,16 @@ impl Started {
         Self {
             backend,
             after_shutdown: None,
+            agent_gateway: None,
         }
     }
 }
 
-/// Builds one backend; `Err` says why it cannot run on this host.
-pub type BackendFactory = Box<dyn Fn(&BackendContext) -> Result<Started, String> + Send + Sync>;
+/// Starting one backend: `Err` says why it cannot run on this host.
+pub type StartFuture = Pin<Box<dyn Future<Output = Result<Started, String>> + Send>>;
+
+/// Builds one backend.
+pub type BackendFactory = Box<dyn Fn(BackendContext) -> StartFuture + Send + Sync>;
 
 /// Every backend of a configuration, started.
 #[derive(Default)]
@@ -46,6 +64,8 @@ pub struct Built {
     pub backends: Vec<Arc<dyn Backend>>,
     /// Run after a clean shutdown (every agent destroyed).
     pub after_shutdown: Vec<Box<dyn FnOnce() + Send>>,
+    /// Per backend type, the host address its agents connect to.
+    pub agent_gateways: BTreeMap<ScalerType, IpAddr>,
 }
 
 /// The backends this build knows, by scaler type.
@@ -66,21 +86,24 @@ impl BackendRegistry {
         r.register(
             ScalerType::BareMetal,
             Box::new(|ctx| {
-                // The backend keeps only `KICI_AGENT_ENV_*` and its allowlist
-                // of the daemon's environment for agents.
-                let options = kici_backends::BareMetalOptions::new(
-                    ctx.instance,
-                    ctx.state_dir.clone(),
-                    std::env::vars().collect(),
-                );
-                let backend =
-                    kici_backends::BareMetalBackend::new(options).map_err(|e| e.to_string())?;
-                let cleanup = backend.clone();
-                Ok(Started {
-                    backend: Arc::new(backend),
-                    // Every agent's cgroup is gone; the instance's (now
-                    // empty) directories above them go too.
-                    after_shutdown: Some(Box::new(move || cleanup.prune_empty_cgroups())),
+                Box::pin(async move {
+                    // The backend keeps only `KICI_AGENT_ENV_*` and its allowlist
+                    // of the daemon's environment for agents.
+                    let options = kici_backends::BareMetalOptions::new(
+                        ctx.instance,
+                        ctx.state_dir.clone(),
+                        std::env::vars().collect(),
+                    );
+                    let backend =
+                        kici_backends::BareMetalBackend::new(options).map_err(|e| e.to_string())?;
+                    let cleanup = backend.clone();
+                    Ok(Started {
+                        backend: Arc::new(backend),
+                        // Every agent's cgroup is gone; the instance's (now
+                        // empty) directories above them go too.
+                        after_shutdown: Some(Box::new(move || cleanup.prune_empty_cgroups())),
+                        agent_gateway: None,
+                    })
                 })
             }),
         );
@@ -95,9 +118,11 @@ impl BackendRegistry {
             r.register(
                 kind,
                 Box::new(move |_| {
-                    Ok(Started::new(Arc::new(
-                        kici_engine::memory_backend::MemoryBackend::new(kind),
-                    )))
+                    Box::pin(async move {
+                        Ok(Started::new(Arc::new(
+                            kici_engine::memory_backend::MemoryBackend::new(kind),
+                        )))
+                    })
                 }),
             );
         }
@@ -112,19 +137,29 @@ impl BackendRegistry {
         self.factories.keys().copied()
     }
 
-    /// Starts every backend this build has. One that cannot start here is an
-    /// error only if `config` uses its type (a reload may not add that type
-    /// later: the runtime refuses it). Every scaler whose type has no
-    /// backend is an error too; all errors are returned together.
-    pub fn build(&self, config: &Config, ctx: &BackendContext) -> Result<Built, Vec<String>> {
+    /// Starts the backends of the types `config` uses — and only those: a
+    /// daemon with bare-metal scalers touches no Docker network and no
+    /// nftables table. A reload that adds a type not started here is
+    /// refused by the runtime (restart the daemon for it). Every scaler
+    /// whose type has no backend, or whose backend cannot start on this
+    /// host, is an error; all errors are returned together.
+    pub async fn build(&self, config: &Config, ctx: &BackendContext) -> Result<Built, Vec<String>> {
         let mut built = Built::default();
         let mut errors = Vec::new();
         let mut broken = BTreeMap::new();
+        let used: std::collections::BTreeSet<ScalerType> =
+            config.scalers.iter().map(|s| s.kind).collect();
         for (kind, factory) in &self.factories {
-            match factory(ctx) {
+            if !used.contains(kind) {
+                continue;
+            }
+            match factory(ctx.clone()).await {
                 Ok(started) => {
                     built.backends.push(started.backend);
                     built.after_shutdown.extend(started.after_shutdown);
+                    if let Some(ip) = started.agent_gateway {
+                        built.agent_gateways.insert(*kind, ip);
+                    }
                 }
                 Err(why) => {
                     tracing::warn!(backend = %kind, error = %why, "backend unavailable");
@@ -159,7 +194,7 @@ impl BackendRegistry {
     /// [`BackendRegistry::build`], then every backend's own validation of
     /// the configuration.
     pub async fn start(&self, config: &Config, ctx: &BackendContext) -> Result<Built, Vec<String>> {
-        let built = self.build(config, ctx)?;
+        let built = self.build(config, ctx).await?;
         validate(config, &built.backends).await?;
         Ok(built)
     }

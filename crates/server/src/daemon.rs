@@ -227,6 +227,14 @@ async fn run(
     let ctx = BackendContext {
         instance,
         state_dir: settings.state_dir.clone(),
+        store: Some(Arc::clone(&store)),
+        gateway_port: gateway_listener
+            .local_addr()
+            .map_err(|source| ServeError::Listen {
+                addr: ListenAddr::Tcp(settings.gateway_listen),
+                source,
+            })?
+            .port(),
     };
     let backends = registry
         .start(&config, &ctx)

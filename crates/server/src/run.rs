@@ -314,9 +314,23 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
 
     let gateway = stack::bind_gateway(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
         .map_err(|e| Failed(format!("cannot listen for agents on 127.0.0.1: {e}")))?;
+    // Containers and VMs need the IP allocator; a store in the temporary
+    // dir gives it (nothing else is recorded: `run` has nothing to recover).
+    let store = kici_store::open(
+        &kici_store::StoreUrl::default_in(temp.path()),
+        instance,
+        kici_store::StoreOptions::default(),
+    )
+    .await
+    .map_err(|e| Failed(format!("cannot open the temporary state store: {e}")))?;
     let ctx = BackendContext {
         instance,
         state_dir: temp.path().to_path_buf(),
+        store: Some(store),
+        gateway_port: gateway
+            .local_addr()
+            .map_err(|e| Failed(format!("the agent gateway listener: {e}")))?
+            .port(),
     };
     let backends = BackendRegistry::builtin()
         .start(&config, &ctx)

@@ -154,6 +154,17 @@ impl Stack {
     ) -> Result<(Self, Recovery), StackError> {
         let gateway_addr = gateway.local_addr().map_err(StackError::Gateway)?;
         let listener = tokio::net::TcpListener::from_std(gateway).map_err(StackError::Gateway)?;
+        // The gateway also listens on each backend network's gateway
+        // address (same port): containers and VMs cannot reach loopback.
+        let mut extra_listeners = Vec::new();
+        let mut backend_gateways = Vec::new();
+        for (kind, ip) in &backends.agent_gateways {
+            let addr = SocketAddr::new(*ip, gateway_addr.port());
+            let l = bind_gateway(addr).map_err(StackError::Gateway)?;
+            extra_listeners
+                .push(tokio::net::TcpListener::from_std(l).map_err(StackError::Gateway)?);
+            backend_gateways.push((*kind, addr));
+        }
         let admission = Admission::new(&config, ledger)?;
         let engine = Engine::new(
             Arc::clone(&config),
@@ -162,7 +173,10 @@ impl Stack {
             options.engine,
         );
         let tokens = Arc::new(TokenStore::new());
-        let bootstrapper = Arc::new(TokenBootstrapper::new(Arc::clone(&tokens), gateway_addr));
+        let bootstrapper = Arc::new(backend_gateways.iter().fold(
+            TokenBootstrapper::new(Arc::clone(&tokens), gateway_addr),
+            |b, (kind, addr)| b.with_backend_gateway(*kind, *addr),
+        ));
         let metrics = Arc::new(Metrics::new(&config));
         let events = Arc::new(EventLog::new(options.event_replay.max(1)));
         let jobs = Arc::new(JobBook::new());
@@ -207,12 +221,27 @@ impl Stack {
         }
         let (gateway_stop, stopped) = oneshot::channel::<()>();
         let router = gateway.router();
+        let (stop_extra, _) = tokio::sync::watch::channel(false);
+        for (l, (kind, addr)) in extra_listeners.into_iter().zip(&backend_gateways) {
+            let router = router.clone();
+            let mut stop = stop_extra.subscribe();
+            tokio::spawn(async move {
+                axum::serve(l, router)
+                    .with_graceful_shutdown(async move {
+                        let _ = stop.wait_for(|s| *s).await;
+                    })
+                    .await
+            });
+            tracing::info!(addr = %addr, backend = %kind, "agent gateway listening for a backend network");
+        }
         let gateway_task = tokio::spawn(async move {
-            axum::serve(listener, router)
+            let result = axum::serve(listener, router)
                 .with_graceful_shutdown(async move {
                     let _ = stopped.await;
                 })
-                .await
+                .await;
+            let _ = stop_extra.send(true);
+            result
         });
         tracing::info!(addr = %gateway_addr, "agent gateway listening");
         let stack = Self {

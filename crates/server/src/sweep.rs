@@ -92,6 +92,9 @@ async fn run(args: &SweepArgs) -> Result<SweepReport, SweepError> {
     let ctx = BackendContext {
         instance,
         state_dir: dir.clone(),
+        store: Some(Arc::clone(&store)),
+        // No agent connects during a sweep.
+        gateway_port: 0,
     };
     let built = BackendRegistry::builtin()
         .start(&loaded.config, &ctx)

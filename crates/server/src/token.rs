@@ -268,6 +268,8 @@ const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 pub struct TokenBootstrapper {
     store: std::sync::Arc<TokenStore>,
     gateway_url: String,
+    /// Per backend type, the gateway URL on that backend's network.
+    per_backend: std::collections::BTreeMap<kici_model::ScalerType, String>,
 }
 
 impl TokenBootstrapper {
@@ -277,7 +279,15 @@ impl TokenBootstrapper {
         Self {
             store,
             gateway_url: gateway_url(gateway),
+            per_backend: Default::default(),
         }
+    }
+
+    /// Agents of `kind` connect to `addr` (their network's gateway address)
+    /// instead of the main listener.
+    pub fn with_backend_gateway(mut self, kind: kici_model::ScalerType, addr: SocketAddr) -> Self {
+        self.per_backend.insert(kind, gateway_url(addr));
+        self
     }
 
     pub fn gateway_url(&self) -> &str {
@@ -322,10 +332,12 @@ impl Bootstrapper for TokenBootstrapper {
             }
         };
         Bootstrap {
-            orchestrator_url: scaler
-                .orchestrator_url
-                .clone()
-                .unwrap_or_else(|| self.gateway_url.clone()),
+            orchestrator_url: scaler.orchestrator_url.clone().unwrap_or_else(|| {
+                self.per_backend
+                    .get(&scaler.kind)
+                    .unwrap_or(&self.gateway_url)
+                    .clone()
+            }),
             token,
         }
     }

@@ -81,6 +81,7 @@ impl Setup {
             Built {
                 backends: vec![bare.clone() as Arc<dyn Backend>],
                 after_shutdown: Vec::new(),
+                agent_gateways: Default::default(),
             },
             None,
             listener,

@@ -24,6 +24,34 @@ const CGROUP_V2: &str = "/sys/fs/cgroup/unified";
 
 struct Dir(tempfile::TempDir);
 
+/// Bare-metal agents outlive a killed daemon by design; when a test ends
+/// (or fails) with agents still up, they must not outlive the test.
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let Ok(id) = std::fs::read_to_string(self.0.path().join("state/instance-id")) else {
+            return;
+        };
+        let root = Path::new("/sys/fs/cgroup/unified/kici-scaler").join(id.trim());
+        if root.exists() {
+            let _ = std::fs::write(root.join("cgroup.kill"), "1");
+            let mut dirs: Vec<PathBuf> = Vec::new();
+            let mut stack = vec![root];
+            while let Some(d) = stack.pop() {
+                if let Ok(entries) = std::fs::read_dir(&d) {
+                    stack.extend(entries.flatten().map(|e| e.path()).filter(|p| p.is_dir()));
+                }
+                dirs.push(d);
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            for d in dirs.iter().rev() {
+                while std::fs::remove_dir(d).is_err() && d.exists() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+}
+
 impl Dir {
     fn new(max_agents: u32) -> Self {
         use std::os::unix::fs::PermissionsExt;
