@@ -71,7 +71,8 @@ pub trait StateStore: IpAllocator {
     /// Which database this is.
     fn kind(&self) -> StoreKind;
 
-    /// Round trip to the database. On PostgreSQL it also re-takes the
+    /// Round trip to the database that also refreshes this instance's
+    /// `instances.heartbeat_at` (one small write). On PostgreSQL it also re-takes the
     /// instance's advisory lock if the connection holding it was lost (a
     /// server restart): call it periodically. Fails with
     /// [`StoreError::IdentityInUse`] if another session took the lock

@@ -148,7 +148,9 @@ impl PgStore {
     }
 
     async fn ping_impl(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
+        sqlx::query(crate::sql::HEARTBEAT)
+            .bind(&self.owner_text)
+            .bind(crate::UnixMillis::now().0)
             .execute(&self.pool)
             .await
             .map_err(classify)?;

@@ -48,6 +48,10 @@ ON CONFLICT (owner) DO UPDATE SET hostname = excluded.hostname, started_at = exc
 /// larger one is refused rather than written row by row for minutes.
 pub(crate) const MAX_PREFILL: u32 = (1 << 20) - 2;
 
+/// Refreshed by every ping: a sweep (or an operator) can tell a live
+/// instance from one that stopped.
+pub(crate) const HEARTBEAT: &str = "UPDATE instances SET heartbeat_at = $2 WHERE owner = $1";
+
 pub(crate) const NETWORK_FILLED: &str = "SELECT capacity FROM ip_networks WHERE network = $1";
 /// Every assignable address of `$1` from `$2` to `$3` (u32 values), once.
 /// `WHERE true` resolves SQLite's INSERT … SELECT … ON CONFLICT ambiguity.

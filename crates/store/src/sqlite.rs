@@ -118,8 +118,10 @@ impl SqliteStore {
     }
 
     async fn ping_impl(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1")
-            .execute(&self.reader)
+        sqlx::query(crate::sql::HEARTBEAT)
+            .bind(&self.owner_text)
+            .bind(crate::UnixMillis::now().0)
+            .execute(&self.writer)
             .await
             .map_err(classify)?;
         Ok(())

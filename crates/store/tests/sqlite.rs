@@ -99,4 +99,14 @@ async fn wal_and_a_clear_error_for_pools_too_large_to_prefill() {
         .await
         .unwrap();
     assert_eq!(mode, "wal");
+    // open recorded the instance; ping refreshes its heartbeat.
+    store.ping().await.unwrap();
+    let (host, started, beat): (String, i64, i64) =
+        sqlx::query_as("SELECT hostname, started_at, heartbeat_at FROM instances WHERE owner = $1")
+            .bind(store.owner().to_string())
+            .fetch_one(&mut c)
+            .await
+            .unwrap();
+    assert!(!host.is_empty());
+    assert!(beat >= started && started > 0, "{started} {beat}");
 }
