@@ -97,7 +97,9 @@ pub(crate) fn is_unavailable(e: &sqlx::Error) -> bool {
         | sqlx::Error::Tls(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
+        | sqlx::Error::WorkerCrashed
+        // A connection that died mid-message (server shut down under it).
+        | sqlx::Error::Protocol(_) => true,
         sqlx::Error::Database(db) => match db.code() {
             Some(code) => {
                 let code = code.as_ref();

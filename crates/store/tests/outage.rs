@@ -52,6 +52,15 @@ async fn serial_postgres_outage_fails_fast_and_recovers() {
         .ok()
         .and_then(|p| p.parse().ok())
         .unwrap_or(54339);
+    // Serialise with any other run of this test on the machine (another
+    // session's `cargo test`, a CI run): nextest's serial group only covers
+    // its own run, and two runs stopping one server would fail each other.
+    let lock_path = std::path::PathBuf::from(
+        std::env::var("KICI_PG_BASE").unwrap_or_else(|_| "/var/tmp/kici-scaler-pg".into()),
+    );
+    std::fs::create_dir_all(&lock_path).unwrap();
+    let lock = std::fs::File::create(lock_path.join(format!(".outage-test-{port}.lock"))).unwrap();
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
     let mut server = RestartOnDrop {
         port,
         stopped: false,
@@ -107,4 +116,6 @@ async fn serial_postgres_outage_fails_fast_and_recovers() {
     }
     store.close().await;
     db.drop_db().await;
+    drop(server);
+    drop(lock);
 }
