@@ -4,7 +4,7 @@
 //! is back, advisory lock included.
 //!
 //! It stops and starts a private server (`KICI_PG_OUTAGE_PORT`, default
-//! 54339) so the other tests' server is never disturbed, and restarts it
+//! 54341) so the other tests' server is never disturbed, and restarts it
 //! even when an assertion fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -51,7 +51,7 @@ async fn serial_postgres_outage_fails_fast_and_recovers() {
     let port: u16 = std::env::var("KICI_PG_OUTAGE_PORT")
         .ok()
         .and_then(|p| p.parse().ok())
-        .unwrap_or(54339);
+        .unwrap_or(54341);
     // Serialise with any other run of this test on the machine (another
     // session's `cargo test`, a CI run): nextest's serial group only covers
     // its own run, and two runs stopping one server would fail each other.
