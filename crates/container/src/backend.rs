@@ -1142,6 +1142,17 @@ impl Backend for ContainerBackend {
             Ok(handle) => Ok(handle),
             Err(e) => {
                 tracing::warn!(agent_id = %agent, error = %e, "container spawn failed; removing what it created");
+                if let (Some(failed), StepError::Api { reason, .. }) = (&rt, &e) {
+                    if reason.contains("network") && reason.contains("not found") {
+                        // The agent network was removed behind our back:
+                        // the next spawn reconnects and re-creates it.
+                        self.inner
+                            .runtimes
+                            .lock()
+                            .await
+                            .retain(|_, r| !Arc::ptr_eq(r, failed));
+                    }
+                }
                 let runtimes: Vec<_> = rt.into_iter().collect();
                 let api = spec.scaler.ext.deadlines.api_call;
                 if let Err(errors) = self

@@ -352,6 +352,14 @@ async fn serial_a_failure_at_each_spawn_step_leaves_nothing() {
     assert!(err.to_string().contains("POST /containers/create"), "{err}");
     assert!(fx.containers().is_empty());
     assert!(fx.held().await.is_empty());
+    // The agent network removed behind our back: that spawn fails, cleanly,
+    // and the next one re-creates the network.
+    docker_ok(&["network", "rm", &fx.options.network.name]);
+    let (spec, _rx) = spawn_spec(&scaler, 0);
+    let err = fx.backend.spawn(spec).await.unwrap_err();
+    assert!(err.to_string().contains("not found"), "{err}");
+    assert!(fx.containers().is_empty());
+    assert!(fx.held().await.is_empty());
     // Everything works again afterwards.
     let (spec, _rx) = spawn_spec(&scaler, 0);
     let agent = spec.agent;
