@@ -29,6 +29,8 @@ pub struct BackendContext {
     /// The agent gateway's port: agents on a backend network reach it on
     /// that network's gateway address (their egress rules allow it).
     pub gateway_port: u16,
+    /// The configuration being started (the Firecracker network block).
+    pub config: Option<Arc<Config>>,
 }
 
 /// A started backend and what to do once every agent is gone (remove
@@ -107,6 +109,14 @@ impl BackendRegistry {
                 })
             }),
         );
+        r.register(
+            ScalerType::Container,
+            Box::new(|ctx| Box::pin(start_container(ctx))),
+        );
+        r.register(
+            ScalerType::Firecracker,
+            Box::new(|ctx| Box::pin(start_firecracker(ctx))),
+        );
         r
     }
 
@@ -153,7 +163,9 @@ impl BackendRegistry {
             if !used.contains(kind) {
                 continue;
             }
-            match factory(ctx.clone()).await {
+            let mut ctx = ctx.clone();
+            ctx.config = Some(Arc::new(config.clone()));
+            match factory(ctx).await {
                 Ok(started) => {
                     built.backends.push(started.backend);
                     built.after_shutdown.extend(started.after_shutdown);
@@ -221,4 +233,114 @@ pub async fn validate(config: &Config, backends: &[Arc<dyn Backend>]) -> Result<
     } else {
         Err(errors)
     }
+}
+
+/// The host's DNS resolvers (`/etc/resolv.conf`): a private one needs an
+/// egress exception, or agents cannot resolve anything.
+fn host_resolvers() -> Vec<IpAddr> {
+    std::fs::read_to_string("/etc/resolv.conf")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|ip| ip.trim().parse().ok())
+        .collect()
+}
+
+/// The egress table of a backend network: the subnet fails closed, agents
+/// may reach the host only on the gateway port.
+async fn egress_table(
+    ctx: &BackendContext,
+    subnet: ipnet::Ipv4Net,
+    bridge: &str,
+    docker_user: kici_netpolicy::DockerUserMode,
+) -> Result<kici_netpolicy::EgressTable, String> {
+    kici_netpolicy::EgressTable::ensure(
+        ctx.instance,
+        subnet,
+        kici_netpolicy::TableOptions {
+            gateway_port: Some(ctx.gateway_port),
+            resolvers: host_resolvers(),
+            protect_host: true,
+            docker_user,
+            agent_bridge: Some(bridge.to_owned()),
+            ..kici_netpolicy::TableOptions::default()
+        },
+    )
+    .await
+    .map_err(|e| format!("egress rules ({subnet}): {e}"))
+}
+
+fn allocator(ctx: &BackendContext, kind: &str) -> Result<Arc<dyn kici_store::IpAllocator>, String> {
+    let store = ctx
+        .store
+        .clone()
+        .ok_or_else(|| format!("the {kind} backend needs the state store for guest addresses"))?;
+    Ok(store)
+}
+
+/// Containers on `kici-scaler-net` (Docker, or Podman's compatible socket).
+async fn start_container(ctx: BackendContext) -> Result<Started, String> {
+    let mut options = kici_container::ContainerOptions::new(
+        ctx.instance,
+        allocator(&ctx, "container")?,
+        std::env::vars().collect(),
+    );
+    let network = options.network.clone();
+    // dockerd's FORWARD policy is DROP: our subnet needs its accept in
+    // DOCKER-USER (our own drops still apply: a drop in any table is final).
+    let table = egress_table(
+        &ctx,
+        network.pool.network(),
+        &network.bridge,
+        kici_netpolicy::DockerUserMode::AcceptSubnet,
+    )
+    .await?;
+    options.egress = Arc::new(kici_container::NftEgress::new(table));
+    let backend = kici_container::ContainerBackend::new(options).map_err(|e| e.to_string())?;
+    Ok(Started {
+        backend: Arc::new(backend),
+        after_shutdown: None,
+        agent_gateway: Some(IpAddr::V4(network.pool.gateway())),
+    })
+}
+
+/// Jailed microVMs on the configured bridge (which `kici-scaler
+/// firecracker provision` creates; start-up only checks it).
+async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
+    let config = ctx
+        .config
+        .clone()
+        .ok_or_else(|| "the Firecracker backend needs the configuration".to_owned())?;
+    let network = config.firecracker.clone();
+    let status = kici_firecracker::HostNetwork { network: &network }
+        .check()
+        .await
+        .map_err(|e| format!("bridge {}: {e}", network.bridge_name))?;
+    if !status.healthy() {
+        return Err(format!(
+            "bridge {}: {}; run `kici-scaler firecracker provision --config <file>` once as root",
+            network.bridge_name,
+            status.problems(&network).join("; ")
+        ));
+    }
+    let table = egress_table(
+        &ctx,
+        network.cidr,
+        &network.bridge_name,
+        kici_netpolicy::DockerUserMode::Leave,
+    )
+    .await?;
+    let options = kici_firecracker::FirecrackerOptions::new(
+        ctx.instance,
+        network.clone(),
+        allocator(&ctx, "Firecracker")?,
+        Arc::new(kici_firecracker::NetPolicyEgress(table)),
+        std::env::vars().collect(),
+    );
+    let backend = kici_firecracker::FirecrackerBackend::new(options).map_err(|e| e.to_string())?;
+    Ok(Started {
+        backend: Arc::new(backend),
+        after_shutdown: None,
+        agent_gateway: Some(IpAddr::V4(network.gateway)),
+    })
 }

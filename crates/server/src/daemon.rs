@@ -225,6 +225,7 @@ async fn run(
         .map_err(ServeError::Store)?;
 
     let ctx = BackendContext {
+        config: None,
         instance,
         state_dir: settings.state_dir.clone(),
         store: Some(Arc::clone(&store)),

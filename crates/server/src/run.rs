@@ -324,6 +324,7 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
     .await
     .map_err(|e| Failed(format!("cannot open the temporary state store: {e}")))?;
     let ctx = BackendContext {
+        config: None,
         instance,
         state_dir: temp.path().to_path_buf(),
         store: Some(store),

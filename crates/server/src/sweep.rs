@@ -90,6 +90,7 @@ async fn run(args: &SweepArgs) -> Result<SweepReport, SweepError> {
         .map_err(|e| SweepError::Config(e.to_string()))?;
     let store = kici_store::open(&url, instance, StoreOptions::default()).await?;
     let ctx = BackendContext {
+        config: None,
         instance,
         state_dir: dir.clone(),
         store: Some(Arc::clone(&store)),
