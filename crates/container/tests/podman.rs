@@ -245,3 +245,103 @@ async fn serial_podman_without_ulimits_fails_clearly_where_root_cannot_raise_the
     assert!(!exists);
     assert!(fx.held().await.is_empty());
 }
+
+/// A `podman system service` on loopback TCP, killed on drop.
+struct TcpService(std::process::Child);
+
+impl Drop for TcpService {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn serial_a_tcp_host_is_reached_and_a_remote_runtime_refuses_isolation() {
+    let _serial = SERIAL.lock().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let service = TcpService(
+        Command::new("podman")
+            .args([
+                "system",
+                "service",
+                "--time=0",
+                &format!("tcp://127.0.0.1:{port}"),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no TCP service");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let instance = InstanceId::random();
+    let mut network = test_network(instance);
+    network.name = format!("kici-tp-{instance}");
+    network.bridge = format!("kp{instance}");
+    let fx = Fixture::on(instance, network, |o| {
+        o.ulimits = vec![
+            "nofile=20000:20000".parse().unwrap(),
+            "nproc=4096:4096".parse().unwrap(),
+        ];
+    })
+    .await;
+    let image = format!("localhost/kici-test-podman:{instance}");
+    build_image_with("podman", &image, &["sleep", "3600"], &[]);
+    let fixture = PodmanFixture { fx, image };
+    let fx = &fixture.fx;
+    let host = format!("tcp://127.0.0.1:{port}");
+    // Isolation on (the default) with a TCP endpoint: our rules would be
+    // installed on this host, not where the containers run.
+    let isolated = scaler_from_yaml(
+        &scaler_yaml("tcp", &fixture.image, &format!("    host: {host}"), "")
+            .replace("runtime: docker", "runtime: podman"),
+        "tcp",
+    );
+    let errors = fx.backend.validate(&isolated).await.unwrap_err();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("networkIsolation is on but the runtime") && e.contains(&host)),
+        "{errors:?}"
+    );
+    let scaler = scaler_from_yaml(
+        &scaler_yaml(
+            "tcp",
+            &fixture.image,
+            &format!("    host: {host}\n    networkIsolation: false"),
+            "",
+        )
+        .replace("runtime: docker", "runtime: podman"),
+        "tcp",
+    );
+    let check = fx.backend.check_host(&scaler).await;
+    assert!(check.is_ok(), "{check:?}");
+    assert_eq!(check.endpoint.as_deref(), Some(host.as_str()));
+    assert_eq!(check.runtime, Some(RuntimeKind::Podman));
+    let (spec, _rx) = spawn_spec(&scaler, 0);
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    assert_eq!(handle.extra["endpoint"], host);
+    // Isolation off: no rules were asked for.
+    assert!(fx.egress.calls.lock().is_empty());
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+    let (exists, _) = podman(&["container", "exists", &format!("kici-{agent}")]);
+    assert!(!exists);
+    drop(fixture);
+    drop(service);
+}
