@@ -223,12 +223,39 @@ pub enum MmdsClearError {
     Injected(&'static str),
 }
 
+/// Where a spawn's time went (host side: lease..overlay; the jailer,
+/// socket and API phases include the VMM's own time).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpawnTimings {
+    pub vm_dir: Duration,
+    pub lease: Duration,
+    pub tap: Duration,
+    pub rules: Duration,
+    pub chroot: Duration,
+    pub overlay: Duration,
+    pub jailer: Duration,
+    pub socket: Duration,
+    pub api: Duration,
+}
+
+impl SpawnTimings {
+    /// Our own host-side phases (no VMM involved).
+    pub fn host(&self) -> Duration {
+        self.vm_dir + self.lease + self.tap + self.rules + self.chroot + self.overlay
+    }
+
+    pub fn total(&self) -> Duration {
+        self.host() + self.jailer + self.socket + self.api
+    }
+}
+
 /// What a spawn has taken so far.
 #[derive(Default)]
 struct Taken {
     vm_dir: Option<JailLayout>,
     /// The TAP this spawn created (it is untagged until attached).
     tap: Option<String>,
+    timings: SpawnTimings,
     vmm: Option<ProcessIdentity>,
     watch: Option<VmWatch>,
     api: Option<ApiClient>,
@@ -393,6 +420,7 @@ impl FirecrackerBackend {
             return Err(SpawnError::NotFirecracker(spec.scaler.name.to_string()));
         };
         let started = Instant::now();
+        let mut lap = started;
         let api_timeout = spec.scaler.ext.deadlines.api_call;
         let layout = self.layout_for(settings)?;
         let tag = names::owner_tag(inner.instance, &agent);
@@ -400,9 +428,13 @@ impl FirecrackerBackend {
         chroot::create_vm_dir(&layout, &agent, &tag)?;
         taken.vm_dir = Some(layout.clone());
         step!(fp::SPAWN_VM_DIR, SpawnError::Injected);
+        taken.timings.vm_dir = lap.elapsed();
+        lap = Instant::now();
 
         let lease = inner.allocator.allocate(&inner.pool, &agent).await?;
         step!(fp::SPAWN_LEASE, SpawnError::Injected);
+        taken.timings.lease = lap.elapsed();
+        lap = Instant::now();
         let mac = MacAddress::for_ip(lease.ip);
 
         let tap_name = names::tap_name(&agent);
@@ -414,6 +446,8 @@ impl FirecrackerBackend {
             .attach_tap(&tap_name, &inner.network.bridge_name, &tag)
             .await?;
         step!(fp::SPAWN_ATTACH, SpawnError::Injected);
+        taken.timings.tap = lap.elapsed();
+        lap = Instant::now();
 
         let vm = VmMatch {
             ip: lease.ip,
@@ -425,6 +459,8 @@ impl FirecrackerBackend {
             .install(&agent, &vm, spec.label_set.network_policy.as_ref())
             .await?;
         step!(fp::SPAWN_RULES, SpawnError::Injected);
+        taken.timings.rules = lap.elapsed();
+        lap = Instant::now();
 
         let kernel = label_set
             .kernel_path
@@ -442,12 +478,17 @@ impl FirecrackerBackend {
         };
         chroot::prepare_root(&layout, &agent, &files)?;
         step!(fp::SPAWN_CHROOT, SpawnError::Injected);
+        taken.timings.chroot = lap.elapsed();
+        lap = Instant::now();
         chroot::create_overlay(&layout, &agent, &files).await?;
         step!(fp::SPAWN_OVERLAY, SpawnError::Injected);
-        let host_phase = started.elapsed();
+        taken.timings.overlay = lap.elapsed();
+        lap = Instant::now();
 
         let identity = self.run_jailer(settings, &layout, &agent, taken).await?;
         step!(fp::SPAWN_JAILER, SpawnError::Injected);
+        taken.timings.jailer = lap.elapsed();
+        lap = Instant::now();
         let pidfd = crate::pidfd::open(identity);
         let log = |source| LogContext {
             agent,
@@ -484,6 +525,8 @@ impl FirecrackerBackend {
             other => other,
         })?;
         step!(fp::SPAWN_SOCKET, SpawnError::Injected);
+        taken.timings.socket = lap.elapsed();
+        lap = Instant::now();
 
         let net = GuestNet {
             ip: lease.ip,
@@ -545,6 +588,7 @@ impl FirecrackerBackend {
 
         api.action(ActionType::InstanceStart).await?;
         step!(fp::SPAWN_START, SpawnError::Injected);
+        taken.timings.api = lap.elapsed();
 
         tracing::info!(
             agent_id = %agent,
@@ -552,7 +596,7 @@ impl FirecrackerBackend {
             tap = %tap_name,
             vcpus = size.vcpus,
             mem_mib = size.mem_mib,
-            host_ms = host_phase.as_millis() as u64,
+            host_ms = taken.timings.host().as_millis() as u64,
             total_ms = started.elapsed().as_millis() as u64,
             "microVM started"
         );
@@ -705,13 +749,17 @@ impl FirecrackerBackend {
         }
     }
 
-    async fn spawn_transaction(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
+    async fn spawn_transaction(
+        &self,
+        spec: SpawnSpec,
+    ) -> Result<(ResourceHandle, SpawnTimings), BackendError> {
         let agent = spec.agent;
         self.inner.in_flight.lock().insert(agent);
         let _in_flight = InFlight(&self.inner, agent);
         let mut taken = Taken::default();
         match self.spawn_steps(&spec, &mut taken).await {
             Ok(handle) => {
+                let timings = taken.timings;
                 if let (Some(layout), Some(identity), Some(watch), Some(api)) =
                     (taken.vm_dir, taken.vmm, taken.watch, taken.api)
                 {
@@ -725,7 +773,7 @@ impl FirecrackerBackend {
                         },
                     );
                 }
-                Ok(handle)
+                Ok((handle, timings))
             }
             Err(error) => {
                 tracing::warn!(agent_id = %agent, error = %error, "microVM spawn failed; releasing what it took");
@@ -758,6 +806,36 @@ impl FirecrackerBackend {
                 Err(BackendError::Provision(error.to_string()))
             }
         }
+    }
+
+    /// [`Backend::spawn`], with where the time went. Runs on its own task:
+    /// if the caller stops waiting (a deadline cancelled it), the spawn
+    /// still ends in a consistent state — a failure is released as always,
+    /// and a VM nobody waits for any more is destroyed.
+    pub async fn spawn_timed(
+        &self,
+        spec: SpawnSpec,
+    ) -> Result<(ResourceHandle, SpawnTimings), BackendError> {
+        let backend = self.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let agent = spec.agent;
+            let result = backend.spawn_transaction(spec).await;
+            if let Err(Ok((handle, _))) = tx.send(result) {
+                tracing::warn!(agent_id = %agent, "spawn finished after its caller gave up; destroying the VM");
+                if let Err(e) = backend
+                    .destroy_inner(&agent, Some(&handle), Duration::ZERO)
+                    .await
+                {
+                    tracing::error!(agent_id = %agent, error = %e, "cannot destroy an abandoned VM; the sweep will");
+                }
+            }
+        });
+        rx.await.unwrap_or_else(|_| {
+            Err(BackendError::Provision(
+                "the spawn task ended without a result".into(),
+            ))
+        })
     }
 
     async fn destroy_inner(
@@ -993,31 +1071,8 @@ impl Backend for FirecrackerBackend {
         crate::validate::validate(self, scaler)
     }
 
-    /// Runs on its own task: if the caller stops waiting (a deadline
-    /// cancelled it), the spawn still ends in a consistent state — a
-    /// failure is released as always, and a VM nobody waits for any more is
-    /// destroyed.
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
-        let backend = self.clone();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
-            let agent = spec.agent;
-            let result = backend.spawn_transaction(spec).await;
-            if let Err(Ok(handle)) = tx.send(result) {
-                tracing::warn!(agent_id = %agent, "spawn finished after its caller gave up; destroying the VM");
-                if let Err(e) = backend
-                    .destroy_inner(&agent, Some(&handle), Duration::ZERO)
-                    .await
-                {
-                    tracing::error!(agent_id = %agent, error = %e, "cannot destroy an abandoned VM; the sweep will");
-                }
-            }
-        });
-        rx.await.unwrap_or_else(|_| {
-            Err(BackendError::Provision(
-                "the spawn task ended without a result".into(),
-            ))
-        })
+        self.spawn_timed(spec).await.map(|(handle, _)| handle)
     }
 
     async fn destroy(

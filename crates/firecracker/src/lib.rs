@@ -33,7 +33,7 @@ pub mod vmconfig;
 
 pub use backend::{
     DestroyError, FirecrackerBackend, FirecrackerOptions, MmdsClearError, SetupError, SpawnError,
-    Timeouts,
+    SpawnTimings, Timeouts,
 };
 pub use egress::{EgressError, EgressRules, NetPolicyEgress, NoEgressRules, VmMatch};
 pub use host::{BridgeStatus, HostNetwork};
