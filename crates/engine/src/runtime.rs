@@ -642,6 +642,15 @@ impl Runtime {
             .map_err(|e: ReloadError| vec![e.to_string()])
     }
 
+    /// Stops the runtime's tasks and leaves every agent as it is: running,
+    /// recorded, for the next start to re-adopt (only meaningful with a
+    /// journal). Pending store writes are flushed first.
+    pub async fn detach(&self) -> bool {
+        let flushed = self.flush_journal().await;
+        self.inner.stop.send_replace(true);
+        flushed
+    }
+
     /// Stops admitting, cancels pending requests, destroys every agent and
     /// waits (up to `limit`) until all are gone. Returns whether all are.
     pub async fn shutdown(&self, limit: Duration) -> bool {
