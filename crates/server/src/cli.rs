@@ -85,6 +85,9 @@ pub enum Command {
     /// resource is gone, remove our unowned resources older than the age
     /// threshold, release leases nobody holds.
     Sweep(crate::sweep::SweepArgs),
+    /// The host bridge of the Firecracker backend: provision, verify,
+    /// teardown (from the configuration's `firecracker` block).
+    Firecracker(crate::firecracker_cli::FirecrackerArgs),
     /// Every named failpoint of this binary, one per line (for the crash
     /// tests; `KICI_SCALER_CRASH_AT` arms them in `failpoints` builds).
     #[command(hide = true)]
@@ -340,6 +343,7 @@ pub fn execute(
         Command::Serve(_) | Command::Run(_) => Err(CliError::NotOneShot),
         Command::Doctor(args) => crate::doctor::doctor(args, out),
         Command::Sweep(args) => crate::sweep::sweep(args, out),
+        Command::Firecracker(args) => crate::firecracker_cli::firecracker(args, out, err),
         Command::Failpoints => {
             for name in crate::crashpoints::all() {
                 writeln!(out, "{name}")?;

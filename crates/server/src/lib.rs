@@ -12,6 +12,7 @@
 //! - [`jobs`]: standalone jobs (their state, output and end).
 //! - [`run`]: `kici-scaler run`, a job end to end from the command line.
 //! - [`agent_binary`]: where a bare-metal `binaryPath` points.
+//! - [`firecracker_cli`]: `kici-scaler firecracker provision|verify|teardown`.
 //! - [`doctor`]: `kici-scaler doctor`, what the bare-metal backend needs.
 //! - [`api`]: the control API (routes, errors, JSON shapes, OpenAPI).
 //! - [`token`]: agent tokens and redacted secrets.
@@ -38,6 +39,7 @@ pub mod crashpoints;
 pub mod daemon;
 pub mod doctor;
 pub mod events;
+pub mod firecracker_cli;
 pub mod gateway;
 pub mod identity;
 pub mod jobs;

@@ -133,6 +133,7 @@ async fn run(
         | Command::Run(_)
         | Command::Doctor(_)
         | Command::Sweep(_)
+        | Command::Firecracker(_)
         | Command::Failpoints => Err(CliError::NotOneShot),
     }
 }

@@ -412,3 +412,63 @@ fn the_shipped_examples_are_valid_and_route() {
         assert_eq!(one_json_document(&out)["scaler"], scaler, "{labels}");
     }
 }
+
+/// `firecracker provision|verify|teardown` on a bridge of our own name
+/// (host network namespace: serial).
+#[test]
+fn serial_firecracker_bridge_provision_verify_teardown() {
+    let dir = tempfile::tempdir().unwrap();
+    let bridge = format!("kbt{:08x}", rand::random::<u32>());
+    let cfg = dir.path().join("fc.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "version: 1\nfirecracker:\n  cidr: 10.213.77.0/24\n  bridgeName: {bridge}\nscalers: []\n"
+        ),
+    )
+    .unwrap();
+    let run = |action: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kici-scaler"))
+            .args(["firecracker", action, "--json", "--config"])
+            .arg(&cfg)
+            .output()
+            .unwrap()
+    };
+    let doc = |o: &std::process::Output| -> serde_json::Value {
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
+    };
+    let before = run("verify");
+    assert_eq!(before.status.code(), Some(1));
+    assert_eq!(doc(&before)["exists"], false);
+    let made = run("provision");
+    let guard = scopeguard_bridge(&bridge);
+    assert_eq!(
+        made.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let v = doc(&run("verify"));
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["ours"], true);
+    assert_eq!(v["gatewayAssigned"], true);
+    let gone = run("teardown");
+    assert_eq!(gone.status.code(), Some(0));
+    assert_eq!(doc(&gone)["removed"], true);
+    assert_eq!(doc(&run("verify"))["exists"], false);
+    drop(guard);
+}
+
+/// Removes the test bridge even if the test fails half-way.
+fn scopeguard_bridge(name: &str) -> impl Drop {
+    struct Guard(String);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "delete", &self.0])
+                .output();
+        }
+    }
+    Guard(name.to_owned())
+}
