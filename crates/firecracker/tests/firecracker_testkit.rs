@@ -35,11 +35,17 @@ async fn serial_firecracker_testkit_guest_agent_runs_with_the_mmds_env_and_destr
     let handle = h.backend.spawn(spec).await.unwrap();
     h.remember(&agent, &handle);
     let client = sim(&h, &agent);
+    // Running, and the guest agent has written its report (it does so
+    // right after it starts).
+    let report_path = h.root(&agent).join("agent-report.json");
     let st = tokio::task::spawn_blocking({
         let client = client.clone();
+        let report_path = report_path.clone();
         move || {
             client.wait_state(Duration::from_secs(30), |s| {
                 s.guest_phase() == "agent-running"
+                    && std::fs::read_to_string(&report_path)
+                        .is_ok_and(|t| serde_json::from_str::<serde_json::Value>(&t).is_ok())
             })
         }
     })
@@ -68,10 +74,8 @@ async fn serial_firecracker_testkit_guest_agent_runs_with_the_mmds_env_and_destr
     assert_eq!(guest["token_status"], 200, "{guest}");
     assert_eq!(guest["metadata"]["kici-agent-id"], agent.to_string());
     // The guest agent ran with the contract env from MMDS.
-    let report: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(h.root(&agent).join("agent-report.json")).unwrap(),
-    )
-    .unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
     let text = report.to_string();
     for needle in [
         agent.to_string(),
