@@ -114,6 +114,14 @@ pub trait Backend: Send + Sync {
     /// Every resource carrying this instance's owner marker, for reconcile.
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError>;
 
+    /// The agent acknowledged its configuration (`config.ack`): a backend
+    /// that handed bootstrap secrets over a side channel (Firecracker's
+    /// MMDS) removes them here, and must have verified it before returning
+    /// — no job is dispatched to the agent until this succeeds.
+    async fn agent_configured(&self, _agent: &AgentId) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     /// After a daemon restart: checks that the recorded agent's resource
     /// still runs and is the one recorded, and if so watches it again
     /// (exit reported to `reports`, logs forwarded). Never creates anything.

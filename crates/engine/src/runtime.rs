@@ -542,6 +542,30 @@ impl Runtime {
         }
     }
 
+    /// The agent acknowledged its configuration: its backend's
+    /// [`Backend::agent_configured`] (Firecracker clears the MMDS), bounded
+    /// by the scaler's API-call deadline. Dispatch waits for this.
+    pub async fn agent_configured(&self, agent: AgentId) -> Result<(), crate::BackendError> {
+        let found = {
+            let engine = self.inner.engine.lock();
+            engine.agent_backend(agent)
+        };
+        let Some((kind, limit)) = found else {
+            return Err(crate::BackendError::Unavailable(format!(
+                "{agent} is not managed here"
+            )));
+        };
+        let Some(backend) = self.inner.backends.get(&kind).cloned() else {
+            return Ok(());
+        };
+        match tokio::time::timeout(limit, backend.agent_configured(&agent)).await {
+            Ok(result) => result,
+            Err(_) => Err(crate::BackendError::Unavailable(format!(
+                "{agent}: clearing the bootstrap data did not finish within {limit:?}"
+            ))),
+        }
+    }
+
     /// The backends, for the reconciler.
     pub fn backends(&self) -> Vec<Arc<dyn Backend>> {
         self.inner.backends.values().cloned().collect()

@@ -1071,6 +1071,16 @@ impl Backend for FirecrackerBackend {
         crate::validate::validate(self, scaler)
     }
 
+    async fn agent_configured(&self, agent: &AgentId) -> Result<(), BackendError> {
+        // The token and bootstrap env sit in the MMDS until now: gone, and
+        // read back empty, before any job reaches the guest.
+        // The runtime bounds the whole call by the scaler's API deadline;
+        // this is the per-request bound inside it (DESIGN: 30 s).
+        self.clear_mmds(agent, Duration::from_secs(30))
+            .await
+            .map_err(|e| BackendError::Unavailable(format!("{agent}: {e}")))
+    }
+
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
         self.spawn_timed(spec).await.map(|(handle, _)| handle)
     }

@@ -429,6 +429,15 @@ impl Gateway {
                 }
             }
         }
+        // Bootstrap secrets handed over a side channel (Firecracker's MMDS)
+        // are gone, verified, before the agent gets any job.
+        if let Err(e) = self.runtime.agent_configured(agent).await {
+            tracing::error!(agent_id = %agent, error = %e, "clearing the agent's bootstrap data failed; the agent is destroyed");
+            let _ = self.runtime.destroy_agent(agent);
+            return Err(conn
+                .close(CloseCode::GoingAway, "bootstrap data could not be cleared")
+                .await);
+        }
         let mut job = JobTrack::default();
         if let Some(bound) = &registered.bound_job {
             match self.jobs.dispatchable(bound) {

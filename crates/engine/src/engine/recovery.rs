@@ -99,6 +99,12 @@ impl Engine {
         Some(self.router.agent_labels(a.scaler_index, a.label_set))
     }
 
+    /// A managed agent's backend type and its scaler's API-call deadline.
+    pub fn agent_backend(&self, id: AgentId) -> Option<(ScalerType, std::time::Duration)> {
+        let a = self.agents.get(&id)?;
+        Some((a.scaler().kind, a.scaler().ext.deadlines.api_call))
+    }
+
     /// The agent's current snapshot.
     pub fn durable(&self, id: AgentId, now: Instant) -> Option<DurableAgent> {
         self.agents.get(&id).map(|a| snapshot(a, now))

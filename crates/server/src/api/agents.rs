@@ -87,7 +87,8 @@ pub async fn registered(
         (status = 204, description = "Recorded"),
         (status = 400, description = "Not an agent id", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
-        (status = 404, description = "Not an agent of this instance", body = ErrorBody)
+        (status = 404, description = "Not an agent of this instance", body = ErrorBody),
+        (status = 500, description = "The backend could not clear the agent's bootstrap data (the agent is destroyed)", body = ErrorBody)
     )
 )]
 pub async fn config_ack(
@@ -97,6 +98,17 @@ pub async fn config_ack(
     let agent = parse_agent(&id)?;
     if state.runtime.agent(agent).is_none() {
         return Err(ApiError::agent_not_found(agent));
+    }
+    // Firecracker clears (and verifies) the MMDS here: the orchestrator
+    // must not dispatch before this answers 204.
+    if let Err(e) = state.runtime.agent_configured(agent).await {
+        tracing::error!(agent_id = %agent, error = %e, "clearing the agent's bootstrap data failed; the agent is destroyed");
+        let _ = state.runtime.destroy_agent(agent);
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "bootstrap-not-cleared",
+            e.to_string(),
+        ));
     }
     tracing::info!(agent_id = %agent, "agent config acknowledged");
     Ok(StatusCode::NO_CONTENT)
