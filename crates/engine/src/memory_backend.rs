@@ -26,6 +26,8 @@ struct State {
     destroyed: Vec<AgentId>,
     fail_spawns: u32,
     fail_destroys: u32,
+    fail_configured: u32,
+    configured: Vec<AgentId>,
     hang_spawns: bool,
     validate_errors: Vec<String>,
 }
@@ -51,6 +53,17 @@ impl MemoryBackend {
     /// The next `n` destroys fail (the resource stays).
     pub fn fail_next_destroys(&self, n: u32) {
         self.state.lock().fail_destroys = n;
+    }
+
+    /// The next `n` `agent_configured` calls fail (bootstrap data not
+    /// cleared).
+    pub fn fail_next_configured(&self, n: u32) {
+        self.state.lock().fail_configured = n;
+    }
+
+    /// Every agent `agent_configured` succeeded for, in order.
+    pub fn configured(&self) -> Vec<AgentId> {
+        self.state.lock().configured.clone()
     }
 
     /// Spawns never return (a hung image pull or boot).
@@ -175,6 +188,18 @@ impl Backend for MemoryBackend {
                 created_at: SystemTime::now(),
             })
             .collect())
+    }
+
+    async fn agent_configured(&self, agent: &AgentId) -> Result<(), BackendError> {
+        let mut s = self.state.lock();
+        if s.fail_configured > 0 {
+            s.fail_configured -= 1;
+            return Err(BackendError::Unavailable(
+                "injected: bootstrap data not cleared".into(),
+            ));
+        }
+        s.configured.push(*agent);
+        Ok(())
     }
 
     async fn adopt(

@@ -194,3 +194,22 @@ scalers:
     assert_eq!(first.id, 1);
     assert_eq!(local.live().len(), 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn config_ack_reaches_the_agents_backend_and_its_failure_is_reported() {
+    let s = setup(BASIC);
+    let a = spawned(&s.rt.request_scale(request("j1", &["docker"])).unwrap());
+    settle().await;
+    s.rt.agent_registered(a).unwrap();
+    s.docker.fail_next_configured(1);
+    assert!(s.rt.agent_configured(a).await.is_err());
+    assert!(s.docker.configured().is_empty());
+    s.rt.agent_configured(a).await.unwrap();
+    assert_eq!(s.docker.configured(), [a]);
+    assert!(
+        s.local.configured().is_empty(),
+        "only the agent's own backend"
+    );
+    let stranger = kici_model::AgentId::new(ScalerType::Container, [9, 9, 9, 9]);
+    assert!(s.rt.agent_configured(stranger).await.is_err());
+}
