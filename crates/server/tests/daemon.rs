@@ -237,8 +237,18 @@ fn start_up_refuses_a_bad_config_with_every_error() {
 }
 
 #[test]
-fn start_up_refuses_a_type_without_a_backend() {
+fn start_up_refuses_a_backend_that_cannot_start_here() {
+    // Every scaler type has a backend now; what can still be missing is
+    // the host side of one — here the Firecracker bridge.
     let dir = Dir::new();
+    let bridge = format!("kbn{:08x}", rand::random::<u32>());
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nfirecracker:\n  cidr: 10.214.0.0/24\n  bridgeName: {bridge}\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: /bin/true\n  - name: vm\n    type: firecracker\n    maxAgents: 1\n    firecrackerPath: /nonexistent/firecracker\n    jailerPath: /nonexistent/jailer\n    kernelPath: /nonexistent/vmlinux\n    chrootBaseDir: /srv/jailer\n    uid: 10000\n    gid: 10000\n    labelSets:\n      - labels: [vm]\n        rootfsPath: /nonexistent/rootfs.ext4\n"
+        ),
+    )
+    .unwrap();
     let out = dir
         .serve_command(&["--listen", "127.0.0.1:0"])
         .output()
@@ -246,12 +256,14 @@ fn start_up_refuses_a_type_without_a_backend() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("scalers[name=docker]: type container has no backend in this build of kici-scaler (available: bare-metal)"),
+        err.contains("scalers[name=vm]: the firecracker backend cannot start on this host")
+            && err.contains(&format!("bridge {bridge}: {bridge} does not exist"))
+            && err.contains("kici-scaler firecracker provision"),
         "{err}"
     );
     assert!(
         !err.contains("scalers[name=local]"),
-        "bare-metal has a backend: {err}"
+        "bare-metal starts fine: {err}"
     );
 }
 

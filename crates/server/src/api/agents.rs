@@ -96,11 +96,16 @@ pub async fn config_ack(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    if state.runtime.agent(agent).is_none() {
+    let Some(view) = state.runtime.agent(agent) else {
         return Err(ApiError::agent_not_found(agent));
-    }
+    };
     // Firecracker clears (and verifies) the MMDS here: the orchestrator
-    // must not dispatch before this answers 204.
+    // must not dispatch before this answers 204. A leaving agent has
+    // nothing left to clear (and the report stays idempotent).
+    let leaving = matches!(view.state, AgentState::Destroying | AgentState::Gone);
+    if leaving {
+        return Ok(StatusCode::NO_CONTENT);
+    }
     if let Err(e) = state.runtime.agent_configured(agent).await {
         tracing::error!(agent_id = %agent, error = %e, "clearing the agent's bootstrap data failed; the agent is destroyed");
         let _ = state.runtime.destroy_agent(agent);
