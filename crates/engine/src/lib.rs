@@ -10,7 +10,8 @@
 //! - [`runtime`]: the async driver that runs effects against backends and
 //!   fires timers.
 //! - [`memory_backend`]: an in-memory backend with failure injection, for
-//!   tests of everything above the backends.
+//!   tests of everything above the backends; [`testing`]: spawn specs for
+//!   backend tests.
 
 pub mod backend;
 pub mod breaker;
@@ -21,6 +22,7 @@ pub mod lifecycle;
 pub mod memory_backend;
 pub mod pending;
 pub mod runtime;
+pub mod testing;
 
 pub use backend::{
     Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
