@@ -2,7 +2,9 @@
 //! standalone mode.
 //!
 //! It reads its bootstrap from the `KICI_*` environment (refusing unknown
-//! `KICI_*` names, as the KiCI agent does), connects to the gateway's
+//! `KICI_*` names, as the KiCI agent does) — or, with `--bootstrap mmds`,
+//! from Firecracker's MMDS V2 (see `kici_agent_lite::mmds`), whose entries
+//! are laid over the process environment — connects to the gateway's
 //! WebSocket, authenticates with its token, registers, acknowledges its
 //! configuration, runs the jobs it is given one at a time — each in its own
 //! process group, output streamed as it comes — and leaves when its idle
@@ -21,6 +23,7 @@ mod job;
 mod session;
 
 use exit::AgentExit;
+use kici_agent_lite::mmds;
 use kici_protocol::bootstrap::{Bootstrap, WsScheme, LOG_LEVEL};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -34,16 +37,59 @@ pub struct Flags {
     pub heartbeat_interval: Duration,
 }
 
-const USAGE: &str = "usage: kici-agent-lite [--heartbeat-interval-ms MS]
-Configuration comes from the KICI_* environment (KICI_ORCHESTRATOR_URL, KICI_AGENT_ID, ...).";
+/// Where the bootstrap comes from.
+#[derive(Debug, Clone)]
+enum BootstrapSource {
+    /// The `KICI_*` environment (bare-metal, container).
+    Env,
+    /// Firecracker's MMDS V2, waited for under this policy.
+    Mmds(mmds::FetchPolicy),
+}
 
-fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<Flags>, String> {
+/// The command line.
+#[derive(Debug, Clone)]
+struct CommandLine {
+    flags: Flags,
+    source: BootstrapSource,
+}
+
+const USAGE: &str = "usage: kici-agent-lite [--heartbeat-interval-ms MS]
+       [--bootstrap env|mmds] [--mmds-address IP:PORT] [--mmds-timeout-secs S]
+Configuration comes from the KICI_* environment (KICI_ORCHESTRATOR_URL, KICI_AGENT_ID, ...),
+or with --bootstrap mmds from Firecracker's MMDS V2 (default address 169.254.169.254:80,
+waiting up to 60 s for the host to populate it).";
+
+fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<CommandLine>, String> {
     let mut flags = Flags {
         heartbeat_interval: Duration::from_secs(30),
     };
+    let mut use_mmds = false;
+    let mut policy = mmds::FetchPolicy::default();
+    let mut mmds_tuned = false;
     let mut args = args.skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
+            "--bootstrap" => match args.next().as_deref() {
+                Some("env") => use_mmds = false,
+                Some("mmds") => use_mmds = true,
+                _ => return Err("--bootstrap needs `env` or `mmds`".into()),
+            },
+            "--mmds-address" => {
+                policy.address = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .ok_or("--mmds-address needs IP:PORT")?;
+                mmds_tuned = true;
+            }
+            "--mmds-timeout-secs" => {
+                let secs = args
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .filter(|s| *s > 0)
+                    .ok_or("--mmds-timeout-secs needs a positive number of seconds")?;
+                policy.deadline = Duration::from_secs(secs);
+                mmds_tuned = true;
+            }
             "--heartbeat-interval-ms" => {
                 let ms = args
                     .next()
@@ -63,7 +109,33 @@ fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<Flags>, Stri
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
-    Ok(Some(flags))
+    if mmds_tuned && !use_mmds {
+        return Err("--mmds-* flags need --bootstrap mmds".into());
+    }
+    let source = if use_mmds {
+        BootstrapSource::Mmds(policy)
+    } else {
+        BootstrapSource::Env
+    };
+    Ok(Some(CommandLine { flags, source }))
+}
+
+/// Lays the MMDS bootstrap over the process environment.
+fn apply_mmds(
+    env: &mut BTreeMap<String, String>,
+    runtime: &tokio::runtime::Runtime,
+    policy: &mmds::FetchPolicy,
+) -> Result<(), String> {
+    tracing::info!(address = %policy.address, deadline = ?policy.deadline, "waiting for the MMDS bootstrap");
+    let meta = runtime
+        .block_on(mmds::fetch(policy))
+        .map_err(|e| e.to_string())?;
+    let guest = mmds::GuestBootstrap::from_meta(&meta).map_err(|e| e.to_string())?;
+    if !guest.skipped.is_empty() {
+        tracing::warn!(entries = %guest.skipped.join(","), "kici-env entries not applied (not POSIX names, not strings, or naming a dedicated key)");
+    }
+    env.extend(guest.env);
+    Ok(())
 }
 
 /// The process environment as strings. A `KICI_*` variable that is not
@@ -107,8 +179,8 @@ fn init_logging(level: Option<&str>) {
 }
 
 fn main() -> std::process::ExitCode {
-    let flags = match parse_flags(std::env::args()) {
-        Ok(Some(flags)) => flags,
+    let CommandLine { flags, source } = match parse_flags(std::env::args()) {
+        Ok(Some(cmd)) => cmd,
         Ok(None) => return std::process::ExitCode::SUCCESS,
         Err(msg) => {
             init_logging(None);
@@ -116,7 +188,7 @@ fn main() -> std::process::ExitCode {
             return AgentExit::BadBootstrap.into();
         }
     };
-    let env = match environment() {
+    let mut env = match environment() {
         Ok(env) => env,
         Err(msg) => {
             init_logging(None);
@@ -125,6 +197,22 @@ fn main() -> std::process::ExitCode {
         }
     };
     init_logging(env.get(LOG_LEVEL).map(String::as_str));
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the async runtime");
+            return AgentExit::Internal.into();
+        }
+    };
+    if let BootstrapSource::Mmds(policy) = &source {
+        if let Err(msg) = apply_mmds(&mut env, &runtime, policy) {
+            tracing::error!(error = %msg, "no bootstrap from MMDS; not connecting");
+            return AgentExit::BadBootstrap.into();
+        }
+    }
     let bootstrap = match Bootstrap::from_env(&env) {
         Ok(b) => b,
         Err(e) => {
@@ -150,16 +238,6 @@ fn main() -> std::process::ExitCode {
     let base_env = job::base_env(&env);
     drop(env);
 
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the async runtime");
-            return AgentExit::Internal.into();
-        }
-    };
     // Every line carries the agent id (in its `span` object).
     let span = tracing::info_span!("agent", agent_id = %bootstrap.agent_id);
     let exit = runtime.block_on(session::run(bootstrap, flags, base_env).instrument(span.clone()));
