@@ -250,6 +250,9 @@ struct Inner {
     /// One pull at a time per image reference (concurrent spawns of the same
     /// image wait for the first pull instead of pulling it N times, B10).
     pulls: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held shared by a spawn from create until its rules are installed,
+    /// exclusively by [`ContainerBackend::sweep_stale_rules`].
+    rules_gate: tokio::sync::RwLock<()>,
 }
 
 /// The container [`Backend`]. Cheap to clone.
@@ -318,6 +321,7 @@ impl ContainerBackend {
                 runtimes: tokio::sync::Mutex::new(HashMap::new()),
                 tracked: parking_lot::Mutex::new(HashMap::new()),
                 pulls: parking_lot::Mutex::new(HashMap::new()),
+                rules_gate: tokio::sync::RwLock::new(()),
             }),
         })
     }
@@ -473,8 +477,14 @@ impl ContainerBackend {
     /// Removes the egress rules of this instance's agents that have no
     /// container any more (a crash between remove and rule removal), so a
     /// reused address never inherits an old allowlist. Returns the agents
-    /// whose containers exist (running or not).
+    /// whose rules were removed. A container that exists (running or not)
+    /// keeps its rules; a runtime that does not answer fails the sweep
+    /// (its containers cannot be told apart from dead ones).
+    ///
+    /// Spawns wait while it runs: a container created and given its rules
+    /// between the listing and the sweep would otherwise lose them.
     pub async fn sweep_stale_rules(&self) -> Result<Vec<AgentId>, BackendError> {
+        let _no_spawn_in_between = self.inner.rules_gate.write().await;
         let live: Vec<AgentId> = self
             .list_owned()
             .await?
@@ -486,8 +496,7 @@ impl ContainerBackend {
             .egress
             .sweep_stale(&live)
             .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
-        Ok(live)
+            .map_err(|e| BackendError::Unavailable(e.to_string()))
     }
 
     fn pull_lock(&self, image: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -681,6 +690,9 @@ impl ContainerBackend {
             },
         );
         let name = container_name(&agent);
+        // Until the rules are in: a rule sweep now would not see them
+        // belong to a container.
+        let rules_gate = self.inner.rules_gate.read().await;
         let created = rt
             .call(
                 "POST /containers/create",
@@ -714,6 +726,7 @@ impl ContainerBackend {
                 )
                 .await?;
         }
+        drop(rules_gate);
         failpoint("kici_container::spawn::rules")?;
 
         rt.call(

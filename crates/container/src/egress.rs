@@ -56,8 +56,9 @@ pub trait EgressRules: Send + Sync {
     async fn remove(&self, agent: &AgentId) -> Result<(), EgressError>;
 
     /// Removes the rules of every agent not in `live` (a crash left them;
-    /// a reused address must never inherit an old allowlist).
-    async fn sweep_stale(&self, live: &[AgentId]) -> Result<(), EgressError>;
+    /// a reused address must never inherit an old allowlist). Returns the
+    /// agents whose rules were removed.
+    async fn sweep_stale(&self, live: &[AgentId]) -> Result<Vec<AgentId>, EgressError>;
 }
 
 /// No rules at all (`networkIsolation: false`, tests).
@@ -78,8 +79,8 @@ impl EgressRules for NoEgressRules {
         Ok(())
     }
 
-    async fn sweep_stale(&self, _live: &[AgentId]) -> Result<(), EgressError> {
-        Ok(())
+    async fn sweep_stale(&self, _live: &[AgentId]) -> Result<Vec<AgentId>, EgressError> {
+        Ok(Vec::new())
     }
 }
 
@@ -134,11 +135,10 @@ impl EgressRules for NftEgress {
             .map_err(|e| EgressError(e.to_string()))
     }
 
-    async fn sweep_stale(&self, live: &[AgentId]) -> Result<(), EgressError> {
+    async fn sweep_stale(&self, live: &[AgentId]) -> Result<Vec<AgentId>, EgressError> {
         self.table
             .sweep_stale(live)
             .await
-            .map(|_| ())
             .map_err(|e| EgressError(e.to_string()))
     }
 }

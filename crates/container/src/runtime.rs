@@ -161,6 +161,12 @@ pub enum ConnectError {
     NoRuntime { tried: String },
     #[error("the Engine API at {endpoint} does not answer: {reason}")]
     NoAnswer { endpoint: Endpoint, reason: String },
+    #[error("TLS {role} {path}: {reason}")]
+    TlsFile {
+        role: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
     #[error("{endpoint} is {found}, but the scaler asks for runtime {wanted}")]
     WrongRuntime {
         endpoint: Endpoint,
@@ -294,6 +300,7 @@ pub async fn connect(
                     "https needs TLS material (ca.pem, cert.pem, key.pem)".into(),
                 ));
             };
+            files.check_readable()?;
             Docker::connect_with_ssl(
                 address,
                 &files.key,
@@ -319,7 +326,21 @@ pub async fn connect(
     })
     .await
     .map_err(|_| no_answer(format!("no answer within {deadline:?}")))?
-    .map_err(|e| no_answer(e.to_string()))?;
+    .map_err(|e| {
+        let reason = error_chain(&e);
+        match (endpoint, tls) {
+            (Endpoint::Tcp { tls: true, .. }, Some(files)) if looks_like_tls(&reason) => {
+                no_answer(format!(
+                    "{reason} (TLS handshake failed: the daemon's certificate must be \
+                     issued by the CA in {} and name the host, and the daemon must trust \
+                     the client certificate {})",
+                    files.ca.display(),
+                    files.cert.display()
+                ))
+            }
+            _ => no_answer(reason),
+        }
+    })?;
     let version = tokio::time::timeout(deadline, negotiated.version())
         .await
         .map_err(|_| no_answer(format!("GET /version: no answer within {deadline:?}")))?
@@ -345,6 +366,51 @@ pub async fn connect(
         version: version.version.unwrap_or_default(),
         api_version,
     })
+}
+
+/// An error with its sources: bollard's (hyper's) top-level message is
+/// often only "client error (Connect)", the cause is further down.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn looks_like_tls(reason: &str) -> bool {
+    let lower = reason.to_ascii_lowercase();
+    ["certificate", "tls", "handshake", "alert"]
+        .iter()
+        .any(|w| lower.contains(w))
+}
+
+impl TlsFiles {
+    /// Each file is there and readable: bollard reads the client
+    /// certificate only during a handshake, where a missing file is merely
+    /// "no certificate sent".
+    fn check_readable(&self) -> Result<(), ConnectError> {
+        for (role, path) in [
+            ("CA certificate", &self.ca),
+            ("client certificate", &self.cert),
+            ("client key", &self.key),
+        ] {
+            if let Err(e) = std::fs::File::open(path) {
+                return Err(ConnectError::TlsFile {
+                    role,
+                    path: path.clone(),
+                    reason: e.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,9 @@
 //! at reload, by the runtime) with a message saying so, rather than failing
 //! at the first spawn.
 
+use crate::settings::BackendTuning;
 use kici_engine::Backend;
-use kici_model::{Config, InstanceId, ScalerType};
+use kici_model::{AgentId, Config, InstanceId, ScalerType};
 use kici_store::StateStore;
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -31,6 +32,32 @@ pub struct BackendContext {
     pub gateway_port: u16,
     /// The configuration being started (the Firecracker network block).
     pub config: Option<Arc<Config>>,
+    /// Container ulimits, bare-metal pids and log caps.
+    pub tuning: BackendTuning,
+    /// The instance lives for this process only (`run`): what a backend
+    /// keeps for the instance itself (the subnet's egress rules) goes at
+    /// a clean shutdown, since no later daemon would ever own it again.
+    pub ephemeral: bool,
+}
+
+/// Host state a backend keeps apart from its resources — per-agent egress
+/// rules — swept against what still runs: once at start-up, before any
+/// spawn ([`BackendRegistry::start`]), and by every reconcile pass, so a
+/// reused address never inherits an old allowlist.
+#[async_trait::async_trait]
+pub trait StaleRuleSweep: Send + Sync {
+    /// Removes the rules of this instance's agents that have no resource
+    /// any more; returns those agents.
+    async fn sweep_stale_rules(&self) -> Result<Vec<AgentId>, String>;
+}
+
+#[async_trait::async_trait]
+impl StaleRuleSweep for kici_container::ContainerBackend {
+    async fn sweep_stale_rules(&self) -> Result<Vec<AgentId>, String> {
+        kici_container::ContainerBackend::sweep_stale_rules(self)
+            .await
+            .map_err(|e| format!("container egress rules: {e}"))
+    }
 }
 
 /// A started backend and what to do once every agent is gone (remove
@@ -42,6 +69,8 @@ pub struct Started {
     /// its network): the agent gateway listens there too and agents are
     /// told `ws://<it>:<port>/ws`. `None`: loopback (host processes).
     pub agent_gateway: Option<IpAddr>,
+    /// Its stale-rule sweep, if it keeps rules apart from its resources.
+    pub rule_sweep: Option<Arc<dyn StaleRuleSweep>>,
 }
 
 impl Started {
@@ -50,6 +79,7 @@ impl Started {
             backend,
             after_shutdown: None,
             agent_gateway: None,
+            rule_sweep: None,
         }
     }
 }
@@ -68,6 +98,8 @@ pub struct Built {
     pub after_shutdown: Vec<Box<dyn FnOnce() + Send>>,
     /// Per backend type, the host address its agents connect to.
     pub agent_gateways: BTreeMap<ScalerType, IpAddr>,
+    /// For the reconciler: the backends' stale-rule sweeps.
+    pub rule_sweeps: Vec<Arc<dyn StaleRuleSweep>>,
 }
 
 /// The backends this build knows, by scaler type.
@@ -91,11 +123,13 @@ impl BackendRegistry {
                 Box::pin(async move {
                     // The backend keeps only `KICI_AGENT_ENV_*` and its allowlist
                     // of the daemon's environment for agents.
-                    let options = kici_backends::BareMetalOptions::new(
+                    let mut options = kici_backends::BareMetalOptions::new(
                         ctx.instance,
                         ctx.state_dir.clone(),
                         std::env::vars().collect(),
                     );
+                    options.pids_max = ctx.tuning.bare_metal_pids_max;
+                    options.log_keep_bytes = ctx.tuning.bare_metal_log_keep_bytes;
                     let backend =
                         kici_backends::BareMetalBackend::new(options).map_err(|e| e.to_string())?;
                     let cleanup = backend.clone();
@@ -105,6 +139,7 @@ impl BackendRegistry {
                         // empty) directories above them go too.
                         after_shutdown: Some(Box::new(move || cleanup.prune_empty_cgroups())),
                         agent_gateway: None,
+                        rule_sweep: None,
                     })
                 })
             }),
@@ -172,6 +207,7 @@ impl BackendRegistry {
                     if let Some(ip) = started.agent_gateway {
                         built.agent_gateways.insert(*kind, ip);
                     }
+                    built.rule_sweeps.extend(started.rule_sweep);
                 }
                 Err(why) => {
                     tracing::warn!(backend = %kind, error = %why, "backend unavailable");
@@ -209,6 +245,29 @@ impl BackendRegistry {
         let built = self.build(config, ctx).await?;
         validate(config, &built.backends).await?;
         Ok(built)
+    }
+}
+
+impl Built {
+    /// The daemon's start-up sweep of stale egress rules, after
+    /// [`BackendRegistry::start`] (validation connected every runtime the
+    /// configuration names) and before any agent is spawned or adopted, so
+    /// none runs next to the rules of a dead agent that had its address. A
+    /// sweep that cannot run is an error: rules it cannot judge stay.
+    pub async fn sweep_stale_rules(&self) -> Result<Vec<AgentId>, Vec<String>> {
+        let mut swept = Vec::new();
+        let mut errors = Vec::new();
+        for sweep in &self.rule_sweeps {
+            match sweep.sweep_stale_rules().await {
+                Ok(agents) => swept.extend(agents),
+                Err(e) => errors.push(format!("start-up sweep of stale egress rules: {e}")),
+            }
+        }
+        if errors.is_empty() {
+            Ok(swept)
+        } else {
+            Err(errors)
+        }
     }
 }
 
@@ -285,6 +344,7 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         allocator(&ctx, "container")?,
         std::env::vars().collect(),
     );
+    options.ulimits = ctx.tuning.container_ulimits.clone();
     let network = options.network.clone();
     // dockerd's FORWARD policy is DROP: our subnet needs its accept in
     // DOCKER-USER (our own drops still apply: a drop in any table is final).
@@ -295,13 +355,43 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         kici_netpolicy::DockerUserMode::AcceptSubnet,
     )
     .await?;
-    options.egress = Arc::new(kici_container::NftEgress::new(table));
+    options.egress = Arc::new(kici_container::NftEgress::new(table.clone()));
     let backend = kici_container::ContainerBackend::new(options).map_err(|e| e.to_string())?;
+    let after_shutdown: Option<Box<dyn FnOnce() + Send>> = if ctx.ephemeral {
+        Some(Box::new(move || teardown_table(table)))
+    } else {
+        None
+    };
     Ok(Started {
-        backend: Arc::new(backend),
-        after_shutdown: None,
+        backend: Arc::new(backend.clone()),
+        after_shutdown,
         agent_gateway: Some(IpAddr::V4(network.pool.gateway())),
+        rule_sweep: Some(Arc::new(backend)),
     })
+}
+
+/// Removes the instance's subnet-level egress rules (default drops,
+/// `DOCKER-USER` accepts) once every agent is gone. Shutdown hooks are
+/// synchronous: the removal gets a runtime of its own on its own thread.
+fn teardown_table(table: kici_netpolicy::EgressTable) {
+    let subnet = table.subnet();
+    let outcome = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+            .and_then(|rt| rt.block_on(table.teardown()).map_err(|e| e.to_string()))
+    })
+    .join();
+    match outcome {
+        Ok(Ok(removed)) => {
+            tracing::debug!(%subnet, removed, "egress rules of the instance removed")
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(%subnet, error = %e, "egress rules of the instance left behind")
+        }
+        Err(_) => tracing::warn!(%subnet, "egress rule removal panicked"),
+    }
 }
 
 /// Jailed microVMs on the configured bridge (which `kici-scaler
@@ -334,13 +424,21 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
         ctx.instance,
         network.clone(),
         allocator(&ctx, "Firecracker")?,
-        Arc::new(kici_firecracker::NetPolicyEgress(table)),
+        Arc::new(kici_firecracker::NetPolicyEgress(table.clone())),
         std::env::vars().collect(),
     );
     let backend = kici_firecracker::FirecrackerBackend::new(options).map_err(|e| e.to_string())?;
+    let after_shutdown: Option<Box<dyn FnOnce() + Send>> = if ctx.ephemeral {
+        Some(Box::new(move || teardown_table(table)))
+    } else {
+        None
+    };
     Ok(Started {
         backend: Arc::new(backend),
-        after_shutdown: None,
+        after_shutdown,
         agent_gateway: Some(IpAddr::V4(network.gateway)),
+        // kici-firecracker sweeps its rules with its own orphan sweep
+        // (not wired into this reconciler yet).
+        rule_sweep: None,
     })
 }

@@ -229,6 +229,8 @@ async fn run(
         instance,
         state_dir: settings.state_dir.clone(),
         store: Some(Arc::clone(&store)),
+        tuning: settings.backends.clone(),
+        ephemeral: false,
         gateway_port: gateway_listener
             .local_addr()
             .map_err(|source| ServeError::Listen {
@@ -241,6 +243,17 @@ async fn run(
         .start(&config, &ctx)
         .await
         .map_err(ServeError::Backends)?;
+    let swept = backends
+        .sweep_stale_rules()
+        .await
+        .map_err(ServeError::Backends)?;
+    if !swept.is_empty() {
+        tracing::info!(
+            agents = %swept.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            "start-up: egress rules of agents without a resource removed"
+        );
+    }
+    let rule_sweeps = backends.rule_sweeps.clone();
     let ledger = MachineLedger::open(settings.machine_ledger_dir.as_deref(), instance)?;
     let (stack, recovery) = Stack::start(
         Arc::clone(&config),
@@ -268,13 +281,16 @@ async fn run(
         tracing::warn!(error = %e, "recovery");
     }
     let runtime = stack.runtime.clone();
-    let reconciler = Arc::new(Reconciler::new(
-        Arc::clone(&store),
-        runtime.backends(),
-        Some(runtime.clone()),
-        Some(Arc::clone(&stack.metrics)),
-        settings.reconcile_age,
-    ));
+    let reconciler = Arc::new(
+        Reconciler::new(
+            Arc::clone(&store),
+            runtime.backends(),
+            Some(runtime.clone()),
+            Some(Arc::clone(&stack.metrics)),
+            settings.reconcile_age,
+        )
+        .with_rule_sweeps(rule_sweeps),
+    );
     // The first pass at start-up marks; the periodic ones reap what is
     // still unowned.
     let first = reconciler.pass(Reaping::MarkThenReap).await;
@@ -394,9 +410,13 @@ pub fn log_sweep(report: &SweepReport) {
         young = report.young,
         leases_released = report.leases_released.len(),
         stale_rows = report.stale_rows_deleted.len(),
+        stale_rules = report.stale_rules_removed.len(),
         errors = report.errors.len(),
         "reconcile pass"
     );
+    for agent in &report.stale_rules_removed {
+        tracing::info!(agent_id = %agent, "reconcile: egress rules of an agent without a resource removed");
+    }
     for e in &report.errors {
         tracing::warn!(error = %e, "reconcile");
     }

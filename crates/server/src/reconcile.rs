@@ -13,11 +13,14 @@
 //!   running, so nothing is in flight) reaps at once;
 //! - **leases** held by agents that are neither live nor recorded;
 //! - **stale rows**: records of agents the engine no longer has (a
-//!   `Forget` lost to a crash), once older than the age threshold.
+//!   `Forget` lost to a crash), once older than the age threshold;
+//! - **stale egress rules**: rules of agents that have no resource any
+//!   more ([`StaleRuleSweep`]), so a reused address never inherits them.
 //!
 //! Each pass returns a [`SweepReport`]; reaped orphans are counted in
 //! `kici_orch_scaler_orphans_reaped_total{kind}`.
 
+use crate::backends::StaleRuleSweep;
 use crate::metrics::{Metrics, OrphanKind};
 use kici_engine::runtime::Runtime;
 use kici_engine::{Adoption, Backend, OwnedResource, ResourceHandle};
@@ -88,6 +91,8 @@ pub struct SweepReport {
     pub leases_released: Vec<String>,
     /// Store rows deleted because no live agent matches them.
     pub stale_rows_deleted: Vec<AgentId>,
+    /// Agents whose egress rules were removed: they have no resource.
+    pub stale_rules_removed: Vec<AgentId>,
     /// Offline sweep: recorded agents whose resource was gone (destroyed
     /// and forgotten unless a dry run).
     pub gone_recorded: Vec<AgentId>,
@@ -104,6 +109,7 @@ pub struct Reconciler {
     age_threshold: Duration,
     /// Orphans marked by the previous pass (backend, resource id).
     marked: Mutex<HashSet<(ScalerType, String)>>,
+    rule_sweeps: Vec<Arc<dyn StaleRuleSweep>>,
 }
 
 impl Reconciler {
@@ -121,7 +127,14 @@ impl Reconciler {
             metrics,
             age_threshold,
             marked: Mutex::new(HashSet::new()),
+            rule_sweeps: Vec::new(),
         }
+    }
+
+    /// Each pass (but a dry run) also sweeps these backends' stale rules.
+    pub fn with_rule_sweeps(mut self, sweeps: Vec<Arc<dyn StaleRuleSweep>>) -> Self {
+        self.rule_sweeps = sweeps;
+        self
     }
 
     /// One pass. Never touches a resource of a live or recorded agent, a
@@ -201,6 +214,14 @@ impl Reconciler {
         *self.marked.lock() = still_marked;
 
         self.release_leases(&known, reaping, &mut report).await;
+        if reaping != Reaping::DryRun {
+            for sweep in &self.rule_sweeps {
+                match sweep.sweep_stale_rules().await {
+                    Ok(swept) => report.stale_rules_removed.extend(swept),
+                    Err(e) => report.errors.push(e),
+                }
+            }
+        }
         if self.runtime.is_some() {
             self.delete_stale_rows(&records, &live, now, reaping, &mut report)
                 .await;

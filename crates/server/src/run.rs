@@ -95,6 +95,8 @@ pub struct RunArgs {
     /// machine pools).
     #[arg(long, value_name = "DIR", env = "KICI_MACHINE_LEDGER_DIR")]
     pub machine_ledger_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub backend: crate::settings::BackendArgs,
     /// The command and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -328,6 +330,12 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
         instance,
         state_dir: temp.path().to_path_buf(),
         store: Some(store),
+        // No daemon-config file here: flags, environment, defaults.
+        tuning: args
+            .backend
+            .resolve(&crate::settings::DaemonFile::default(), &mut Vec::new()),
+        // A fresh instance id per run: nothing of it is ever owned again.
+        ephemeral: true,
         gateway_port: gateway
             .local_addr()
             .map_err(|e| Failed(format!("the agent gateway listener: {e}")))?

@@ -6,12 +6,18 @@
 //! `--daemon-config` file (TOML or YAML, by extension), the default here.
 //! [`DaemonSettings`] is the resolved, validated result; nothing downstream
 //! re-checks a value.
+//!
+//! The backend tuning knobs ([`BackendArgs`]: container ulimits, the
+//! bare-metal pids cap and log retention) are shared with `kici-scaler run`,
+//! which has flags and environment but no daemon-config file.
 
 use clap::Args;
+use kici_container::Ulimit;
 use kici_engine::EngineSettings;
 use serde::Deserialize;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -168,6 +174,8 @@ pub struct ServeArgs {
     /// or its identity is unreadable.
     #[arg(long)]
     pub reset_identity: bool,
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Test builds only: an in-memory backend for every scaler type.
     #[cfg(feature = "memory-backends")]
     #[arg(long, hide = true)]
@@ -194,6 +202,169 @@ pub struct DaemonFile {
     pub event_replay: Option<usize>,
     pub reconcile_interval_seconds: Option<u64>,
     pub reconcile_age_seconds: Option<u64>,
+    pub container_ulimits: Option<Vec<String>>,
+    pub bare_metal_pids_max: Option<NumberOrWord>,
+    pub bare_metal_log_keep_bytes: Option<NumberOrWord>,
+}
+
+/// A daemon-config value written as a number or a word (`4096`, `"max"`,
+/// `"16m"`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum NumberOrWord {
+    Number(u64),
+    Word(String),
+}
+
+impl fmt::Display for NumberOrWord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Number(n) => write!(f, "{n}"),
+            Self::Word(w) => f.write_str(w),
+        }
+    }
+}
+
+/// A cap that may be lifted: a positive number, or `max` for none (the
+/// word cgroups use for `pids.max`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Max,
+    At(NonZeroU64),
+}
+
+impl Limit {
+    /// `None` for no limit.
+    pub fn get(self) -> Option<NonZeroU64> {
+        match self {
+            Self::Max => None,
+            Self::At(n) => Some(n),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?}: expected a positive number, a size like 16m, or max (no limit)")]
+pub struct LimitError(String);
+
+impl FromStr for Limit {
+    type Err = LimitError;
+    /// `max`; a plain number; or a size with a `k`/`m`/`g` unit (binary,
+    /// as memory sizes in the configuration).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || LimitError(s.to_owned());
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("max") {
+            return Ok(Self::Max);
+        }
+        let n = if s.bytes().all(|b| b.is_ascii_digit()) {
+            s.parse::<u64>().map_err(|_| bad())?
+        } else {
+            s.parse::<kici_model::MemoryBytes>()
+                .map_err(|_| bad())?
+                .bytes()
+        };
+        NonZeroU64::new(n).map(Self::At).ok_or_else(bad)
+    }
+}
+
+/// Backend tuning flags, shared by `serve` and `run`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct BackendArgs {
+    /// A ulimit of every agent container, NAME=SOFT:HARD (repeatable, or
+    /// comma-separated in the variable). Podman on hosts where root cannot
+    /// raise hard limits needs nofile=20000:20000,nproc=4096:4096
+    /// [default: none, the runtime's own].
+    #[arg(
+        long = "container-ulimit",
+        value_name = "NAME=SOFT:HARD",
+        env = "KICI_SCALER_CONTAINER_ULIMITS",
+        value_delimiter = ','
+    )]
+    pub container_ulimits: Option<Vec<Ulimit>>,
+    /// pids.max of every bare-metal agent's cgroup (a fork-bomb guard), or
+    /// max for none [default: max].
+    #[arg(long, value_name = "N|max", env = "KICI_SCALER_BARE_METAL_PIDS_MAX")]
+    pub bare_metal_pids_max: Option<Limit>,
+    /// How much of each bare-metal agent's log file stays on disk while it
+    /// runs (bytes, or a size like 16m), or max to keep it all
+    /// [default: 16m].
+    #[arg(
+        long,
+        value_name = "SIZE|max",
+        env = "KICI_SCALER_BARE_METAL_LOG_KEEP_BYTES"
+    )]
+    pub bare_metal_log_keep_bytes: Option<Limit>,
+}
+
+/// The backends' tuning, resolved ([`BackendArgs`] over the daemon-config
+/// file over the defaults).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendTuning {
+    /// `HostConfig.Ulimits` of every agent container.
+    pub container_ulimits: Vec<Ulimit>,
+    /// `pids.max` of every bare-metal agent; `None`: no limit.
+    pub bare_metal_pids_max: Option<NonZeroU64>,
+    /// Disk kept of each bare-metal agent log; `None`: all of it.
+    pub bare_metal_log_keep_bytes: Option<NonZeroU64>,
+}
+
+impl Default for BackendTuning {
+    fn default() -> Self {
+        Self {
+            container_ulimits: Vec::new(),
+            bare_metal_pids_max: None,
+            bare_metal_log_keep_bytes: NonZeroU64::new(
+                kici_backends::BareMetalOptions::DEFAULT_LOG_KEEP_BYTES,
+            ),
+        }
+    }
+}
+
+impl BackendArgs {
+    /// Flags/env over `file` over the defaults; every problem of the file's
+    /// values in `errors` (clap has checked the flags already).
+    pub fn resolve(&self, file: &DaemonFile, errors: &mut Vec<String>) -> BackendTuning {
+        let defaults = BackendTuning::default();
+        let container_ulimits = match (&self.container_ulimits, &file.container_ulimits) {
+            (Some(flags), _) => flags.clone(),
+            (None, Some(raw)) => raw
+                .iter()
+                .filter_map(|u| {
+                    u.parse::<Ulimit>()
+                        .map_err(|e| errors.push(format!("container-ulimits: {e}")))
+                        .ok()
+                })
+                .collect(),
+            (None, None) => defaults.container_ulimits,
+        };
+        let mut limit = |name: &str, flag: Option<Limit>, raw: &Option<NumberOrWord>| {
+            flag.or_else(|| {
+                raw.as_ref().and_then(|v| {
+                    v.to_string()
+                        .parse::<Limit>()
+                        .map_err(|e| errors.push(format!("{name}: {e}")))
+                        .ok()
+                })
+            })
+        };
+        let pids = limit(
+            "bare-metal-pids-max",
+            self.bare_metal_pids_max,
+            &file.bare_metal_pids_max,
+        );
+        let log_keep = limit(
+            "bare-metal-log-keep-bytes",
+            self.bare_metal_log_keep_bytes,
+            &file.bare_metal_log_keep_bytes,
+        );
+        BackendTuning {
+            container_ulimits,
+            bare_metal_pids_max: pids.map_or(defaults.bare_metal_pids_max, Limit::get),
+            bare_metal_log_keep_bytes: log_keep
+                .map_or(defaults.bare_metal_log_keep_bytes, Limit::get),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -264,6 +435,8 @@ pub struct DaemonSettings {
     pub reconcile_every: Duration,
     /// Reconcile age threshold (DESIGN, *Deadlines*).
     pub reconcile_age: Duration,
+    /// Container ulimits, bare-metal pids and log caps.
+    pub backends: BackendTuning,
 }
 
 impl DaemonSettings {
@@ -364,6 +537,7 @@ impl DaemonSettings {
             &file.reconcile_age_seconds,
             DEFAULT_RECONCILE_SECONDS,
         );
+        let backends = args.backend.resolve(file, &mut errors);
 
         match (config, listen, gateway_listen, state) {
             (Some(config), Some(listen), Some(gateway_listen), Some(state))
@@ -392,6 +566,7 @@ impl DaemonSettings {
                     reset_identity: args.reset_identity,
                     reconcile_every: Duration::from_secs(reconcile_every),
                     reconcile_age: Duration::from_secs(reconcile_age),
+                    backends,
                 })
             }
             _ => Err(SettingsError::Invalid(errors.join("\n"))),
@@ -475,6 +650,106 @@ mod tests {
             "state:",
             "tls-key",
             "pending-ttl-seconds",
+        ] {
+            assert!(msg.contains(needle), "{needle} missing from {msg}");
+        }
+    }
+
+    #[test]
+    fn backend_tuning_from_flags_env_file_and_defaults() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            backend: BackendArgs,
+        }
+        use clap::Parser;
+        let s = DaemonSettings::resolve(&args(), None).unwrap();
+        assert_eq!(s.backends, BackendTuning::default());
+        assert_eq!(
+            s.backends.bare_metal_log_keep_bytes,
+            NonZeroU64::new(16 << 20)
+        );
+        assert_eq!(s.backends.bare_metal_pids_max, None);
+
+        let file: DaemonFile = toml::from_str(
+            "container-ulimits = [\"nofile=20000:20000\", \"nproc=4096:4096\"]\n\
+             bare-metal-pids-max = 512\nbare-metal-log-keep-bytes = \"1m\"\n",
+        )
+        .unwrap();
+        let s = DaemonSettings::resolve(&args(), Some(&file)).unwrap();
+        assert_eq!(
+            s.backends.container_ulimits,
+            vec![
+                "nofile=20000:20000".parse().unwrap(),
+                "nproc=4096:4096".parse().unwrap()
+            ]
+        );
+        assert_eq!(s.backends.bare_metal_pids_max, NonZeroU64::new(512));
+        assert_eq!(
+            s.backends.bare_metal_log_keep_bytes,
+            NonZeroU64::new(1 << 20)
+        );
+        let yaml: DaemonFile = serde_norway::from_str(
+            "container-ulimits: [nofile=20000:20000, nproc=4096:4096]\n\
+             bare-metal-pids-max: 512\nbare-metal-log-keep-bytes: 1m\n",
+        )
+        .unwrap();
+        assert_eq!(yaml, file);
+
+        // Flags beat the file; `max` lifts a cap the file sets.
+        let mut a = args();
+        a.backend = Cli::try_parse_from([
+            "x",
+            "--container-ulimit",
+            "nofile=10:20",
+            "--bare-metal-pids-max",
+            "max",
+            "--bare-metal-log-keep-bytes",
+            "4096",
+        ])
+        .unwrap()
+        .backend;
+        let s = DaemonSettings::resolve(&a, Some(&file)).unwrap();
+        assert_eq!(
+            s.backends.container_ulimits,
+            vec!["nofile=10:20".parse().unwrap()]
+        );
+        assert_eq!(s.backends.bare_metal_pids_max, None);
+        assert_eq!(s.backends.bare_metal_log_keep_bytes, NonZeroU64::new(4096));
+
+        // The variable is comma-separated and beaten by the flag. (Its
+        // name is read by no other test.)
+        std::env::set_var("KICI_SCALER_CONTAINER_ULIMITS", "nofile=1:2,nproc=3:3");
+        let from_env = Cli::try_parse_from(["x"]).unwrap().backend;
+        let from_flag = Cli::try_parse_from(["x", "--container-ulimit", "core=0:0"])
+            .unwrap()
+            .backend;
+        std::env::remove_var("KICI_SCALER_CONTAINER_ULIMITS");
+        assert_eq!(
+            from_env.container_ulimits.unwrap(),
+            vec!["nofile=1:2".parse().unwrap(), "nproc=3:3".parse().unwrap()]
+        );
+        assert_eq!(
+            from_flag.container_ulimits.unwrap(),
+            vec!["core=0:0".parse().unwrap()]
+        );
+
+        // Bad values: clap refuses flags; the file's are reported together.
+        assert!(Cli::try_parse_from(["x", "--container-ulimit", "nofile"]).is_err());
+        assert!(Cli::try_parse_from(["x", "--bare-metal-pids-max", "0"]).is_err());
+        let bad: DaemonFile = toml::from_str(
+            "container-ulimits = [\"nofile=9:1\"]\nbare-metal-pids-max = 0\n\
+             bare-metal-log-keep-bytes = \"lots\"\n",
+        )
+        .unwrap();
+        let SettingsError::Invalid(msg) = DaemonSettings::resolve(&args(), Some(&bad)).unwrap_err()
+        else {
+            panic!("not Invalid");
+        };
+        for needle in [
+            "container-ulimits:",
+            "bare-metal-pids-max:",
+            "bare-metal-log-keep-bytes:",
         ] {
             assert!(msg.contains(needle), "{needle} missing from {msg}");
         }

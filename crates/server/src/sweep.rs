@@ -96,6 +96,9 @@ async fn run(args: &SweepArgs) -> Result<SweepReport, SweepError> {
         store: Some(Arc::clone(&store)),
         // No agent connects during a sweep.
         gateway_port: 0,
+        // Nothing is spawned.
+        tuning: crate::settings::BackendTuning::default(),
+        ephemeral: false,
     };
     let built = BackendRegistry::builtin()
         .start(&loaded.config, &ctx)
@@ -107,7 +110,8 @@ async fn run(args: &SweepArgs) -> Result<SweepReport, SweepError> {
         None,
         None,
         Duration::from_secs(args.age_seconds),
-    );
+    )
+    .with_rule_sweeps(built.rule_sweeps);
     let reaping = if args.dry_run {
         Reaping::DryRun
     } else {
@@ -144,6 +148,9 @@ fn print(r: &SweepReport, out: &mut dyn Write) -> std::io::Result<()> {
             out,
             "recorded agent {a}: its resource is gone; {verb} and forgotten"
         )?;
+    }
+    for a in &r.stale_rules_removed {
+        writeln!(out, "egress rules of agent {a} (no resource left): removed")?;
     }
     for l in &r.leases_released {
         writeln!(out, "lease {l}: {verb}")?;

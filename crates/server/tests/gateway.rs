@@ -82,6 +82,7 @@ impl Setup {
                 backends: vec![bare.clone() as Arc<dyn Backend>],
                 after_shutdown: Vec::new(),
                 agent_gateways: Default::default(),
+                ..Built::default()
             },
             None,
             listener,

@@ -55,8 +55,18 @@ impl EgressRules for RecordingEgress {
         Ok(())
     }
 
-    async fn sweep_stale(&self, _live: &[AgentId]) -> Result<(), EgressError> {
-        Ok(())
+    async fn sweep_stale(&self, live: &[AgentId]) -> Result<Vec<AgentId>, EgressError> {
+        let mut installed = self.installed.lock();
+        let stale: Vec<AgentId> = installed
+            .keys()
+            .filter(|a| !live.contains(a))
+            .copied()
+            .collect();
+        for agent in &stale {
+            self.calls.lock().push(format!("sweep {agent}"));
+            installed.remove(agent);
+        }
+        Ok(stale)
     }
 }
 
