@@ -721,7 +721,7 @@ async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
         )
         .await
         .unwrap();
-    assert!(fx.backend.sweep_stale_rules().await.unwrap().is_empty());
+    assert_eq!(fx.backend.sweep_stale_rules().await.unwrap(), vec![ghost]);
     assert!(table.owned().await.unwrap().is_empty());
 }
 
