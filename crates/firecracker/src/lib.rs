@@ -26,6 +26,7 @@ pub mod logs;
 pub mod mmds;
 pub mod names;
 mod pidfd;
+pub mod rootfs;
 pub mod sweep;
 pub mod tap;
 mod validate;

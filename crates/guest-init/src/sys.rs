@@ -129,10 +129,11 @@ pub fn loopback_up() -> Result<(), SysError> {
     for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
         *dst = *src as libc::c_char;
     }
+    // The request argument is `c_ulong` on glibc and `c_int` on musl: `as _`.
     // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS read and write `ifr_flags` of the
     // `ifreq` we own, through a socket we own; the name is NUL-terminated.
     unsafe {
-        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS as _, &mut req) < 0 {
             return Err(SysError::Call {
                 what: "SIOCGIFFLAGS lo",
                 errno: Errno::last(),
@@ -141,7 +142,7 @@ pub fn loopback_up() -> Result<(), SysError> {
         let up = libc::IFF_UP as libc::c_short;
         if req.ifr_ifru.ifru_flags & up == 0 {
             req.ifr_ifru.ifru_flags |= up;
-            if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
+            if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS as _, &req) < 0 {
                 return Err(SysError::Call {
                     what: "SIOCSIFFLAGS lo",
                     errno: Errno::last(),

@@ -24,6 +24,65 @@ pub enum FirecrackerAction {
     Verify(BridgeArgs),
     /// Delete the bridge, only if kici-scaler created it.
     Teardown(BridgeArgs),
+    /// Build a guest rootfs image (ext4) from static binaries: the guest
+    /// /init, kici-agent-lite and busybox.
+    Rootfs(RootfsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RootfsArgs {
+    /// The image to write (replaced if it exists).
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// Static kici-agent-lite (scripts/build-guest-musl.sh builds it).
+    #[arg(
+        long,
+        default_value = "target/x86_64-unknown-linux-musl/release/kici-agent-lite"
+    )]
+    pub agent: std::path::PathBuf,
+    /// Static guest /init (kici-guest-init).
+    #[arg(
+        long,
+        default_value = "target/x86_64-unknown-linux-musl/release/kici-guest-init"
+    )]
+    pub init: std::path::PathBuf,
+    /// Static busybox (busybox-static).
+    #[arg(long, default_value = kici_firecracker::rootfs::DEFAULT_BUSYBOX)]
+    pub busybox: std::path::PathBuf,
+    /// Image size in MiB.
+    #[arg(long, default_value_t = kici_firecracker::rootfs::DEFAULT_SIZE_MIB)]
+    pub size_mib: u32,
+}
+
+fn rootfs(
+    args: &RootfsArgs,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<Outcome, CliError> {
+    let spec = kici_firecracker::rootfs::RootfsSpec {
+        out: args.out.clone(),
+        init: args.init.clone(),
+        agent: args.agent.clone(),
+        busybox: args.busybox.clone(),
+        size_mib: args.size_mib,
+    };
+    match kici_firecracker::rootfs::build(&spec) {
+        Ok(r) => {
+            writeln!(
+                out,
+                "rootfs {}: {} MiB, {} bytes of files, {} busybox applets",
+                r.out.display(),
+                r.size_mib,
+                r.staged_bytes,
+                r.applets
+            )?;
+            Ok(Outcome::Ok)
+        }
+        Err(e) => {
+            writeln!(err, "kici-scaler: rootfs: {e}")?;
+            Ok(Outcome::Failed)
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -55,6 +114,7 @@ pub fn firecracker(
     err: &mut dyn Write,
 ) -> Result<Outcome, CliError> {
     let bridge_args = match &args.action {
+        FirecrackerAction::Rootfs(a) => return rootfs(a, out, err),
         FirecrackerAction::Provision(a)
         | FirecrackerAction::Verify(a)
         | FirecrackerAction::Teardown(a) => a,
@@ -73,7 +133,10 @@ pub fn firecracker(
     let result = runtime.block_on(async {
         match &args.action {
             FirecrackerAction::Provision(_) => host.provision().await.map(|s| (s, None)),
-            FirecrackerAction::Verify(_) => host.check().await.map(|s| (s, None)),
+            // `Rootfs` returned above.
+            FirecrackerAction::Verify(_) | FirecrackerAction::Rootfs(_) => {
+                host.check().await.map(|s| (s, None))
+            }
             FirecrackerAction::Teardown(_) => {
                 let removed = host.teardown().await?;
                 host.check().await.map(|s| (s, Some(removed)))
