@@ -476,6 +476,137 @@ mod tests {
         );
     }
 
+    /// A stand-in Engine API on a unix socket: `/_ping` answers OK,
+    /// `/version` answers `version` (JSON). Enough for connect's ping,
+    /// negotiation and runtime detection.
+    async fn fake_engine(version: serde_json::Value) -> (tempfile::TempDir, Endpoint) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("engine.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let body = version.to_string();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let mut pending = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match conn.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => pending.extend_from_slice(&buf[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+                        pending.drain(..end + 4);
+                        let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+                        let (kind, answer) = if path.ends_with("/_ping") {
+                            ("text/plain", "OK".to_owned())
+                        } else if path.ends_with("/version") {
+                            ("application/json", body.clone())
+                        } else {
+                            ("application/json", "{\"message\":\"not here\"}".to_owned())
+                        };
+                        let status = if path.ends_with("/_ping") || path.ends_with("/version") {
+                            "200 OK"
+                        } else {
+                            "404 Not Found"
+                        };
+                        let response = format!(
+                            "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\n\r\n{answer}",
+                            answer.len()
+                        );
+                        if conn.write_all(response.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (dir, Endpoint::Unix(path))
+    }
+
+    #[tokio::test]
+    async fn the_api_version_is_negotiated_down_to_an_older_daemon() {
+        let (_dir, endpoint) = fake_engine(serde_json::json!({
+            "Version": "17.06.0-ce", "ApiVersion": "1.30", "MinAPIVersion": "1.12",
+        }))
+        .await;
+        let conn = connect(&endpoint, None, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(conn.api_version, "1.30");
+        assert_eq!(conn.kind, RuntimeKind::Docker);
+        assert_eq!(conn.version, "17.06.0-ce");
+        // Every later request names the negotiated version in its path.
+        assert_eq!(conn.docker.client_version().to_string(), "1.30");
+    }
+
+    #[tokio::test]
+    async fn a_newer_daemon_is_spoken_to_at_our_own_version() {
+        let (_dir, endpoint) = fake_engine(serde_json::json!({
+            "Version": "99.0.0", "ApiVersion": "1.99",
+        }))
+        .await;
+        let conn = connect(&endpoint, None, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(conn.api_version, bollard::API_DEFAULT_VERSION.to_string());
+    }
+
+    #[tokio::test]
+    async fn podman_is_told_by_its_version_components_not_its_socket_path() {
+        let podman = serde_json::json!({
+            "Version": "4.3.1", "ApiVersion": "1.41",
+            "Platform": {"Name": "linux/amd64/debian-12"},
+            "Components": [{"Name": "Podman Engine", "Version": "4.3.1"}],
+        });
+        // A socket path that says nothing about what serves it.
+        let (_dir, endpoint) = fake_engine(podman).await;
+        let conn = connect(&endpoint, None, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(conn.kind, RuntimeKind::Podman);
+        assert_eq!(conn.api_version, "1.41");
+        // runtime: docker pointed at it is refused, naming both.
+        let err = RuntimeTarget::Fixed {
+            endpoint: endpoint.clone(),
+            wanted: Some(RuntimeKind::Docker),
+        }
+        .connect(None, Duration::from_secs(5))
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("is podman, but the scaler asks for runtime docker"),
+            "{err}"
+        );
+        // ... and runtime: auto or podman take it.
+        for wanted in [None, Some(RuntimeKind::Podman)] {
+            let conn = RuntimeTarget::Fixed {
+                endpoint: endpoint.clone(),
+                wanted,
+            }
+            .connect(None, Duration::from_secs(5))
+            .await
+            .unwrap();
+            assert_eq!(conn.kind, RuntimeKind::Podman);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_daemon_without_an_api_version_is_no_runtime() {
+        let (_dir, endpoint) = fake_engine(serde_json::json!({"Version": "1.0"})).await;
+        let err = connect(&endpoint, None, Duration::from_secs(5))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&endpoint.to_string()), "{err}");
+        assert!(err.contains("does not answer"), "{err}");
+    }
+
     #[tokio::test]
     async fn nothing_answering_is_a_clear_error() {
         let dir = tempfile::tempdir().unwrap();

@@ -587,6 +587,43 @@ async fn serial_validation_reports_bad_images_networks_and_limits() {
     assert!(!check.is_ok());
 }
 
+/// `runtime: auto` takes dockerd's socket (probed first, and answering);
+/// `runtime: podman` pointed at dockerd's socket is refused naming both.
+#[tokio::test]
+async fn serial_auto_finds_dockerd_and_a_wrong_runtime_is_named() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::new().await;
+    let auto = scaler_from_yaml(
+        &scaler_yaml("boxes", "busybox:1", "", "").replace("runtime: docker", "runtime: auto"),
+        "boxes",
+    );
+    let check = fx.backend.check_host(&auto).await;
+    assert!(check.is_ok(), "{check:?}");
+    assert_eq!(
+        check.endpoint.as_deref(),
+        Some("unix:///var/run/docker.sock")
+    );
+    assert_eq!(check.runtime, Some(kici_container::RuntimeKind::Docker));
+    assert_eq!(check.api_version.as_deref(), Some("1.41"));
+    let wrong = scaler_from_yaml(
+        &scaler_yaml(
+            "boxes",
+            "busybox:1",
+            "    socketPath: /var/run/docker.sock",
+            "",
+        )
+        .replace("runtime: docker", "runtime: podman"),
+        "boxes",
+    );
+    let errors = fx.backend.validate(&wrong).await.unwrap_err().join("\n");
+    assert!(
+        errors.contains(
+            "unix:///var/run/docker.sock is docker, but the scaler asks for runtime podman"
+        ),
+        "{errors}"
+    );
+}
+
 #[tokio::test]
 async fn serial_image_pull_policies() {
     let _serial = SERIAL.lock().await;
