@@ -1,4 +1,7 @@
-//! `kici-scaler doctor`: what the bare-metal backend needs on this host.
+//! `kici-scaler doctor`: what the bare-metal backend needs on this host,
+//! and for each container scaler what `serve` checks at start-up (the
+//! runtime answers, `kici-scaler-net` is as expected — created when missing,
+//! as `serve` would —, the label sets' images parse, limits fit the host).
 //!
 //! This module owns the checks and their report. Each check is one
 //! [`CheckRow`] (`ok`, `warn` or `fail` with a detail); the command exits
@@ -177,11 +180,97 @@ pub fn run_checks(config: &ConfigArgs, state_dir: &Path, host: &HostPaths) -> Do
     checks.push(state_dir_check(state_dir, &host.proc_locks));
     if let Some(config) = &config {
         checks.push(ledger_check(config));
+        checks.extend(container_checks(config));
     }
     DoctorReport {
         ok: checks.iter().all(|r| r.status != Status::Fail),
         checks,
     }
+}
+
+/// Refuses every lease: the container checks never spawn.
+struct NoLeases;
+
+#[async_trait::async_trait]
+impl kici_store::IpAllocator for NoLeases {
+    async fn allocate(
+        &self,
+        _pool: &kici_store::Ipv4Pool,
+        _agent: &kici_model::AgentId,
+    ) -> Result<kici_store::Lease, kici_store::AllocError> {
+        Err(kici_store::AllocError::Store(
+            "doctor spawns nothing".to_owned(),
+        ))
+    }
+    async fn release_agent(
+        &self,
+        _agent: &kici_model::AgentId,
+    ) -> Result<u64, kici_store::AllocError> {
+        Ok(0)
+    }
+    async fn release_ip(
+        &self,
+        _network: ipnet::Ipv4Net,
+        _ip: std::net::Ipv4Addr,
+    ) -> Result<bool, kici_store::AllocError> {
+        Ok(false)
+    }
+    async fn leases(&self) -> Result<Vec<kici_store::Lease>, kici_store::AllocError> {
+        Ok(Vec::new())
+    }
+}
+
+/// One row per container scaler: [`kici_container::ContainerBackend::check_host`],
+/// the check `serve` runs at start-up.
+pub fn container_checks(config: &Config) -> Vec<CheckRow> {
+    let scalers: Vec<_> = config
+        .scalers
+        .iter()
+        .filter(|s| s.kind == ScalerType::Container)
+        .collect();
+    if scalers.is_empty() {
+        return Vec::new();
+    }
+    let fail_all = |why: String| vec![CheckRow::new("container", Status::Fail, why)];
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail_all(format!("cannot start an async runtime: {e}")),
+    };
+    let options = kici_container::ContainerOptions::new(
+        InstanceId::random(),
+        std::sync::Arc::new(NoLeases),
+        Vec::new(),
+    );
+    let backend = match kici_container::ContainerBackend::new(options) {
+        Ok(b) => b,
+        Err(e) => return fail_all(e.to_string()),
+    };
+    scalers
+        .into_iter()
+        .map(|scaler| {
+            let check = runtime.block_on(backend.check_host(scaler));
+            let name = format!("container[{}]", scaler.name);
+            if check.is_ok() {
+                CheckRow::new(
+                    name,
+                    Status::Ok,
+                    format!(
+                        "{} {} (API {}) at {}; network {}",
+                        check.runtime.map_or("runtime", |k| k.as_str()),
+                        check.version.unwrap_or_default(),
+                        check.api_version.unwrap_or_default(),
+                        check.endpoint.unwrap_or_default(),
+                        check.network.unwrap_or_default()
+                    ),
+                )
+            } else {
+                CheckRow::new(name, Status::Fail, check.problems.join("; "))
+            }
+        })
+        .collect()
 }
 
 /// One row per bare-metal label set: its `binaryPath` resolves, as the

@@ -570,3 +570,64 @@ fn serial_stale_rules_are_swept_at_start_up_and_by_the_reconciler() {
     assert_eq!(containers_of(instance), Vec::<String>::new());
     assert_eq!(store_rows(&world.path("state"), instance), (0, 0));
 }
+
+// --------------------------------------------------------------- doctor
+
+/// `kici-scaler doctor` runs serve's start-up check of each container
+/// scaler: the runtime and its API version, the network; a runtime that
+/// does not answer fails its row.
+#[test]
+fn serial_doctor_checks_each_container_scalers_runtime() {
+    let world = World::new();
+    let good = world.config("boxes");
+    let dead = world.path("dead.yaml");
+    std::fs::write(
+        &dead,
+        std::fs::read_to_string(&good).unwrap().replace(
+            "    runtime: docker\n",
+            &format!(
+                "    runtime: docker\n    socketPath: {}\n",
+                world.path("no-engine.sock").display()
+            ),
+        ),
+    )
+    .unwrap();
+    let doctor = |config: &Path| {
+        let out = world
+            .command()
+            .args(["doctor", "--json", "--config"])
+            .arg(config)
+            .arg("--state-dir")
+            .arg(world.path("state"))
+            .output()
+            .unwrap();
+        let report: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("{}{}", text(&out.stdout), text(&out.stderr)));
+        let row = report["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["check"] == "container[boxes]")
+            .cloned()
+            .unwrap_or_else(|| panic!("no container row: {report}"));
+        (out.status.code(), row)
+    };
+    // (Other rows depend on the host: only this one is judged.)
+    let (_, row) = doctor(&good);
+    assert_eq!(row["status"], "ok", "{row}");
+    let detail = row["detail"].as_str().unwrap();
+    assert!(detail.starts_with("docker "), "{detail}");
+    assert!(
+        detail.contains("(API 1.41) at unix:///var/run/docker.sock"),
+        "{detail}"
+    );
+    assert!(detail.contains("network "), "{detail}");
+    let (code, row) = doctor(&dead);
+    assert_eq!(row["status"], "fail", "{row}");
+    assert_ne!(code, Some(0));
+    let detail = row["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("no-engine.sock") && detail.contains("does not answer"),
+        "{detail}"
+    );
+}
