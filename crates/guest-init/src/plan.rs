@@ -25,7 +25,9 @@ pub struct Mount {
     /// Filesystem-specific data (`mode=1777`, overlay dirs, …).
     pub data: Option<String>,
     /// Already mounted (`EBUSY`) is fine: the kernel may have mounted
-    /// `devtmpfs` itself (`CONFIG_DEVTMPFS_MOUNT`).
+    /// `devtmpfs` itself (`CONFIG_DEVTMPFS_MOUNT`), and a distribution
+    /// kernel's initramfs moves its `/dev`, `/proc` and `/sys` into the root
+    /// before it runs `/init`.
     pub may_exist: bool,
 }
 
@@ -76,21 +78,23 @@ fn mount(
 
 /// Before anything else: devices, proc, sys, and a tmpfs for staging.
 pub fn early() -> Vec<Mount> {
-    let mut dev = mount(
-        "devtmpfs",
-        "/dev",
-        "devtmpfs",
-        MountOptions {
-            nosuid: true,
-            ..MountOptions::default()
-        },
-        Some("mode=0755"),
-    );
-    dev.may_exist = true;
+    let api = |m: Mount| Mount {
+        may_exist: true,
+        ..m
+    };
     vec![
-        dev,
-        mount("proc", "/proc", "proc", MountOptions::SECURE, None),
-        mount("sysfs", "/sys", "sysfs", MountOptions::SECURE, None),
+        api(mount(
+            "devtmpfs",
+            "/dev",
+            "devtmpfs",
+            MountOptions {
+                nosuid: true,
+                ..MountOptions::default()
+            },
+            Some("mode=0755"),
+        )),
+        api(mount("proc", "/proc", "proc", MountOptions::SECURE, None)),
+        api(mount("sysfs", "/sys", "sysfs", MountOptions::SECURE, None)),
         mount(
             "tmpfs",
             "/run",
@@ -180,8 +184,9 @@ mod tests {
         let early = early();
         let targets: Vec<_> = early.iter().map(|m| m.target.to_str().unwrap()).collect();
         assert_eq!(targets, ["/dev", "/proc", "/sys", "/run"]);
-        assert!(early[0].may_exist, "the kernel may have mounted devtmpfs");
-        assert!(early[1..].iter().all(|m| !m.may_exist));
+        // The kernel or an initramfs may have mounted the API filesystems.
+        assert!(early[..3].iter().all(|m| m.may_exist));
+        assert!(!early[3].may_exist);
         // Staging lives on the early /run tmpfs: no directories needed in the rootfs.
         assert!(OVERLAY_BACKING.starts_with("/run/") && NEW_ROOT.starts_with("/run/"));
     }
