@@ -416,6 +416,43 @@ impl Engine {
         request: ScaleRequest,
         now: Instant,
     ) -> Result<ScaleOutcome, ScaleError> {
+        self.request_scale_arrived(request, now, now)
+    }
+
+    /// Re-queues a scale request recorded before a restart, as if it had
+    /// arrived `waited` ago: it keeps its place among older and younger
+    /// requests and expires when it would have (`pending_ttl` after its
+    /// arrival). `None`: its TTL ran out while the daemon was down and
+    /// nothing was queued. Otherwise exactly [`Engine::request_scale`]
+    /// (routing against the current configuration, warm agents, dedupe by
+    /// job id).
+    pub fn restore_pending(
+        &mut self,
+        request: ScaleRequest,
+        waited: Duration,
+        now: Instant,
+    ) -> Result<Option<ScaleOutcome>, ScaleError> {
+        if waited >= self.settings.pending_ttl {
+            return Ok(None);
+        }
+        // An arrival before the monotonic clock's origin (a request older
+        // than the host's uptime) is clamped to now; its expiry still
+        // counts from the recorded arrival below.
+        let arrived = now.checked_sub(waited).unwrap_or(now);
+        self.request_scale_arrived(request, arrived, now).map(Some)
+    }
+
+    /// Whether `job` waits in the pending queue.
+    pub fn is_pending(&self, job: &JobId) -> bool {
+        self.pending.position(job).is_some()
+    }
+
+    fn request_scale_arrived(
+        &mut self,
+        request: ScaleRequest,
+        arrived: Instant,
+        now: Instant,
+    ) -> Result<ScaleOutcome, ScaleError> {
         if self.shutting_down {
             return Err(ScaleError::ShuttingDown);
         }
@@ -465,8 +502,8 @@ impl Engine {
             scaler_index: route.scaler,
             label_set: route.label_set,
             resources,
-            enqueued: now,
-            expires: now + self.settings.pending_ttl,
+            enqueued: arrived,
+            expires: arrived + self.settings.pending_ttl,
             request,
         });
         if let Err(e) = self.serve_pending(now) {

@@ -143,7 +143,21 @@ impl Runtime {
     /// then starts the timers — so warm pools and pending requests see the
     /// recovered agents and their capacity.
     pub async fn recover_and_start(&self, records: Vec<DurableAgent>) -> RecoveryReport {
+        self.recover_then_start(records, |_| {}).await
+    }
+
+    /// [`Runtime::recover_and_start`], with `before_timers` run once every
+    /// recorded agent holds its capacity again and before the first tick:
+    /// the place to re-queue recorded pending requests
+    /// ([`Engine::restore_pending`]) so they are served ahead of warm pools
+    /// and never ahead of the agents that survived.
+    pub async fn recover_then_start(
+        &self,
+        records: Vec<DurableAgent>,
+        before_timers: impl FnOnce(&Runtime),
+    ) -> RecoveryReport {
         let report = self.recover(records).await;
+        before_timers(self);
         self.start_timers();
         report
     }

@@ -280,6 +280,18 @@ async fn run(
     for e in &recovery.report.errors {
         tracing::warn!(error = %e, "recovery");
     }
+    let p = &recovery.pending;
+    tracing::info!(
+        requeued = p.requeued.len(),
+        standalone_failed = p.standalone_failed.len(),
+        expired = p.expired.len(),
+        already_admitted = p.already_admitted.len(),
+        dropped = p.dropped.len(),
+        "recorded pending requests restored"
+    );
+    for (job, why) in &p.dropped {
+        tracing::warn!(job_id = %job, reason = %why, "recorded pending request dropped");
+    }
     let runtime = stack.runtime.clone();
     let reconciler = Arc::new(
         Reconciler::new(
@@ -313,6 +325,9 @@ async fn run(
         api_token,
     );
     state.set_store(Arc::clone(&store));
+    if let Some(recorder) = &stack.pending {
+        state.set_pending_recorder(recorder.clone());
+    }
     let router = api::router_with(state.clone(), api::jobs::routes());
 
     let mut hangup = signal(SignalKind::hangup()).map_err(|e| ServeError::Signal("SIGHUP", e))?;

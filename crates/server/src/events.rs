@@ -1,17 +1,74 @@
 //! The bounded replay buffer behind `GET /v1/events`.
 //!
 //! The engine publishes every event once, on a broadcast channel, numbered
-//! from 1 without gaps. [`EventLog`] keeps the most recent `capacity` of
-//! them so that an SSE client can resume after a reconnect (`Last-Event-ID`)
-//! and a slow client reads at its own pace instead of being dropped. A client
-//! whose next event has left the buffer (or was never recorded) is told so
-//! with a [`Gap`] and continues from the oldest event still kept.
+//! from 1 without gaps; the pump gives each its stream id (the engine's
+//! number plus the last id recorded before this start, so ids keep
+//! increasing across restarts) and renders it once as a [`LoggedEvent`].
+//! [`EventLog`] keeps the most recent `capacity` of them so that an SSE
+//! client can resume after a reconnect (`Last-Event-ID`) and a slow client
+//! reads at its own pace instead of being dropped. A client whose next event
+//! has left the buffer (or was never recorded) is told so with a [`Gap`] and
+//! continues from the oldest event still kept. With a state store the buffer
+//! starts with the newest recorded events ([`EventLog::restore`]), so a
+//! client resumes across a daemon restart too.
 
 use kici_engine::runtime::SequencedEvent;
+use kici_store::{EventRecord, UnixMillis};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tokio::sync::watch;
+
+/// One event as the SSE stream sends it: its id, its type (the SSE
+/// `event:` name) and its JSON (the `data:`, also what the store keeps).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggedEvent {
+    pub id: u64,
+    pub name: String,
+    pub json: String,
+}
+
+impl LoggedEvent {
+    /// `event` under stream id `id`.
+    pub fn render(id: u64, event: &SequencedEvent) -> Self {
+        let renumbered = SequencedEvent {
+            id,
+            at: event.at,
+            event: event.event.clone(),
+        };
+        // Engine events are plain data (strings, numbers, enums): encoding
+        // cannot fail; should it, the event still takes its place.
+        let json = serde_json::to_string(&renumbered)
+            .unwrap_or_else(|e| format!(r#"{{"id":{id},"error":"not encodable: {e}"}}"#));
+        Self {
+            id,
+            name: crate::api::stream::event_name(&event.event).to_owned(),
+            json,
+        }
+    }
+
+    /// A recorded event (its type is the JSON's `type`).
+    pub fn from_record(r: EventRecord) -> Self {
+        let name = serde_json::from_str::<serde_json::Value>(&r.body)
+            .ok()
+            .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
+            .unwrap_or_else(|| "unknown".to_owned());
+        Self {
+            id: r.seq,
+            name,
+            json: r.body,
+        }
+    }
+
+    /// The store's row for it.
+    pub fn to_record(&self, at: UnixMillis) -> EventRecord {
+        EventRecord {
+            seq: self.id,
+            at,
+            body: self.json.clone(),
+        }
+    }
+}
 
 /// Events a reader missed: ids `missed_from ..= missed_to` are not available.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,7 +83,7 @@ pub enum Next {
     /// Events after the reader's position, in order (possibly after a gap).
     Events {
         gap: Option<Gap>,
-        events: Vec<Arc<SequencedEvent>>,
+        events: Vec<Arc<LoggedEvent>>,
     },
     /// Nothing new yet.
     Wait,
@@ -36,7 +93,7 @@ pub enum Next {
 
 #[derive(Debug)]
 struct Buffer {
-    events: VecDeque<Arc<SequencedEvent>>,
+    events: VecDeque<Arc<LoggedEvent>>,
     closed: bool,
 }
 
@@ -71,7 +128,7 @@ impl EventLog {
 
     /// Records one event (ids must increase; gaps are allowed and surface to
     /// readers as [`Gap`]s).
-    pub fn push(&self, event: Arc<SequencedEvent>) {
+    pub fn push(&self, event: Arc<LoggedEvent>) {
         let id = event.id;
         {
             let mut b = self.buffer.lock();
@@ -84,6 +141,14 @@ impl EventLog {
             }
         }
         self.newest.send_replace(id);
+    }
+
+    /// Fills an empty buffer with recorded events (oldest first), before
+    /// the first live one.
+    pub fn restore(&self, recorded: impl IntoIterator<Item = LoggedEvent>) {
+        for e in recorded {
+            self.push(Arc::new(e));
+        }
     }
 
     /// No more events: readers finish once they have read what is kept.
@@ -139,15 +204,27 @@ mod tests {
     use kici_engine::EngineEvent;
     use std::time::SystemTime;
 
-    fn event(id: u64) -> Arc<SequencedEvent> {
-        Arc::new(SequencedEvent {
-            id,
+    fn event(id: u64) -> Arc<LoggedEvent> {
+        let e = SequencedEvent {
+            id: 1,
             at: SystemTime::now(),
             event: EngineEvent::Reloaded {
                 added: vec![],
                 removed: vec![],
             },
-        })
+        };
+        Arc::new(LoggedEvent::render(id, &e))
+    }
+
+    #[test]
+    fn an_event_renders_under_its_stream_id_and_comes_back_from_its_row() {
+        let e = event(42);
+        assert_eq!(e.name, "reloaded");
+        let json: serde_json::Value = serde_json::from_str(&e.json).unwrap();
+        assert_eq!(json["id"], 42);
+        assert_eq!(json["type"], "reloaded");
+        let back = LoggedEvent::from_record(e.to_record(UnixMillis(7)));
+        assert_eq!(back, *e);
     }
 
     fn ids(next: &Next) -> (Option<Gap>, Vec<u64>) {

@@ -23,6 +23,7 @@
 //! agent: the request the engine re-queues is cancelled and the job fails
 //! with the reason, so `run` can say what went wrong at once.
 
+use crate::persist::PendingRecorder;
 use kici_engine::runtime::Runtime;
 use kici_engine::{AgentState, EngineEvent, PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
 use kici_engine::{Mode, StopCause};
@@ -468,6 +469,29 @@ impl JobBook {
         self.finish(&mut b, id, state, ending);
     }
 
+    /// A job recorded before a restart that will not run (see
+    /// [`crate::persist::restore_pending`]): shown `failed` with `reason`,
+    /// forgotten like any finished job.
+    pub fn restore_aborted(&self, id: JobId, labels: LabelSet, argv: Vec<String>, reason: String) {
+        let argv = if argv.is_empty() {
+            vec!["?".to_owned()]
+        } else {
+            argv
+        };
+        let spec = match JobSpec::new(id.clone(), argv, Default::default(), None) {
+            Ok(spec) => spec,
+            // A recorded command that no longer passes the checks.
+            Err(_) => {
+                match JobSpec::new(id.clone(), vec!["?".to_owned()], Default::default(), None) {
+                    Ok(spec) => spec,
+                    Err(_) => return,
+                }
+            }
+        };
+        self.insert(spec, labels);
+        self.abort(&id, reason);
+    }
+
     /// kici-scaler gives up on the job (`reason` says why).
     pub fn abort(&self, id: &JobId, reason: String) -> bool {
         let mut b = self.books.lock();
@@ -690,15 +714,61 @@ pub enum SubmitError {
     TooLarge { cap: String, detail: String },
     #[error("{0}")]
     Scale(#[from] ScaleError),
+    /// The job had to wait and the state store could not record it: it
+    /// was withdrawn.
+    #[error("state store: {0}")]
+    Store(String),
 }
 
 /// Records the job and asks the engine for an agent. On `Err` nothing is
-/// kept.
+/// kept. With a `recorder` (the daemon's state store), a job that has to
+/// wait is recorded before it is acknowledged (see [`crate::persist`]).
+pub async fn submit_recorded(
+    runtime: &Runtime,
+    jobs: &JobBook,
+    recorder: Option<&PendingRecorder>,
+    request: JobRequest,
+) -> Result<JobView, SubmitError> {
+    let id = request.spec.job_id().clone();
+    let view = submit_with(runtime, jobs, recorder, request)?;
+    if let Some((view, ack)) = view {
+        if let Err(e) = PendingRecorder::committed(runtime, &id, Some(ack)).await {
+            jobs.remove(&id);
+            return Err(SubmitError::Store(e.to_string()));
+        }
+        return Ok(view);
+    }
+    jobs.view(&id)
+        .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))
+}
+
+/// Records the job and asks the engine for an agent, without a state
+/// store. On `Err` nothing is kept.
 pub fn submit(
     runtime: &Runtime,
     jobs: &JobBook,
     request: JobRequest,
 ) -> Result<JobView, SubmitError> {
+    let id = request.spec.job_id().clone();
+    submit_with(runtime, jobs, None, request)?;
+    jobs.view(&id)
+        .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))
+}
+
+/// `Some((view, ack))` when a record was sent and must be awaited.
+#[allow(clippy::type_complexity)]
+fn submit_with(
+    runtime: &Runtime,
+    jobs: &JobBook,
+    recorder: Option<&PendingRecorder>,
+    request: JobRequest,
+) -> Result<
+    Option<(
+        JobView,
+        tokio::sync::oneshot::Receiver<Result<(), kici_store::StoreError>>,
+    )>,
+    SubmitError,
+> {
     let id = request.spec.job_id().clone();
     let scale = ScaleRequest {
         job: id.clone(),
@@ -708,10 +778,15 @@ pub fn submit(
         resources: request.resources,
         mode: Mode::Standalone,
     };
+    let argv = request.spec.argv().to_vec();
     // Recorded first: the engine's events about it may be followed before
     // `request_scale` returns.
     jobs.insert(request.spec, request.labels);
-    let outcome = match runtime.request_scale(scale) {
+    let (outcome, ack) = match recorder {
+        Some(r) => r.record_if_queued(runtime, scale, Some(&argv)),
+        None => (runtime.request_scale(scale), None),
+    };
+    let outcome = match outcome {
         Ok(o) => o,
         Err(e) => {
             jobs.remove(&id);
@@ -740,7 +815,7 @@ pub fn submit(
         .view(&id)
         .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))?;
     tracing::info!(job_id = %id, state = view.state.as_str(), agent_id = view.agent_id.as_deref(), "job submitted");
-    Ok(view)
+    Ok(ack.map(|ack| (view, ack)))
 }
 
 /// Cancels a job: marks it cancelled, withdraws its scale request or

@@ -16,7 +16,8 @@
 //! - [`doctor`]: `kici-scaler doctor`, what the bare-metal backend needs.
 //! - [`api`]: the control API (routes, errors, JSON shapes, OpenAPI).
 //! - [`token`]: agent tokens and redacted secrets.
-//! - [`events`]: the SSE replay buffer; [`pump`]: the event fan-out.
+//! - [`events`]: the SSE replay buffer; [`pump`]: the event fan-out;
+//!   [`persist`]: pending requests and events in the state store.
 //! - [`metrics`]: Prometheus series.
 //! - [`reload`]: configuration reload.
 //! - [`backends`]: which backends this build runs.
@@ -44,6 +45,7 @@ pub mod gateway;
 pub mod identity;
 pub mod jobs;
 pub mod metrics;
+pub mod persist;
 pub mod pump;
 pub mod reconcile;
 pub mod reload;

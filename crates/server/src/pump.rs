@@ -1,16 +1,22 @@
 //! Fans the engine's event stream out: into the SSE replay buffer, the
 //! metrics, token revocation (an agent that reached `gone` keeps no token,
 //! whichever path took it there) and one structured log line per event with
-//! `agent_id`, `scaler` and `job_id` as fields.
+//! `agent_id`, `scaler` and `job_id` as fields; with a state store, into
+//! the [`Persister`] (events recorded before readers see them, pending
+//! requests' records deleted when they leave the queue).
 
-use crate::events::EventLog;
+use crate::events::{EventLog, LoggedEvent};
 use crate::metrics::Metrics;
+use crate::persist::Persister;
 use crate::token::TokenStore;
 use kici_engine::runtime::{Runtime, SequencedEvent};
 use kici_engine::{AgentState, EngineEvent};
 use std::sync::Arc;
 use tokio::sync::{broadcast, oneshot};
 use tokio::task::JoinHandle;
+
+/// How long the last events may take to reach the store at a stop.
+const FLUSH_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The running pump.
 pub struct Pump {
@@ -26,21 +32,49 @@ impl Pump {
         metrics: Arc<Metrics>,
         tokens: Arc<TokenStore>,
     ) -> Self {
+        Self::start_recorded(runtime, log, metrics, tokens, None)
+    }
+
+    /// [`Pump::start`] with a state store: events are numbered after
+    /// `last_recorded` (the highest id recorded before this start) and
+    /// reach the log through `persister` once recorded; each request that
+    /// leaves the pending queue has its record deleted.
+    pub fn start_recorded(
+        runtime: &Runtime,
+        log: Arc<EventLog>,
+        metrics: Arc<Metrics>,
+        tokens: Arc<TokenStore>,
+        recorded: Option<(Persister, u64)>,
+    ) -> Self {
         let mut rx = runtime.subscribe();
+        let runtime = runtime.clone();
         let (stop, mut stopped) = oneshot::channel();
         let task = tokio::spawn(async move {
+            let base = recorded.as_ref().map_or(0, |(_, base)| *base);
+            let persister = recorded.map(|(p, _)| p);
             let handle = |event: Arc<SequencedEvent>| {
                 metrics.observe(&event);
-                if let EngineEvent::AgentTransition {
-                    agent_id,
-                    to: AgentState::Gone,
-                    ..
-                } = &event.event
-                {
-                    tokens.revoke(*agent_id);
+                match &event.event {
+                    EngineEvent::AgentTransition {
+                        agent_id,
+                        to: AgentState::Gone,
+                        ..
+                    } => {
+                        tokens.revoke(*agent_id);
+                    }
+                    EngineEvent::PendingEnded { job_id, .. } => {
+                        if let Some(p) = &persister {
+                            p.pending_ended(job_id.clone());
+                        }
+                    }
+                    _ => {}
                 }
                 log_event(&event);
-                log.push(event);
+                let logged = LoggedEvent::render(base + event.id, &event);
+                match &persister {
+                    Some(p) => p.event(logged, event.at),
+                    None => log.push(Arc::new(logged)),
+                }
             };
             loop {
                 tokio::select! {
@@ -50,6 +84,9 @@ impl Pump {
                         Err(broadcast::error::RecvError::Lagged(n)) => {
                             // Readers see the hole as a `reset`.
                             tracing::warn!(missed = n, "event pump fell behind; events dropped");
+                            if let Some(p) = &persister {
+                                p.resync(runtime.clone());
+                            }
                         }
                         Err(broadcast::error::RecvError::Closed) => break,
                     },
@@ -60,6 +97,13 @@ impl Pump {
                         }
                         break;
                     }
+                }
+            }
+            if let Some(p) = persister {
+                if !p.finish(FLUSH_LIMIT).await {
+                    tracing::warn!(
+                        "not every event or pending-request change was recorded before the stop"
+                    );
                 }
             }
             log.close();

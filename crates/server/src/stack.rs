@@ -12,10 +12,11 @@
 
 use crate::agent_binary::{self, SearchPath};
 use crate::backends::Built;
-use crate::events::EventLog;
+use crate::events::{EventLog, LoggedEvent};
 use crate::gateway::{EngineFollower, Gateway, GatewaySettings};
 use crate::jobs::JobBook;
 use crate::metrics::Metrics;
+use crate::persist::{restore_pending, PendingRecorder, PendingRestored, Persister};
 use crate::pump::Pump;
 use crate::state::{durable_from_record, RecordedToken, StoreJournal};
 use crate::token::{TokenBootstrapper, TokenStore};
@@ -23,9 +24,10 @@ use kici_admission::{Admission, MachineLedger};
 use kici_engine::runtime::{RecoveryReport, Runtime};
 use kici_engine::{Engine, EngineSettings};
 use kici_model::Config;
-use kici_model::{AgentId, Label, LabelSet};
+use kici_model::{AgentId, JobId, Label, LabelSet};
 use kici_routing::HostPlatform;
 use kici_store::StateStore;
+use std::collections::HashSet;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
@@ -112,6 +114,8 @@ pub struct Recovery {
     pub report: RecoveryReport,
     /// Rows that did not decode; left in the store untouched.
     pub unreadable: Vec<String>,
+    /// What became of the recorded pending requests.
+    pub pending: PendingRestored,
 }
 
 /// How a shutdown went.
@@ -132,6 +136,8 @@ pub struct Stack {
     pub events: Arc<EventLog>,
     /// Where the gateway listens (what agents are told, as `ws://…/ws`).
     pub gateway_addr: SocketAddr,
+    /// Records waiting scale requests (with a state store).
+    pub pending: Option<PendingRecorder>,
     pump: Pump,
     follower: EngineFollower,
     gateway_stop: oneshot::Sender<()>,
@@ -182,6 +188,8 @@ impl Stack {
         let jobs = Arc::new(JobBook::new());
         let mut recovery = Recovery::default();
         let mut recorded = Vec::new();
+        let mut pending_records = Vec::new();
+        let mut persister = None;
         let runtime = match &store {
             None => Runtime::start(engine, backends.backends, bootstrapper),
             Some(store) => {
@@ -192,10 +200,29 @@ impl Stack {
                         Err(e) => recovery.unreadable.push(e),
                     }
                 }
+                pending_records = store.pending().await?;
+                // Event ids continue after the highest recorded one; the
+                // newest recorded events are replayable at once.
+                let last = store.last_event_seq().await?.unwrap_or(0);
+                let keep = u64::try_from(events.capacity()).unwrap_or(u64::MAX);
+                let from = last.saturating_sub(keep);
+                let limit = u32::try_from(keep).unwrap_or(u32::MAX);
+                events.restore(
+                    store
+                        .events_after(from, limit)
+                        .await?
+                        .into_iter()
+                        .map(LoggedEvent::from_record),
+                );
+                persister = Some((
+                    Persister::start(Arc::clone(store), Arc::clone(&events), keep),
+                    last,
+                ));
                 let journal = Arc::new(StoreJournal::new(Arc::clone(store), Arc::clone(&tokens)));
                 Runtime::with_journal(engine, backends.backends, bootstrapper, journal)
             }
         };
+        let pending = persister.as_ref().map(|(p, _)| p.recorder());
         // Subscribed before anything yields: the runtime's first tick runs
         // only then.
         let gateway = Gateway::new(
@@ -205,18 +232,33 @@ impl Stack {
             options.gateway,
         );
         let follower = gateway.follow_engine();
-        let pump = Pump::start(
+        let pump = Pump::start_recorded(
             &runtime,
             Arc::clone(&events),
             Arc::clone(&metrics),
             Arc::clone(&tokens),
+            persister,
         );
-        if store.is_some() {
+        if let Some(recorder) = &pending {
             let (records, tokens_of): (Vec<_>, Vec<_>) = recorded
                 .into_iter()
                 .map(|(d, t)| (d.clone(), (d.agent, t)))
                 .unzip();
-            recovery.report = runtime.recover_and_start(records).await;
+            let held: HashSet<JobId> = records.iter().filter_map(|d| d.job.clone()).collect();
+            let mut restored = PendingRestored::default();
+            recovery.report = runtime
+                .recover_then_start(records, |rt| {
+                    restored = restore_pending(
+                        rt,
+                        recorder,
+                        &jobs,
+                        pending_records,
+                        &held,
+                        SystemTime::now(),
+                    );
+                })
+                .await;
+            recovery.pending = restored;
             restore_tokens(&runtime, &tokens, &recovery.report.adopted, tokens_of);
         }
         let (gateway_stop, stopped) = oneshot::channel::<()>();
@@ -253,6 +295,7 @@ impl Stack {
             metrics,
             events,
             gateway_addr,
+            pending,
             pump,
             follower,
             gateway_stop,

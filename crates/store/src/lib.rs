@@ -106,6 +106,10 @@ pub trait StateStore: IpAllocator {
     /// [`StoreError::Database`] error).
     async fn append_event(&self, seq: u64, at: UnixMillis, body: &str) -> Result<(), StoreError>;
 
+    /// Records several events in one transaction (all or none; each `seq`
+    /// must be new for this owner). An empty slice writes nothing.
+    async fn append_events(&self, events: &[EventRecord]) -> Result<(), StoreError>;
+
     /// Up to `limit` events with a sequence number above `seq`, in order.
     async fn events_after(&self, seq: u64, limit: u32) -> Result<Vec<EventRecord>, StoreError>;
 

@@ -433,6 +433,29 @@ macro_rules! impl_state_store {
                 Ok(())
             }
 
+            async fn append_events(
+                &self,
+                events: &[$crate::EventRecord],
+            ) -> Result<(), $crate::StoreError> {
+                use $crate::error::classify;
+                if events.is_empty() {
+                    return Ok(());
+                }
+                let mut tx = self.begin_write().await.map_err(classify)?;
+                for e in events {
+                    sqlx::query($crate::sql::APPEND_EVENT)
+                        .bind(&self.owner_text)
+                        .bind($crate::sql::to_i64("seq", e.seq)?)
+                        .bind(e.at.0)
+                        .bind(&e.body)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(classify)?;
+                }
+                tx.commit().await.map_err(classify)?;
+                Ok(())
+            }
+
             async fn events_after(
                 &self,
                 seq: u64,

@@ -130,6 +130,9 @@ fn submit_error(e: SubmitError) -> ApiError {
             "admission-failed",
             e.to_string(),
         ),
+        SubmitError::Store(e) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", e)
+        }
     }
 }
 
@@ -168,7 +171,10 @@ pub async fn submit_job(
 ) -> Result<(StatusCode, Json<JobAccepted>), ApiError> {
     let request = body.into_request(JobBook::mint_id())?;
     state.store_reachable().await?;
-    let view = jobs::submit(&state.runtime, &state.jobs, request).map_err(submit_error)?;
+    let recorder = state.pending_recorder();
+    let view = jobs::submit_recorded(&state.runtime, &state.jobs, recorder.as_ref(), request)
+        .await
+        .map_err(submit_error)?;
     Ok((
         StatusCode::ACCEPTED,
         Json(JobAccepted {

@@ -27,6 +27,7 @@ pub mod wire;
 use crate::events::EventLog;
 use crate::jobs::JobBook;
 use crate::metrics::Metrics;
+use crate::persist::PendingRecorder;
 use crate::reload::Reload;
 use crate::token::{Secret, TokenStore};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -64,6 +65,8 @@ pub struct Shared {
     /// The durable state store (`None` in `run` and in tests without one).
     /// New scale requests need it reachable.
     store: parking_lot::RwLock<Option<Arc<dyn StateStore>>>,
+    /// Records scale requests that wait (with a store).
+    pending: parking_lot::RwLock<Option<PendingRecorder>>,
     /// Start-up finished and not shutting down.
     ready: AtomicBool,
     /// The OpenAPI document, serialised once.
@@ -92,6 +95,7 @@ impl AppState {
             reloader,
             api_token,
             store: parking_lot::RwLock::new(None),
+            pending: parking_lot::RwLock::new(None),
             ready: AtomicBool::new(false),
             openapi_json: parking_lot::RwLock::new(Arc::from("{}")),
         }))
@@ -100,6 +104,15 @@ impl AppState {
     /// The state store every new scale request must be able to reach.
     pub fn set_store(&self, store: Arc<dyn StateStore>) {
         *self.0.store.write() = Some(store);
+    }
+
+    /// Where waiting scale requests and jobs are recorded.
+    pub fn set_pending_recorder(&self, recorder: PendingRecorder) {
+        *self.0.pending.write() = Some(recorder);
+    }
+
+    pub fn pending_recorder(&self) -> Option<PendingRecorder> {
+        self.0.pending.read().clone()
     }
 
     /// Checks that the state store answers (bounded by its pool's acquire

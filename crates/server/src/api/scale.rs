@@ -4,6 +4,7 @@
 use super::error::{ApiError, ApiJson, ErrorBody};
 use super::wire::{parse_job, ScaleAnswer, ScaleBody};
 use super::AppState;
+use crate::persist::PendingRecorder;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
@@ -40,7 +41,22 @@ pub async fn request_scale(
     let request = body.into_request()?;
     let job = request.job.clone();
     state.store_reachable().await?;
-    let outcome = state.runtime.request_scale(request).map_err(|e| match e {
+    let (outcome, recorded) = match state.pending_recorder() {
+        Some(recorder) => recorder.record_if_queued(&state.runtime, request, None),
+        None => (state.runtime.request_scale(request), None),
+    };
+    // A request that waits is answered once it is recorded: a crash must
+    // not forget what was acknowledged.
+    PendingRecorder::committed(&state.runtime, &job, recorded)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                e.to_string(),
+            )
+        })?;
+    let outcome = outcome.map_err(|e| match e {
         ScaleError::Conflict(_) => {
             ApiError::new(StatusCode::CONFLICT, "job-conflict", e.to_string()).field("jobId")
         }

@@ -1,7 +1,7 @@
 //! `GET /v1/events`: the engine's events as Server-Sent Events.
 //!
-//! Each SSE event carries `id:` (the engine's event id, increasing without
-//! gaps), `event:` (the event type: `agent-transition`, `refused`,
+//! Each SSE event carries `id:` (the event's stream id, increasing without
+//! gaps, and across restarts when the daemon has a state store), `event:` (the event type: `agent-transition`, `refused`,
 //! `pending-ended`, `breaker-changed`, `scaler-cordon`, `reloaded`) and
 //! `data:` (the event as JSON). A client without `Last-Event-ID` gets the
 //! events from now on; with one, it resumes after that id from the replay
@@ -11,12 +11,11 @@
 
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
-use crate::events::{EventLog, Gap, Next};
+use crate::events::{EventLog, Gap, LoggedEvent, Next};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::stream::{self, Stream};
-use kici_engine::runtime::SequencedEvent;
 use kici_engine::EngineEvent;
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -58,16 +57,11 @@ fn reset_event(gap: Gap) -> Event {
         .unwrap_or_else(|_| Event::default().event("reset"))
 }
 
-fn sse_event(e: &SequencedEvent) -> Event {
-    let event = Event::default()
+fn sse_event(e: &LoggedEvent) -> Event {
+    Event::default()
         .id(e.id.to_string())
-        .event(event_name(&e.event));
-    match serde_json::to_string(e) {
-        Ok(json) => event.data(json),
-        // Engine events are plain data; this cannot happen, but a stream must
-        // not end over one event.
-        Err(err) => event.comment(format!("event {} not encodable: {err}", e.id)),
-    }
+        .event(e.name.as_str())
+        .data(e.json.as_str())
 }
 
 /// The engine's events, as SSE (see the module docs for `reset`).

@@ -2,6 +2,8 @@
 //! Helpers shared by the API tests: checking every answer against the
 //! OpenAPI document, and reading SSE streams.
 
+pub mod daemon;
+
 use serde_json::{json, Value};
 
 /// The route template of `path` in `doc` (`/v1/agents/x` → `/v1/agents/{id}`).

@@ -243,6 +243,22 @@ pub async fn events_round_trip(a: &dyn StateStore, b: &dyn StateStore) {
     assert_eq!(a.trim_events(6).await.unwrap(), 0);
     assert_eq!(a.trim_events(0).await.unwrap(), 6);
     assert_eq!(b.events_after(0, 10).await.unwrap().len(), 1);
+    // A batch is all or nothing: one taken seq refuses the whole batch.
+    let batch = |from: u64, to: u64| -> Vec<kici_store::EventRecord> {
+        (from..=to)
+            .map(|seq| kici_store::EventRecord {
+                seq,
+                at: UnixMillis(seq as i64),
+                body: format!("{{\"n\":{seq}}}"),
+            })
+            .collect()
+    };
+    a.append_events(&batch(11, 13)).await.unwrap();
+    assert!(a.append_events(&batch(13, 15)).await.is_err());
+    assert_eq!(a.last_event_seq().await.unwrap(), Some(13));
+    a.append_events(&[]).await.unwrap();
+    let got = a.events_after(10, 10).await.unwrap();
+    assert_eq!(got, batch(11, 13));
 }
 
 pub const TASKS: u32 = 32;
