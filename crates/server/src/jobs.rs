@@ -23,7 +23,7 @@
 //! agent: the request the engine re-queues is cancelled and the job fails
 //! with the reason, so `run` can say what went wrong at once.
 
-use crate::persist::PendingRecorder;
+use crate::persist::{PendingRecorder, RecordAck};
 use kici_engine::runtime::Runtime;
 use kici_engine::{AgentState, EngineEvent, PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
 use kici_engine::{Mode, StopCause};
@@ -756,19 +756,12 @@ pub fn submit(
 }
 
 /// `Some((view, ack))` when a record was sent and must be awaited.
-#[allow(clippy::type_complexity)]
 fn submit_with(
     runtime: &Runtime,
     jobs: &JobBook,
     recorder: Option<&PendingRecorder>,
     request: JobRequest,
-) -> Result<
-    Option<(
-        JobView,
-        tokio::sync::oneshot::Receiver<Result<(), kici_store::StoreError>>,
-    )>,
-    SubmitError,
-> {
+) -> Result<Option<(JobView, RecordAck)>, SubmitError> {
     let id = request.spec.job_id().clone();
     let scale = ScaleRequest {
         job: id.clone(),

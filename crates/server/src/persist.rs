@@ -63,6 +63,9 @@ pub struct Persister {
     task: JoinHandle<()>,
 }
 
+/// Answered once a pending request's record is committed (or failed).
+pub type RecordAck = oneshot::Receiver<Result<(), StoreError>>;
+
 /// Records pending requests (held by the API and the job submitter).
 #[derive(Clone)]
 pub struct PendingRecorder {
@@ -133,10 +136,7 @@ impl PendingRecorder {
         runtime: &Runtime,
         request: ScaleRequest,
         argv: Option<&[String]>,
-    ) -> (
-        Result<ScaleOutcome, ScaleError>,
-        Option<oneshot::Receiver<Result<(), StoreError>>>,
-    ) {
+    ) -> (Result<ScaleOutcome, ScaleError>, Option<RecordAck>) {
         let record = pending_record(&request, argv, SystemTime::now());
         let job = request.job.clone();
         runtime.call(|e, now| {
@@ -158,7 +158,7 @@ impl PendingRecorder {
     pub async fn committed(
         runtime: &Runtime,
         job: &JobId,
-        ack: Option<oneshot::Receiver<Result<(), StoreError>>>,
+        ack: Option<RecordAck>,
     ) -> Result<(), StoreError> {
         let Some(ack) = ack else { return Ok(()) };
         let result = match tokio::time::timeout(RECORD_LIMIT, ack).await {
