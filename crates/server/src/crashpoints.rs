@@ -17,6 +17,9 @@ pub fn all() -> Vec<&'static str> {
     v.extend_from_slice(kici_engine::failpoints::FAILPOINTS);
     v.extend_from_slice(kici_backends::failpoints::FAILPOINTS);
     v.extend_from_slice(kici_store::FAILPOINTS);
+    v.extend_from_slice(kici_netpolicy::FAILPOINTS);
+    v.extend_from_slice(kici_container::FAILPOINTS);
+    v.extend_from_slice(kici_firecracker::FAILPOINTS);
     v.extend_from_slice(crate::reconcile::FAILPOINTS);
     v
 }

@@ -7,19 +7,12 @@
 
 mod common;
 
+use common::daemon::{http, log_message, Daemon, Dir, BIN, PATIENCE};
 use common::take_sse_events;
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
-
-const BIN: &str = env!("CARGO_BIN_EXE_kici-scaler");
-
-/// Longest any single expected log line or event may take; only a safety
-/// net against a hung daemon (nothing waits for it on success).
-const PATIENCE: Duration = Duration::from_secs(30);
+use std::process::{Command, Output};
 
 const CONFIG: &str = "\
 version: 1
@@ -38,128 +31,6 @@ scalers:
       - labels: [linux, docker]
         image: kici/agent:1
 ";
-
-struct Dir(tempfile::TempDir);
-
-impl Dir {
-    fn new() -> Self {
-        let d = tempfile::Builder::new()
-            .prefix("kici-scaler-test-")
-            .tempdir()
-            .unwrap();
-        std::fs::write(d.path().join("scalers.yaml"), CONFIG).unwrap();
-        Dir(d)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.path().join(name)
-    }
-
-    /// `serve` with this dir's config, state dir and ledger.
-    fn serve_command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(BIN);
-        cmd.arg("serve")
-            .arg("--config")
-            .arg(self.path("scalers.yaml"))
-            .arg("--state-dir")
-            .arg(self.path("state"))
-            .arg("--machine-ledger-dir")
-            .arg(self.path("ledger"))
-            // Tests run side by side: never the default port.
-            .arg("--gateway-listen")
-            .arg("127.0.0.1:0")
-            .args(args);
-        for (k, _) in std::env::vars() {
-            if k.starts_with("KICI_") {
-                cmd.env_remove(k);
-            }
-        }
-        cmd
-    }
-}
-
-/// A running daemon; killed if the test ends early.
-struct Daemon {
-    child: Child,
-    /// The control API address as logged (`127.0.0.1:PORT`, `unix:/…`).
-    addr: String,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn log_message(line: &str) -> Option<(String, Value)> {
-    let v: Value = serde_json::from_str(line).ok()?;
-    let fields = v["fields"].clone();
-    Some((fields["message"].as_str()?.to_owned(), fields))
-}
-
-impl Daemon {
-    fn start(dir: &Dir, args: &[&str], env: &[(&str, &str)]) -> Daemon {
-        let mut cmd = dir.serve_command(args);
-        cmd.envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let mut child = cmd.spawn().unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut d = Daemon {
-            child,
-            addr: String::new(),
-            lines,
-        };
-        let fields = d.wait_for_log("control API listening");
-        d.addr = fields["addr"].as_str().unwrap().to_owned();
-        d
-    }
-
-    /// Reads the log until a line with `message`; returns its fields.
-    fn wait_for_log(&mut self, message: &str) -> Value {
-        loop {
-            let line = self
-                .lines
-                .recv_timeout(PATIENCE)
-                .unwrap_or_else(|_| panic!("the daemon never logged {message:?}"));
-            if let Some((m, fields)) = log_message(&line) {
-                if m == message {
-                    return fields;
-                }
-            }
-        }
-    }
-
-    fn server(&self) -> String {
-        if self.addr.starts_with("unix:") {
-            self.addr.clone()
-        } else {
-            format!("http://{}", self.addr)
-        }
-    }
-
-    fn signal(&self, sig: rustix::process::Signal) {
-        rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), sig).unwrap();
-    }
-
-    /// Waits for the process to exit (nextest's slow-timeout is the safety
-    /// net against a daemon that never does).
-    fn wait_exit(&mut self) -> std::process::ExitStatus {
-        self.child.wait().unwrap()
-    }
-}
 
 /// The CLI against `server`.
 fn cli(server: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -183,41 +54,11 @@ fn stdout_json(o: &Output) -> Value {
     docs.into_iter().next().unwrap()
 }
 
-/// One HTTP/1.0 request over TCP (the answer ends with the connection).
-fn http(
-    addr: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: Option<&str>,
-) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    if let Some(b) = body {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            b.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body.unwrap_or(""));
-    s.write_all(req.as_bytes()).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, body.to_owned())
-}
-
 // --------------------------------------------------------------- start-up
 
 #[test]
 fn start_up_refuses_a_bad_config_with_every_error() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     std::fs::write(
         dir.path("scalers.yaml"),
         "version: 1\nscalers:\n  - name: a\n    type: nope\n    maxAgents: -1\n    labelSets: []\n",
@@ -240,7 +81,7 @@ fn start_up_refuses_a_bad_config_with_every_error() {
 fn start_up_refuses_a_backend_that_cannot_start_here() {
     // Every scaler type has a backend now; what can still be missing is
     // the host side of one — here the Firecracker bridge.
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let bridge = format!("kbn{:08x}", rand::random::<u32>());
     std::fs::write(
         dir.path("scalers.yaml"),
@@ -269,7 +110,7 @@ fn start_up_refuses_a_backend_that_cannot_start_here() {
 
 #[test]
 fn start_up_refuses_what_the_bare_metal_backend_rejects() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     std::fs::write(
         dir.path("scalers.yaml"),
         "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: /nonexistent/kici-agent\n",
@@ -292,7 +133,7 @@ fn start_up_refuses_what_the_bare_metal_backend_rejects() {
 #[test]
 fn a_real_bare_metal_agent_registers_with_its_token_and_sigterm_kills_it() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let fifo = dir.path("agent.fifo");
     rustix::fs::mknodat(
         rustix::fs::CWD,
@@ -374,7 +215,7 @@ fn a_real_bare_metal_agent_registers_with_its_token_and_sigterm_kills_it() {
         matches!(state, None | Some("Z")),
         "agent process {pid} still runs: {stat}"
     );
-    let log: Vec<String> = d.lines.iter().collect();
+    let log: Vec<String> = d.rest_of_log();
     assert!(
         !log.iter().any(|l| l.contains(token)),
         "the token reached the log"
@@ -383,7 +224,7 @@ fn a_real_bare_metal_agent_registers_with_its_token_and_sigterm_kills_it() {
 
 #[test]
 fn a_non_loopback_listener_needs_an_api_token() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let out = dir
         .serve_command(&["--memory-backends", "--listen", "0.0.0.0:0"])
         .output()
@@ -450,7 +291,7 @@ fn a_non_loopback_listener_needs_an_api_token() {
 
 #[test]
 fn metrics_at_start_up_carry_every_series() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
     let (status, text) = http(&d.addr, "GET", "/metrics", &[], None);
     assert_eq!(status, 200);
@@ -475,7 +316,7 @@ fn metrics_at_start_up_carry_every_series() {
 
 #[test]
 fn the_cli_over_a_unix_socket() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let sock = format!("unix:{}", dir.path("api.sock").display());
     let d = Daemon::start(&dir, &["--memory-backends", "--listen", &sock], &[]);
     assert_eq!(d.addr, sock);
@@ -588,7 +429,7 @@ fn tls_files(dir: &Dir) -> (PathBuf, PathBuf, PathBuf) {
 
 #[test]
 fn tls_with_rustls() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let (ca, cert, key) = tls_files(&dir);
     let d = Daemon::start(
         &dir,
@@ -635,11 +476,11 @@ fn tls_with_rustls() {
 
 #[test]
 fn sighup_reloads_and_a_broken_config_changes_nothing() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let mut d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
     std::fs::write(dir.path("scalers.yaml"), "version: 1\nscalers: {}\n").unwrap();
     d.signal(rustix::process::Signal::HUP);
-    d.wait_for_log("configuration reload refused; nothing changed");
+    d.expect_log("configuration reload refused; nothing changed");
     let (_, status) = http(&d.addr, "GET", "/v1/status", &[], None);
     let status: Value = serde_json::from_str(&status).unwrap();
     assert_eq!(status["scalers"][1]["usage"]["maxAgents"], 4);
@@ -650,12 +491,12 @@ fn sighup_reloads_and_a_broken_config_changes_nothing() {
     )
     .unwrap();
     d.signal(rustix::process::Signal::HUP);
-    let fields = d.wait_for_log("configuration field changed");
+    let fields = d.expect_log("configuration field changed");
     assert!(
         fields["change"].as_str().unwrap().contains("maxAgents"),
         "{fields}"
     );
-    d.wait_for_log("configuration reloaded");
+    d.expect_log("configuration reloaded");
     let (_, status) = http(&d.addr, "GET", "/v1/status", &[], None);
     let status: Value = serde_json::from_str(&status).unwrap();
     assert_eq!(status["scalers"][1]["usage"]["maxAgents"], 7);
@@ -667,7 +508,7 @@ fn sighup_reloads_and_a_broken_config_changes_nothing() {
 
 #[test]
 fn sigterm_destroys_every_agent_and_exits_0() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let mut d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
     let mut agents = Vec::new();
     for (job, label) in [("j1", "local"), ("j2", "docker"), ("j3", "docker")] {
@@ -743,7 +584,7 @@ fn sigterm_destroys_every_agent_and_exits_0() {
     // Logs: one JSON object per line, events with their ids as fields, and
     // never a token.
     // The reader thread ends at EOF, after the exit.
-    let log: Vec<String> = d.lines.iter().collect();
+    let log: Vec<String> = d.rest_of_log();
     assert!(
         log.iter().all(|l| serde_json::from_str::<Value>(l).is_ok()),
         "{log:#?}"
@@ -766,7 +607,7 @@ fn sigterm_destroys_every_agent_and_exits_0() {
 
 #[test]
 fn a_second_daemon_on_the_same_state_dir_is_refused() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let _d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
     let out = dir
         .serve_command(&["--memory-backends", "--listen", "127.0.0.1:0"])
@@ -778,7 +619,7 @@ fn a_second_daemon_on_the_same_state_dir_is_refused() {
 
 #[test]
 fn daemon_settings_come_from_a_file_under_flags_and_env() {
-    let dir = Dir::new();
+    let dir = Dir::with_config(CONFIG);
     let sock = dir.path("from-file.sock");
     std::fs::write(
         dir.path("daemon.toml"),

@@ -281,6 +281,12 @@ impl Daemon {
             .unwrap_or_else(|| panic!("the daemon died before logging {message:?}"))
     }
 
+    /// Every log line not read yet, up to the end of the log (the process
+    /// must have exited, or be about to).
+    pub fn rest_of_log(&mut self) -> Vec<String> {
+        self.lines.iter().collect()
+    }
+
     /// `--server` for the CLI.
     pub fn server(&self) -> String {
         if self.addr.starts_with("unix:") {
