@@ -1,51 +1,21 @@
-//! `kici_firecracker::rootfs::build` with the real static binaries
-//! (`kici-guest-init` and `kici-agent-lite`, built for musl by the test in
-//! the testkit's static target directory, and busybox-static), inspected
-//! with `debugfs` and `e2fsck`.
+//! `kici_firecracker::rootfs::build` with real static musl binaries (the
+//! testkit's, as init and agent) and busybox-static, inspected with
+//! `debugfs` and `e2fsck`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kici_firecracker::rootfs::{self, RootfsError, RootfsSpec, DEFAULT_BUSYBOX};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-/// The static guest binaries, built like the testkit builds its own.
+/// Static binaries standing in for the guest's init and agent: the
+/// testkit's (built once per run and shared with every Firecracker test;
+/// building the real guest binaries here too would double that nested
+/// build). The real ones go through the same code in
+/// `scripts/build-guest-musl.sh --rootfs` and `scripts/qemu-guest-smoke.sh`.
 fn static_guest_binaries() -> (PathBuf, PathBuf) {
-    let target = std::env::var_os("KICI_TESTKIT_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"))
-                .join("kici-testkit-static")
-        });
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml");
-    let out = Command::new(cargo)
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "kici-guest-init",
-            "-p",
-            "kici-agent-lite",
-            "--bins",
-            "--target",
-            kici_testkit::fc::MUSL_TARGET,
-            "--manifest-path",
-        ])
-        .arg(&manifest)
-        .env("CARGO_TARGET_DIR", &target)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "static build failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let dir = target.join(kici_testkit::fc::MUSL_TARGET).join("debug");
-    (dir.join("kici-guest-init"), dir.join("kici-agent-lite"))
+    let built = kici_testkit::fc::build_binaries().unwrap();
+    (built.fc_sim, built.testkit_agent)
 }
 
 fn debugfs(image: &Path, request: &str) -> String {
