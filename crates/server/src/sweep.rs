@@ -54,6 +54,12 @@ pub enum SweepError {
 }
 
 pub fn sweep(args: &SweepArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
+    // Test builds: `KICI_SCALER_CRASH_AT` crashes the sweep too (the
+    // offline-only steps, e.g. settling a recorded agent that is gone).
+    let armed = crate::crashpoints::arm_from_env().map_err(|e| CliError::Sweep(e.to_string()))?;
+    if !armed.is_empty() {
+        tracing::warn!(failpoints = ?armed, "crash failpoints armed");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -171,8 +171,11 @@ fn scale(d: &Daemon, job: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// Every failpoint the binary has; the crash test below must cover each
-/// provisioning and release step of the bare-metal backend and the runtime.
+/// Every failpoint the binary has; each provisioning, release and
+/// reconcile step of every backend must have one (the list below is kept by
+/// hand, so a step whose failpoint disappears fails here). The crash tests
+/// below cover the bare-metal backend's and the runtime's; `reconcile.rs`
+/// the reconciler's.
 fn failpoints() -> Vec<String> {
     let out = Command::new(common::daemon::BIN)
         .arg("failpoints")
@@ -207,6 +210,47 @@ fn every_step_of_every_backend_has_a_failpoint() {
         "kici_backends::adopt::check",
         "kici_backends::adopt::watch",
         "kici_scaler::reconcile::reaped",
+        "kici_scaler::reconcile::lease_released",
+        "kici_scaler::reconcile::settled",
+        "store::ip::after_claim",
+        "store::ip::after_release",
+        // The container backend: every provisioning and release step.
+        "kici_container::spawn::lease",
+        "kici_container::spawn::pull",
+        "kici_container::spawn::create",
+        "kici_container::spawn::rules",
+        "kici_container::spawn::start",
+        "kici_container::destroy::stop",
+        "kici_container::destroy::remove",
+        "kici_container::destroy::rules",
+        "kici_container::destroy::lease",
+        // Its egress rules.
+        "netpolicy::ensure::table",
+        "netpolicy::ensure::docker_user",
+        "netpolicy::install::applied",
+        "netpolicy::remove::deleted",
+        "netpolicy::sweep::deleted",
+        // The Firecracker backend.
+        "firecracker::spawn::vm_dir",
+        "firecracker::spawn::lease",
+        "firecracker::spawn::tap",
+        "firecracker::spawn::attach",
+        "firecracker::spawn::rules",
+        "firecracker::spawn::chroot",
+        "firecracker::spawn::overlay",
+        "firecracker::spawn::jailer",
+        "firecracker::spawn::socket",
+        "firecracker::spawn::configure",
+        "firecracker::spawn::mmds",
+        "firecracker::spawn::start",
+        "firecracker::mmds::clear",
+        "firecracker::destroy::stop",
+        "firecracker::destroy::rules",
+        "firecracker::destroy::tap",
+        "firecracker::destroy::lease",
+        "firecracker::destroy::chroot",
+        "firecracker::sweep::tap",
+        "firecracker::sweep::leases",
     ] {
         assert!(
             fps.iter().any(|f| f == step),
