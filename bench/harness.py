@@ -7,8 +7,10 @@ prints numbers against a baseline measured in the same run.
 
 "Exec'd" is observed the same way for the daemon and for the baseline: the
 agent is a bash stub whose first statement writes bash's `$EPOCHREALTIME`
-(a builtin, so no extra fork) and its pid to `<marks>/<KICI_AGENT_ID>`, then
-`exec`s `/bin/sleep`. The latency is that timestamp minus the harness's
+(a builtin, so no extra fork), its agent id and its pid as one line to a FIFO
+(`<tmp>/marks`, one `write` below PIPE_BUF, so lines never interleave), then
+`exec`s `/bin/sleep`. The harness blocks reading the FIFO instead of polling:
+on a 2-core host a polling harness steals CPU from the very path it measures. The latency is that timestamp minus the harness's
 wall clock taken just before it sends `POST /v1/scale` (or, for the
 baseline, just before it spawns the same stub itself). Both sides include
 the same bash start-up (~1 ms), so the difference is the daemon's own cost.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import select
 import json
 import os
 import shutil
@@ -60,16 +63,15 @@ class Daemon:
     def __init__(self, bin_dir: str, max_agents: int, sleep_secs: int) -> None:
         self.tmp = tempfile.mkdtemp(prefix="kici-scaler-bench-")
         self.state_dir = os.path.join(self.tmp, "state")
-        self.marks = os.path.join(self.tmp, "marks")
         os.mkdir(self.state_dir)
-        os.mkdir(self.marks)
+        self.marks = Marks(os.path.join(self.tmp, "marks"))
         self.stub = os.path.join(self.tmp, "stub-agent")
         with open(self.stub, "w") as f:
             # Runs with the daemon's allowlisted environment only, so every
             # path is absolute. `$$` is the pid the sleep will keep.
             f.write(
                 "#!/bin/bash\n"
-                f'echo "$EPOCHREALTIME $$" > "{self.marks}/$KICI_AGENT_ID"\n'
+                f'echo "$KICI_AGENT_ID $EPOCHREALTIME $$" > "{self.marks.path}"\n'
                 f"exec /bin/sleep {sleep_secs}\n"
             )
         os.chmod(self.stub, 0o755)
@@ -172,21 +174,40 @@ class Daemon:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def wait_mark(marks: str, agent_id: str, timeout: float = 30.0) -> tuple[float, int]:
-    """(exec timestamp, pid) the stub wrote; polls at 0.1 ms, the mark carries the time."""
-    path = os.path.join(marks, agent_id)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                text = f.read()
-            if text.endswith("\n"):
-                stamp, pid = text.split()
-                return float(stamp), int(pid)
-        except FileNotFoundError:
-            pass
-        time.sleep(0.0001)
-    raise RuntimeError(f"agent {agent_id} never exec'd within {timeout} s")
+class Marks:
+    """The FIFO the stubs report to, held open read-write by the harness.
+
+    Read-write, so a stub's open never blocks waiting for a reader and the
+    harness never sees EOF between stubs. Lines of agents other than the one
+    waited for are kept for later.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.mkfifo(path, 0o600)
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        self.buf = b""
+        self.seen: dict[str, tuple[float, int]] = {}
+
+    def wait(self, agent_id: str, timeout: float = 30.0) -> tuple[float, int]:
+        """(exec timestamp, pid) the agent's stub wrote; blocks in select()."""
+        deadline = time.monotonic() + timeout
+        while agent_id not in self.seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"agent {agent_id} never exec'd within {timeout} s")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                continue
+            self.buf += os.read(self.fd, 65536)
+            *lines, self.buf = self.buf.split(b"\n")
+            for line in lines:
+                aid, stamp, pid = line.decode().split()
+                self.seen[aid] = (float(stamp), int(pid))
+        return self.seen.pop(agent_id)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def wait_gone(pid: int, timeout: float = 30.0) -> None:
@@ -215,7 +236,7 @@ def spawn_latency(args: argparse.Namespace) -> int:
         # Warm-up (first exec of the stub, page cache, the daemon's first spawn).
         for i in range(3):
             aid = d.scale(f"warm-{i}")
-            _, pid = wait_mark(d.marks, aid)
+            _, pid = d.marks.wait(aid)
             d.destroy(aid)
             wait_gone(pid)
         # Interleaved so drift on a shared machine hits both sides alike.
@@ -226,7 +247,7 @@ def spawn_latency(args: argparse.Namespace) -> int:
                 [d.stub], env={"KICI_AGENT_ID": base_id}, start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
-            stamp, _ = wait_mark(d.marks, base_id)
+            stamp, _ = d.marks.wait(base_id)
             direct_ms.append((stamp - t0) * 1000)
             child.terminate()
             child.wait()
@@ -234,7 +255,7 @@ def spawn_latency(args: argparse.Namespace) -> int:
             t0 = time.time()
             aid = d.scale(f"job-{i}")
             t_post = time.time()
-            stamp, pid = wait_mark(d.marks, aid)
+            stamp, pid = d.marks.wait(aid)
             daemon_ms.append((stamp - t0) * 1000)
             post_ms.append((t_post - t0) * 1000)
             d.destroy(aid)
@@ -267,7 +288,7 @@ def rss(args: argparse.Namespace) -> int:
         idle_hwm = vm_field(d.proc.pid, "VmHWM")
         agent_ids = [d.scale(f"rss-{i}") for i in range(n)]
         for aid in agent_ids:
-            pids.append(wait_mark(d.marks, aid, timeout=120)[1])
+            pids.append(d.marks.wait(aid, timeout=120)[1])
         time.sleep(args.settle)
         alive = sum(1 for p in pids if os.path.exists(f"/proc/{p}"))
         busy_rss = vm_field(d.proc.pid, "VmRSS")

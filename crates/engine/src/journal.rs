@@ -2,7 +2,8 @@
 //!
 //! The engine produces [`JournalEntry`]s in order; [`JournalWriter`] applies
 //! them one at a time, so a store always sees an agent's writes in the order
-//! they happened. The write that recovery depends on — the record made
+//! they happened (writes of one agent that queued up together collapse into
+//! the newest: each entry is the agent's whole state). The write that recovery depends on — the record made
 //! before a backend is asked to create anything — is awaited by the spawn
 //! (it carries an acknowledgement); the others are not, and a failed one is
 //! kept (the newest per agent) and retried until the store answers again,
@@ -42,6 +43,17 @@ pub(crate) enum JournalOp {
     Flush(oneshot::Sender<bool>),
 }
 
+/// At most this many queued operations are taken in one round, so a flood
+/// of writes cannot starve a waiting flush for long.
+const MAX_BATCH: usize = 256;
+
+/// One agent's writes within a round, collapsed into its last.
+struct Coalesced {
+    entry: JournalEntry,
+    at: SystemTime,
+    acks: Vec<oneshot::Sender<Result<(), JournalError>>>,
+}
+
 pub(crate) struct JournalWriter {
     journal: Arc<dyn Journal>,
     /// The newest failed entry per agent, waiting for a retry.
@@ -65,23 +77,67 @@ impl JournalWriter {
         loop {
             tokio::select! {
                 op = rx.recv() => match op {
-                    Some(JournalOp::Write { entry, at, ack }) => {
-                        let result = self.write(entry, at).await;
-                        if let Some(ack) = ack {
-                            let _ = ack.send(result);
+                    Some(op) => {
+                        // Whatever queued up behind it goes in the same round:
+                        // under load, one store round trip per agent instead of
+                        // one per queued write.
+                        let mut batch = vec![op];
+                        while batch.len() < MAX_BATCH {
+                            match rx.try_recv() {
+                                Ok(op) => batch.push(op),
+                                Err(_) => break,
+                            }
                         }
+                        self.apply(batch).await;
                     }
-                    Some(JournalOp::Flush(done)) => {
-                        self.retry_failed().await;
-                        let _ = done.send(self.failed.is_empty());
-                    }
-                    // Every sender (the runtime) is gone: a last attempt.
+                    // Every sender is gone: the runtime stopped.
                     None => {
                         self.retry_failed().await;
                         break;
                     }
                 },
                 _ = retry.tick(), if !self.failed.is_empty() => self.retry_failed().await,
+            }
+        }
+    }
+
+    /// Applies queued operations in order. Writes of one agent between two
+    /// flushes collapse into its last one (each entry is the agent's whole
+    /// state); every acknowledgement gets that write's result.
+    async fn apply(&mut self, batch: Vec<JournalOp>) {
+        let mut writes: Vec<Coalesced> = Vec::new();
+        for op in batch {
+            match op {
+                JournalOp::Write { entry, at, ack } => {
+                    let agent = entry.agent();
+                    match writes.iter_mut().find(|w| w.entry.agent() == agent) {
+                        Some(w) => {
+                            w.entry = entry;
+                            w.at = at;
+                            w.acks.extend(ack);
+                        }
+                        None => writes.push(Coalesced {
+                            entry,
+                            at,
+                            acks: ack.into_iter().collect(),
+                        }),
+                    }
+                }
+                JournalOp::Flush(done) => {
+                    self.write_all(std::mem::take(&mut writes)).await;
+                    self.retry_failed().await;
+                    let _ = done.send(self.failed.is_empty());
+                }
+            }
+        }
+        self.write_all(writes).await;
+    }
+
+    async fn write_all(&mut self, writes: Vec<Coalesced>) {
+        for w in writes {
+            let result = self.write(w.entry, w.at).await;
+            for ack in w.acks {
+                let _ = ack.send(result.clone());
             }
         }
     }
@@ -111,5 +167,67 @@ impl JournalWriter {
                 self.failed.insert(agent, (entry, at));
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use kici_model::ScalerType;
+    use parking_lot::Mutex;
+
+    /// Records the agents written, in order; writes wait for permits of the
+    /// gate, so operations queue up behind the first one.
+    struct Recording {
+        writes: Mutex<Vec<AgentId>>,
+        gate: tokio::sync::Semaphore,
+    }
+
+    #[async_trait]
+    impl Journal for Recording {
+        async fn write(&self, entry: &JournalEntry, _at: SystemTime) -> Result<(), JournalError> {
+            self.gate.acquire().await.unwrap().forget();
+            self.writes.lock().push(entry.agent());
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn queued_writes_of_one_agent_collapse_and_every_ack_is_answered() {
+        let journal = Arc::new(Recording {
+            writes: Mutex::default(),
+            gate: tokio::sync::Semaphore::new(0),
+        });
+        let tx = JournalWriter::spawn(journal.clone());
+        let a = AgentId::new(ScalerType::Container, [0, 0, 0, 1]);
+        let b = AgentId::new(ScalerType::Container, [0, 0, 0, 2]);
+        let write = |agent: AgentId, ack: bool| {
+            let (ack_tx, ack_rx) = oneshot::channel();
+            tx.send(JournalOp::Write {
+                entry: JournalEntry::Forget(agent),
+                at: SystemTime::now(),
+                ack: ack.then_some(ack_tx),
+            })
+            .unwrap();
+            ack_rx
+        };
+        // The first write is taken alone and held at the gate; the rest queue.
+        let first = write(a, true);
+        tokio::task::yield_now().await;
+        let acks = [write(a, true), write(b, false), write(a, true)];
+        let (flush_tx, flush_rx) = oneshot::channel();
+        tx.send(JournalOp::Flush(flush_tx)).unwrap();
+        journal.gate.add_permits(16);
+        first.await.unwrap().unwrap();
+        let [a2, _unacked, a3] = acks;
+        a2.await.unwrap().unwrap();
+        a3.await.unwrap().unwrap();
+        assert!(flush_rx.await.unwrap());
+        assert_eq!(
+            *journal.writes.lock(),
+            [a, a, b],
+            "a's two queued writes became one"
+        );
     }
 }

@@ -82,9 +82,21 @@ pub enum RecoverError {
 }
 
 impl Engine {
-    /// The store writes produced since the last call, in order.
+    /// The store writes produced since the last call, in order, one per
+    /// agent: each entry is the agent's whole durable state, so only its
+    /// last one matters, and a spawn then waits for one store write instead
+    /// of one per state it passed through within the same call.
     pub fn take_journal(&mut self) -> Vec<JournalEntry> {
-        std::mem::take(&mut self.journal)
+        let mut entries = std::mem::take(&mut self.journal);
+        if entries.len() > 1 {
+            let mut seen = std::collections::HashSet::with_capacity(entries.len());
+            // Walking backwards keeps each agent's last entry; the survivors
+            // keep their relative order.
+            entries.reverse();
+            entries.retain(|e| seen.insert(e.agent()));
+            entries.reverse();
+        }
+        entries
     }
 
     /// `KICI_LABELS` of a managed agent (what its token authorises), for
