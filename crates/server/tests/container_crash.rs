@@ -1,0 +1,290 @@
+//! `kill -9` of the real daemon at every failpoint of the container
+//! backend (and its egress rules) on the real dockerd, then restart,
+//! recovery and reconcile passes: no container, nftables rule, IP lease or
+//! row is left that no live agent owns, and every live agent has exactly
+//! one of each. The image is the FROM scratch test image
+//! (`scripts/build-test-image.sh`); dockerd comes from `scripts/dockerd.sh`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::daemon::{rows, wait_until, Daemon, Dir, FAST_RECONCILE};
+use kici_model::InstanceId;
+use std::collections::BTreeSet;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const OWNER_LABEL: &str = "dev.kici.scaler.instance";
+const AGENT_LABEL: &str = "dev.kici.scaler.agent";
+/// The daemon's agent network (its default).
+const SUBNET: &str = "172.29.0.0/16";
+const BRIDGE: &str = "kici-scaler0";
+
+fn repo_file(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel)
+}
+
+fn tool(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The test image, and on drop the removal of everything the test's
+/// instances left: containers, egress rules, the image.
+struct World {
+    image: String,
+    instances: Vec<InstanceId>,
+}
+
+impl World {
+    fn new() -> Self {
+        let image = format!("kici-scaler-test-agent:{:08x}", rand::random::<u32>());
+        let out = Command::new(repo_file("scripts/build-test-image.sh"))
+            .arg(&image)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "build-test-image.sh: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        World {
+            image,
+            instances: Vec::new(),
+        }
+    }
+
+    fn dir(&self) -> Dir {
+        Dir::with_config(&format!(
+            "version: 1\nscalers:\n  - name: box\n    type: container\n    maxAgents: 4\n    runtime: docker\n    labelSets:\n      - labels: [linux, box]\n        image: \"{}\"\n        imagePullPolicy: IfNotPresent\n",
+            self.image
+        ))
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for instance in &self.instances {
+            for (name, _) in containers_of(*instance) {
+                let _ = tool("docker", &["rm", "-f", "-v", &name]);
+            }
+            let instance = *instance;
+            let _ = std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(async {
+                        let table = kici_netpolicy::EgressTable::ensure(
+                            instance,
+                            SUBNET.parse().unwrap(),
+                            kici_netpolicy::TableOptions {
+                                agent_bridge: Some(BRIDGE.to_owned()),
+                                docker_user: kici_netpolicy::DockerUserMode::AcceptSubnet,
+                                ..kici_netpolicy::TableOptions::default()
+                            },
+                        )
+                        .await;
+                        if let Ok(table) = table {
+                            let _ = table.sweep_stale(&[]).await;
+                            let _ = table.teardown().await;
+                        }
+                    })
+            })
+            .join();
+        }
+        let _ = tool("docker", &["rmi", "-f", &self.image]);
+    }
+}
+
+/// `docker ps -a` of the instance: (name, agent label).
+fn containers_of(instance: InstanceId) -> Vec<(String, String)> {
+    tool(
+        "docker",
+        &[
+            "ps",
+            "-a",
+            "--filter",
+            &format!("label={OWNER_LABEL}={instance}"),
+            "--format",
+            &format!("{{{{.Names}}}} {{{{.Label \"{AGENT_LABEL}\"}}}}"),
+        ],
+    )
+    .lines()
+    .filter_map(|l| l.split_once(' '))
+    .map(|(n, a)| (n.to_owned(), a.to_owned()))
+    .collect()
+}
+
+/// Agents with an nftables rule of the instance (`nft -j list ruleset`,
+/// comments `kici-scaler:<instance>:<agent>`).
+fn agents_with_rules(instance: InstanceId) -> BTreeSet<String> {
+    let json = tool("nft", &["-j", "list", "ruleset"]);
+    let tag = format!("kici-scaler:{instance}:");
+    json.match_indices(&tag)
+        .filter_map(|(at, _)| {
+            let rest = &json[at + tag.len()..];
+            let end = rest.find(|c: char| c == '"' || c.is_whitespace())?;
+            // Subnet and bridge rules carry other words there.
+            rest[..end]
+                .parse::<kici_model::AgentId>()
+                .ok()
+                .map(|a| a.to_string())
+        })
+        .collect()
+}
+
+/// After restart and reconcile: containers, rules, leases and rows are
+/// exactly the live agents'.
+fn assert_consistent(d: &mut Daemon, dir: &Dir, context: &str) {
+    let instance: InstanceId = dir.instance().parse().unwrap();
+    for _ in 0..3 {
+        d.expect_log("reconcile pass");
+    }
+    wait_until(&format!("{context}: agents settle"), || {
+        let (_, body) = d.http("GET", "/v1/agents", None);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v["agents"].as_array().is_some_and(|a| {
+            a.iter().all(|a| {
+                !matches!(
+                    a["state"].as_str(),
+                    Some("requested" | "provisioning" | "destroying")
+                )
+            })
+        })
+    });
+    let live = d.agents();
+    let containers: BTreeSet<String> = containers_of(instance)
+        .into_iter()
+        .map(|(_, agent)| agent)
+        .collect();
+    assert_eq!(containers, live, "{context}: containers vs live agents");
+    assert_eq!(
+        containers_of(instance).len(),
+        live.len(),
+        "{context}: one container per agent"
+    );
+    let r = rows(&dir.sqlite_url(), &dir.instance());
+    let recorded: BTreeSet<String> = r.agents.iter().map(|a| a.agent_id.to_string()).collect();
+    assert_eq!(recorded, live, "{context}: rows vs live agents");
+    let leased: Vec<String> = r.leases.iter().map(|l| l.agent.to_string()).collect();
+    assert_eq!(
+        leased.iter().cloned().collect::<BTreeSet<_>>(),
+        live,
+        "{context}: leases vs live agents"
+    );
+    assert_eq!(leased.len(), live.len(), "{context}: one lease per agent");
+    let ruled = agents_with_rules(instance);
+    assert!(
+        ruled.is_subset(&live),
+        "{context}: rules of agents that are gone: {:?}",
+        ruled.difference(&live).collect::<Vec<_>>()
+    );
+}
+
+const SPAWN_STEPS: &[&str] = &[
+    "kici_container::spawn::lease",
+    "kici_container::spawn::pull",
+    "kici_container::spawn::create",
+    "kici_container::spawn::rules",
+    "netpolicy::install::applied",
+    "kici_container::spawn::start",
+];
+const DESTROY_STEPS: &[&str] = &[
+    "kici_container::destroy::stop",
+    "kici_container::destroy::remove",
+    "kici_container::destroy::rules",
+    "netpolicy::remove::deleted",
+    "kici_container::destroy::lease",
+];
+
+fn scale(d: &Daemon, job: &str) -> Option<String> {
+    let (status, body) = d.scale(job, &["linux", "box"]);
+    (status == 202).then(|| body["agentId"].as_str().unwrap().to_owned())
+}
+
+fn start(dir: &Dir, crash_at: Option<&str>) -> Result<Daemon, std::process::ExitStatus> {
+    let env: Vec<(&str, &str)> = crash_at
+        .map(|fp| ("KICI_SCALER_CRASH_AT", fp))
+        .into_iter()
+        .collect();
+    Daemon::try_start(dir, FAST_RECONCILE, &env)
+}
+
+/// Crash at `fp` while `trigger` runs, restart, check, shut down cleanly.
+fn crash_then_recover(world: &mut World, fp: &str, trigger: impl FnOnce(&Daemon) -> Vec<String>) {
+    let dir = world.dir();
+    let mut d = start(&dir, Some(fp)).unwrap_or_else(|s| panic!("{fp}: died at start: {s:?}"));
+    world.instances.push(dir.instance().parse().unwrap());
+    let survivors = trigger(&d);
+    let status = d.wait_exit();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "{fp}: the daemon was to die there"
+    );
+    let mut d = start(&dir, None).unwrap();
+    assert_consistent(&mut d, &dir, fp);
+    let live = d.agents();
+    for s in &survivors {
+        assert!(live.contains(s), "{fp}: {s} was not re-adopted");
+    }
+    d.terminate();
+    let instance: InstanceId = dir.instance().parse().unwrap();
+    assert!(containers_of(instance).is_empty(), "{fp}: containers left");
+    assert!(agents_with_rules(instance).is_empty(), "{fp}: rules left");
+    assert!(
+        rows(&dir.sqlite_url(), &dir.instance()).leases.is_empty(),
+        "{fp}: leases left"
+    );
+}
+
+#[test]
+fn serial_crash_at_each_container_step_leaks_nothing() {
+    let mut world = World::new();
+    for fp in SPAWN_STEPS {
+        crash_then_recover(&mut world, fp, |d| {
+            scale(d, "crashing");
+            vec![]
+        });
+    }
+    for fp in DESTROY_STEPS {
+        crash_then_recover(&mut world, fp, |d| {
+            let keep = scale(d, "keep").unwrap();
+            let victim = scale(d, "victim").unwrap();
+            for agent in [&keep, &victim] {
+                wait_until(&format!("{agent} is up"), || {
+                    matches!(d.state_of(agent).as_str(), "booted" | "registered" | "idle")
+                });
+            }
+            let (status, body) = d.http("DELETE", &format!("/v1/agents/{victim}"), None);
+            assert!(status == 202 || status == 0, "{status} {body}");
+            vec![keep]
+        });
+    }
+}
+
+#[test]
+fn every_container_step_has_a_crash_test() {
+    let out = Command::new(common::daemon::BIN)
+        .arg("failpoints")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let listed = String::from_utf8(out.stdout).unwrap();
+    let covered: BTreeSet<&str> = SPAWN_STEPS.iter().chain(DESTROY_STEPS).copied().collect();
+    for fp in covered.iter() {
+        assert!(listed.lines().any(|l| l == *fp), "no failpoint {fp}");
+    }
+    for fp in listed.lines().filter(|l| l.starts_with("kici_container::")) {
+        assert!(covered.contains(fp), "{fp} has no crash test");
+    }
+}
