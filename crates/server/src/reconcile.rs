@@ -217,7 +217,14 @@ impl Reconciler {
         if reaping != Reaping::DryRun {
             for sweep in &self.rule_sweeps {
                 match sweep.sweep_stale_rules().await {
-                    Ok(swept) => report.stale_rules_removed.extend(swept),
+                    Ok(swept) => {
+                        if let Some(m) = &self.metrics {
+                            for _ in &swept {
+                                m.orphan_reaped(OrphanKind::NftablesRule);
+                            }
+                        }
+                        report.stale_rules_removed.extend(swept)
+                    }
                     Err(e) => report.errors.push(e),
                 }
             }

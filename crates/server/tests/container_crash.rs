@@ -288,3 +288,102 @@ fn every_container_step_has_a_crash_test() {
         assert!(covered.contains(fp), "{fp} has no crash test");
     }
 }
+
+/// Installs default-policy egress rules for an agent that has no
+/// container (what a crash between a container's removal and its rules'
+/// leaves).
+fn plant_rule(instance: InstanceId, ip: std::net::Ipv4Addr) -> kici_model::AgentId {
+    let agent = kici_model::AgentId::random(kici_model::ScalerType::Container);
+    let [a, b, c, d] = ip.octets();
+    block_on(async {
+        kici_netpolicy::EgressTable::ensure(
+            instance,
+            SUBNET.parse().unwrap(),
+            kici_netpolicy::TableOptions {
+                agent_bridge: Some(BRIDGE.to_owned()),
+                docker_user: kici_netpolicy::DockerUserMode::AcceptSubnet,
+                ..kici_netpolicy::TableOptions::default()
+            },
+        )
+        .await
+        .unwrap()
+        .install(
+            &agent,
+            &kici_netpolicy::AgentMatch {
+                ip,
+                mac: [0x02, 0x42, a, b, c, d],
+                port: None,
+            },
+            &kici_netpolicy::EgressPolicy::from_config(None),
+        )
+        .await
+        .unwrap();
+    });
+    agent
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+/// The reconciler's container kinds: a container with our owner label but
+/// no row (its lease with it) and the nftables rules of a container that
+/// is gone are each reaped once, counted by kind.
+#[test]
+fn serial_reconcile_reaps_an_orphan_container_and_a_dead_containers_rules_once() {
+    const REAPED: &str = "kici_orch_scaler_orphans_reaped_total";
+    let mut world = World::new();
+    let dir = world.dir();
+    let mut d = start(&dir, None).unwrap();
+    let instance: InstanceId = dir.instance().parse().unwrap();
+    world.instances.push(instance);
+    let orphan = scale(&d, "orphan").unwrap();
+    wait_until("the orphan's container runs", || {
+        matches!(
+            d.state_of(&orphan).as_str(),
+            "booted" | "registered" | "idle"
+        )
+    });
+    d.kill9();
+    block_on(async {
+        let url: kici_store::StoreUrl = dir.sqlite_url().parse().unwrap();
+        let s = kici_store::open(&url, instance, kici_store::StoreOptions::default())
+            .await
+            .unwrap();
+        assert!(s.delete_agent(&orphan.parse().unwrap()).await.unwrap());
+        s.close().await;
+    });
+    let mut d = start(&dir, None).unwrap();
+    // Planted once the daemon runs (start-up sweeps stale rules on its own,
+    // uncounted): the reconciler's pass is what removes it.
+    let dead = plant_rule(instance, "172.29.250.77".parse().unwrap());
+    assert!(agents_with_rules(instance).contains(&dead.to_string()));
+    wait_until(
+        "the orphan container and the dead one's rules are gone",
+        || containers_of(instance).is_empty() && agents_with_rules(instance).is_empty(),
+    );
+    let counts = |d: &Daemon| {
+        let m = d.metrics();
+        [
+            "container",
+            "nftables-rule",
+            "ip-lease",
+            "process",
+            "cgroup",
+        ]
+        .map(|k| common::daemon::metric(&m, REAPED, &format!("kind=\"{k}\"")))
+    };
+    let first = counts(&d);
+    d.expect_log("reconcile pass");
+    d.expect_log("reconcile pass");
+    assert_eq!(counts(&d), first, "nothing is reaped twice");
+    assert_eq!(first, [1.0, 1.0, 1.0, 0.0, 0.0], "container, rules, lease");
+    let r = rows(&dir.sqlite_url(), &dir.instance());
+    assert!(r.agents.is_empty() && r.leases.is_empty(), "{r:?}");
+    assert!(d.agents().is_empty());
+    d.terminate();
+}
