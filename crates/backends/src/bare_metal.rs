@@ -447,10 +447,17 @@ impl BareMetalBackend {
         if let Some(t) = tracked {
             t.tailer.finish().await;
         }
-        logs::retire(&dir, &self.retired_dir()).map_err(|source| DestroyError::Logs {
-            dir: dir.clone(),
-            source,
-        })?;
+        // Copying the log tails and removing directories can take
+        // milliseconds on a busy disk: not on a tokio worker, where it would
+        // stall every task queued behind it.
+        let (from, retired) = (dir.clone(), self.retired_dir());
+        tokio::task::spawn_blocking(move || logs::retire(&from, &retired))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+            .map_err(|source| DestroyError::Logs {
+                dir: dir.clone(),
+                source,
+            })?;
         failpoints::check(failpoints::DESTROY_FILES, DestroyError::Injected)?;
         tracing::info!(agent_id = %agent, "bare-metal agent destroyed");
         Ok(())
