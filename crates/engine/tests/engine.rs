@@ -847,3 +847,54 @@ fn warm_spawns_respect_the_breaker() {
     let status = e.status(now);
     assert_eq!(status.scalers[0].label_sets[0].consecutive_failures, 2);
 }
+
+#[test]
+fn a_restored_request_keeps_its_place_its_expiry_and_its_dedupe() {
+    let clock = Clock::new();
+    let settings = EngineSettings {
+        pending_ttl: Duration::from_secs(100),
+        ..EngineSettings::default()
+    };
+    let mut e = engine_with(BASIC, settings);
+    let now = clock.now();
+    let local = ["linux", "local"];
+    spawned(&e.request_scale(request("a", &local), now).unwrap());
+    spawned(&e.request_scale(request("b", &local), now).unwrap());
+    assert_eq!(
+        e.request_scale(request("new", &local), now).unwrap(),
+        ScaleOutcome::Pending { position: 1 }
+    );
+    // Recorded 60 s before a restart: ahead of the one that arrived now.
+    assert_eq!(
+        e.restore_pending(request("old", &local), Duration::from_secs(60), now)
+            .unwrap(),
+        Some(ScaleOutcome::Pending { position: 1 })
+    );
+    assert!(e.is_pending(&job("old")) && e.is_pending(&job("new")));
+    // Dedupe by job id as before the restart.
+    assert_eq!(
+        e.request_scale(request("old", &local), now).unwrap(),
+        ScaleOutcome::Pending { position: 1 }
+    );
+    assert!(matches!(
+        e.request_scale(request("old", &["linux", "docker"]), now),
+        Err(ScaleError::Conflict(_))
+    ));
+    // Its TTL ran out while the daemon was down: nothing is queued.
+    assert_eq!(
+        e.restore_pending(request("stale", &local), Duration::from_secs(100), now)
+            .unwrap(),
+        None
+    );
+    assert!(!e.is_pending(&job("stale")));
+    // It expires 100 s after its arrival (40 s from now); the new one later.
+    e.take_events();
+    let later = now + Duration::from_secs(41);
+    e.tick(later);
+    assert!(!e.is_pending(&job("old")));
+    assert!(e.is_pending(&job("new")));
+    assert!(e.take_events().iter().any(|ev| matches!(
+        ev,
+        EngineEvent::PendingEnded { job_id, end: PendingEnd::Expired, .. } if *job_id == job("old")
+    )));
+}
