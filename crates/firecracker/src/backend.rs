@@ -27,7 +27,7 @@ use crate::api::{
 use crate::chroot::{self, ChrootError, JailFiles};
 use crate::egress::{EgressError, EgressRules, VmMatch};
 use crate::jailer::{JailerArgs, JailerCgroups};
-use crate::logs::{VmWatch, WatchSpec, SERIAL_SOURCE, VMM_SOURCE};
+use crate::logs::{TailFrom, VmWatch, WatchSpec, SERIAL_SOURCE, VMM_SOURCE};
 use crate::names::{self, JailLayout, LayoutError, METRICS_FILE, SERIAL_LOG, VMM_LOG};
 use crate::tap::{self, LinkError, Netlink};
 use crate::vmconfig::{
@@ -504,6 +504,7 @@ impl FirecrackerBackend {
             vmm_path: layout.in_root(&agent, VMM_LOG),
             pidfd,
             reports: spec.reports.clone(),
+            from: TailFrom::Start,
         });
         let exited = watch.state.clone();
         taken.watch = Some(watch);
@@ -1150,6 +1151,9 @@ impl Backend for FirecrackerBackend {
             vmm_path: layout.in_root(agent, VMM_LOG),
             pidfd,
             reports,
+            // What the log holds was forwarded (and any boot failure in it
+            // reported) by the daemon that spawned the VM.
+            from: TailFrom::End,
         });
         let api = ApiClient::new(layout.api_socket(agent), API_TIMEOUT_UNTRACKED);
         self.inner.tracked.lock().insert(

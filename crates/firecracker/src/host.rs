@@ -1,11 +1,16 @@
-//! The host bridge VMs attach to: checked and provisioned from the config's
-//! `firecracker` block alone (the daemon's `firecracker provision|verify`
-//! and `doctor` call this). IP forwarding, NAT and forward rules are
-//! kici-netpolicy's.
+//! The host side of the Firecracker network, from the config's
+//! `firecracker` block alone: [`HostNetwork`] is the bridge VMs attach to
+//! (what `serve` checks at start-up), [`HostSetup`] the bridge plus the
+//! host's forwarding for it (IP forwarding, NAT, forward accepts,
+//! `DOCKER-USER`; the rules themselves are kici-netpolicy's
+//! [`HostForwarding`]) — what `kici-scaler firecracker
+//! provision|verify|teardown` runs.
 
 use crate::backend::BRIDGE_TAG;
 use crate::tap::{LinkError, Netlink};
 use kici_model::FirecrackerNetwork;
+use kici_netpolicy::{ForwardingStatus, HostForwarding, NetPolicyError};
+use std::time::Duration;
 
 /// What is in place for the bridge.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,5 +106,102 @@ impl HostNetwork<'_> {
             return Ok(false);
         }
         Netlink::connect()?.delete(&self.network.bridge_name).await
+    }
+}
+
+/// Why host setup could not be read or changed.
+#[derive(Debug, thiserror::Error)]
+pub enum HostSetupError {
+    #[error("bridge: {0}")]
+    Link(#[from] LinkError),
+    #[error("forwarding rules: {0}")]
+    Rules(#[from] NetPolicyError),
+}
+
+/// Everything the host needs for the Firecracker network, read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostSetupStatus {
+    pub bridge: BridgeStatus,
+    pub forwarding: ForwardingStatus,
+}
+
+/// What [`HostSetup::teardown`] removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostTeardown {
+    /// The bridge was ours and is gone.
+    pub bridge_removed: bool,
+    /// NAT, forward and `DOCKER-USER` rules removed.
+    pub rules_removed: usize,
+}
+
+/// The bridge and the host forwarding for it.
+pub struct HostSetup<'a> {
+    pub network: &'a FirecrackerNetwork,
+    /// The interface to masquerade on; `None`: the default route's, or any
+    /// interface but the bridge without a default route.
+    pub uplink: Option<String>,
+}
+
+impl HostSetupStatus {
+    /// Everything in place: the bridge (ours, up, with the gateway) and
+    /// the forwarding.
+    pub fn healthy(&self) -> bool {
+        self.bridge.healthy() && self.bridge.tagged && self.forwarding.healthy()
+    }
+
+    /// What is missing, one line each.
+    pub fn problems(&self, setup: &HostSetup<'_>) -> Vec<String> {
+        let mut out = self.bridge.problems(setup.network);
+        out.extend(self.forwarding.problems(&setup.forwarding()));
+        out
+    }
+}
+
+impl HostSetup<'_> {
+    const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// The forwarding rules' side, for this network.
+    pub fn forwarding(&self) -> HostForwarding {
+        HostForwarding {
+            bridge: self.network.bridge_name.clone(),
+            subnet: self.network.cidr,
+            uplink: self.uplink.clone(),
+            netns: None,
+            command_timeout: Self::COMMAND_TIMEOUT,
+        }
+    }
+
+    fn bridge(&self) -> HostNetwork<'_> {
+        HostNetwork {
+            network: self.network,
+        }
+    }
+
+    /// Reads everything; changes nothing.
+    pub async fn verify(&self) -> Result<HostSetupStatus, HostSetupError> {
+        Ok(HostSetupStatus {
+            bridge: self.bridge().check().await?,
+            forwarding: self.forwarding().check().await?,
+        })
+    }
+
+    /// Bridge, then forwarding; idempotent. Never touches the bridge's
+    /// ports nor any per-VM rule (those live in other chains).
+    pub async fn provision(&self) -> Result<HostSetupStatus, HostSetupError> {
+        let bridge = self.bridge().provision().await?;
+        let forwarding = self.forwarding().provision().await?;
+        Ok(HostSetupStatus { bridge, forwarding })
+    }
+
+    /// Removes this network's NAT, forward and `DOCKER-USER` rules, and the
+    /// bridge if kici-scaler created it (its owner tag). IP forwarding
+    /// stays on: other things on the host may route.
+    pub async fn teardown(&self) -> Result<HostTeardown, HostSetupError> {
+        let rules_removed = self.forwarding().teardown().await?;
+        let bridge_removed = self.bridge().teardown().await?;
+        Ok(HostTeardown {
+            bridge_removed,
+            rules_removed,
+        })
     }
 }

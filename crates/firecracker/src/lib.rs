@@ -14,7 +14,8 @@
 //! - [`logs`]: serial and VMM logs followed for the VM's life, boot failures;
 //! - [`egress`]: the seam to per-VM egress rules;
 //! - [`sweep`]: the orphan sweep;
-//! - [`host`]: the host bridge check/provision ([`HostNetwork`]).
+//! - [`host`]: the host bridge ([`HostNetwork`]) and, with the host's
+//!   forwarding for it, `firecracker provision|verify|teardown` ([`HostSetup`]).
 
 pub mod api;
 pub mod backend;
@@ -37,7 +38,9 @@ pub use backend::{
     SpawnTimings, Timeouts,
 };
 pub use egress::{EgressError, EgressRules, NetPolicyEgress, NoEgressRules, VmMatch};
-pub use host::{BridgeStatus, HostNetwork};
+pub use host::{
+    BridgeStatus, HostNetwork, HostSetup, HostSetupError, HostSetupStatus, HostTeardown,
+};
 pub use jailer::{CgroupVersion, JailerCgroups};
 pub use sweep::{SweepReport, DEFAULT_SWEEP_INTERVAL};
 

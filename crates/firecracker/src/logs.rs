@@ -75,6 +75,18 @@ impl BootFailureKind {
     }
 }
 
+/// Where following a log file starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TailFrom {
+    /// The whole file (a VM this daemon just spawned).
+    Start,
+    /// Its end at the time the watch starts (a VM adopted after a daemon
+    /// restart: the daemon that spawned it already forwarded what is there
+    /// and reported any boot failure in it; reading it again would report
+    /// that failure twice).
+    End,
+}
+
 /// One followed file.
 struct Source {
     stream: Stream,
@@ -97,6 +109,22 @@ impl Source {
             offset: 0,
             splitter: LineSplitter::default(),
             cap,
+        }
+    }
+
+    /// Opens the file now and skips what it holds ([`TailFrom::End`]); a
+    /// file not there yet is read from its start once it appears.
+    fn skip_existing(&mut self) {
+        let Ok(mut file) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(self.cap.is_some())
+            .open(&self.path)
+        else {
+            return;
+        };
+        if let Ok(end) = file.seek(SeekFrom::End(0)) {
+            self.offset = end;
+            self.file = Some(file);
         }
     }
 
@@ -174,6 +202,7 @@ pub struct WatchSpec {
     /// is then treated as gone).
     pub pidfd: Option<OwnedFd>,
     pub reports: ReportSender,
+    pub from: TailFrom,
 }
 
 impl VmWatch {
@@ -222,11 +251,17 @@ async fn run(
         vmm_path,
         pidfd,
         reports,
+        from,
     } = spec;
     let mut sources = [
         Source::new(serial, serial_path, Some(SERIAL_FILE_CAP)),
         Source::new(vmm, vmm_path, None),
     ];
+    if from == TailFrom::End {
+        for source in &mut sources {
+            source.skip_existing();
+        }
+    }
     let mut failure_reported = false;
     let mut on_line = |ctx: &LogContext, stream: Stream, line: &str| {
         ctx.emit(stream, line);
@@ -368,6 +403,7 @@ mod tests {
             vmm_path: vmm,
             pidfd: Some(pidfd),
             reports,
+            from: TailFrom::Start,
         });
         match rx.recv().await.unwrap() {
             BackendReport::BootFailure { agent: a, detail } => {
@@ -384,5 +420,91 @@ mod tests {
             BackendReport::Exited { .. }
         ));
         watch.finish().await;
+    }
+
+    /// An adopted VM (daemon restart): the boot failure the previous daemon
+    /// already reported is not reported again; a new one is.
+    #[tokio::test]
+    async fn firecracker_adopted_watch_tails_from_the_end_and_reports_only_new_failures() {
+        let dir = tempfile::tempdir().unwrap();
+        let serial = dir.path().join("serial");
+        let vmm = dir.path().join("vmm");
+        std::fs::write(
+            &serial,
+            b"booting\nKernel panic - not syncing: VFS: Unable to mount root fs\npartial",
+        )
+        .unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).unwrap();
+        let (reports, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let agent = AgentId::new(kici_model::ScalerType::Firecracker, [7; 4]);
+        let watch = VmWatch::start(WatchSpec {
+            agent,
+            serial: ctx(SERIAL_SOURCE),
+            vmm: ctx(VMM_SOURCE),
+            serial_path: serial.clone(),
+            vmm_path: vmm.clone(),
+            pidfd: Some(pidfd),
+            reports,
+            from: TailFrom::End,
+        });
+        // The VMM log appears only now: read from its start.
+        std::fs::write(&vmm, b"vmm says hi\n").unwrap();
+        {
+            use std::io::Write;
+            let mut w = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&serial)
+                .unwrap();
+            writeln!(w, "\nFailed to execute /init (error -2)").unwrap();
+        }
+        match rx.recv().await.unwrap() {
+            BackendReport::BootFailure { agent: a, detail } => {
+                assert_eq!(a, agent);
+                assert!(detail.starts_with("init-failure: "), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(watch.wait_exit(Duration::from_secs(30)).await);
+        assert!(matches!(
+            rx.recv().await.unwrap(),
+            BackendReport::Exited { .. }
+        ));
+        watch.finish().await;
+        assert!(rx.try_recv().is_err(), "the old panic was not reported");
+    }
+
+    #[test]
+    fn firecracker_tail_from_end_skips_existing_bytes_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("serial");
+        std::fs::write(&path, b"old 1\nold 2\n").unwrap();
+        let mut source = Source::new(ctx(SERIAL_SOURCE), path.clone(), Some(1 << 20));
+        source.skip_existing();
+        {
+            use std::io::Write;
+            let mut w = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .unwrap();
+            writeln!(w, "new").unwrap();
+        }
+        let mut lines = Vec::new();
+        source.finish(&mut |_, _, l| lines.push(l.to_owned()));
+        assert_eq!(lines, ["new"]);
+        // A file that does not exist yet is read whole once it appears.
+        let later = dir.path().join("vmm");
+        let mut source = Source::new(ctx(VMM_SOURCE), later.clone(), None);
+        source.skip_existing();
+        std::fs::write(&later, b"first\n").unwrap();
+        let mut lines = Vec::new();
+        source.finish(&mut |_, _, l| lines.push(l.to_owned()));
+        assert_eq!(lines, ["first"]);
     }
 }

@@ -34,6 +34,17 @@ pub enum DockerUserOutcome {
     AlreadyPresent,
 }
 
+/// Whether our accepts for a subnet are in `DOCKER-USER`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DockerUserState {
+    /// No `DOCKER-USER` chain (no dockerd): nothing is needed there.
+    NoChain,
+    Present,
+    /// The chain exists (dockerd runs, its FORWARD policy is DROP) and at
+    /// least one of our accepts is not in it.
+    Missing,
+}
+
 /// The comment on our `DOCKER-USER` rules.
 pub fn docker_user_comment(instance: InstanceId, subnet: Ipv4Net) -> String {
     format!("kici-scaler:{instance}:subnet {subnet}")
@@ -42,7 +53,11 @@ pub fn docker_user_comment(instance: InstanceId, subnet: Ipv4Net) -> String {
 /// The rule specs (after the chain name) we keep in `DOCKER-USER`: traffic
 /// from the subnet, and replies to it.
 fn rule_specs(instance: InstanceId, subnet: Ipv4Net) -> [Vec<String>; 2] {
-    let comment = docker_user_comment(instance, subnet);
+    rule_specs_tagged(&docker_user_comment(instance, subnet), subnet)
+}
+
+fn rule_specs_tagged(comment: &str, subnet: Ipv4Net) -> [Vec<String>; 2] {
+    let comment = comment.to_owned();
     let subnet = subnet.to_string();
     [
         vec![
@@ -72,11 +87,7 @@ fn rule_specs(instance: InstanceId, subnet: Ipv4Net) -> [Vec<String>; 2] {
     ]
 }
 
-pub(crate) async fn ensure_accepts(
-    runner: &Runner,
-    instance: InstanceId,
-    subnet: Ipv4Net,
-) -> Result<DockerUserOutcome, NetPolicyError> {
+async fn chain_exists(runner: &Runner) -> Result<bool, NetPolicyError> {
     let (listed, _) = runner
         .run(
             "iptables",
@@ -84,11 +95,56 @@ pub(crate) async fn ensure_accepts(
             None,
         )
         .await?;
-    if !listed.success {
+    Ok(listed.success)
+}
+
+pub(crate) async fn ensure_accepts(
+    runner: &Runner,
+    instance: InstanceId,
+    subnet: Ipv4Net,
+) -> Result<DockerUserOutcome, NetPolicyError> {
+    ensure_specs(runner, rule_specs(instance, subnet)).await
+}
+
+/// [`ensure_accepts`] with a comment of the caller's (host provisioning).
+pub(crate) async fn ensure_accepts_tagged(
+    runner: &Runner,
+    comment: &str,
+    subnet: Ipv4Net,
+) -> Result<DockerUserOutcome, NetPolicyError> {
+    ensure_specs(runner, rule_specs_tagged(comment, subnet)).await
+}
+
+/// Whether the accepts tagged `comment` are all in `DOCKER-USER` (`-C`).
+pub(crate) async fn check_accepts(
+    runner: &Runner,
+    comment: &str,
+    subnet: Ipv4Net,
+) -> Result<DockerUserState, NetPolicyError> {
+    if !chain_exists(runner).await? {
+        return Ok(DockerUserState::NoChain);
+    }
+    for spec in rule_specs_tagged(comment, subnet) {
+        let check: Vec<&str> = ["-w", "-t", "filter", "-C", "DOCKER-USER"]
+            .into_iter()
+            .chain(spec.iter().map(String::as_str))
+            .collect();
+        if !runner.run("iptables", &check, None).await?.0.success {
+            return Ok(DockerUserState::Missing);
+        }
+    }
+    Ok(DockerUserState::Present)
+}
+
+async fn ensure_specs(
+    runner: &Runner,
+    specs: [Vec<String>; 2],
+) -> Result<DockerUserOutcome, NetPolicyError> {
+    if !chain_exists(runner).await? {
         return Ok(DockerUserOutcome::NoChain);
     }
     let mut inserted = false;
-    for spec in rule_specs(instance, subnet) {
+    for spec in specs {
         let spec: Vec<&str> = spec.iter().map(String::as_str).collect();
         let check: Vec<&str> = ["-w", "-t", "filter", "-C", "DOCKER-USER"]
             .into_iter()
@@ -119,8 +175,21 @@ pub(crate) async fn remove_accepts(
     instance: InstanceId,
     subnet: Ipv4Net,
 ) -> Result<usize, NetPolicyError> {
+    remove_specs(runner, rule_specs(instance, subnet)).await
+}
+
+/// [`remove_accepts`] for the accepts tagged `comment`.
+pub(crate) async fn remove_accepts_tagged(
+    runner: &Runner,
+    comment: &str,
+    subnet: Ipv4Net,
+) -> Result<usize, NetPolicyError> {
+    remove_specs(runner, rule_specs_tagged(comment, subnet)).await
+}
+
+async fn remove_specs(runner: &Runner, specs: [Vec<String>; 2]) -> Result<usize, NetPolicyError> {
     let mut removed = 0;
-    for spec in rule_specs(instance, subnet) {
+    for spec in specs {
         let spec: Vec<&str> = spec.iter().map(String::as_str).collect();
         let delete: Vec<&str> = ["-w", "-t", "filter", "-D", "DOCKER-USER"]
             .into_iter()

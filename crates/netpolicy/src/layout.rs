@@ -2,7 +2,7 @@
 //! per-agent chain names and the comments that say who owns a rule.
 
 use crate::nftjson::{counter, mac_string, matches, meta, payload, statements, v4};
-use crate::policy::{plan, Hook};
+use crate::policy::{plan, Hook, PlannedRule, Verdict};
 use crate::{AgentMatch, EgressPolicy, NetPolicyError, TableOptions};
 use ipnet::Ipv4Net;
 use kici_model::ids::{AgentId, InstanceId};
@@ -145,13 +145,21 @@ pub(crate) type PlannedNftRule = (NfFamily, String, Vec<Statement<'static>>);
 ///   another MAC drops;
 /// * ARP binding in bridge prerouting (no one else claims its address, it
 ///   claims no other);
-/// * with a port: the port speaks only as the agent, the agent only on its port.
+/// * with a port: the port speaks only as the agent, the agent only on its
+///   port, and nothing reaches the agent from another bridge port (frames to
+///   its MAC, ARP for its address): port isolation already keeps bridge
+///   ports apart, this makes the attempt visible in the agent's counters and
+///   holds where isolation is off;
+/// * in its forward chains, the agents' own `subnet` drops before any
+///   allowlist entry: an allowlist covering the subnet (`10.0.0.0/8`) must
+///   not open other agents through the host's routing.
 pub(crate) fn agent_rules(
     instance: InstanceId,
     agent: &AgentId,
     key: &AgentMatch,
     policy: &EgressPolicy,
     options: &TableOptions,
+    subnet: Ipv4Net,
 ) -> (Vec<(NfFamily, String)>, Vec<PlannedNftRule>) {
     let forward_chain = agent_chain_name(instance, agent);
     let input_chain = agent_input_chain_name(instance, agent);
@@ -162,13 +170,24 @@ pub(crate) fn agent_rules(
             .iter()
             .zip([Hook::Forward, Hook::Input, Hook::BridgeForward])
     {
-        let planned = plan(
+        let mut planned = plan(
             policy,
             hook,
             options.gateway_port,
             &options.resolvers,
             options.protect_host,
         );
+        if hook != Hook::Input {
+            // Replies to flows someone else opened stay first; then no peer.
+            let at = usize::from(planned.first() == Some(&PlannedRule::Established));
+            planned.insert(
+                at,
+                PlannedRule::Destination {
+                    net: subnet,
+                    verdict: Verdict::Drop,
+                },
+            );
+        }
         rules.extend(
             planned
                 .iter()
@@ -276,6 +295,16 @@ pub(crate) fn agent_rules(
                 on_port(Operator::NEQ),
                 matches(payload("arp", "saddr ip"), Operator::EQ, ip()),
             ],
+            // Nothing reaches the agent from another port (the host's own
+            // frames leave through the bridge's output hook, not this one).
+            vec![
+                on_port(Operator::NEQ),
+                matches(payload("ether", "daddr"), Operator::EQ, mac()),
+            ],
+            vec![
+                on_port(Operator::NEQ),
+                matches(payload("arp", "daddr ip"), Operator::EQ, ip()),
+            ],
         ] {
             rules.push(link(drop(expr)));
         }
@@ -322,23 +351,42 @@ mod tests {
         let agent = AgentId::random(ScalerType::Container);
         let opts = TableOptions::default();
         let policy = EgressPolicy::default();
-        let (chains, plain) = agent_rules(instance, &agent, &key(None), &policy, &opts);
+        let subnet: Ipv4Net = "172.29.0.0/24".parse().unwrap();
+        let (chains, plain) = agent_rules(instance, &agent, &key(None), &policy, &opts, subnet);
         let (_, bound) = agent_rules(
             instance,
             &agent,
             &key(Some("kici-deadbeef")),
             &policy,
             &opts,
+            subnet,
         );
         assert_eq!(chains.len(), 3);
-        assert_eq!(bound.len(), plain.len() + 7);
+        assert_eq!(bound.len(), plain.len() + 9);
         let link = |rules: &[PlannedNftRule]| {
             rules
                 .iter()
                 .filter(|(_, c, _)| c == BRIDGE_PREROUTING.dispatch)
                 .count()
         };
-        assert_eq!((link(&plain), link(&bound)), (2, 9));
+        assert_eq!((link(&plain), link(&bound)), (2, 11));
+        // The agents' subnet drops in both forward chains, before the rest.
+        let peer_drop = |family: NfFamily| {
+            let own: Vec<_> = plain
+                .iter()
+                .filter(|(f, c, _)| *f == family && *c == chains[0].1)
+                .collect();
+            own.iter().position(|(_, _, expr)| {
+                matches!(expr.last(), Some(Statement::Drop(_)))
+                    && expr.contains(&matches(
+                        payload("ip", "daddr"),
+                        Operator::EQ,
+                        crate::nftjson::v4net(subnet),
+                    ))
+            })
+        };
+        assert_eq!(peer_drop(NfFamily::INet), Some(1), "after established");
+        assert_eq!(peer_drop(NfFamily::Bridge), Some(0));
         // Exactly three jumps (one per dispatch chain), each naming the agent's address.
         let jumps: Vec<_> = plain
             .iter()

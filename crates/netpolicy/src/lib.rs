@@ -17,7 +17,9 @@
 //!   [`TableOptions::agent_bridge`], anything routed from the agents' bridge
 //!   that matches no agent, whatever its source address);
 //! * optionally, `iptables` accepts in dockerd's `DOCKER-USER` chain
-//!   ([`docker_user`]).
+//!   ([`docker_user`]);
+//! * per agent bridge, the host's forwarding: `ip_forward`, NAT and forward
+//!   accepts in base chains of their own ([`host`]).
 //!
 //! Netfilter facts this layout relies on: an `accept` ends evaluation only for
 //! its own base chain, a `drop` in any table is final. So our accepts never
@@ -80,14 +82,16 @@
 
 pub mod docker_user;
 mod error;
+pub mod host;
 mod layout;
 mod nft;
 mod nftjson;
 mod policy;
 mod table;
 
-pub use docker_user::DockerUserOutcome;
+pub use docker_user::{DockerUserOutcome, DockerUserState};
 pub use error::NetPolicyError;
+pub use host::{ForwardingStatus, HostForwarding, Uplink};
 pub use layout::{agent_chain_name, agent_comment};
 pub use policy::{default_blocked_v4, EgressPolicy};
 pub use table::{

@@ -367,7 +367,14 @@ impl EgressTable {
 
         // Replace: the previous dispatch and link rules go by handle, the
         // agent chains are (re)made and flushed, all in one transaction.
-        let (chains, rules) = agent_rules(self.instance, agent, key, policy, &self.options);
+        let (chains, rules) = agent_rules(
+            self.instance,
+            agent,
+            key,
+            policy,
+            &self.options,
+            self.subnet,
+        );
         for old in listing.tagged(&tag) {
             if !chains
                 .iter()

@@ -1,11 +1,12 @@
-//! `kici-scaler firecracker provision|verify|teardown`: the host bridge the
-//! Firecracker backend attaches VMs to, from the configuration's
-//! `firecracker` block alone (no engine, no store). `serve` only checks the
-//! bridge; creating it is this one-time, explicit step.
+//! `kici-scaler firecracker provision|verify|teardown`: the host side of
+//! the Firecracker network (the bridge VMs attach to, IP forwarding, NAT for
+//! the CIDR, forward accepts, `DOCKER-USER` where dockerd runs), from the
+//! configuration's `firecracker` block alone (no engine, no store). `serve`
+//! only checks the bridge; setting the host up is this one-time, explicit step.
 
 use crate::cli::{CliError, ConfigArgs, Outcome};
 use clap::{Args, Subcommand};
-use kici_firecracker::{BridgeStatus, HostNetwork};
+use kici_firecracker::{HostSetup, HostSetupStatus, HostTeardown};
 use serde::Serialize;
 use std::io::Write;
 
@@ -17,12 +18,14 @@ pub struct FirecrackerArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum FirecrackerAction {
-    /// Create the bridge (tagged as ours, up, with the gateway address);
-    /// idempotent, never touches its ports.
+    /// Create the bridge (tagged as ours, up, with the gateway address),
+    /// turn IP forwarding on, add NAT and forward accepts for the CIDR;
+    /// idempotent, never touches the bridge's ports or per-VM rules.
     Provision(BridgeArgs),
-    /// Report the bridge's state; change nothing.
+    /// Report what is in place; change nothing. Exits 0 only when all is.
     Verify(BridgeArgs),
-    /// Delete the bridge, only if kici-scaler created it.
+    /// Remove the NAT and forward rules provision added, and the bridge if
+    /// kici-scaler created it.
     Teardown(BridgeArgs),
     /// Build a guest rootfs image (ext4) from static binaries: the guest
     /// /init, kici-agent-lite and busybox.
@@ -92,6 +95,10 @@ pub struct BridgeArgs {
     /// Print one JSON document.
     #[arg(long)]
     pub json: bool,
+    /// Masquerade only out of this interface (default: the default
+    /// route's; without one, any interface but the bridge).
+    #[arg(long, value_name = "IFACE")]
+    pub uplink: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -103,9 +110,18 @@ struct Report {
     up: bool,
     gateway_assigned: bool,
     ours: bool,
+    ip_forward: bool,
+    nat: bool,
+    forward_accepts: bool,
+    /// `noChain`, `present` or `missing`.
+    docker_user: &'static str,
+    /// Where NAT leaves: `out <iface>` or `out any`.
+    uplink: String,
     problems: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     removed: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rules_removed: Option<usize>,
 }
 
 pub fn firecracker(
@@ -129,69 +145,110 @@ pub fn firecracker(
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    let host = HostNetwork { network: &network };
+    let host = HostSetup {
+        network: &network,
+        uplink: bridge_args.uplink.clone(),
+    };
     let result = runtime.block_on(async {
         match &args.action {
             FirecrackerAction::Provision(_) => host.provision().await.map(|s| (s, None)),
             // `Rootfs` returned above.
             FirecrackerAction::Verify(_) | FirecrackerAction::Rootfs(_) => {
-                host.check().await.map(|s| (s, None))
+                host.verify().await.map(|s| (s, None))
             }
             FirecrackerAction::Teardown(_) => {
                 let removed = host.teardown().await?;
-                host.check().await.map(|s| (s, Some(removed)))
+                host.verify().await.map(|s| (s, Some(removed)))
             }
         }
     });
-    let (status, removed): (BridgeStatus, Option<bool>) = match result {
+    let (status, removed): (HostSetupStatus, Option<HostTeardown>) = match result {
         Ok(r) => r,
         Err(e) => {
-            writeln!(err, "kici-scaler: bridge {}: {e}", network.bridge_name)?;
+            writeln!(
+                err,
+                "kici-scaler: firecracker network {}: {e}",
+                network.bridge_name
+            )?;
             return Ok(Outcome::Failed);
         }
     };
     let problems = if removed.is_some() {
         Vec::new()
     } else {
-        status.problems(&network)
+        status.problems(&host)
     };
+    let bridge = &status.bridge;
+    let forwarding = &status.forwarding;
     let ok = match removed {
-        // Teardown succeeded when the bridge is gone (or was not ours).
-        Some(_) => !status.exists || !status.tagged,
+        // Teardown succeeded when the bridge is gone (or was not ours) and
+        // none of our rules is left.
+        Some(_) => {
+            (!bridge.exists || !bridge.tagged)
+                && !forwarding.nat
+                && !forwarding.forward_accepts
+                && forwarding.docker_user != kici_netpolicy::DockerUserState::Present
+        }
         None => status.healthy(),
     };
     let report = Report {
         bridge: network.bridge_name.clone(),
         ok,
-        exists: status.exists,
-        up: status.up,
-        gateway_assigned: status.gateway_assigned,
-        ours: status.tagged,
+        exists: bridge.exists,
+        up: bridge.up,
+        gateway_assigned: bridge.gateway_assigned,
+        ours: bridge.tagged,
+        ip_forward: forwarding.ip_forward,
+        nat: forwarding.nat,
+        forward_accepts: forwarding.forward_accepts,
+        docker_user: match forwarding.docker_user {
+            kici_netpolicy::DockerUserState::NoChain => "noChain",
+            kici_netpolicy::DockerUserState::Present => "present",
+            kici_netpolicy::DockerUserState::Missing => "missing",
+        },
+        uplink: forwarding.uplink.to_string(),
         problems,
-        removed,
+        removed: removed.map(|r| r.bridge_removed),
+        rules_removed: removed.map(|r| r.rules_removed),
     };
     if bridge_args.json {
         serde_json::to_writer(&mut *out, &report)?;
         writeln!(out)?;
     } else {
+        let name = &report.bridge;
         match removed {
-            Some(true) => writeln!(out, "bridge {}: removed", report.bridge)?,
-            Some(false) if status.exists => writeln!(
-                out,
-                "bridge {}: left alone (not created by kici-scaler)",
-                report.bridge
-            )?,
-            Some(false) => writeln!(out, "bridge {}: not present", report.bridge)?,
+            Some(r) => {
+                if r.bridge_removed {
+                    writeln!(out, "bridge {name}: removed")?;
+                } else if bridge.exists {
+                    writeln!(
+                        out,
+                        "bridge {name}: left alone (not created by kici-scaler)"
+                    )?;
+                } else {
+                    writeln!(out, "bridge {name}: not present")?;
+                }
+                writeln!(
+                    out,
+                    "bridge {name}: {} NAT/forward rule(s) removed",
+                    r.rules_removed
+                )?;
+            }
             None if ok => writeln!(
                 out,
-                "bridge {}: ok ({}/{}, up)",
-                report.bridge,
+                "bridge {name}: ok ({}/{}, up; forwarding on, NAT {}, forward accepts{})",
                 network.gateway,
-                network.cidr.prefix_len()
+                network.cidr.prefix_len(),
+                report.uplink,
+                if forwarding.docker_user == kici_netpolicy::DockerUserState::Present {
+                    ", DOCKER-USER accepts"
+                } else {
+                    ""
+                }
             )?,
             None => {
                 for p in &report.problems {
-                    writeln!(out, "bridge {}: {p}", report.bridge)?;
+                    writeln!(out, "bridge {name}: {p}")?;
                 }
             }
         }

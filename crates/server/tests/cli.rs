@@ -414,48 +414,147 @@ fn the_shipped_examples_are_valid_and_route() {
 }
 
 /// `firecracker provision|verify|teardown` on a bridge of our own name
-/// (host network namespace: serial).
+/// (host network namespace: serial): the bridge, IP forwarding, NAT and
+/// forward accepts (and `DOCKER-USER` accepts where dockerd runs); verify
+/// names a missing piece, provision restores it, teardown leaves nothing of
+/// ours (read back with `nft -j list ruleset` and `ip -j link`).
 #[test]
 fn serial_firecracker_bridge_provision_verify_teardown() {
     let dir = tempfile::tempdir().unwrap();
-    let bridge = format!("kbt{:08x}", rand::random::<u32>());
+    let r = rand::random::<u32>();
+    let bridge = format!("kbt{r:08x}");
     let cfg = dir.path().join("fc.yaml");
     std::fs::write(
         &cfg,
         format!(
-            "version: 1\nfirecracker:\n  cidr: 10.213.77.0/24\n  bridgeName: {bridge}\nscalers: []\n"
+            "version: 1\nfirecracker:\n  cidr: 10.213.{third}.0/24\n  gateway: 10.213.{third}.1\n  bridgeName: {bridge}\nscalers: []\n",
+            third = r % 250
         ),
     )
     .unwrap();
-    let run = |action: &str| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_kici-scaler"))
-            .args(["firecracker", action, "--json", "--config"])
-            .arg(&cfg)
-            .output()
-            .unwrap()
+    let run_as = |action: &str, json: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kici-scaler"));
+        cmd.args(["firecracker", action, "--config"]).arg(&cfg);
+        if json {
+            cmd.arg("--json");
+        }
+        cmd.output().unwrap()
     };
+    let run = |action: &str| run_as(action, true);
     let doc = |o: &std::process::Output| -> serde_json::Value {
         serde_json::from_slice(&o.stdout)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
     };
+    let tag = format!("kici-scaler:host:{bridge}");
+    // Our rules in the ruleset: (chain, handle, comment).
+    let ours_in_ruleset = || -> Vec<(String, u64, String)> {
+        let out = std::process::Command::new("nft")
+            .args(["-j", "list", "ruleset"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["nftables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|o| o.get("rule"))
+            .filter_map(|r| {
+                let comment = r["comment"].as_str()?;
+                comment.contains(&tag).then(|| {
+                    (
+                        r["chain"].as_str().unwrap().to_owned(),
+                        r["handle"].as_u64().unwrap(),
+                        comment.to_owned(),
+                    )
+                })
+            })
+            .collect()
+    };
+    let bridge_listed = || {
+        let out = std::process::Command::new("ip")
+            .args(["-j", "link", "show"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["ifname"].as_str() == Some(bridge.as_str()))
+    };
+
     let before = run("verify");
     assert_eq!(before.status.code(), Some(1));
     assert_eq!(doc(&before)["exists"], false);
     let made = run("provision");
     let guard = scopeguard_bridge(&bridge);
+    // Rules too, if an assertion fails half-way.
+    struct TeardownOnDrop(std::path::PathBuf);
+    impl Drop for TeardownOnDrop {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new(env!("CARGO_BIN_EXE_kici-scaler"))
+                .args(["firecracker", "teardown", "--config"])
+                .arg(&self.0)
+                .output();
+        }
+    }
+    let _rules_guard = TeardownOnDrop(cfg.clone());
     assert_eq!(
         made.status.code(),
         Some(0),
-        "{}",
+        "{}{}",
+        String::from_utf8_lossy(&made.stdout),
         String::from_utf8_lossy(&made.stderr)
     );
-    let v = doc(&run("verify"));
+    let verified = run("verify");
+    let v = doc(&verified);
+    assert_eq!(verified.status.code(), Some(0), "{v}");
     assert_eq!(v["ok"], true, "{v}");
     assert_eq!(v["ours"], true);
     assert_eq!(v["gatewayAssigned"], true);
+    assert_eq!(v["ipForward"], true);
+    assert_eq!(v["nat"], true);
+    assert_eq!(v["forwardAccepts"], true);
+    assert_ne!(v["dockerUser"], "missing");
+    let rules = ours_in_ruleset();
+    assert_eq!(rules.len(), 3, "{rules:?}");
+    assert!(bridge_listed());
+
+    // One piece removed (the NAT rule): verify fails and names it.
+    let (chain, handle, _) = rules
+        .iter()
+        .find(|(_, _, c)| c.contains(" nat "))
+        .unwrap()
+        .clone();
+    let deleted = std::process::Command::new("nft")
+        .args(["delete", "rule", "inet", "kici_scaler", &chain, "handle"])
+        .arg(handle.to_string())
+        .status()
+        .unwrap();
+    assert!(deleted.success());
+    let broken = run_as("verify", false);
+    assert_eq!(broken.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&broken.stdout);
+    assert!(text.contains("NAT missing"), "{text}");
+    assert_eq!(text.lines().count(), 1, "only the NAT is missing: {text}");
+    assert_eq!(doc(&run("verify"))["nat"], false);
+
+    // Provision again restores it (and only it).
+    assert_eq!(run("provision").status.code(), Some(0));
+    assert_eq!(run("verify").status.code(), Some(0));
+    assert_eq!(ours_in_ruleset().len(), 3);
+
     let gone = run("teardown");
-    assert_eq!(gone.status.code(), Some(0));
-    assert_eq!(doc(&gone)["removed"], true);
+    let g = doc(&gone);
+    assert_eq!(gone.status.code(), Some(0), "{g}");
+    assert_eq!(g["removed"], true);
+    assert!(g["rulesRemoved"].as_u64().unwrap() >= 3, "{g}");
+    assert!(ours_in_ruleset().is_empty(), "{:?}", ours_in_ruleset());
+    assert!(!bridge_listed());
+    let docker_user = std::process::Command::new("iptables")
+        .args(["-w", "-S", "DOCKER-USER"])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&docker_user.stdout).contains(&tag));
     assert_eq!(doc(&run("verify"))["exists"], false);
     drop(guard);
 }

@@ -81,11 +81,24 @@ impl IpAllocator for MemoryAllocator {
     }
 }
 
-/// Records which agents have rules installed.
+/// Records which agents have rules installed, and passes every call on to
+/// real rules once [`RecordingEgress::forward_to`] gave it some.
 #[derive(Default)]
 pub struct RecordingEgress {
     pub installed: Mutex<HashMap<AgentId, (VmMatch, Option<NetworkPolicy>)>>,
     pub removed: Mutex<Vec<AgentId>>,
+    pub real: Mutex<Option<Arc<dyn EgressRules>>>,
+}
+
+impl RecordingEgress {
+    /// From now on, every call also goes to `real` (its errors are returned).
+    pub fn forward_to(&self, real: Arc<dyn EgressRules>) {
+        *self.real.lock() = Some(real);
+    }
+
+    fn real(&self) -> Option<Arc<dyn EgressRules>> {
+        self.real.lock().clone()
+    }
 }
 
 #[async_trait]
@@ -96,6 +109,9 @@ impl EgressRules for RecordingEgress {
         vm: &VmMatch,
         policy: Option<&NetworkPolicy>,
     ) -> Result<(), EgressError> {
+        if let Some(real) = self.real() {
+            real.install(agent, vm, policy).await?;
+        }
         self.installed
             .lock()
             .insert(*agent, (vm.clone(), policy.cloned()));
@@ -103,16 +119,23 @@ impl EgressRules for RecordingEgress {
     }
 
     async fn remove(&self, agent: &AgentId) -> Result<(), EgressError> {
+        if let Some(real) = self.real() {
+            real.remove(agent).await?;
+        }
         self.installed.lock().remove(agent);
         self.removed.lock().push(*agent);
         Ok(())
     }
 
     async fn sweep_stale(&self, live: &HashSet<AgentId>) -> Result<usize, EgressError> {
+        let real = match self.real() {
+            Some(real) => Some(real.sweep_stale(live).await?),
+            None => None,
+        };
         let mut installed = self.installed.lock();
         let before = installed.len();
         installed.retain(|a, _| live.contains(a));
-        Ok(before - installed.len())
+        Ok(real.unwrap_or(before - installed.len()))
     }
 }
 
@@ -180,7 +203,9 @@ impl RealFirecracker {
 }
 
 impl Harness {
-    /// `label_set_yaml` is appended under the label set (indented 8).
+    /// `label_set_yaml` is appended under the label set (indented 8); it may
+    /// add label sets of its own (`      - labels: …`), `@ROOTFS@` standing
+    /// for the rootfs image path.
     pub async fn new(label_set_yaml: &str) -> Self {
         Self::with(label_set_yaml, Binaries::StandIn).await
     }
@@ -275,7 +300,7 @@ scalers:
             kernel = kernel.display(),
             base = chroot_base.display(),
             rootfs = rootfs.display(),
-            extra = label_set_yaml,
+            extra = label_set_yaml.replace("@ROOTFS@", &rootfs.display().to_string()),
         );
         let loaded = kici_config::load_documents(&[("scalers.yaml", &yaml)])
             .unwrap_or_else(|e| panic!("{e}"));
@@ -313,15 +338,24 @@ scalers:
     }
 
     pub fn spec(&self, agent: AgentId) -> (SpawnSpec, mpsc::UnboundedReceiver<BackendReport>) {
+        self.spec_in(agent, 0)
+    }
+
+    /// A spawn spec for label set `index` of the scaler.
+    pub fn spec_in(
+        &self,
+        agent: AgentId,
+        index: usize,
+    ) -> (SpawnSpec, mpsc::UnboundedReceiver<BackendReport>) {
         let (reports, rx) = mpsc::unbounded_channel();
-        let label_set = self.scaler.label_sets[0].clone();
+        let label_set = self.scaler.label_sets[index].clone();
         let mut agent_labels = label_set.raw_labels.clone();
         agent_labels.push("kici:agent:firecracker".into());
         agent_labels.push(format!("kici:scaler:{}", self.scaler.name));
         let spec = SpawnSpec {
             agent,
             scaler: self.scaler.clone(),
-            label_set_index: 0,
+            label_set_index: index,
             label_set,
             agent_labels,
             resources: EffectiveResources::default(),
