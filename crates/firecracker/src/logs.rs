@@ -211,7 +211,22 @@ impl VmWatch {
         let state = Arc::new(WatchState::default());
         let (stop, stopped) = oneshot::channel();
         let (exited_tx, exited) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(run(spec, state.clone(), stopped, exited_tx));
+        // Opened here, not in the task: the offset of an adopted VM's logs
+        // is their end now, whatever the guest writes before the task runs.
+        let mut sources = [
+            Source::new(
+                spec.serial.clone(),
+                spec.serial_path.clone(),
+                Some(SERIAL_FILE_CAP),
+            ),
+            Source::new(spec.vmm.clone(), spec.vmm_path.clone(), None),
+        ];
+        if spec.from == TailFrom::End {
+            for source in &mut sources {
+                source.skip_existing();
+            }
+        }
+        let task = tokio::spawn(run(spec, sources, state.clone(), stopped, exited_tx));
         Self {
             state,
             stop: Some(stop),
@@ -239,29 +254,17 @@ impl VmWatch {
 
 async fn run(
     spec: WatchSpec,
+    mut sources: [Source; 2],
     state: Arc<WatchState>,
     mut stopped: oneshot::Receiver<()>,
     exited_tx: tokio::sync::watch::Sender<bool>,
 ) {
     let WatchSpec {
         agent,
-        serial,
-        vmm,
-        serial_path,
-        vmm_path,
         pidfd,
         reports,
-        from,
+        ..
     } = spec;
-    let mut sources = [
-        Source::new(serial, serial_path, Some(SERIAL_FILE_CAP)),
-        Source::new(vmm, vmm_path, None),
-    ];
-    if from == TailFrom::End {
-        for source in &mut sources {
-            source.skip_existing();
-        }
-    }
     let mut failure_reported = false;
     let mut on_line = |ctx: &LogContext, stream: Stream, line: &str| {
         ctx.emit(stream, line);
@@ -462,7 +465,10 @@ mod tests {
                 .unwrap();
             writeln!(w, "\nFailed to execute /init (error -2)").unwrap();
         }
-        match rx.recv().await.unwrap() {
+        let next = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .expect("a report within 30 s");
+        match next.unwrap() {
             BackendReport::BootFailure { agent: a, detail } => {
                 assert_eq!(a, agent);
                 assert!(detail.starts_with("init-failure: "), "{detail}");
