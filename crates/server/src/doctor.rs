@@ -1,7 +1,10 @@
 //! `kici-scaler doctor`: what the bare-metal backend needs on this host,
-//! and for each container scaler what `serve` checks at start-up (the
+//! for each container scaler what `serve` checks at start-up (the
 //! runtime answers, `kici-scaler-net` is as expected — created when missing,
-//! as `serve` would —, the label sets' images parse, limits fit the host).
+//! as `serve` would —, the label sets' images parse, limits fit the host),
+//! and for Firecracker scalers `/dev/kvm`, the host network `firecracker
+//! provision` sets up, nftables, each scaler's binaries, images, jailer user
+//! and `sun_path` budget, and free space under the chroot base.
 //!
 //! This module owns the checks and their report. Each check is one
 //! [`CheckRow`] (`ok`, `warn` or `fail` with a detail); the command exits
@@ -181,6 +184,7 @@ pub fn run_checks(config: &ConfigArgs, state_dir: &Path, host: &HostPaths) -> Do
     if let Some(config) = &config {
         checks.push(ledger_check(config));
         checks.extend(container_checks(config));
+        checks.extend(firecracker_checks(config, Path::new(KVM_DEVICE)));
     }
     DoctorReport {
         ok: checks.iter().all(|r| r.status != Status::Fail),
@@ -271,6 +275,196 @@ pub fn container_checks(config: &Config) -> Vec<CheckRow> {
             }
         })
         .collect()
+}
+
+/// Where KVM lives; a parameter of [`firecracker_checks`] so tests can point
+/// it elsewhere.
+pub const KVM_DEVICE: &str = "/dev/kvm";
+
+/// Below this much free space under a chroot base, spawns are refused
+/// (upstream's guard): each VM gets a sparse overlay that fills as it runs.
+pub const CHROOT_MIN_FREE_BYTES: u64 = 1 << 30;
+
+/// The rows for Firecracker scalers (none when the config has none).
+pub fn firecracker_checks(config: &Config, kvm: &Path) -> Vec<CheckRow> {
+    let scalers: Vec<_> = config
+        .scalers
+        .iter()
+        .filter(|s| s.kind == ScalerType::Firecracker)
+        .collect();
+    if scalers.is_empty() {
+        return Vec::new();
+    }
+    let mut rows = vec![kvm_check(kvm)];
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            rows.push(CheckRow::new(
+                "firecracker",
+                Status::Fail,
+                format!("cannot start an async runtime: {e}"),
+            ));
+            return rows;
+        }
+    };
+    rows.push(runtime.block_on(firecracker_network_check(config)));
+    rows.push(nftables_check());
+    let options = kici_firecracker::FirecrackerOptions::new(
+        InstanceId::random(),
+        config.firecracker.clone(),
+        std::sync::Arc::new(NoLeases),
+        std::sync::Arc::new(kici_firecracker::NoEgressRules),
+        Vec::new(),
+    );
+    match kici_firecracker::FirecrackerBackend::new(options) {
+        Err(e) => rows.push(CheckRow::new("firecracker", Status::Fail, e.to_string())),
+        Ok(backend) => {
+            use kici_engine::Backend as _;
+            for scaler in &scalers {
+                let name = format!("firecracker[{}]", scaler.name);
+                rows.push(match runtime.block_on(backend.validate(scaler)) {
+                    Ok(()) => CheckRow::new(
+                        name,
+                        Status::Ok,
+                        "binaries executable, images readable by the jailer user, jailer user not root, API socket path fits sun_path",
+                    ),
+                    Err(problems) => CheckRow::new(name, Status::Fail, problems.join("; ")),
+                });
+            }
+        }
+    }
+    let mut bases: Vec<&Path> = scalers
+        .iter()
+        .filter_map(|s| match &s.backend {
+            BackendSettings::Firecracker(f) => Some(f.chroot_base_dir.as_path()),
+            _ => None,
+        })
+        .collect();
+    bases.sort();
+    bases.dedup();
+    rows.extend(bases.into_iter().map(chroot_space_check));
+    rows
+}
+
+/// Firecracker needs KVM: the device must exist, be a character device and
+/// open read-write (the jailer makes its own node of the same device).
+fn kvm_check(kvm: &Path) -> CheckRow {
+    use std::os::unix::fs::FileTypeExt;
+    const CHECK: &str = "firecracker /dev/kvm";
+    let shown = kvm.display();
+    match fs::metadata(kvm) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!("{shown} not found: Firecracker needs KVM (a bare-metal host, or nested virtualization enabled)"),
+        ),
+        Err(e) => CheckRow::new(CHECK, Status::Fail, format!("{shown}: {e}")),
+        Ok(m) if !m.file_type().is_char_device() => CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!("{shown} is not a character device"),
+        ),
+        Ok(_) => match OpenOptions::new().read(true).write(true).open(kvm) {
+            Ok(_) => CheckRow::new(CHECK, Status::Ok, format!("{shown} opens read-write")),
+            Err(e) => CheckRow::new(
+                CHECK,
+                Status::Fail,
+                format!("{shown} does not open read-write: {e}"),
+            ),
+        },
+    }
+}
+
+/// What `kici-scaler firecracker provision` sets up (bridge with its owner
+/// tag and gateway, IP forwarding, NAT, forward accepts), read only.
+async fn firecracker_network_check(config: &Config) -> CheckRow {
+    const CHECK: &str = "firecracker host network";
+    let network = &config.firecracker;
+    let setup = kici_firecracker::HostSetup {
+        network,
+        uplink: None,
+    };
+    match setup.verify().await {
+        Err(e) => CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!("bridge {}: {e}", network.bridge_name),
+        ),
+        Ok(status) if status.healthy() => CheckRow::new(
+            CHECK,
+            Status::Ok,
+            format!(
+                "bridge {} (ours, up, {}), forwarding and NAT for {} in place",
+                network.bridge_name, network.gateway, network.cidr
+            ),
+        ),
+        Ok(status) => CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!(
+                "bridge {}: {}; run `kici-scaler firecracker provision --config <file>` as root",
+                network.bridge_name,
+                status.problems(&setup).join("; ")
+            ),
+        ),
+    }
+}
+
+/// Per-VM isolation rules live in nftables: the kernel must answer.
+fn nftables_check() -> CheckRow {
+    const CHECK: &str = "nftables";
+    match std::process::Command::new("nft")
+        .args(["-j", "list", "tables"])
+        .output()
+    {
+        Ok(out) if out.status.success() => {
+            CheckRow::new(CHECK, Status::Ok, "nft lists the ruleset")
+        }
+        Ok(out) => CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!(
+                "nft -j list tables: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ),
+        Err(e) => CheckRow::new(
+            CHECK,
+            Status::Fail,
+            format!("cannot run nft (install nftables): {e}"),
+        ),
+    }
+}
+
+/// Free space on the filesystem that holds (or will hold) `base`.
+fn chroot_space_check(base: &Path) -> CheckRow {
+    let check = format!("firecracker chroot space {}", base.display());
+    // The base may not exist yet: the filesystem is its nearest ancestor's.
+    let Some(existing) = base.ancestors().find(|p| p.exists()) else {
+        return CheckRow::new(check, Status::Fail, "no ancestor of it exists");
+    };
+    match rustix::fs::statvfs(existing) {
+        Err(e) => CheckRow::new(check, Status::Fail, format!("{}: {e}", existing.display())),
+        Ok(st) => {
+            let free = st.f_bavail.saturating_mul(st.f_frsize);
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            let detail = format!(
+                "{:.1} GiB free on the filesystem of {} (at least {:.0} GiB needed)",
+                gib(free),
+                existing.display(),
+                gib(CHROOT_MIN_FREE_BYTES)
+            );
+            let status = if free >= CHROOT_MIN_FREE_BYTES {
+                Status::Ok
+            } else {
+                Status::Fail
+            };
+            CheckRow::new(check, status, detail)
+        }
+    }
 }
 
 /// One row per bare-metal label set: its `binaryPath` resolves, as the
@@ -522,6 +716,111 @@ fn ledger_check(config: &Config) -> CheckRow {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+
+    #[test]
+    fn kvm_must_be_a_character_device_that_opens_read_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = kvm_check(&dir.path().join("kvm"));
+        assert_eq!(missing.status, Status::Fail);
+        assert!(missing.detail.contains("needs KVM"), "{}", missing.detail);
+        let file = dir.path().join("plain");
+        fs::write(&file, b"").unwrap();
+        let plain = kvm_check(&file);
+        assert_eq!(plain.status, Status::Fail);
+        assert!(
+            plain.detail.contains("not a character device"),
+            "{}",
+            plain.detail
+        );
+        // Any character device that opens read-write passes the probe.
+        assert_eq!(kvm_check(Path::new("/dev/null")).status, Status::Ok);
+    }
+
+    #[test]
+    fn chroot_space_is_read_from_the_nearest_existing_ancestor() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("not/yet/made");
+        let row = chroot_space_check(&base);
+        assert!(
+            row.detail.contains(&dir.path().display().to_string()),
+            "{}",
+            row.detail
+        );
+        let st = rustix::fs::statvfs(dir.path()).unwrap();
+        let expected = if st.f_bavail * st.f_frsize >= CHROOT_MIN_FREE_BYTES {
+            Status::Ok
+        } else {
+            Status::Fail
+        };
+        assert_eq!(row.status, expected);
+    }
+
+    #[test]
+    fn firecracker_rows_name_every_problem_of_a_scaler_and_its_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let bridge = format!("kdt{:08x}", rand::random::<u32>());
+        let yaml = format!(
+            "version: 1
+firecracker:
+  cidr: 10.213.90.0/24
+  bridgeName: {bridge}
+scalers:
+  - name: fc
+    type: firecracker
+    maxAgents: 2
+    firecrackerPath: {d}/firecracker
+    jailerPath: {d}/jailer
+    kernelPath: {d}/vmlinux
+    chrootBaseDir: {d}/jail
+    uid: 0
+    gid: 0
+    labelSets:
+      - labels: [fc]
+        rootfsPath: {d}/rootfs.ext4
+",
+            d = dir.path().display()
+        );
+        let cfg = dir.path().join("fc.yaml");
+        fs::write(&cfg, yaml).unwrap();
+        let config = kici_config::load(&cfg, None).unwrap().config;
+        let rows = firecracker_checks(&config, &dir.path().join("kvm"));
+        let row = |name: &str| {
+            rows.iter()
+                .find(|r| r.check == name)
+                .unwrap_or_else(|| panic!("no row {name} in {rows:?}"))
+        };
+        assert_eq!(row("firecracker /dev/kvm").status, Status::Fail);
+        let net = row("firecracker host network");
+        assert_eq!(net.status, Status::Fail);
+        assert!(
+            net.detail.contains("firecracker provision"),
+            "{}",
+            net.detail
+        );
+        let scaler = row("firecracker[fc]");
+        assert_eq!(scaler.status, Status::Fail);
+        for what in [
+            "jailerPath",
+            "firecrackerPath",
+            "kernelPath",
+            "rootfsPath",
+            "root",
+        ] {
+            assert!(
+                scaler.detail.contains(what),
+                "{what} missing from {}",
+                scaler.detail
+            );
+        }
+        assert!(rows
+            .iter()
+            .any(|r| r.check.starts_with("firecracker chroot space")));
+        assert!(rows.iter().any(|r| r.check == "nftables"));
+        // No Firecracker scaler, no Firecracker rows.
+        fs::write(&cfg, "version: 1\nscalers: []\n").unwrap();
+        let plain = kici_config::load(&cfg, None).unwrap().config;
+        assert!(firecracker_checks(&plain, Path::new("/dev/kvm")).is_empty());
+    }
 
     #[test]
     fn a_held_lock_is_reported_with_the_pid_written_in_it() {
