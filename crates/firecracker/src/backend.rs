@@ -475,6 +475,7 @@ impl FirecrackerBackend {
             uid: settings.uid,
             gid: settings.gid,
             mkfs_timeout: inner.timeouts.mkfs,
+            min_free_bytes: chroot::MIN_FREE_BYTES,
         };
         chroot::prepare_root(&layout, &agent, &files)?;
         step!(fp::SPAWN_CHROOT, SpawnError::Injected);

@@ -38,7 +38,20 @@ pub enum ChrootError {
     Mkfs { path: PathBuf, detail: String },
     #[error("the VM directory {} already exists (owned by: {owner})", path.display())]
     Exists { path: PathBuf, owner: String },
+    #[error(
+        "only {} MiB free under {} (at least {} MiB needed: each VM's overlay grows as its job writes)",
+        free / (1024 * 1024), path.display(), needed / (1024 * 1024)
+    )]
+    LowSpace {
+        path: PathBuf,
+        free: u64,
+        needed: u64,
+    },
 }
+
+/// Upstream's guard: below this much free space under the chroot base a
+/// spawn is refused instead of letting overlays fill the disk mid-job.
+pub const MIN_FREE_BYTES: u64 = 1 << 30;
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> ChrootError {
     let path = path.to_owned();
@@ -91,6 +104,8 @@ pub struct JailFiles<'a> {
     pub uid: u32,
     pub gid: u32,
     pub mkfs_timeout: Duration,
+    /// [`MIN_FREE_BYTES`] in the backend; [`prepare_root`] refuses below it.
+    pub min_free_bytes: u64,
 }
 
 /// How an image got into the jail.
@@ -106,6 +121,16 @@ pub fn prepare_root(
     agent: &AgentId,
     files: &JailFiles<'_>,
 ) -> Result<(), ChrootError> {
+    let dir = layout.vm_dir(agent);
+    let st = rustix::fs::statvfs(&dir).map_err(|e| io_err("cannot statvfs", &dir)(e.into()))?;
+    let free = st.f_bavail.saturating_mul(st.f_frsize);
+    if free < files.min_free_bytes {
+        return Err(ChrootError::LowSpace {
+            path: dir,
+            free,
+            needed: files.min_free_bytes,
+        });
+    }
     let root = layout.root(agent);
     fs::DirBuilder::new()
         .mode(0o700)
@@ -243,7 +268,17 @@ mod tests {
             uid: 10_000,
             gid: 10_001,
             mkfs_timeout: Duration::from_secs(60),
+            min_free_bytes: 0,
         };
+        // Upstream's guard, made impossible to meet: refused, nothing made.
+        let greedy = JailFiles {
+            min_free_bytes: u64::MAX,
+            ..files.clone()
+        };
+        let refused = prepare_root(&layout, &agent, &greedy).unwrap_err();
+        assert!(matches!(refused, ChrootError::LowSpace { .. }), "{refused}");
+        assert!(refused.to_string().contains("MiB free"), "{refused}");
+        assert!(!layout.root(&agent).exists());
         prepare_root(&layout, &agent, &files).unwrap();
         create_overlay(&layout, &agent, &files).await.unwrap();
 

@@ -282,8 +282,8 @@ pub fn container_checks(config: &Config) -> Vec<CheckRow> {
 pub const KVM_DEVICE: &str = "/dev/kvm";
 
 /// Below this much free space under a chroot base, spawns are refused
-/// (upstream's guard): each VM gets a sparse overlay that fills as it runs.
-pub const CHROOT_MIN_FREE_BYTES: u64 = 1 << 30;
+/// (upstream's guard, enforced by the backend at each spawn).
+pub const CHROOT_MIN_FREE_BYTES: u64 = kici_firecracker::chroot::MIN_FREE_BYTES;
 
 /// The rows for Firecracker scalers (none when the config has none).
 pub fn firecracker_checks(config: &Config, kvm: &Path) -> Vec<CheckRow> {
