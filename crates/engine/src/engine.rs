@@ -318,7 +318,10 @@ pub struct AgentView {
 /// Where a job is (a job id has at most one record while unfinished).
 #[derive(Debug, Clone)]
 struct JobRecord {
-    request: ScaleRequest,
+    /// `None` for the job of an agent taken back after a restart: the store
+    /// keeps the agent, not the request, so a retried request is matched by
+    /// its job id alone (answered with that agent, never spawned twice).
+    request: Option<ScaleRequest>,
     agent: Option<AgentId>,
 }
 
@@ -457,7 +460,11 @@ impl Engine {
             return Err(ScaleError::ShuttingDown);
         }
         if let Some(record) = self.jobs.get(&request.job) {
-            if record.request != request {
+            if record
+                .request
+                .as_ref()
+                .is_some_and(|known| *known != request)
+            {
                 return Err(ScaleError::Conflict(request.job));
             }
             return Ok(self.current_outcome(&request.job, record.agent));
@@ -493,7 +500,7 @@ impl Engine {
         self.jobs.insert(
             job.clone(),
             JobRecord {
-                request: request.clone(),
+                request: Some(request.clone()),
                 agent: None,
             },
         );
@@ -820,7 +827,7 @@ impl Engine {
         self.jobs.insert(
             request.job.clone(),
             JobRecord {
-                request: request.clone(),
+                request: Some(request.clone()),
                 agent: Some(id),
             },
         );
@@ -1268,7 +1275,12 @@ impl Engine {
             return;
         };
         record.agent = None;
-        let request = record.request.clone();
+        let Some(request) = record.request.clone() else {
+            // Taken back after a restart, its request unknown: the
+            // orchestrator's retry brings it again.
+            self.jobs.remove(&job);
+            return;
+        };
         let enqueued = a.created;
         let Some(route) = self
             .router

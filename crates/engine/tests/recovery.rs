@@ -211,6 +211,19 @@ async fn restart_adopts_live_agents_and_releases_dead_ones_exactly_once() {
         [busy]
     );
     assert!(d2.docker.spawned().is_empty(), "recovery creates nothing");
+    // The orchestrator retrying its request after the restart gets the
+    // adopted agent back (by job id: the request itself was not kept),
+    // not a second agent.
+    let again = d2
+        .rt
+        .request_scale(orchestrator("o1", &["docker"]))
+        .unwrap();
+    assert_eq!(spawned(&again), busy);
+    settle().await;
+    assert!(
+        d2.docker.spawned().is_empty(),
+        "a retried request spawns nothing"
+    );
     // The adopted agent's exit is still noticed.
     assert!(d2.docker.exit(busy, "exited"));
     settle().await;

@@ -234,6 +234,14 @@ impl Engine {
         self.agents.insert(id, agent);
         match target {
             Some(state) => {
+                if let (Mode::Orchestrator, Some(job)) = (record.mode, &record.job) {
+                    // A retried scale request for this job is answered with
+                    // this agent instead of spawning a second one.
+                    self.jobs.entry(job.clone()).or_insert(super::JobRecord {
+                        request: None,
+                        agent: Some(id),
+                    });
+                }
                 self.step(id, AgentEvent::Recovered(state), now);
                 Ok(Recovered::Adopted(state))
             }
