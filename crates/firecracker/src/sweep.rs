@@ -225,8 +225,9 @@ impl FirecrackerBackend {
 impl FirecrackerBackend {
     /// Sweeps every `interval` (not at once: the daemon sweeps at startup
     /// itself, after recovery) until the returned task is aborted. `known`
-    /// is asked for the store's agents at each tick; a tick never overlaps
-    /// the previous one.
+    /// is asked for the store's agents at each tick; `None` (the store
+    /// cannot say) skips that tick rather than sweep what it may record. A
+    /// tick never overlaps the previous one.
     pub fn spawn_periodic_sweep<F, Fut>(
         &self,
         interval: std::time::Duration,
@@ -234,7 +235,7 @@ impl FirecrackerBackend {
     ) -> tokio::task::JoinHandle<()>
     where
         F: Fn() -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = HashSet<AgentId>> + Send,
+        Fut: std::future::Future<Output = Option<HashSet<AgentId>>> + Send,
     {
         let backend = self.clone();
         tokio::spawn(async move {
@@ -243,8 +244,14 @@ impl FirecrackerBackend {
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticks.tick().await;
-                let known = known().await;
-                backend.sweep(&known).await;
+                match known().await {
+                    Some(known) => {
+                        backend.sweep(&known).await;
+                    }
+                    None => tracing::warn!(
+                        "periodic Firecracker sweep skipped: the state store cannot list its agents"
+                    ),
+                }
             }
         })
     }

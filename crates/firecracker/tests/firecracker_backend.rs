@@ -9,6 +9,7 @@ use kici_engine::{Adoption, Backend, BackendReport};
 use kici_firecracker::names::{owner_tag, tap_name};
 use kici_firecracker::tap::{self, Netlink};
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 use support::{process_running, random_agent, Harness};
 
@@ -405,6 +406,69 @@ async fn serial_firecracker_sweep_removes_a_recorded_vm_whose_process_is_gone() 
         .destroy(&agent, Some(&handle), Duration::from_secs(1))
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serial_firecracker_periodic_sweep_skips_ticks_the_store_cannot_answer() {
+    let h = Harness::new("").await;
+    let agent = random_agent();
+    let (spec, _rx) = h.spec(agent);
+    h.backend.spawn(spec).await.unwrap();
+    // A restart: the fresh backend follows nothing; the VM died meanwhile.
+    let pid = h.vmm_pid(&agent).unwrap();
+    std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    let fresh = kici_firecracker::FirecrackerBackend::new({
+        let mut o = kici_firecracker::FirecrackerOptions::new(
+            h.instance,
+            h.network.clone(),
+            h.allocator.clone(),
+            h.egress.clone(),
+            vec![],
+        );
+        o.sweep_min_age = Duration::from_secs(60);
+        o
+    })
+    .unwrap();
+    fresh.register_layout(&h.layout());
+    std::fs::File::open(h.vm_dir(&agent).join(".kici-owner"))
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while process_running(pid) && std::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    // Three ticks the store cannot answer, then it answers "no agents".
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (first_answer_tx, first_answer_rx) = tokio::sync::oneshot::channel::<bool>();
+    let first_answer_tx = Arc::new(parking_lot::Mutex::new(Some(first_answer_tx)));
+    let dir = h.vm_dir(&agent);
+    let task = fresh.spawn_periodic_sweep(Duration::from_millis(20), {
+        let asked = asked.clone();
+        move || {
+            let n = asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if n == 3 {
+                // Whether the skipped ticks left the orphan alone.
+                if let Some(tx) = first_answer_tx.lock().take() {
+                    let _ = tx.send(dir.exists());
+                }
+            }
+            async move { (n >= 3).then(HashSet::new) }
+        }
+    });
+    assert!(
+        first_answer_rx.await.unwrap(),
+        "a tick without the store's answer swept"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while h.vm_dir(&agent).exists() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    task.abort();
+    h.assert_nothing_left(&agent).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

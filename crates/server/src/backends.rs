@@ -428,11 +428,28 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
         std::env::vars().collect(),
     );
     let backend = kici_firecracker::FirecrackerBackend::new(options).map_err(|e| e.to_string())?;
-    let after_shutdown: Option<Box<dyn FnOnce() + Send>> = if ctx.ephemeral {
-        Some(Box::new(move || teardown_table(table)))
-    } else {
-        None
-    };
+    // The backend's own three-pass sweep (VM directories, TAPs, leases,
+    // rules) every 15 minutes, upstream's period; the reconciler covers
+    // start-up and `kici-scaler sweep`. `run` keeps no store: nothing of an
+    // earlier instance can be its own, so it has no periodic sweep.
+    let sweeper = ctx.store.clone().map(|store| {
+        backend.spawn_periodic_sweep(kici_firecracker::DEFAULT_SWEEP_INTERVAL, move || {
+            let store = store.clone();
+            async move {
+                let rows = store.agents().await.ok()?;
+                Some(rows.into_iter().map(|r| r.agent_id).collect())
+            }
+        })
+    });
+    let ephemeral = ctx.ephemeral;
+    let after_shutdown: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
+        if let Some(task) = sweeper {
+            task.abort();
+        }
+        if ephemeral {
+            teardown_table(table);
+        }
+    }));
     Ok(Started {
         backend: Arc::new(backend),
         after_shutdown,
