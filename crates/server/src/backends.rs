@@ -345,6 +345,7 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         std::env::vars().collect(),
     );
     options.ulimits = ctx.tuning.container_ulimits.clone();
+    options.network = ctx.tuning.container_network.clone();
     let network = options.network.clone();
     // dockerd's FORWARD policy is DROP: our subnet needs its accept in
     // DOCKER-USER (our own drops still apply: a drop in any table is final).

@@ -42,6 +42,9 @@ pub struct DoctorArgs {
     /// Print one JSON document `{"ok", "checks": [{"check", "status", "detail"}]}`.
     #[arg(long)]
     pub json: bool,
+    /// The daemon's backend settings (the container network is checked).
+    #[command(flatten)]
+    pub backend: crate::settings::BackendArgs,
 }
 
 /// How one check came out.
@@ -115,7 +118,22 @@ pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
         .state_dir
         .clone()
         .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR));
-    let report = run_checks(&args.config, &state_dir, &HostPaths::default());
+    let mut problems = Vec::new();
+    let tuning = args
+        .backend
+        .resolve(&crate::settings::DaemonFile::default(), &mut problems);
+    let mut report = run_checks(
+        &args.config,
+        &state_dir,
+        &HostPaths::default(),
+        &tuning.container_network,
+    );
+    for p in problems {
+        report
+            .checks
+            .push(CheckRow::new("settings", Status::Fail, p));
+        report.ok = false;
+    }
     if args.json {
         serde_json::to_writer(&mut *out, &report)?;
         writeln!(out)?;
@@ -138,7 +156,12 @@ pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
 }
 
 /// Every check, in report order.
-pub fn run_checks(config: &ConfigArgs, state_dir: &Path, host: &HostPaths) -> DoctorReport {
+pub fn run_checks(
+    config: &ConfigArgs,
+    state_dir: &Path,
+    host: &HostPaths,
+    container_network: &kici_container::NetworkSettings,
+) -> DoctorReport {
     let mut checks = Vec::new();
     let loaded = kici_config::load(&config.config, config.config_dir.as_deref());
     let config = match loaded {
@@ -183,7 +206,7 @@ pub fn run_checks(config: &ConfigArgs, state_dir: &Path, host: &HostPaths) -> Do
     checks.push(state_dir_check(state_dir, &host.proc_locks));
     if let Some(config) = &config {
         checks.push(ledger_check(config));
-        checks.extend(container_checks(config));
+        checks.extend(container_checks(config, container_network));
         checks.extend(firecracker_checks(config, Path::new(KVM_DEVICE)));
     }
     DoctorReport {
@@ -226,7 +249,10 @@ impl kici_store::IpAllocator for NoLeases {
 
 /// One row per container scaler: [`kici_container::ContainerBackend::check_host`],
 /// the check `serve` runs at start-up.
-pub fn container_checks(config: &Config) -> Vec<CheckRow> {
+pub fn container_checks(
+    config: &Config,
+    network: &kici_container::NetworkSettings,
+) -> Vec<CheckRow> {
     let scalers: Vec<_> = config
         .scalers
         .iter()
@@ -243,11 +269,12 @@ pub fn container_checks(config: &Config) -> Vec<CheckRow> {
         Ok(rt) => rt,
         Err(e) => return fail_all(format!("cannot start an async runtime: {e}")),
     };
-    let options = kici_container::ContainerOptions::new(
+    let mut options = kici_container::ContainerOptions::new(
         InstanceId::random(),
         std::sync::Arc::new(NoLeases),
         Vec::new(),
     );
+    options.network = network.clone();
     let backend = match kici_container::ContainerBackend::new(options) {
         Ok(b) => b,
         Err(e) => return fail_all(e.to_string()),

@@ -205,6 +205,9 @@ pub struct DaemonFile {
     pub container_ulimits: Option<Vec<String>>,
     pub bare_metal_pids_max: Option<NumberOrWord>,
     pub bare_metal_log_keep_bytes: Option<NumberOrWord>,
+    pub container_network: Option<String>,
+    pub container_subnet: Option<String>,
+    pub container_bridge: Option<String>,
 }
 
 /// A daemon-config value written as a number or a word (`4096`, `"max"`,
@@ -295,6 +298,18 @@ pub struct BackendArgs {
         env = "KICI_SCALER_BARE_METAL_LOG_KEEP_BYTES"
     )]
     pub bare_metal_log_keep_bytes: Option<Limit>,
+    /// The Docker/Podman network agent containers join (created when
+    /// missing, checked when present) [default: kici-scaler-net].
+    #[arg(long, value_name = "NAME", env = "KICI_SCALER_CONTAINER_NETWORK")]
+    pub container_network: Option<String>,
+    /// Its IPv4 subnet, /29 or larger; the first address is the gateway
+    /// [default: 172.29.0.0/16].
+    #[arg(long, value_name = "CIDR", env = "KICI_SCALER_CONTAINER_SUBNET")]
+    pub container_subnet: Option<kici_store::Ipv4Pool>,
+    /// Its host-side bridge interface, which the egress rules match on
+    /// (at most 15 bytes) [default: kici-scaler0].
+    #[arg(long, value_name = "IFNAME", env = "KICI_SCALER_CONTAINER_BRIDGE")]
+    pub container_bridge: Option<String>,
 }
 
 /// The backends' tuning, resolved ([`BackendArgs`] over the daemon-config
@@ -307,6 +322,8 @@ pub struct BackendTuning {
     pub bare_metal_pids_max: Option<NonZeroU64>,
     /// Disk kept of each bare-metal agent log; `None`: all of it.
     pub bare_metal_log_keep_bytes: Option<NonZeroU64>,
+    /// The agent containers' network.
+    pub container_network: kici_container::NetworkSettings,
 }
 
 impl Default for BackendTuning {
@@ -317,6 +334,7 @@ impl Default for BackendTuning {
             bare_metal_log_keep_bytes: NonZeroU64::new(
                 kici_backends::BareMetalOptions::DEFAULT_LOG_KEEP_BYTES,
             ),
+            container_network: kici_container::NetworkSettings::default(),
         }
     }
 }
@@ -358,7 +376,44 @@ impl BackendArgs {
             self.bare_metal_log_keep_bytes,
             &file.bare_metal_log_keep_bytes,
         );
+        let mut container_network = defaults.container_network.clone();
+        if let Some(name) = self
+            .container_network
+            .clone()
+            .or_else(|| file.container_network.clone())
+        {
+            if name.is_empty() {
+                errors.push("container-network must not be empty".to_owned());
+            }
+            container_network.name = name;
+        }
+        match (&self.container_subnet, &file.container_subnet) {
+            (Some(pool), _) => container_network.pool = *pool,
+            (None, Some(raw)) => match raw.parse::<kici_store::Ipv4Pool>() {
+                Ok(pool) => container_network.pool = pool,
+                Err(e) => errors.push(format!("container-subnet: {raw:?}: {e}")),
+            },
+            (None, None) => {}
+        }
+        if let Some(bridge) = self
+            .container_bridge
+            .clone()
+            .or_else(|| file.container_bridge.clone())
+        {
+            let valid = !bridge.is_empty()
+                && bridge.len() <= 15
+                && !bridge
+                    .bytes()
+                    .any(|b| b == b'/' || b == b'*' || b.is_ascii_whitespace() || b == 0);
+            if !valid {
+                errors.push(format!(
+                    "container-bridge: {bridge:?}: an interface name of 1 to 15 bytes without '/', '*' or spaces"
+                ));
+            }
+            container_network.bridge = bridge;
+        }
         BackendTuning {
+            container_network,
             container_ulimits,
             bare_metal_pids_max: pids.map_or(defaults.bare_metal_pids_max, Limit::get),
             bare_metal_log_keep_bytes: log_keep
@@ -734,12 +789,39 @@ mod tests {
             vec!["core=0:0".parse().unwrap()]
         );
 
+        // The agent network: default, file, flag.
+        let s = DaemonSettings::resolve(&args(), None).unwrap();
+        assert_eq!(s.backends.container_network.name, "kici-scaler-net");
+        assert_eq!(
+            s.backends.container_network.pool.to_string(),
+            "172.29.0.0/16"
+        );
+        assert_eq!(s.backends.container_network.bridge, "kici-scaler0");
+        let net: DaemonFile = toml::from_str(
+            "container-network = \"ci-net\"\ncontainer-subnet = \"10.77.0.0/24\"\n\
+             container-bridge = \"ci0\"\n",
+        )
+        .unwrap();
+        let mut a = args();
+        a.backend = Cli::try_parse_from(["x", "--container-subnet", "10.78.0.0/24"])
+            .unwrap()
+            .backend;
+        let s = DaemonSettings::resolve(&a, Some(&net)).unwrap();
+        assert_eq!(s.backends.container_network.name, "ci-net");
+        assert_eq!(
+            s.backends.container_network.pool.to_string(),
+            "10.78.0.0/24"
+        );
+        assert_eq!(s.backends.container_network.bridge, "ci0");
+        assert!(Cli::try_parse_from(["x", "--container-subnet", "10.0.0.1/24"]).is_err());
+
         // Bad values: clap refuses flags; the file's are reported together.
         assert!(Cli::try_parse_from(["x", "--container-ulimit", "nofile"]).is_err());
         assert!(Cli::try_parse_from(["x", "--bare-metal-pids-max", "0"]).is_err());
         let bad: DaemonFile = toml::from_str(
             "container-ulimits = [\"nofile=9:1\"]\nbare-metal-pids-max = 0\n\
-             bare-metal-log-keep-bytes = \"lots\"\n",
+             bare-metal-log-keep-bytes = \"lots\"\ncontainer-subnet = \"10.0.0.0/33\"\n\
+             container-bridge = \"a-name-far-too-long\"\n",
         )
         .unwrap();
         let SettingsError::Invalid(msg) = DaemonSettings::resolve(&args(), Some(&bad)).unwrap_err()
@@ -750,6 +832,8 @@ mod tests {
             "container-ulimits:",
             "bare-metal-pids-max:",
             "bare-metal-log-keep-bytes:",
+            "container-subnet:",
+            "container-bridge:",
         ] {
             assert!(msg.contains(needle), "{needle} missing from {msg}");
         }

@@ -88,6 +88,32 @@ pub fn bind_gateway(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
     Ok(listener)
 }
 
+/// Binds the gateway on a backend network's gateway address, with
+/// `IP_FREEBIND`: Podman (netavark) gives its bridge that address only when
+/// the network's first container starts, and takes it away with the last
+/// one — the listener must exist before either (a socket bound to an
+/// address keeps receiving whenever the address is there).
+pub fn bind_backend_gateway(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    use rustix::net::{sockopt, AddressFamily, SocketFlags, SocketType};
+    let family = if addr.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let fd = rustix::net::socket_with(family, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+    sockopt::set_socket_reuseaddr(&fd, true)?;
+    if addr.is_ipv4() {
+        sockopt::set_ip_freebind(&fd, true)?;
+    } else {
+        sockopt::set_ipv6_freebind(&fd, true)?;
+    }
+    rustix::net::bind(&fd, &addr)?;
+    rustix::net::listen(&fd, 1024)?;
+    let listener = std::net::TcpListener::from(fd);
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
 /// Settings of a [`Stack`] that are not in the configuration.
 #[derive(Debug, Clone, Default)]
 pub struct StackOptions {
@@ -166,7 +192,7 @@ impl Stack {
         let mut backend_gateways = Vec::new();
         for (kind, ip) in &backends.agent_gateways {
             let addr = SocketAddr::new(*ip, gateway_addr.port());
-            let l = bind_gateway(addr).map_err(StackError::Gateway)?;
+            let l = bind_backend_gateway(addr).map_err(StackError::Gateway)?;
             extra_listeners
                 .push(tokio::net::TcpListener::from_std(l).map_err(StackError::Gateway)?);
             backend_gateways.push((*kind, addr));

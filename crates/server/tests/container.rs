@@ -631,3 +631,153 @@ fn serial_doctor_checks_each_container_scalers_runtime() {
         "{detail}"
     );
 }
+
+// --------------------------------------------------------------- podman
+
+const PODMAN_SOCKET: &str = "/run/podman/podman.sock";
+
+fn podman_answers() -> bool {
+    Command::new("curl")
+        .args(["-fsS", "--unix-socket", PODMAN_SOCKET, "http://d/_ping"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Rootful `podman system service` on its standard socket, started in its
+/// own session (it outlives the test, as kici-container's Podman tests
+/// leave it) unless it answers already.
+fn ensure_podman_service() {
+    if podman_answers() {
+        return;
+    }
+    std::fs::create_dir_all("/run/podman").unwrap();
+    let started = Command::new("setsid")
+        .args(["-f", "podman", "system", "service", "--time=0"])
+        .arg(format!("unix://{PODMAN_SOCKET}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(started.success(), "cannot start podman system service");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !podman_answers() {
+        assert!(Instant::now() < deadline, "podman does not answer");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `kici-scaler run` on Podman with the daemon's backend settings from the
+/// environment: the ulimits these hosts need and a network of its own
+/// (name, subnet, bridge), so it can sit next to dockerd's.
+#[test]
+fn serial_run_on_podman_with_ulimits_and_its_own_network_from_settings() {
+    ensure_podman_service();
+    let world = World::new();
+    let tag: u32 = rand::random();
+    let image = format!("localhost/kici-scaler-test-podman:{tag:08x}");
+    let network = format!("kici-tpr-{tag:08x}");
+    let bridge = format!("kr{tag:08x}");
+    let subnet = format!("10.{}.{}.0/24", 100 + tag % 150, (tag >> 8) % 256);
+    struct PodmanLeftovers {
+        image: String,
+        network: String,
+        instance: Option<InstanceId>,
+    }
+    impl Drop for PodmanLeftovers {
+        fn drop(&mut self) {
+            if let Some(instance) = self.instance {
+                let names = tool(
+                    "podman",
+                    &[
+                        "ps",
+                        "-a",
+                        "--filter",
+                        &format!("label={OWNER_LABEL}={instance}"),
+                        "--format",
+                        "{{.Names}}",
+                    ],
+                );
+                for name in names.lines().filter(|l| !l.is_empty()) {
+                    let _ = tool("podman", &["rm", "-f", "-v", name]);
+                }
+            }
+            let _ = tool("podman", &["network", "rm", "-f", &self.network]);
+            let _ = tool("podman", &["rmi", "-f", &self.image]);
+        }
+    }
+    let mut leftovers = PodmanLeftovers {
+        image: image.clone(),
+        network: network.clone(),
+        instance: None,
+    };
+    let out = Command::new(repo_file("scripts/build-test-image.sh"))
+        .arg(&image)
+        .env("KICI_IMAGE_CLI", "podman")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let config = world.path("podman.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "version: 1\nscalers:\n  - name: pods\n    type: container\n    maxAgents: 1\n    runtime: podman\n    labelSets:\n      - labels: [linux, pod]\n        image: \"{image}\"\n        imagePullPolicy: IfNotPresent\n"
+        ),
+    )
+    .unwrap();
+    let out = world
+        .command()
+        .env("KICI_SCALER_LOG", "error,kici_scaler::run=info")
+        .env(
+            "KICI_SCALER_CONTAINER_ULIMITS",
+            "nofile=20000:20000,nproc=4096:4096",
+        )
+        .env("KICI_SCALER_CONTAINER_NETWORK", &network)
+        .env("KICI_SCALER_CONTAINER_SUBNET", &subnet)
+        .env("KICI_SCALER_CONTAINER_BRIDGE", &bridge)
+        .args(["run", "--config"])
+        .arg(&config)
+        .args([
+            "--labels",
+            "pod",
+            "--",
+            "sh",
+            "-c",
+            "echo hi; ulimit -n; exit 3",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    let instance: Option<InstanceId> = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["fields"]["message"] == "run: in-process daemon")
+        .and_then(|v| {
+            v["fields"]["instance"]
+                .as_str()
+                .and_then(|i| i.parse().ok())
+        });
+    leftovers.instance = instance;
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert_eq!(text(&out.stdout), "hi\n20000\n");
+    let net: Value =
+        serde_json::from_str(&tool("podman", &["network", "inspect", &network])).unwrap();
+    assert_eq!(net[0]["subnets"][0]["subnet"], subnet.as_str(), "{net}");
+    assert_eq!(net[0]["network_interface"], bridge.as_str(), "{net}");
+    let instance = instance.unwrap();
+    let left = tool(
+        "podman",
+        &[
+            "ps",
+            "-a",
+            "--filter",
+            &format!("label={OWNER_LABEL}={instance}"),
+            "-q",
+        ],
+    );
+    assert!(left.trim().is_empty(), "{left}");
+    assert_eq!(rules_of(instance), Vec::<String>::new());
+}
