@@ -32,6 +32,8 @@ fn tool(cmd: &str, args: &[&str]) -> String {
 /// torn down.
 struct World {
     dir: Dir,
+    subnet: String,
+    bridge: String,
 }
 
 impl World {
@@ -50,11 +52,13 @@ impl World {
         std::fs::write(dir.path("vmlinux"), b"kernel image").unwrap();
         std::fs::write(dir.path("rootfs.ext4"), b"rootfs image").unwrap();
         let r = rand::random::<u32>();
+        let subnet = format!("10.{}.{}.0/24", 150 + r % 40, (r >> 8) as u8);
+        let bridge = format!("kfx{r:08x}");
         let yaml = format!(
             "version: 1
 firecracker:
-  cidr: 10.{second}.{third}.0/24
-  bridgeName: kfx{r:08x}
+  cidr: {subnet}
+  bridgeName: {bridge}
 scalers:
   - name: vm
     type: firecracker
@@ -70,8 +74,6 @@ scalers:
         rootfsPath: {rootfs}
         overlayDriveSizeMib: 16
 ",
-            second = 150 + r % 40,
-            third = (r >> 8) as u8,
             fc = firecracker.display(),
             jailer = jailer.display(),
             kernel = dir.path("vmlinux").display(),
@@ -79,7 +81,11 @@ scalers:
             rootfs = dir.path("rootfs.ext4").display(),
         );
         std::fs::write(dir.path("scalers.yaml"), yaml).unwrap();
-        let world = World { dir };
+        let world = World {
+            dir,
+            subnet,
+            bridge,
+        };
         let out = world.firecracker("provision");
         assert!(out.status.success(), "provision: {out:?}");
         world
@@ -132,6 +138,36 @@ impl Drop for World {
                 if let Ok(pid) = std::fs::read_to_string(pid.path()) {
                     let _ = tool("kill", &["-9", pid.trim()]);
                 }
+            }
+        }
+        // A daemon leaves its instance's subnet rules for its successor;
+        // no successor comes for a test's instance.
+        if let Ok(instance) = std::fs::read_to_string(self.dir.path("state/instance-id")) {
+            if let Ok(instance) = instance.trim().parse::<InstanceId>() {
+                let (subnet, bridge) = (self.subnet.parse().unwrap(), self.bridge.clone());
+                let _ = std::thread::spawn(move || {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap()
+                        .block_on(async {
+                            let table = kici_netpolicy::EgressTable::ensure(
+                                instance,
+                                subnet,
+                                kici_netpolicy::TableOptions {
+                                    agent_bridge: Some(bridge),
+                                    docker_user: kici_netpolicy::DockerUserMode::Leave,
+                                    ..kici_netpolicy::TableOptions::default()
+                                },
+                            )
+                            .await;
+                            if let Ok(table) = table {
+                                let _ = table.sweep_stale(&[]).await;
+                                let _ = table.teardown().await;
+                            }
+                        })
+                })
+                .join();
             }
         }
         let _ = self.firecracker("teardown");
@@ -217,7 +253,12 @@ fn assert_consistent(d: &mut Daemon, world: &World, context: &str) {
     );
 }
 
+/// The steps of other crates a Firecracker spawn goes through.
+const SPAWN_SHARED_STEPS: &[&str] = &["store::ip::after_claim", "netpolicy::install::applied"];
+
 const DESTROY_STEPS: &[&str] = &[
+    "store::ip::after_release",
+    "netpolicy::remove::deleted",
     "firecracker::destroy::stop",
     "firecracker::destroy::rules",
     "firecracker::destroy::tap",
@@ -282,7 +323,7 @@ fn crash_then_recover(fp: &str, trigger: impl FnOnce(&Daemon) -> Vec<String>) {
 
 #[test]
 fn serial_firecracker_crash_at_each_spawn_step_leaks_nothing() {
-    for fp in kici_firecracker::fp::SPAWN {
+    for fp in kici_firecracker::fp::SPAWN.iter().chain(SPAWN_SHARED_STEPS) {
         crash_then_recover(fp, |d| {
             scale(d, "crashing");
             vec![]
@@ -308,6 +349,31 @@ fn serial_firecracker_crash_at_each_destroy_step_leaks_nothing() {
     }
 }
 
+/// The daemon dies while it creates its rules table at start-up (before
+/// any agent): the next start completes the table and works normally.
+#[test]
+fn serial_firecracker_crash_while_ensuring_the_rules_table_at_start_up_leaks_nothing() {
+    let world = World::new();
+    let fp = "netpolicy::ensure::table";
+    // Backends start after the API is up: the daemon may answer first.
+    let status = match start(&world.dir, Some(fp)) {
+        Err(status) => status,
+        Ok(mut d) => d.wait_exit(),
+    };
+    assert_eq!(status.signal(), Some(9), "{fp}");
+    let mut d = start(&world.dir, None).unwrap();
+    assert_consistent(&mut d, &world, fp);
+    let agent = scale(&d, "after").unwrap();
+    wait_until(&format!("{agent} is up"), || {
+        d.state_of(&agent).as_str() == "booted"
+    });
+    assert_consistent(&mut d, &world, fp);
+    d.terminate();
+    let instance: InstanceId = world.dir.instance().parse().unwrap();
+    assert!(world.vm_dirs().is_empty() && world.running_vmms().is_empty());
+    assert!(agents_with_taps(instance).is_empty() && agents_with_rules(instance).is_empty());
+}
+
 #[test]
 fn every_firecracker_step_has_a_daemon_crash_test_or_says_why_not() {
     let out = Command::new(common::daemon::BIN)
@@ -318,14 +384,19 @@ fn every_firecracker_step_has_a_daemon_crash_test_or_says_why_not() {
     let listed = String::from_utf8(out.stdout).unwrap();
     let covered: BTreeSet<&str> = kici_firecracker::fp::SPAWN
         .iter()
+        .chain(SPAWN_SHARED_STEPS)
         .chain(DESTROY_STEPS)
+        .chain(["netpolicy::ensure::table"].iter())
         .chain(NOT_CRASHED_HERE)
         .copied()
         .collect();
     for fp in &covered {
         assert!(listed.lines().any(|l| l == *fp), "no failpoint {fp}");
     }
-    for fp in listed.lines().filter(|l| l.starts_with("firecracker::")) {
+    for fp in listed
+        .lines()
+        .filter(|l| l.starts_with("firecracker::") || l.starts_with("store::ip::"))
+    {
         assert!(covered.contains(fp), "{fp} has no crash test");
     }
 }
