@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::daemon::{rows, wait_until, Daemon, Dir, FAST_RECONCILE};
+use common::daemon::{agents_with_rules, rows, tool, wait_until, Daemon, Dir, FAST_RECONCILE};
 use kici_model::InstanceId;
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
@@ -26,15 +26,6 @@ fn repo_file(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
         .join(rel)
-}
-
-fn tool(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// The test image, and on drop the removal of everything the test's
@@ -122,24 +113,6 @@ fn containers_of(instance: InstanceId) -> Vec<(String, String)> {
     .filter_map(|l| l.split_once(' '))
     .map(|(n, a)| (n.to_owned(), a.to_owned()))
     .collect()
-}
-
-/// Agents with an nftables rule of the instance (`nft -j list ruleset`,
-/// comments `kici-scaler:<instance>:<agent>`).
-fn agents_with_rules(instance: InstanceId) -> BTreeSet<String> {
-    let json = tool("nft", &["-j", "list", "ruleset"]);
-    let tag = format!("kici-scaler:{instance}:");
-    json.match_indices(&tag)
-        .filter_map(|(at, _)| {
-            let rest = &json[at + tag.len()..];
-            let end = rest.find(|c: char| c == '"' || c.is_whitespace())?;
-            // Subnet and bridge rules carry other words there.
-            rest[..end]
-                .parse::<kici_model::AgentId>()
-                .ok()
-                .map(|a| a.to_string())
-        })
-        .collect()
 }
 
 /// After restart and reconcile: containers, rules, leases and rows are

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::daemon::{rows, wait_until, Daemon, Dir, FAST_RECONCILE};
+use common::daemon::{agents_with_rules, rows, tool, wait_until, Daemon, Dir, FAST_RECONCILE};
 use kici_model::InstanceId;
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
@@ -17,15 +17,6 @@ use std::process::Command;
 
 const FAKE_FIRECRACKER: &str = include_str!("../../firecracker/tests/support/fake_firecracker.py");
 const FAKE_JAILER: &str = include_str!("../../firecracker/tests/support/fake_jailer.sh");
-
-fn tool(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 /// One test directory: stand-in binaries, images, a provisioned bridge of
 /// its own, and on drop every VMM it started killed and the host setup
@@ -185,23 +176,6 @@ fn agents_with_taps(instance: InstanceId) -> BTreeSet<String> {
         .into_iter()
         .flatten()
         .filter_map(|l| l["ifalias"].as_str()?.strip_prefix(&tag).map(str::to_owned))
-        .collect()
-}
-
-/// Agents with an nftables rule of the instance (comments
-/// `kici-scaler:<instance>:<agent>`).
-fn agents_with_rules(instance: InstanceId) -> BTreeSet<String> {
-    let json = tool("nft", &["-j", "list", "ruleset"]);
-    let tag = format!("kici-scaler:{instance}:");
-    json.match_indices(&tag)
-        .filter_map(|(at, _)| {
-            let rest = &json[at + tag.len()..];
-            let end = rest.find(|c: char| c == '"' || c.is_whitespace())?;
-            rest[..end]
-                .parse::<kici_model::AgentId>()
-                .ok()
-                .map(|a| a.to_string())
-        })
         .collect()
 }
 

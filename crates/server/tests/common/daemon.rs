@@ -534,3 +534,31 @@ pub fn psql(url: &str, sql: &str) -> Vec<String> {
         .map(str::to_owned)
         .collect()
 }
+
+/// A host tool's stdout and stderr, whatever its exit status.
+pub fn tool(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Agents with an nftables rule of `instance` (`nft -j list ruleset`,
+/// comments `kici-scaler:<instance>:<agent>`; subnet and bridge rules
+/// carry other words there).
+pub fn agents_with_rules(instance: kici_model::InstanceId) -> BTreeSet<String> {
+    let json = tool("nft", &["-j", "list", "ruleset"]);
+    let tag = format!("kici-scaler:{instance}:");
+    json.match_indices(&tag)
+        .filter_map(|(at, _)| {
+            let rest = &json[at + tag.len()..];
+            let end = rest.find(|c: char| c == '"' || c.is_whitespace())?;
+            rest[..end]
+                .parse::<kici_model::AgentId>()
+                .ok()
+                .map(|a| a.to_string())
+        })
+        .collect()
+}
