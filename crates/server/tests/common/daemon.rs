@@ -126,7 +126,8 @@ impl Dir {
     }
 
     /// `serve` with this dir's config, state dir and ledger; the gateway
-    /// on a kernel-chosen port (tests run side by side), then `args`.
+    /// on a kernel-chosen port (tests run side by side) unless `args` name
+    /// one, then `args`.
     pub fn serve_command(&self, args: &[&str]) -> Command {
         let mut cmd = self.command(&["serve"]);
         cmd.arg("--config")
@@ -134,9 +135,11 @@ impl Dir {
             .arg("--state-dir")
             .arg(self.path("state"))
             .arg("--machine-ledger-dir")
-            .arg(self.path("ledger"))
-            .args(["--gateway-listen", "127.0.0.1:0"])
-            .args(args);
+            .arg(self.path("ledger"));
+        if !args.contains(&"--gateway-listen") {
+            cmd.args(["--gateway-listen", "127.0.0.1:0"]);
+        }
+        cmd.args(args);
         cmd
     }
 

@@ -3,6 +3,7 @@
 //! OpenAPI document, and reading SSE streams.
 
 pub mod daemon;
+pub mod firecracker;
 
 use serde_json::{json, Value};
 

@@ -1,0 +1,288 @@
+//! The real daemon end to end on crates/testkit (see `common::firecracker`):
+//! `POST /v1/scale` → the Firecracker backend's spec-valid API calls to the
+//! spec-enforcing `fc-sim`, ending with `InstanceStart` → the simulated guest
+//! reads MMDS V2 (401 without a token, 200 with one) and runs the real static
+//! `kici-agent-lite`, which connects to the daemon's agent gateway on the
+//! bridge's gateway address, registers and acknowledges its configuration →
+//! the daemon clears the MMDS (and reads it back empty) → a guest network
+//! namespace on the VM's real TAP sees V2 MMDS (now empty) and reaches the
+//! gateway port through the isolation rules → `DELETE /v1/agents/{id}` and a
+//! clean shutdown each leave nothing (chroot, overlay, VMM, TAP, rules,
+//! lease, rows, cgroups). Also the daemon's kill -9 right after the MMDS
+//! clear, restart, recovery and reconcile.
+//!
+//! Everything here is host-global (bridges, TAPs, nftables): `serial_*`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::daemon::{rows, wait_until, Daemon, FAST_RECONCILE};
+use common::firecracker::{
+    assert_consistent, cleared_mmds, process_running, Guest, TestkitWorld, CRASHED_IN_TESTKIT_E2E,
+};
+use kici_testkit::fc::SimState;
+use serde_json::Value;
+use std::os::unix::process::ExitStatusExt;
+
+fn scale(d: &Daemon, job: &str) -> String {
+    let (status, body) = d.scale(job, &["linux", "vm"]);
+    assert_eq!(status, 202, "{body}");
+    body["agentId"].as_str().unwrap().to_owned()
+}
+
+/// Waits for the daemon's `MMDS cleared` line for `agent` (the clear comes
+/// only after the agent's `config.ack`).
+fn expect_mmds_cleared(d: &mut Daemon, agent: &str) {
+    loop {
+        let fields = d.expect_log("MMDS cleared");
+        if fields["agent_id"] == agent {
+            return;
+        }
+    }
+}
+
+/// The requests the daemon made (the readiness probes `GET /` and the
+/// testkit's own introspection left out).
+fn daemon_requests(st: &SimState) -> Vec<Value> {
+    st.0["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| {
+            let (m, p) = (r["method"].as_str().unwrap(), r["path"].as_str().unwrap());
+            !(m == "GET" && (p == "/" || p.starts_with("/testkit")))
+        })
+        .cloned()
+        .collect()
+}
+
+/// Every request was accepted by the spec-enforcing simulator; the spawn's
+/// end with `InstanceStart`, and after it come only the MMDS clear and its
+/// read-back (each `clears` times).
+fn assert_spec_valid_spawn_then_clear(st: &SimState, clears: usize) {
+    let requests = daemon_requests(st);
+    for r in &requests {
+        let status = r["status"].as_u64().unwrap();
+        assert!(
+            (200..300).contains(&status),
+            "refused by the simulator: {r}\nall: {requests:#?}"
+        );
+    }
+    let start = requests
+        .iter()
+        .position(|r| r["path"] == "/actions")
+        .unwrap_or_else(|| panic!("no InstanceStart: {requests:#?}"));
+    assert_eq!(requests[start]["method"], "PUT");
+    assert_eq!(requests[start]["body"]["action_type"], "InstanceStart");
+    for needed in [
+        "/boot-source",
+        "/drives/rootfs",
+        "/drives/overlay",
+        "/machine-config",
+        "/mmds/config",
+        "/mmds",
+    ] {
+        assert!(
+            requests[..start].iter().any(|r| r["path"] == needed),
+            "{needed} not configured before InstanceStart: {requests:#?}"
+        );
+    }
+    let after: Vec<String> = requests[start + 1..]
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {}",
+                r["method"].as_str().unwrap(),
+                r["path"].as_str().unwrap()
+            )
+        })
+        .collect();
+    let one_clear = ["PUT /mmds", "GET /mmds"];
+    assert_eq!(after, one_clear.repeat(clears), "after InstanceStart");
+    assert_eq!(st.0["mmds_config"]["version"], "V2");
+}
+
+/// The simulated `/init` read MMDS V2 like the contract's: token-less 401,
+/// the token 200, the document with the agent's id and token.
+fn assert_init_read_mmds_v2(st: &SimState, agent: &str) {
+    let guest = st.guest();
+    assert_eq!(guest["tokenless_read_status"], 401, "{guest}");
+    assert_eq!(guest["token_status"], 200, "{guest}");
+    assert_eq!(guest["metadata_status"], 200, "{guest}");
+    assert_eq!(guest["metadata"]["kici-agent-id"], agent, "{guest}");
+    assert!(
+        guest["metadata"]["kici-agent-token"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("kat_")),
+        "{guest}"
+    );
+}
+
+/// MMDS from the guest namespace (the address answered by the VMM, on the
+/// interface the MMDS config names): 401 without a token, and with one the
+/// `latest/meta-data` document.
+fn guest_reads_mmds(guest: &Guest) -> Value {
+    let url = "http://169.254.169.254/latest/meta-data";
+    let (status, body) = guest.curl(&[url]);
+    assert_eq!(status, 401, "token-less MMDS read under V2: {body}");
+    let (status, token) = guest.curl(&[
+        "-X",
+        "PUT",
+        "-H",
+        "X-metadata-token-ttl-seconds: 60",
+        "http://169.254.169.254/latest/api/token",
+    ]);
+    assert_eq!(status, 200, "{token}");
+    let (status, body) = guest.curl(&[
+        "-H",
+        &format!("X-metadata-token: {token}"),
+        "-H",
+        "Accept: application/json",
+        url,
+    ]);
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// `agent` is registered with the daemon (its gateway reached from the
+/// guest namespace through the VM's TAP, bridge port and rules), its
+/// `config.ack` made the daemon clear the MMDS, verified: the simulator
+/// holds the cleared document, every request the daemon made was valid, and
+/// the guest now reads an empty document.
+fn assert_configured(d: &mut Daemon, world: &TestkitWorld, guest: &mut Guest, agent: &str) {
+    if d.wait_for_log("MMDS cleared").is_none() {
+        panic!("the daemon died; the agent's log:\n{}", guest.log());
+    }
+    // (Only one agent at a time reaches config.ack here.)
+    let st = world.sim_state(agent);
+    assert_eq!(st.mmds(), &cleared_mmds(), "{}", guest.log());
+    assert_spec_valid_spawn_then_clear(&st, 1);
+    assert_eq!(st.uid(), Some(10000));
+    assert_eq!(st.vm_state(), "Running");
+    assert_init_read_mmds_v2(&st, agent);
+    // Ready for its job: registered, waiting for the job's dispatcher.
+    d.wait_state(agent, "registered");
+    assert!(guest.agent_running(), "{}", guest.log());
+    assert_eq!(guest_reads_mmds(guest), serde_json::json!({}));
+}
+
+#[test]
+fn serial_firecracker_testkit_daemon_spawn_to_config_ack_clears_mmds_and_delete_and_shutdown_leave_nothing(
+) {
+    let world = TestkitWorld::new();
+    let mut d = world.start(&["--listen", "127.0.0.1:0"], &[]).unwrap();
+
+    // --- spawn → boot → the guest's agent bootstraps from MMDS V2,
+    // registers, acknowledges → the daemon clears the MMDS
+    let agent = scale(&d, "e2e-delete");
+    let mut guest = world.guest(&agent);
+    assert_configured(&mut d, &world, &mut guest, &agent);
+    let r = rows(&world.dir.sqlite_url(), &world.dir.instance());
+    assert_eq!(
+        r.agents
+            .iter()
+            .map(|a| a.agent_id.to_string())
+            .collect::<Vec<_>>(),
+        [agent.as_str()]
+    );
+    assert_eq!(r.leases.len(), 1);
+    // The overlay is a real ext4 image (magic 0xEF53 at 1080).
+    let overlay = kici_testkit::fc::jail_root(&world.chroot_base(), &agent).join("overlay.ext4");
+    let image = std::fs::read(&overlay).unwrap();
+    assert_eq!(&image[1080..1082], &[0x53, 0xef], "{}", overlay.display());
+    drop(image);
+    let pid = world.vmm_pid(&agent).unwrap();
+    assert!(process_running(pid));
+
+    // --- DELETE leaves nothing
+    let (status, body) = d.http("DELETE", &format!("/v1/agents/{agent}"), None);
+    assert_eq!(status, 202, "{body}");
+    wait_until(&format!("{agent} is gone"), || !d.agents().contains(&agent));
+    wait_until("its rows are gone", || {
+        rows(&world.dir.sqlite_url(), &world.dir.instance())
+            .agents
+            .is_empty()
+    });
+    drop(guest);
+    world.assert_nothing_left("after DELETE", &[pid]);
+
+    // --- a clean shutdown leaves nothing either
+    let second = scale(&d, "e2e-shutdown");
+    let mut guest = world.guest(&second);
+    assert_configured(&mut d, &world, &mut guest, &second);
+    let pid = world.vmm_pid(&second).unwrap();
+    d.terminate();
+    drop(guest);
+    world.assert_nothing_left("after shutdown", &[pid]);
+}
+
+/// The daemon dies right after its MMDS clear took effect (before reading
+/// it back): the restarted daemon adopts the VM, the guest agent reconnects
+/// to the same gateway, registers and acknowledges again, the MMDS is
+/// cleared (again) before it is ready, nothing leaked and the survivor is
+/// tracked once; a clean shutdown then leaves nothing.
+#[test]
+fn serial_firecracker_testkit_daemon_crash_at_mmds_clear_recovers_and_leaks_nothing() {
+    let fp = "firecracker::mmds::clear";
+    assert!(CRASHED_IN_TESTKIT_E2E.contains(&fp));
+    let world = TestkitWorld::new();
+    let mut d = world
+        .start(FAST_RECONCILE, &[("KICI_SCALER_CRASH_AT", fp)])
+        .unwrap_or_else(|s| panic!("{fp}: died at start: {s:?}"));
+    let agent = scale(&d, "crash-at-clear");
+    let guest = world.guest(&agent);
+    let status = d.wait_exit();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "{fp}: the daemon was to die there"
+    );
+    // Exactly the step's side effect: the MMDS is cleared, not yet read back.
+    let st = world.sim_state(&agent);
+    assert_eq!(st.mmds(), &cleared_mmds());
+    let requests = daemon_requests(&st);
+    assert_eq!(requests.last().unwrap()["method"], "PUT");
+    assert_eq!(requests.last().unwrap()["path"], "/mmds");
+    let pid = world.vmm_pid(&agent).unwrap();
+    assert!(process_running(pid), "the VM outlives the daemon");
+
+    // The agent reconnects to the restarted daemon (same gateway port).
+    let mut d = world.start(FAST_RECONCILE, &[]).unwrap();
+    expect_mmds_cleared(&mut d, &agent);
+    assert_consistent(&mut d, &world, fp);
+    assert_eq!(
+        d.agents().into_iter().collect::<Vec<_>>(),
+        [agent.as_str()],
+        "{fp}: the survivor is tracked (once)"
+    );
+    d.wait_state(&agent, "registered");
+    let st = world.sim_state(&agent);
+    assert_eq!(st.mmds(), &cleared_mmds());
+    // The first clear's PUT, then the new daemon's PUT and read-back.
+    let requests = daemon_requests(&st);
+    let start = requests
+        .iter()
+        .position(|r| r["path"] == "/actions")
+        .unwrap();
+    let after: Vec<String> = requests[start + 1..]
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {}",
+                r["method"].as_str().unwrap(),
+                r["path"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(after, ["PUT /mmds", "PUT /mmds", "GET /mmds"], "{fp}");
+    assert!(requests
+        .iter()
+        .all(|r| (200..300).contains(&r["status"].as_u64().unwrap())));
+    assert_eq!(world.vmm_pid(&agent), Some(pid), "{fp}: the same VM");
+    assert_eq!(guest_reads_mmds(&guest), serde_json::json!({}));
+
+    d.terminate();
+    drop(guest);
+    world.assert_nothing_left(fp, &[pid]);
+}
