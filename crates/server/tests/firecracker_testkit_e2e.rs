@@ -19,7 +19,8 @@ mod common;
 
 use common::daemon::{rows, wait_until, Daemon, FAST_RECONCILE};
 use common::firecracker::{
-    assert_consistent, cleared_mmds, process_running, Guest, TestkitWorld, CRASHED_IN_TESTKIT_E2E,
+    assert_consistent, cleared_mmds, gateway_port_hits, process_running, Guest, TestkitWorld,
+    CRASHED_IN_TESTKIT_E2E,
 };
 use kici_testkit::fc::SimState;
 use serde_json::Value;
@@ -165,6 +166,11 @@ fn assert_configured(d: &mut Daemon, world: &TestkitWorld, guest: &mut Guest, ag
     d.wait_state(agent, "registered");
     assert!(guest.agent_running(), "{}", guest.log());
     assert_eq!(guest_reads_mmds(guest), serde_json::json!({}));
+    let instance = world.dir.instance().parse().unwrap();
+    assert!(
+        gateway_port_hits(instance, agent, world.gateway_port) > 0,
+        "the agent's connection did not cross its gateway-port rule"
+    );
 }
 
 #[test]

@@ -457,6 +457,30 @@ impl Drop for Guest {
     }
 }
 
+/// Packets counted by the gateway-port accept in `agent`'s input-hook
+/// chain (`ag-<instance>-<agent>-in`): its traffic to the agent gateway
+/// crossed kici-scaler's own rule for it.
+pub fn gateway_port_hits(instance: InstanceId, agent: &str, port: u16) -> u64 {
+    let chain = format!("ag-{instance}-{agent}-in");
+    let ruleset: serde_json::Value =
+        serde_json::from_str(&tool("nft", &["-j", "list", "ruleset"])).unwrap_or_default();
+    ruleset["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|item| item.get("rule"))
+        .filter(|rule| rule["family"] == "inet" && rule["chain"] == chain.as_str())
+        .filter_map(|rule| rule["expr"].as_array())
+        .filter(|expr| {
+            expr.iter().any(|e| {
+                e["match"]["left"]["payload"]["field"] == "dport"
+                    && e["match"]["right"] == u64::from(port)
+            })
+        })
+        .flat_map(|expr| expr.iter().filter_map(|e| e["counter"]["packets"].as_u64()))
+        .sum()
+}
+
 /// A port free on loopback now (the kernel's pick, released at once).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
