@@ -124,24 +124,23 @@ fn assert_init_read_mmds_v2(st: &SimState, agent: &str) {
 /// interface the MMDS config names): 401 without a token, and with one the
 /// `latest/meta-data` document.
 fn guest_reads_mmds(guest: &Guest) -> Value {
-    let url = "http://169.254.169.254/latest/meta-data";
-    let (status, body) = guest.curl(&[url]);
+    const MMDS: &str = "169.254.169.254:80";
+    let path = "/latest/meta-data";
+    let (status, body) = guest.http(MMDS, "GET", path, &[]);
     assert_eq!(status, 401, "token-less MMDS read under V2: {body}");
-    let (status, token) = guest.curl(&[
-        "-X",
+    let (status, token) = guest.http(
+        MMDS,
         "PUT",
-        "-H",
-        "X-metadata-token-ttl-seconds: 60",
-        "http://169.254.169.254/latest/api/token",
-    ]);
+        "/latest/api/token",
+        &[("X-metadata-token-ttl-seconds", "60")],
+    );
     assert_eq!(status, 200, "{token}");
-    let (status, body) = guest.curl(&[
-        "-H",
-        &format!("X-metadata-token: {token}"),
-        "-H",
-        "Accept: application/json",
-        url,
-    ]);
+    let (status, body) = guest.http(
+        MMDS,
+        "GET",
+        path,
+        &[("X-metadata-token", &token), ("Accept", "application/json")],
+    );
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
 }
