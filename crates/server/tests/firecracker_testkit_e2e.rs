@@ -1,15 +1,19 @@
 //! The real daemon end to end on crates/testkit (see `common::firecracker`):
-//! `POST /v1/scale` → the Firecracker backend's spec-valid API calls to the
-//! spec-enforcing `fc-sim`, ending with `InstanceStart` → the simulated guest
-//! reads MMDS V2 (401 without a token, 200 with one) and runs the real static
-//! `kici-agent-lite`, which connects to the daemon's agent gateway on the
-//! bridge's gateway address, registers and acknowledges its configuration →
-//! the daemon clears the MMDS (and reads it back empty) → a guest network
-//! namespace on the VM's real TAP sees V2 MMDS (now empty) and reaches the
-//! gateway port through the isolation rules → `DELETE /v1/agents/{id}` and a
-//! clean shutdown each leave nothing (chroot, overlay, VMM, TAP, rules,
-//! lease, rows, cgroups). Also the daemon's kill -9 right after the MMDS
-//! clear, restart, recovery and reconcile.
+//! `POST /v1/scale` → the Firecracker backend's API calls, every one
+//! accepted by the spec-enforcing `fc-sim` behind the fake jailer, ending
+//! with `InstanceStart` → the simulated `/init` reads MMDS V2 (401 without a
+//! token, 200 with one) → in a guest network namespace on the VM's real TAP
+//! the real static `kici-agent-lite --bootstrap mmds` reads the same MMDS,
+//! connects to the daemon's agent gateway on the bridge's gateway address
+//! (through the TAP, the isolated bridge port and its own gateway-port rule),
+//! registers and acknowledges its configuration → the daemon clears the
+//! MMDS and reads it back empty; the guest then reads an empty document →
+//! `DELETE /v1/agents/{id}`, a clean shutdown, and a standalone job's end
+//! each leave nothing (chroot and overlay, VMM, TAP, rules, lease, rows,
+//! cgroups). The standalone job itself reads the MMDS from the guest: the
+//! clear is done before any job is dispatched. Also the daemon's kill -9
+//! right after the MMDS clear took effect: restart, recovery, reconcile, the
+//! agent reconnects and is tracked once.
 //!
 //! Everything here is host-global (bridges, TAPs, nftables): `serial_*`.
 
@@ -24,6 +28,7 @@ use common::firecracker::{
 };
 use kici_testkit::fc::SimState;
 use serde_json::Value;
+use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 
 fn scale(d: &Daemon, job: &str) -> String {
@@ -290,4 +295,123 @@ fn serial_firecracker_testkit_daemon_crash_at_mmds_clear_recovers_and_leaks_noth
     d.terminate();
     drop(guest);
     world.assert_nothing_left(fp, &[pid]);
+}
+
+/// What a standalone job sees of the MMDS from inside its guest: the job
+/// (bash, over `/dev/tcp`) takes a V2 token and reads `latest/meta-data`
+/// into `$1`. The daemon clears and verifies the MMDS before it dispatches
+/// any job, so the job finds an empty document, not the agent's token.
+/// Then it waits for a line on the FIFO `$2` (the VM goes with the job).
+const JOB_READS_MMDS: &str = r#"
+set -eu
+mmds() {
+    exec 3<>/dev/tcp/169.254.169.254/80
+    printf '%b' "$1" >&3
+    sed -e '1,/^\r$/d' <&3
+    exec 3<&-
+}
+token=$(mmds 'PUT /latest/api/token HTTP/1.1\r\nHost: 169.254.169.254\r\nX-metadata-token-ttl-seconds: 60\r\nConnection: close\r\n\r\n')
+mmds "GET /latest/meta-data HTTP/1.1\r\nHost: 169.254.169.254\r\nX-metadata-token: $token\r\nAccept: application/json\r\nConnection: close\r\n\r\n" > "$1.tmp"
+mv "$1.tmp" "$1"
+read -r _ < "$2"
+"#;
+
+/// Releases a job blocked on its FIFO when a test ends early (its agent is
+/// killed, its command would wait forever).
+struct Release(std::path::PathBuf);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        use std::os::unix::fs::OpenOptionsExt;
+        // Non-blocking: no reader left is fine (ENXIO).
+        if let Ok(mut fifo) = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+            .open(&self.0)
+        {
+            let _ = fifo.write_all(b"go\n");
+        }
+    }
+}
+
+#[test]
+fn serial_firecracker_testkit_daemon_standalone_job_finds_the_mmds_cleared_and_its_end_leaves_nothing(
+) {
+    let world = TestkitWorld::new();
+    let mut d = world.start(&["--listen", "127.0.0.1:0"], &[]).unwrap();
+    let seen = world.dir.path("job-saw-mmds.json");
+    let gate = world.dir.path("job-gate");
+    let mkfifo = std::process::Command::new("mkfifo")
+        .arg(&gate)
+        .status()
+        .unwrap();
+    assert!(mkfifo.success());
+    let _release = Release(gate.clone());
+    let body = serde_json::json!({
+        "labels": ["linux", "vm"],
+        "command": [
+            "bash", "-c", JOB_READS_MMDS, "job", seen.to_str().unwrap(), gate.to_str().unwrap(),
+        ],
+    })
+    .to_string();
+    let (status, accepted) = d.http("POST", "/v1/jobs", Some(&body));
+    assert_eq!(status, 202, "{accepted}");
+    let job = serde_json::from_str::<Value>(&accepted).unwrap()["jobId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let job_state = |d: &Daemon| {
+        let (status, body) = d.http("GET", &format!("/v1/jobs/{job}"), None);
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str::<Value>(&body).unwrap()
+    };
+    let mut agent = String::new();
+    wait_until(&format!("{job} has an agent"), || {
+        agent = job_state(&d)["agentId"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        !agent.is_empty()
+    });
+    let mut guest = world.guest(&agent);
+    // The clear comes before the dispatch (the log is read in order).
+    if d.wait_for_log("MMDS cleared").is_none() {
+        panic!("the daemon died; the agent's log:\n{}", guest.log());
+    }
+    wait_until(&format!("{job} read the MMDS"), || seen.exists());
+    let saw: Value = serde_json::from_str(&std::fs::read_to_string(&seen).unwrap()).unwrap();
+    assert_eq!(saw, serde_json::json!({}), "the job saw bootstrap data");
+    assert_eq!(job_state(&d)["state"], "running");
+    let st = world.sim_state(&agent);
+    assert_eq!(st.mmds(), &cleared_mmds());
+    assert_spec_valid_spawn_then_clear(&st, 1);
+    assert_init_read_mmds_v2(&st, &agent);
+    assert!(guest.agent_running(), "{}", guest.log());
+    let pid = world.vmm_pid(&agent).unwrap();
+
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&gate)
+        .unwrap()
+        .write_all(b"go\n")
+        .unwrap();
+    wait_until(&format!("{job} ends"), || {
+        matches!(
+            job_state(&d)["state"].as_str(),
+            Some("succeeded" | "failed" | "cancelled")
+        )
+    });
+    let end = job_state(&d);
+    assert_eq!(end["state"], "succeeded", "{end}\n{}", guest.log());
+
+    // A standalone job's agent leaves with its job: nothing is left.
+    wait_until(&format!("{agent} is gone"), || !d.agents().contains(&agent));
+    wait_until("its rows are gone", || {
+        rows(&world.dir.sqlite_url(), &world.dir.instance())
+            .agents
+            .is_empty()
+    });
+    drop(guest);
+    world.assert_nothing_left("after the job", &[pid]);
+    d.terminate();
 }
