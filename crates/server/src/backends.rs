@@ -421,20 +421,22 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
         kici_netpolicy::DockerUserMode::Leave,
     )
     .await?;
-    let options = kici_firecracker::FirecrackerOptions::new(
+    let mut options = kici_firecracker::FirecrackerOptions::new(
         ctx.instance,
         network.clone(),
         allocator(&ctx, "Firecracker")?,
         Arc::new(kici_firecracker::NetPolicyEgress(table.clone())),
         std::env::vars().collect(),
     );
+    options.sweep_min_age = ctx.tuning.orphan_min_age;
     let backend = kici_firecracker::FirecrackerBackend::new(options).map_err(|e| e.to_string())?;
-    // The backend's own three-pass sweep (VM directories, TAPs, leases,
-    // rules) every 15 minutes, upstream's period; the reconciler covers
-    // start-up and `kici-scaler sweep`. `run` keeps no store: nothing of an
-    // earlier instance can be its own, so it has no periodic sweep.
+    // The backend's own sweep (VM directories, TAPs, leases, rules) every
+    // `firecracker-sweep-interval-seconds` (upstream's 15 minutes by
+    // default); the reconciler covers start-up and `kici-scaler sweep`.
+    // `run` keeps no store: nothing of an earlier instance can be its own,
+    // so it has no periodic sweep.
     let sweeper = ctx.store.clone().map(|store| {
-        backend.spawn_periodic_sweep(kici_firecracker::DEFAULT_SWEEP_INTERVAL, move || {
+        backend.spawn_periodic_sweep(ctx.tuning.firecracker_sweep_interval, move || {
             let store = store.clone();
             async move {
                 let rows = store.agents().await.ok()?;

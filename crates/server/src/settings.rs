@@ -26,6 +26,11 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:7878";
 pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:7879";
 /// Reconcile interval and age threshold (DESIGN, *Deadlines*: 120 s).
 const DEFAULT_RECONCILE_SECONDS: u64 = 120;
+/// The Firecracker backend's own orphan sweep: upstream's 15 minutes.
+const DEFAULT_FIRECRACKER_SWEEP_SECONDS: u64 = kici_firecracker::DEFAULT_SWEEP_INTERVAL.as_secs();
+/// Longest Firecracker sweep interval accepted: a day (anything longer is
+/// a typo, and a huge one would overflow the timer).
+const MAX_FIRECRACKER_SWEEP_SECONDS: u64 = 24 * 60 * 60;
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(60);
 pub const DEFAULT_EVENT_REPLAY: usize = 10_000;
 /// The environment variable holding the control API's bearer token.
@@ -170,6 +175,15 @@ pub struct ServeArgs {
         env = "KICI_SCALER_RECONCILE_AGE_SECONDS"
     )]
     pub reconcile_age_seconds: Option<u64>,
+    /// How often the Firecracker backend sweeps this instance's orphaned
+    /// VM directories, TAPs, IP leases and egress rules (1 to 86400)
+    /// [default: 900].
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "KICI_SCALER_FIRECRACKER_SWEEP_INTERVAL_SECONDS"
+    )]
+    pub firecracker_sweep_interval_seconds: Option<u64>,
     /// Mint a new instance id when the state dir belongs to another machine
     /// or its identity is unreadable.
     #[arg(long)]
@@ -202,6 +216,7 @@ pub struct DaemonFile {
     pub event_replay: Option<usize>,
     pub reconcile_interval_seconds: Option<u64>,
     pub reconcile_age_seconds: Option<u64>,
+    pub firecracker_sweep_interval_seconds: Option<u64>,
     pub container_ulimits: Option<Vec<String>>,
     pub bare_metal_pids_max: Option<NumberOrWord>,
     pub bare_metal_log_keep_bytes: Option<NumberOrWord>,
@@ -324,6 +339,11 @@ pub struct BackendTuning {
     pub bare_metal_log_keep_bytes: Option<NonZeroU64>,
     /// The agent containers' network.
     pub container_network: kici_container::NetworkSettings,
+    /// Between two sweeps of the Firecracker backend's own orphans.
+    pub firecracker_sweep_interval: Duration,
+    /// The reconcile age threshold: the Firecracker sweep spares anything
+    /// of an agent younger than this too.
+    pub orphan_min_age: Duration,
 }
 
 impl Default for BackendTuning {
@@ -335,6 +355,8 @@ impl Default for BackendTuning {
                 kici_backends::BareMetalOptions::DEFAULT_LOG_KEEP_BYTES,
             ),
             container_network: kici_container::NetworkSettings::default(),
+            firecracker_sweep_interval: kici_firecracker::DEFAULT_SWEEP_INTERVAL,
+            orphan_min_age: Duration::from_secs(DEFAULT_RECONCILE_SECONDS),
         }
     }
 }
@@ -418,6 +440,7 @@ impl BackendArgs {
             bare_metal_pids_max: pids.map_or(defaults.bare_metal_pids_max, Limit::get),
             bare_metal_log_keep_bytes: log_keep
                 .map_or(defaults.bare_metal_log_keep_bytes, Limit::get),
+            ..defaults
         }
     }
 }
@@ -592,7 +615,21 @@ impl DaemonSettings {
             &file.reconcile_age_seconds,
             DEFAULT_RECONCILE_SECONDS,
         );
-        let backends = args.backend.resolve(file, &mut errors);
+        let firecracker_sweep = pick(
+            &args.firecracker_sweep_interval_seconds,
+            &file.firecracker_sweep_interval_seconds,
+            DEFAULT_FIRECRACKER_SWEEP_SECONDS,
+        );
+        if firecracker_sweep == 0 {
+            errors.push("firecracker-sweep-interval-seconds must be at least 1".to_owned());
+        } else if firecracker_sweep > MAX_FIRECRACKER_SWEEP_SECONDS {
+            errors.push(format!(
+                "firecracker-sweep-interval-seconds: {firecracker_sweep} is more than a day; at most {MAX_FIRECRACKER_SWEEP_SECONDS}"
+            ));
+        }
+        let mut backends = args.backend.resolve(file, &mut errors);
+        backends.firecracker_sweep_interval = Duration::from_secs(firecracker_sweep);
+        backends.orphan_min_age = Duration::from_secs(reconcile_age);
 
         match (config, listen, gateway_listen, state) {
             (Some(config), Some(listen), Some(gateway_listen), Some(state))
@@ -836,6 +873,57 @@ mod tests {
             "container-bridge:",
         ] {
             assert!(msg.contains(needle), "{needle} missing from {msg}");
+        }
+    }
+
+    #[test]
+    fn firecracker_sweep_interval_from_flag_file_default_and_its_bounds() {
+        let s = DaemonSettings::resolve(&args(), None).unwrap();
+        assert_eq!(
+            s.backends.firecracker_sweep_interval,
+            Duration::from_secs(15 * 60)
+        );
+        // The sweep spares what the reconciler spares.
+        assert_eq!(s.backends.orphan_min_age, s.reconcile_age);
+
+        let file: DaemonFile =
+            toml::from_str("firecracker-sweep-interval-seconds = 30\nreconcile-age-seconds = 7\n")
+                .unwrap();
+        let yaml: DaemonFile = serde_norway::from_str(
+            "firecracker-sweep-interval-seconds: 30\nreconcile-age-seconds: 7\n",
+        )
+        .unwrap();
+        assert_eq!(yaml, file);
+        let s = DaemonSettings::resolve(&args(), Some(&file)).unwrap();
+        assert_eq!(
+            s.backends.firecracker_sweep_interval,
+            Duration::from_secs(30)
+        );
+        assert_eq!(s.backends.orphan_min_age, Duration::from_secs(7));
+        let mut a = args();
+        a.firecracker_sweep_interval_seconds = Some(2);
+        let s = DaemonSettings::resolve(&a, Some(&file)).unwrap();
+        assert_eq!(
+            s.backends.firecracker_sweep_interval,
+            Duration::from_secs(2)
+        );
+        a.firecracker_sweep_interval_seconds = Some(24 * 60 * 60);
+        assert!(DaemonSettings::resolve(&a, None).is_ok());
+
+        for (bad, says) in [
+            (0, "at least 1"),
+            (86_401, "at most 86400"),
+            (u64::MAX, "at most"),
+        ] {
+            let mut a = args();
+            a.firecracker_sweep_interval_seconds = Some(bad);
+            let SettingsError::Invalid(msg) = DaemonSettings::resolve(&a, None).unwrap_err() else {
+                panic!("not Invalid");
+            };
+            assert!(
+                msg.contains("firecracker-sweep-interval-seconds") && msg.contains(says),
+                "{bad}: {msg}"
+            );
         }
     }
 

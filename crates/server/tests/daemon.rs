@@ -665,3 +665,51 @@ fn daemon_settings_come_from_a_file_under_flags_and_env() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"));
 }
+
+#[test]
+fn a_firecracker_sweep_interval_out_of_bounds_is_refused_naming_the_setting() {
+    let dir = Dir::with_config(CONFIG);
+    std::fs::write(
+        dir.path("daemon.toml"),
+        "firecracker-sweep-interval-seconds = 0\n",
+    )
+    .unwrap();
+    let daemon_config = dir.path("daemon.toml");
+    let from_file = dir
+        .serve_command(&[
+            "--memory-backends",
+            "--listen",
+            "127.0.0.1:0",
+            "--daemon-config",
+            daemon_config.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let from_flag = dir
+        .serve_command(&[
+            "--memory-backends",
+            "--listen",
+            "127.0.0.1:0",
+            "--firecracker-sweep-interval-seconds",
+            "100000000",
+        ])
+        .output()
+        .unwrap();
+    let from_env = dir
+        .serve_command(&["--memory-backends", "--listen", "127.0.0.1:0"])
+        .env("KICI_SCALER_FIRECRACKER_SWEEP_INTERVAL_SECONDS", "0")
+        .output()
+        .unwrap();
+    for (out, says) in [
+        (from_file, "at least 1"),
+        (from_flag, "at most 86400"),
+        (from_env, "at least 1"),
+    ] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("firecracker-sweep-interval-seconds") && stderr.contains(says),
+            "{stderr}"
+        );
+    }
+}
