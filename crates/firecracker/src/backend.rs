@@ -309,6 +309,13 @@ macro_rules! step {
     };
 }
 
+impl Inner {
+    /// Does this daemon follow `agent`'s VM?
+    pub(crate) fn tracked_contains(&self, agent: &AgentId) -> bool {
+        self.tracked.lock().contains_key(agent)
+    }
+}
+
 impl FirecrackerBackend {
     pub fn new(options: FirecrackerOptions) -> Result<Self, SetupError> {
         let forwarded = ForwardedEnv::from_vars(options.forwarded_env)?;

@@ -16,7 +16,11 @@
 //! anything else, and destroy removes it last, so the marker's mtime dates
 //! every TAP, lease and rule of that agent; anything younger than
 //! `sweep_min_age` is left alone. Spawns and VMs this daemon follows are
-//! never touched whatever their age.
+//! never touched whatever their age: that is checked again right before
+//! each removal, since a spawn may begin while the sweep runs (everything a
+//! spawn takes is taken after it is marked in flight, and it is followed
+//! before that mark goes, so a resource listed earlier whose agent is
+//! neither in flight nor followed at that moment is no spawn's).
 
 use crate::backend::{read_vmm_marker, FirecrackerBackend, Teardown};
 use crate::names::{self, JailLayout};
@@ -98,6 +102,10 @@ impl FirecrackerBackend {
         let mut report = SweepReport::default();
         let mut live: HashSet<AgentId> = self.tracked().into_iter().collect();
         live.extend(inner.in_flight.lock().iter().copied());
+        // Asked again right before each removal (see the module doc).
+        let busy = |agent: &AgentId| {
+            inner.in_flight.lock().contains(agent) || inner.tracked_contains(agent)
+        };
         let now = SystemTime::now();
         let young = |t: SystemTime| {
             now.duration_since(t)
@@ -125,6 +133,10 @@ impl FirecrackerBackend {
                         continue;
                     }
                 }
+                if busy(&agent) {
+                    protected_agents.insert(agent);
+                    continue;
+                }
                 let parts = Teardown {
                     layout: Some(layout.clone()),
                     identity: recorded.filter(ProcessIdentity::is_current),
@@ -150,7 +162,10 @@ impl FirecrackerBackend {
             Ok(netlink) => match netlink.list().await {
                 Ok(links) => {
                     for (agent, tap) in owned_taps(&links, inner.instance, &self.protected()) {
-                        if protected_agents.contains(&agent) || remaining.contains(&agent) {
+                        if protected_agents.contains(&agent)
+                            || remaining.contains(&agent)
+                            || busy(&agent)
+                        {
                             continue;
                         }
                         match netlink.delete(&tap).await {
@@ -159,16 +174,19 @@ impl FirecrackerBackend {
                                 if let Err(e) = inner.egress.remove(&agent).await {
                                     report.errors.push(format!("{agent} rules: {e}"));
                                 }
-                                if let Err(e) = inner.allocator.release_agent(&agent).await {
-                                    report.errors.push(format!("{agent} lease: {e}"));
+                                match inner.allocator.release_agent(&agent).await {
+                                    Ok(n) => {
+                                        report.leases += usize::try_from(n).unwrap_or(usize::MAX)
+                                    }
+                                    Err(e) => report.errors.push(format!("{agent} lease: {e}")),
                                 }
                                 report.taps.push(tap);
+                                if let Err(e) = sweep_step(crate::fp::SWEEP_TAP) {
+                                    report.errors.push(e);
+                                    return report;
+                                }
                             }
                             Err(e) => report.errors.push(format!("{tap}: {e}")),
-                        }
-                        if let Err(e) = sweep_step(crate::fp::SWEEP_TAP) {
-                            report.errors.push(e);
-                            return report;
                         }
                     }
                 }
@@ -184,21 +202,28 @@ impl FirecrackerBackend {
                     if lease.network != inner.pool.network()
                         || protected_agents.contains(&lease.agent)
                         || remaining.contains(&lease.agent)
+                        || busy(&lease.agent)
                     {
                         continue;
                     }
-                    match inner.allocator.release_ip(lease.network, lease.ip).await {
-                        Ok(true) => report.leases += 1,
-                        Ok(false) => {}
+                    // By agent, not by address: should the address have
+                    // been released meanwhile (a destroy, the reconciler)
+                    // and leased again, it is another agent's now.
+                    match inner.allocator.release_agent(&lease.agent).await {
+                        Ok(0) => {}
+                        Ok(n) => {
+                            tracing::info!(agent_id = %lease.agent, ip = %lease.ip, "sweep: released an orphaned IP lease");
+                            report.leases += usize::try_from(n).unwrap_or(usize::MAX);
+                            if let Err(e) = sweep_step(crate::fp::SWEEP_LEASES) {
+                                report.errors.push(e);
+                                return report;
+                            }
+                        }
                         Err(e) => report.errors.push(format!("{}: {e}", lease.ip)),
                     }
                 }
             }
             Err(e) => report.errors.push(e.to_string()),
-        }
-        if let Err(e) = sweep_step(crate::fp::SWEEP_LEASES) {
-            report.errors.push(e);
-            return report;
         }
 
         // 4. Rules.
@@ -208,15 +233,17 @@ impl FirecrackerBackend {
             Ok(n) => report.rules = n,
             Err(e) => report.errors.push(e.to_string()),
         }
-        if report.total() > 0 || !report.errors.is_empty() {
-            tracing::info!(
-                vms = report.vms.len(),
-                taps = report.taps.len(),
-                leases = report.leases,
-                rules = report.rules,
-                errors = report.errors.len(),
-                "Firecracker orphan sweep"
-            );
+        // Every pass, even an empty one: that it ran is worth knowing.
+        tracing::info!(
+            vms = report.vms.len(),
+            taps = report.taps.len(),
+            leases = report.leases,
+            rules = report.rules,
+            errors = report.errors.len(),
+            "Firecracker orphan sweep"
+        );
+        for e in &report.errors {
+            tracing::warn!(error = %e, "Firecracker orphan sweep");
         }
         report
     }
