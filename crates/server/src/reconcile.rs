@@ -170,6 +170,9 @@ impl Reconciler {
             .map(Runtime::live_agent_ids)
             .unwrap_or_default();
         let known = |a: &AgentId| live.contains(a) || recorded.contains(a);
+        // Agents with a resource too young to judge: a spawn may be under
+        // way; their leases stay too.
+        let mut young_agents: HashSet<AgentId> = HashSet::new();
 
         let mut still_marked = HashSet::new();
         let previously = std::mem::take(&mut *self.marked.lock());
@@ -192,6 +195,7 @@ impl Reconciler {
                 let age = now.duration_since(resource.created_at).unwrap_or_default();
                 if age < self.age_threshold {
                     report.young += 1;
+                    young_agents.extend(resource.agent);
                     continue;
                 }
                 let orphan = orphan_of(backend.kind(), &resource, age);
@@ -213,7 +217,8 @@ impl Reconciler {
         }
         *self.marked.lock() = still_marked;
 
-        self.release_leases(&known, reaping, &mut report).await;
+        let spared = |a: &AgentId| known(a) || young_agents.contains(a);
+        self.release_leases(&spared, reaping, &mut report).await;
         if reaping != Reaping::DryRun {
             for sweep in &self.rule_sweeps {
                 match sweep.sweep_stale_rules().await {
@@ -339,8 +344,16 @@ impl Reconciler {
                 return;
             }
         };
+        // Taken after the leases: an agent admitted since the pass began
+        // (whose spawn may have leased an address) is live by now. A lease
+        // listed whose agent is not live then is no spawn's.
+        let live_now = self
+            .runtime
+            .as_ref()
+            .map(Runtime::live_agent_ids)
+            .unwrap_or_default();
         for lease in leases {
-            if known(&lease.agent) {
+            if known(&lease.agent) || live_now.contains(&lease.agent) {
                 continue;
             }
             let name = format!("{} {}", lease.network, lease.ip);
@@ -348,15 +361,18 @@ impl Reconciler {
                 report.leases_released.push(name);
                 continue;
             }
-            match self.store.release_ip(lease.network, lease.ip).await {
-                Ok(true) => {
+            // By agent, not by address: had the address been released
+            // meanwhile (a destroy) and leased again, it would be another
+            // agent's now.
+            match self.store.release_agent(&lease.agent).await {
+                Ok(0) => {}
+                Ok(_) => {
                     hit(FP_LEASE_RELEASED);
                     if let Some(m) = &self.metrics {
                         m.orphan_reaped(OrphanKind::IpLease);
                     }
                     report.leases_released.push(name);
                 }
-                Ok(false) => {}
                 Err(e) => report.errors.push(format!("releasing lease {name}: {e}")),
             }
         }
@@ -408,13 +424,22 @@ fn orphan_of(backend: ScalerType, resource: &OwnedResource, age: Duration) -> Or
 fn kind_of(backend: ScalerType, handle: &ResourceHandle) -> OrphanKind {
     match backend {
         ScalerType::Container => OrphanKind::Container,
+        // A VM directory that recorded its Firecracker process, one that
+        // did not get that far, or a TAP left on its own (the handles
+        // kici-firecracker's `list_owned` gives).
         ScalerType::Firecracker => {
-            if handle.extra.contains_key("pid") || handle.id.starts_with("pid:") {
+            if handle
+                .extra
+                .contains_key(kici_firecracker::backend::EXTRA_VMM)
+            {
                 OrphanKind::Vm
-            } else if handle.extra.contains_key("tap") && !handle.extra.contains_key("chroot") {
-                OrphanKind::Tap
-            } else {
+            } else if handle
+                .extra
+                .contains_key(kici_firecracker::backend::EXTRA_VM_DIR)
+            {
                 OrphanKind::Chroot
+            } else {
+                OrphanKind::Tap
             }
         }
         _ => {
