@@ -9,175 +9,13 @@
 
 mod common;
 
-use common::daemon::{agents_with_rules, rows, tool, wait_until, Daemon, Dir, FAST_RECONCILE};
-use kici_model::InstanceId;
+use common::daemon::{agents_with_rules, rows, wait_until, Daemon, Dir, FAST_RECONCILE};
+use common::firecracker::agents_with_taps;
+use common::firecracker_standin::{plant_lease, PlantedTap, World};
+use kici_model::{AgentId, InstanceId, ScalerType};
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
-
-const FAKE_FIRECRACKER: &str = include_str!("../../firecracker/tests/support/fake_firecracker.py");
-const FAKE_JAILER: &str = include_str!("../../firecracker/tests/support/fake_jailer.sh");
-
-/// One test directory: stand-in binaries, images, a provisioned bridge of
-/// its own, and on drop every VMM it started killed and the host setup
-/// torn down.
-struct World {
-    dir: Dir,
-    subnet: String,
-    bridge: String,
-}
-
-impl World {
-    fn new() -> Self {
-        let dir = Dir::with_config("");
-        let bin = dir.path("bin");
-        let pids = dir.path("pids");
-        std::fs::create_dir_all(&bin).unwrap();
-        std::fs::create_dir_all(&pids).unwrap();
-        // The jail directory is named after the exec file: "firecracker".
-        let firecracker = dir.write_script("bin/firecracker", FAKE_FIRECRACKER);
-        let jailer = dir.write_script(
-            "bin/jailer",
-            &FAKE_JAILER.replace("@PIDS@", pids.to_str().unwrap()),
-        );
-        std::fs::write(dir.path("vmlinux"), b"kernel image").unwrap();
-        std::fs::write(dir.path("rootfs.ext4"), b"rootfs image").unwrap();
-        let r = rand::random::<u32>();
-        let subnet = format!("10.{}.{}.0/24", 150 + r % 40, (r >> 8) as u8);
-        let bridge = format!("kfx{r:08x}");
-        let yaml = format!(
-            "version: 1
-firecracker:
-  cidr: {subnet}
-  bridgeName: {bridge}
-scalers:
-  - name: vm
-    type: firecracker
-    maxAgents: 4
-    firecrackerPath: {fc}
-    jailerPath: {jailer}
-    kernelPath: {kernel}
-    chrootBaseDir: {base}
-    uid: 10000
-    gid: 10000
-    labelSets:
-      - labels: [linux, vm]
-        rootfsPath: {rootfs}
-        overlayDriveSizeMib: 16
-",
-            fc = firecracker.display(),
-            jailer = jailer.display(),
-            kernel = dir.path("vmlinux").display(),
-            base = dir.path("jail").display(),
-            rootfs = dir.path("rootfs.ext4").display(),
-        );
-        std::fs::write(dir.path("scalers.yaml"), yaml).unwrap();
-        let world = World {
-            dir,
-            subnet,
-            bridge,
-        };
-        let out = world.firecracker("provision");
-        assert!(out.status.success(), "provision: {out:?}");
-        world
-    }
-
-    fn firecracker(&self, action: &str) -> std::process::Output {
-        self.dir
-            .command(&["firecracker", action, "--config"])
-            .arg(self.dir.path("scalers.yaml"))
-            .output()
-            .unwrap()
-    }
-
-    /// Pids of the stand-in VMMs the jailer started that still run (a
-    /// zombie counts as gone).
-    fn running_vmms(&self) -> Vec<String> {
-        std::fs::read_dir(self.dir.path("pids"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| std::fs::read_to_string(e.path()).ok())
-            .map(|pid| pid.trim().to_owned())
-            .filter(|pid| {
-                std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                    stat.rsplit(')')
-                        .next()
-                        .is_some_and(|r| !r.trim_start().starts_with('Z'))
-                })
-            })
-            .collect()
-    }
-
-    /// VM directories under the chroot base.
-    fn vm_dirs(&self) -> BTreeSet<String> {
-        std::fs::read_dir(self.dir.path("jail/firecracker"))
-            .map(|entries| {
-                entries
-                    .flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        if let Ok(entries) = std::fs::read_dir(self.dir.path("pids")) {
-            for pid in entries.flatten() {
-                if let Ok(pid) = std::fs::read_to_string(pid.path()) {
-                    let _ = tool("kill", &["-9", pid.trim()]);
-                }
-            }
-        }
-        // A daemon leaves its instance's subnet rules for its successor;
-        // no successor comes for a test's instance.
-        if let Ok(instance) = std::fs::read_to_string(self.dir.path("state/instance-id")) {
-            if let Ok(instance) = instance.trim().parse::<InstanceId>() {
-                let (subnet, bridge) = (self.subnet.parse().unwrap(), self.bridge.clone());
-                let _ = std::thread::spawn(move || {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap()
-                        .block_on(async {
-                            let table = kici_netpolicy::EgressTable::ensure(
-                                instance,
-                                subnet,
-                                kici_netpolicy::TableOptions {
-                                    agent_bridge: Some(bridge),
-                                    docker_user: kici_netpolicy::DockerUserMode::Leave,
-                                    ..kici_netpolicy::TableOptions::default()
-                                },
-                            )
-                            .await;
-                            if let Ok(table) = table {
-                                let _ = table.sweep_stale(&[]).await;
-                                let _ = table.teardown().await;
-                            }
-                        })
-                })
-                .join();
-            }
-        }
-        let _ = self.firecracker("teardown");
-    }
-}
-
-/// Agents of `instance` with a TAP (its ifalias is the owner tag
-/// `kici-scaler:<instance>:<agent>`).
-fn agents_with_taps(instance: InstanceId) -> BTreeSet<String> {
-    let links: serde_json::Value =
-        serde_json::from_str(&tool("ip", &["-j", "link", "show"])).unwrap_or_default();
-    let tag = format!("kici-scaler:{instance}:");
-    links
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|l| l["ifalias"].as_str()?.strip_prefix(&tag).map(str::to_owned))
-        .collect()
-}
 
 /// After restart and reconcile: VM directories, TAPs, leases and rows are
 /// exactly the live agents'; rules belong to live agents only.
@@ -240,11 +78,13 @@ const DESTROY_STEPS: &[&str] = &[
     "firecracker::destroy::chroot",
 ];
 
-/// Reached only by the backend's own 15-minute sweep: proven in
-/// kici-firecracker's failpoint tests (`return` at each), not by a daemon
-/// crash here. (The MMDS clear after a guest agent's `config.ack` needs a
-/// real guest agent: `firecracker_testkit_e2e.rs` crashes there.)
-const NOT_CRASHED_HERE: &[&str] = &["firecracker::sweep::tap", "firecracker::sweep::leases"];
+/// Steps no daemon crash test reaches, each with why. None now: the MMDS
+/// clear after a guest agent's `config.ack` needs a real guest agent
+/// (`firecracker_testkit_e2e.rs` crashes there), the sweep's are below.
+const NOT_CRASHED_HERE: &[&str] = &[];
+
+/// The backend's own sweep, each step of which removes one orphan.
+const SWEEP_STEPS: &[&str] = &["firecracker::sweep::tap", "firecracker::sweep::leases"];
 
 fn scale(d: &Daemon, job: &str) -> Option<String> {
     let (status, body) = d.scale(job, &["linux", "vm"]);
@@ -278,6 +118,11 @@ fn crash_then_recover(fp: &str, trigger: impl FnOnce(&Daemon) -> Vec<String>) {
         assert!(live.contains(s), "{fp}: {s} was not re-adopted");
     }
     d.terminate();
+    assert_nothing_left(&world, fp);
+}
+
+/// After a clean shutdown: no VM directory, VMM, TAP, rule, lease or row.
+fn assert_nothing_left(world: &World, fp: &str) {
     let instance: InstanceId = world.dir.instance().parse().unwrap();
     assert!(world.vm_dirs().is_empty(), "{fp}: VM directories left");
     assert_eq!(
@@ -345,6 +190,129 @@ fn serial_firecracker_crash_while_ensuring_the_rules_table_at_start_up_leaks_not
     assert!(agents_with_taps(instance).is_empty() && agents_with_rules(instance).is_empty());
 }
 
+/// The backend's own sweep every second, and no periodic reconcile pass
+/// (only the start-up one): an orphan planted once the daemon is up is
+/// the sweep's to remove.
+const SWEEP_EVERY_SECOND: &[&str] = &[
+    "--listen",
+    "127.0.0.1:0",
+    "--reconcile-age-seconds",
+    "0",
+    "--reconcile-interval-seconds",
+    "3600",
+    "--firecracker-sweep-interval-seconds",
+    "1",
+];
+
+/// What a test planted for the sweep to remove.
+enum Orphan {
+    Tap(PlantedTap),
+    Lease(kici_store::Lease),
+}
+
+impl Orphan {
+    fn gone(&self, world: &World) -> bool {
+        match self {
+            Orphan::Tap(tap) => !tap.exists(),
+            Orphan::Lease(lease) => !rows(&world.dir.sqlite_url(), &world.dir.instance())
+                .leases
+                .contains(lease),
+        }
+    }
+}
+
+/// The daemon runs an agent; `plant` leaves one orphan of this instance;
+/// the backend's periodic sweep removes it and the daemon is killed right
+/// there (`fp`). Restarted without the failpoint, recovery, the reconciler
+/// and the sweep find nothing more to remove: the orphan went once, the
+/// agent runs on (same VMM) and is tracked once, nothing leaked.
+fn crash_in_the_sweep(fp: &str, plant: impl FnOnce(&World, InstanceId) -> Orphan) {
+    let world = World::new();
+    let env = [("KICI_SCALER_CRASH_AT", fp)];
+    let mut d = Daemon::try_start(&world.dir, SWEEP_EVERY_SECOND, &env)
+        .unwrap_or_else(|s| panic!("{fp}: died at start: {s:?}"));
+    let instance: InstanceId = world.dir.instance().parse().unwrap();
+    let keep = scale(&d, "keep").unwrap();
+    wait_until(&format!("{keep} is up"), || {
+        d.state_of(&keep).as_str() == "booted"
+    });
+    let vmms = world.running_vmms();
+    assert_eq!(vmms.len(), 1, "{fp}: keep's VMM");
+    let orphan = plant(&world, instance);
+    let status = d.wait_exit();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "{fp}: the daemon was to die there"
+    );
+    assert!(orphan.gone(&world), "{fp}: removed before the crash");
+
+    let mut args = FAST_RECONCILE.to_vec();
+    args.extend(["--firecracker-sweep-interval-seconds", "1"]);
+    let mut d = Daemon::start(&world.dir, &args, &[]);
+    assert_consistent(&mut d, &world, fp);
+    // Two whole sweeps after the restart: nothing of this instance left
+    // for them.
+    for _ in 0..2 {
+        let sweep = d.expect_log("Firecracker orphan sweep");
+        for field in ["vms", "taps", "leases", "rules", "errors"] {
+            assert_eq!(
+                sweep[field], 0,
+                "{fp}: the sweep after the restart: {sweep}"
+            );
+        }
+    }
+    assert_consistent(&mut d, &world, fp);
+    assert!(orphan.gone(&world), "{fp}: the orphan came back");
+    let m = d.metrics();
+    for kind in ["vm", "tap", "chroot", "ip-lease", "nftables-rule"] {
+        assert_eq!(
+            common::daemon::metric(
+                &m,
+                "kici_orch_scaler_orphans_reaped_total",
+                &format!("kind=\"{kind}\"")
+            ),
+            0.0,
+            "{fp}: the reconciler found a {kind} to reap"
+        );
+    }
+    let (_, body) = d.http("GET", "/v1/agents", None);
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let ids: Vec<&str> = listed["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a["agentId"].as_str())
+        .collect();
+    assert_eq!(ids, [keep.as_str()], "{fp}: keep, once");
+    assert_eq!(world.running_vmms(), vmms, "{fp}: keep's VMM runs on");
+    d.terminate();
+    drop(orphan);
+    assert_nothing_left(&world, fp);
+}
+
+#[test]
+fn serial_firecracker_crash_in_the_sweep_after_removing_an_orphaned_tap_leaks_nothing() {
+    crash_in_the_sweep("firecracker::sweep::tap", |world, instance| {
+        let agent = AgentId::random(ScalerType::Firecracker);
+        let tag = kici_firecracker::names::owner_tag(instance, &agent);
+        Orphan::Tap(PlantedTap::new(&agent, &world.bridge, &tag))
+    });
+}
+
+#[test]
+fn serial_firecracker_crash_in_the_sweep_after_releasing_an_orphaned_lease_leaks_nothing() {
+    crash_in_the_sweep("firecracker::sweep::leases", |world, instance| {
+        let agent = AgentId::random(ScalerType::Firecracker);
+        Orphan::Lease(plant_lease(
+            &world.dir.sqlite_url(),
+            instance,
+            &world.subnet,
+            &agent,
+        ))
+    });
+}
+
 #[test]
 fn every_firecracker_step_has_a_daemon_crash_test_or_says_why_not() {
     let out = Command::new(common::daemon::BIN)
@@ -358,6 +326,7 @@ fn every_firecracker_step_has_a_daemon_crash_test_or_says_why_not() {
         .chain(SPAWN_SHARED_STEPS)
         .chain(DESTROY_STEPS)
         .chain(["netpolicy::ensure::table"].iter())
+        .chain(SWEEP_STEPS)
         .chain(NOT_CRASHED_HERE)
         .chain(common::firecracker::CRASHED_IN_TESTKIT_E2E)
         .copied()

@@ -449,3 +449,359 @@ fn serial_crash_in_sweep_after_settling_a_gone_agent_leaks_nothing() {
     assert_eq!(d.agents(), BTreeSet::from([keep]));
     d.terminate();
 }
+
+// ----- Firecracker ----------------------------------------------------------
+
+/// Everything of the Firecracker world the sweep may touch.
+#[derive(Debug, PartialEq, Eq)]
+struct FirecrackerWorld {
+    vm_dirs: BTreeSet<String>,
+    /// `(interface, agent)` tagged for our instance.
+    our_links: BTreeSet<(String, String)>,
+    /// Those of the watched interfaces that exist.
+    links: BTreeSet<String>,
+    leases: BTreeSet<String>,
+    foreign_leases: BTreeSet<String>,
+    rows: BTreeSet<String>,
+    rules: BTreeSet<String>,
+    vmms: BTreeSet<String>,
+}
+
+fn firecracker_world(
+    world: &common::firecracker_standin::World,
+    other: kici_model::InstanceId,
+    watch: &[&str],
+) -> FirecrackerWorld {
+    let instance: kici_model::InstanceId = world.dir.instance().parse().unwrap();
+    let url = world.dir.sqlite_url();
+    let ours = rows(&url, &world.dir.instance());
+    let links: serde_json::Value =
+        serde_json::from_str(&common::daemon::tool("ip", &["-j", "link", "show"])).unwrap();
+    FirecrackerWorld {
+        vm_dirs: world.vm_dirs(),
+        our_links: common::firecracker_standin::links_tagged(instance)
+            .into_iter()
+            .collect(),
+        links: links
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l["ifname"].as_str())
+            .filter(|name| watch.contains(name))
+            .map(str::to_owned)
+            .collect(),
+        leases: ours
+            .leases
+            .iter()
+            .map(|l| format!("{} {}", l.ip, l.agent))
+            .collect(),
+        foreign_leases: rows(&url, &other.to_string())
+            .leases
+            .iter()
+            .map(|l| format!("{} {}", l.ip, l.agent))
+            .collect(),
+        rows: ours.agents.iter().map(|a| a.agent_id.to_string()).collect(),
+        rules: common::daemon::agents_with_rules(instance),
+        vmms: world.running_vmms().into_iter().collect(),
+    }
+}
+
+/// A VM directory with an owner marker `tag` as a spawn's first step makes
+/// it, dated `age` ago.
+fn plant_vm_dir(
+    world: &common::firecracker_standin::World,
+    agent: &AgentId,
+    tag: &str,
+    age: Duration,
+) {
+    let dir = world.dir.path(&format!("jail/firecracker/{agent}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let marker = dir.join(kici_firecracker::names::OWNER_MARKER);
+    std::fs::write(&marker, tag).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&marker)
+        .unwrap()
+        .set_modified(SystemTime::now() - age)
+        .unwrap();
+}
+
+/// `kici-scaler sweep --json --age-seconds <age> [extra]` on the world's
+/// state dir; its report.
+fn sweep_firecracker(
+    world: &common::firecracker_standin::World,
+    age: &str,
+    extra: &[&str],
+) -> serde_json::Value {
+    let out = world
+        .dir
+        .command(&["sweep", "--json", "--age-seconds", age])
+        .args(extra)
+        .arg("--config")
+        .arg(world.dir.path("scalers.yaml"))
+        .arg("--state-dir")
+        .arg(world.dir.path("state"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `(kind, id)` of a report's orphans.
+fn orphans_by_kind(report: &serde_json::Value) -> BTreeSet<(String, String)> {
+    report["orphans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                o["kind"].as_str().unwrap().to_owned(),
+                o["id"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// One orphan of each Firecracker kind — a running VM nobody records, a
+/// VM directory cut short after its marker, a TAP on its own, a lease of
+/// an agent that does not exist, a recorded VM whose process died — beside
+/// a young VM (a spawn in flight: directory, lease, TAP, rules, process),
+/// another instance's directory, TAP and lease, a TAP with our tag but not
+/// the name derived from its agent, and a bridge named like one of our
+/// TAPs. `kici-scaler sweep --dry-run` changes nothing; `sweep` removes
+/// exactly the orphans, by kind in its report; a second pass does nothing.
+#[test]
+fn serial_sweep_removes_exactly_the_firecracker_orphans() {
+    use common::firecracker_standin::{plant_lease, PlantedTap, World};
+    use kici_firecracker::names::owner_tag;
+    let world = World::with_tap_shaped_bridge();
+    let mut a = Daemon::start(
+        &world.dir,
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--reconcile-age-seconds",
+            AGE,
+            "--reconcile-interval-seconds",
+            "3600",
+        ],
+        &[],
+    );
+    let instance: kici_model::InstanceId = world.dir.instance().parse().unwrap();
+    let boot = |job: &str| {
+        let (status, body) = a.scale(job, &["linux", "vm"]);
+        assert_eq!(status, 202, "{body}");
+        let agent = body["agentId"].as_str().unwrap().to_owned();
+        a.wait_state(&agent, "booted");
+        agent
+    };
+    let orphan_vm = boot("orphan-vm");
+    let young = boot("young");
+    let gone = boot("gone");
+    let keep = boot("keep");
+    a.kill9();
+    let vmm_of = |agent: &str| {
+        std::fs::read_to_string(world.dir.path(&format!("pids/{agent}")))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    // Their records lost (orphan-vm, young); gone's VMM dies while no
+    // daemon runs.
+    block_on(async {
+        let s = store(&world.dir).await;
+        for agent in [&orphan_vm, &young] {
+            assert!(s
+                .delete_agent(&agent.parse::<AgentId>().unwrap())
+                .await
+                .unwrap());
+        }
+        s.close().await;
+    });
+    let gone_vmm = vmm_of(&gone);
+    common::daemon::tool("kill", &["-9", &gone_vmm]);
+    wait_until("gone's VMM is dead", || !alive(gone_vmm.parse().unwrap()));
+    let hour = Duration::from_secs(3600);
+    let marker = |agent: &str| {
+        world.dir.path(&format!(
+            "jail/firecracker/{agent}/{}",
+            kici_firecracker::names::OWNER_MARKER
+        ))
+    };
+    std::fs::File::options()
+        .write(true)
+        .open(marker(&orphan_vm))
+        .unwrap()
+        .set_modified(SystemTime::now() - hour)
+        .unwrap();
+    let cut_short = AgentId::random(ScalerType::Firecracker);
+    plant_vm_dir(&world, &cut_short, &owner_tag(instance, &cut_short), hour);
+    let lone_tap_agent = AgentId::random(ScalerType::Firecracker);
+    let lone_tap = PlantedTap::new(
+        &lone_tap_agent,
+        &world.bridge,
+        &owner_tag(instance, &lone_tap_agent),
+    );
+    let nobody = AgentId::random(ScalerType::Firecracker);
+    plant_lease(&world.dir.sqlite_url(), instance, &world.subnet, &nobody);
+    // Not ours: another instance's directory, TAP and lease; a TAP with
+    // our tag whose name is not its agent's.
+    let other: kici_model::InstanceId = "0f0e0d0c".parse().unwrap();
+    assert_ne!(other, instance);
+    let foreign = AgentId::random(ScalerType::Firecracker);
+    plant_vm_dir(&world, &foreign, &owner_tag(other, &foreign), hour);
+    let foreign_tap = PlantedTap::new(&foreign, &world.bridge, &owner_tag(other, &foreign));
+    plant_lease(&world.dir.sqlite_url(), other, &world.subnet, &foreign);
+    let misnamed_agent = AgentId::random(ScalerType::Firecracker);
+    let misnamed = PlantedTap::new(
+        &AgentId::random(ScalerType::Firecracker),
+        &world.bridge,
+        &owner_tag(instance, &misnamed_agent),
+    );
+
+    let watch = [
+        world.bridge.as_str(),
+        lone_tap.name.as_str(),
+        foreign_tap.name.as_str(),
+        misnamed.name.as_str(),
+    ];
+    let before = firecracker_world(&world, other, &watch);
+    assert_eq!(before.links.len(), 4, "{before:?}");
+    let expected: BTreeSet<(String, String)> = [
+        ("vm".to_owned(), orphan_vm.clone()),
+        ("chroot".to_owned(), cut_short.to_string()),
+        ("tap".to_owned(), lone_tap_agent.to_string()),
+    ]
+    .into();
+
+    // A dry run reports and changes nothing.
+    let dry = sweep_firecracker(&world, AGE, &["--dry-run"]);
+    assert_eq!(dry["dryRun"], true, "{dry}");
+    assert_eq!(orphans_by_kind(&dry), expected, "{dry}");
+    assert_eq!(dry["goneRecorded"], serde_json::json!([gone]), "{dry}");
+    assert_eq!(dry["young"], 1, "{dry}");
+    assert_eq!(dry["reaped"], serde_json::json!([]), "{dry}");
+    // orphan-vm's and nobody's; never the young spawn's.
+    assert_eq!(dry["leasesReleased"].as_array().unwrap().len(), 2, "{dry}");
+    assert_eq!(dry["errors"], serde_json::json!([]), "{dry}");
+    assert_eq!(
+        firecracker_world(&world, other, &watch),
+        before,
+        "the dry run"
+    );
+
+    // The pass: exactly the orphans go, each counted by its kind.
+    let report = sweep_firecracker(&world, AGE, &[]);
+    assert_eq!(orphans_by_kind(&report), expected, "{report}");
+    let reaped: BTreeSet<String> = report["reaped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        reaped,
+        expected.iter().map(|(_, id)| id.clone()).collect(),
+        "{report}"
+    );
+    assert_eq!(
+        report["goneRecorded"],
+        serde_json::json!([gone]),
+        "{report}"
+    );
+    assert_eq!(report["young"], 1, "{report}");
+    assert_eq!(report["errors"], serde_json::json!([]), "{report}");
+    let nobody_lease = before
+        .leases
+        .iter()
+        .find(|l| l.ends_with(&nobody.to_string()))
+        .unwrap()
+        .clone();
+    assert_eq!(
+        report["leasesReleased"].as_array().unwrap().len(),
+        1,
+        "only the lease of nobody is left to release on its own: {report}"
+    );
+
+    let after = firecracker_world(&world, other, &watch);
+    let survivors: BTreeSet<String> = [young.clone(), keep.clone()].into();
+    assert_eq!(
+        after.vm_dirs,
+        survivors
+            .iter()
+            .cloned()
+            .chain([foreign.to_string()])
+            .collect(),
+        "VM directories"
+    );
+    let tapped: BTreeSet<String> = after.our_links.iter().map(|(_, a)| a.clone()).collect();
+    assert_eq!(
+        tapped,
+        survivors
+            .iter()
+            .cloned()
+            .chain([misnamed_agent.to_string()])
+            .collect(),
+        "TAPs tagged for this instance"
+    );
+    assert!(!lone_tap.exists(), "the lone TAP");
+    assert!(foreign_tap.exists() && misnamed.exists(), "TAPs not ours");
+    assert!(after.links.contains(&world.bridge), "the bridge");
+    let leased: BTreeSet<String> = after
+        .leases
+        .iter()
+        .map(|l| l.rsplit(' ').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(leased, survivors, "leases (the young spawn keeps its own)");
+    assert!(!after.leases.contains(&nobody_lease));
+    assert_eq!(after.foreign_leases, before.foreign_leases, "foreign lease");
+    assert_eq!(after.rows, BTreeSet::from([keep.clone()]), "rows");
+    assert_eq!(after.rules, survivors, "rules");
+    assert_eq!(
+        after.vmms,
+        [vmm_of(&young), vmm_of(&keep)].into(),
+        "running VMMs"
+    );
+    assert!(!alive(vmm_of(&orphan_vm).parse().unwrap()));
+
+    // A second pass finds nothing to do.
+    let again = sweep_firecracker(&world, AGE, &[]);
+    for field in [
+        "orphans",
+        "reaped",
+        "goneRecorded",
+        "leasesReleased",
+        "errors",
+    ] {
+        assert_eq!(again[field], serde_json::json!([]), "{field}: {again}");
+    }
+    assert_eq!(again["young"], 1, "{again}");
+    assert_eq!(
+        firecracker_world(&world, other, &watch),
+        after,
+        "the second pass"
+    );
+
+    // Once old enough, the young one goes too; the daemon then takes keep
+    // back and destroys it at shutdown.
+    let late = sweep_firecracker(&world, "0", &[]);
+    assert_eq!(
+        orphans_by_kind(&late),
+        [("vm".to_owned(), young.clone())].into(),
+        "{late}"
+    );
+    let d = Daemon::start(&world.dir, &["--listen", "127.0.0.1:0"], &[]);
+    assert_eq!(d.agents(), BTreeSet::from([keep]));
+    d.terminate();
+    let end = firecracker_world(&world, other, &watch);
+    assert_eq!(end.vm_dirs, BTreeSet::from([foreign.to_string()]));
+    assert_eq!(
+        end.our_links
+            .iter()
+            .map(|(_, a)| a.clone())
+            .collect::<BTreeSet<_>>(),
+        BTreeSet::from([misnamed_agent.to_string()])
+    );
+    assert!(end.leases.is_empty() && end.rows.is_empty() && end.rules.is_empty());
+    assert!(end.vmms.is_empty());
+}

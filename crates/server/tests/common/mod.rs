@@ -4,6 +4,7 @@
 
 pub mod daemon;
 pub mod firecracker;
+pub mod firecracker_standin;
 
 use serde_json::{json, Value};
 
