@@ -5,7 +5,6 @@
 //! instance's subnet rules and the bridge removed).
 
 use super::daemon::{tool, Dir};
-use super::firecracker::agents_with_taps;
 use kici_model::InstanceId;
 use std::collections::BTreeSet;
 
