@@ -8,9 +8,9 @@ use crate::yaml::quote;
 use kici_model::{
     BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime, ContainerSettings,
     FirecrackerSettings, LabelSet, MachinePool, Origin, ResourceCap, ResourceRequest, Role, Roles,
-    ScalerEntry, ScalerExtension, ScalerName, ScalerType, WarmPoolConfig,
+    ScalerEntry, ScalerExtension, ScalerName, ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -64,7 +64,7 @@ const OWNED: [(&str, &[ScalerType]); 14] = [
     ("memSizeMib", FIRECRACKER),
 ];
 
-const EXT_KEYS: [&str; 8] = [
+const EXT_KEYS: [&str; 9] = [
     "provisionTimeoutSeconds",
     "registrationTimeoutSeconds",
     "pendingDispatchTimeoutSeconds",
@@ -73,6 +73,7 @@ const EXT_KEYS: [&str; 8] = [
     "apiCallTimeoutSeconds",
     "idleGraceSeconds",
     "backoff",
+    "ulimits",
 ];
 
 const BACKOFF_KEYS: [&str; 4] = [
@@ -252,7 +253,97 @@ fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtensi
     if let Some(b) = cx.opt(&obj, "backoff", backoff).value() {
         ext.backoff = b;
     }
+    if let Some(u) = cx.opt(&obj, "ulimits", ulimits).value() {
+        if kind == ScalerType::Container {
+            ext.ulimits = u;
+        } else {
+            cx.err_field(
+                &obj,
+                "ulimits",
+                format!("ulimits apply to container scalers only, not to type \"{kind}\""),
+            );
+        }
+    }
     (cx.error_count() == before).then_some(ext)
+}
+
+/// Largest ulimit value taken: every integer up to it is exact in a YAML
+/// number read as f64.
+const MAX_ULIMIT: u64 = 1 << 53;
+
+/// `ulimits:` as compose writes it: `{nofile: {soft: 20000, hard: 40000},
+/// nproc: 4096}` (a bare integer sets soft and hard alike).
+fn ulimits(cx: &mut Cx, v: &Val<'_>) -> Option<BTreeMap<UlimitName, UlimitValue>> {
+    let obj = cx.obj(v)?;
+    let before = cx.error_count();
+    let mut out = BTreeMap::new();
+    for (k, node) in obj.map.iter() {
+        let val = cx.value_of(&obj.val, k, node);
+        let Ok(name) = k.as_str().parse::<UlimitName>() else {
+            let known: Vec<&str> = UlimitName::ALL.iter().map(|n| n.as_str()).collect();
+            cx.error(
+                cx.origin_at(k.mark()),
+                val.path(),
+                format!(
+                    "unknown ulimit {}; known: {}",
+                    quote(k.as_str()),
+                    known.join(", ")
+                ),
+            );
+            continue;
+        };
+        let limit = if let Some(limits) = val.node.as_mapping() {
+            let limits = Obj { map: limits, val };
+            cx.check_keys(&limits, &["soft", "hard"], Keys::Strict, |_| None);
+            let soft = cx.required(&limits, "soft", ulimit_number);
+            let hard = cx.required(&limits, "hard", ulimit_number);
+            let (Some(soft), Some(hard)) = (soft, hard) else {
+                continue;
+            };
+            match UlimitValue::new(soft, hard) {
+                Some(l) => l,
+                None => {
+                    cx.err(
+                        &val,
+                        format!("ulimit {name}: soft ({soft}) must not exceed hard ({hard})"),
+                    );
+                    continue;
+                }
+            }
+        } else {
+            let Some(n) = ulimit_number(cx, &val) else {
+                continue;
+            };
+            match UlimitValue::new(n, n) {
+                Some(l) => l,
+                // Unreachable (soft == hard <= MAX_ULIMIT); reported anyway.
+                None => {
+                    cx.err(&val, format!("ulimit {name}: {n} is out of range"));
+                    continue;
+                }
+            }
+        };
+        out.insert(name, limit);
+    }
+    (cx.error_count() == before).then_some(out)
+}
+
+fn ulimit_number(cx: &mut Cx, v: &Val<'_>) -> Option<u64> {
+    const WHAT: &str = "an integer >= 0 (or a mapping {soft, hard} of them)";
+    let n = cx.any_number(v, WHAT)?;
+    if n < 0.0 {
+        cx.err(v, format!("a ulimit must not be negative, got {n}"));
+        return None;
+    }
+    if !n.is_finite() || n.fract() != 0.0 || n > MAX_ULIMIT as f64 {
+        cx.err(
+            v,
+            format!("expected an integer between 0 and {MAX_ULIMIT}, got {n}"),
+        );
+        return None;
+    }
+    // Checked just above: integral, non-negative, at most 2^53.
+    Some(n as u64)
 }
 
 fn backoff(cx: &mut Cx, v: &Val<'_>) -> Option<BackoffPolicy> {

@@ -6,7 +6,7 @@
 mod common;
 use common::*;
 use kici_config::load_documents;
-use kici_model::{ScalerExtension, ScalerType};
+use kici_model::{ScalerExtension, ScalerType, UlimitName, UlimitValue};
 use std::time::Duration;
 
 #[test]
@@ -535,6 +535,66 @@ fn scaler_extension() {
     assert_error(
         &with("{backoff: {jitter: 1}}"),
         &["backoff.jitter", "unrecognized key"],
+    );
+}
+
+/// `x-kici-scaler.ulimits`, compose's shape: a mapping `{soft, hard}` or a
+/// bare integer for both.
+#[test]
+fn scaler_extension_ulimits() {
+    let with = |ulimits: &str| {
+        with_scalers(&container("c", "a").replace(
+            "    labelSets:",
+            &format!("    x-kici-scaler:\n      ulimits:\n{ulimits}    labelSets:"),
+        ))
+    };
+    assert!(ok(&with_scalers(&container("c", "a"))).config.scalers[0]
+        .ext
+        .ulimits
+        .is_empty());
+    let l = ok(&with(
+        "        nofile: {soft: 20000, hard: 40000}\n        nproc: 4096\n        memlock:\n          soft: 0\n          hard: 0\n",
+    ));
+    let u = &l.config.scalers[0].ext.ulimits;
+    assert_eq!(u.len(), 3);
+    assert_eq!(
+        u[&UlimitName::Nofile],
+        UlimitValue::new(20000, 40000).unwrap()
+    );
+    assert_eq!(u[&UlimitName::Nproc], UlimitValue::new(4096, 4096).unwrap());
+    assert_eq!(u[&UlimitName::Memlock], UlimitValue::new(0, 0).unwrap());
+
+    // Every problem at its own file:line:col, all of them reported.
+    let lines = err_lines(&with(
+        "        nofile: {soft: 40000, hard: 20000}\n        nprocs: 4096\n        core: -1\n        stack: {soft: 1}\n        rss: 1.5\n        cpu: {soft: 1, hard: 2, max: 3}\n",
+    ));
+    assert_eq!(
+        lines,
+        [
+            "scalers.yaml:8:17: scalers[0].x-kici-scaler.ulimits.nofile: ulimit nofile: soft (40000) must not exceed hard (20000)",
+            "scalers.yaml:9:9: scalers[0].x-kici-scaler.ulimits.nprocs: unknown ulimit \"nprocs\"; known: as, core, cpu, data, fsize, locks, memlock, msgqueue, nice, nofile, nproc, rss, rtprio, rttime, sigpending, stack",
+            "scalers.yaml:10:15: scalers[0].x-kici-scaler.ulimits.core: a ulimit must not be negative, got -1",
+            "scalers.yaml:11:16: scalers[0].x-kici-scaler.ulimits.stack.hard: missing required key `hard`",
+            "scalers.yaml:12:14: scalers[0].x-kici-scaler.ulimits.rss: expected an integer between 0 and 9007199254740992, got 1.5",
+            "scalers.yaml:13:33: scalers[0].x-kici-scaler.ulimits.cpu.max: unrecognized key \"max\"; accepted keys: soft, hard",
+        ],
+        "{lines:#?}"
+    );
+    assert_error(
+        &with("        nofile: many\n"),
+        &["ulimits.nofile: expected an integer >= 0 (or a mapping {soft, hard} of them), got \"many\""],
+    );
+    assert_error(
+        &with("        - nofile=1:2\n"),
+        &["ulimits: expected a mapping"],
+    );
+    // Only containers have them.
+    let bare_metal = with_scalers(
+        "  - name: b\n    type: bare-metal\n    maxAgents: 1\n    x-kici-scaler:\n      ulimits: {nofile: 10}\n    labelSets:\n      - labels: [b]\n        binaryPath: /bin/true\n",
+    );
+    assert_eq!(
+        err_lines(&bare_metal),
+        ["scalers.yaml:7:16: scalers[0].x-kici-scaler.ulimits: ulimits apply to container scalers only, not to type \"bare-metal\""]
     );
 }
 

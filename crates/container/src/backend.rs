@@ -29,12 +29,12 @@ use crate::logs;
 use crate::network::{self, NetworkInfo, NetworkSettings};
 use crate::reference::ImageReference;
 use crate::runtime::{Connection, RuntimeKind, RuntimeTarget, TlsFiles};
+use crate::states;
 use async_trait::async_trait;
 use bollard::errors::Error as DockerError;
 use bollard::query_parameters::{
-    CreateContainerOptions, CreateImageOptions, InspectContainerOptions, KillContainerOptions,
-    ListContainersOptions, RemoveContainerOptions, StartContainerOptions, StopContainerOptions,
-    WaitContainerOptions,
+    CreateContainerOptions, CreateImageOptions, KillContainerOptions, ListContainersOptions,
+    RemoveContainerOptions, StartContainerOptions, StopContainerOptions, WaitContainerOptions,
 };
 use futures_util::StreamExt;
 use kici_backends::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
@@ -45,7 +45,7 @@ use kici_engine::{
 };
 use kici_model::{
     AgentId, BackendSettings, ContainerSettings, ImagePullPolicy, InstanceId, LabelSetBackend,
-    ScalerEntry, ScalerType,
+    ScalerEntry, ScalerType, UlimitName, UlimitValue,
 };
 use kici_store::{IpAllocator, Lease};
 use std::collections::{BTreeMap, HashMap};
@@ -85,8 +85,6 @@ pub struct ContainerOptions {
     /// machines needs `nofile=20000:20000`, `nproc=4096:4096`: root cannot
     /// raise hard limits there).
     pub ulimits: Vec<Ulimit>,
-    /// Per scaler name: replaces [`Self::ulimits`] for that scaler.
-    pub scaler_ulimits: BTreeMap<String, Vec<Ulimit>>,
     /// Docker's `config.json` with registry credentials; `None` = the
     /// default location ([`auth::default_config_path`]).
     pub registry_config: Option<PathBuf>,
@@ -114,7 +112,6 @@ impl ContainerOptions {
             forwarded_env: daemon_env,
             pids_limit: DEFAULT_PIDS_LIMIT,
             ulimits: Vec::new(),
-            scaler_ulimits: BTreeMap::new(),
             registry_config: None,
             tls: None,
             socket_on_host: None,
@@ -664,10 +661,7 @@ impl ContainerBackend {
                 ),
             }
         }
-        let ulimits = options
-            .scaler_ulimits
-            .get(scaler.name.as_str())
-            .unwrap_or(&options.ulimits);
+        let ulimits = scaler_ulimits(&options.ulimits, &scaler.ext.ulimits);
         let body = create_body(
             spec,
             &ContainerLabelSet {
@@ -684,7 +678,7 @@ impl ContainerBackend {
                 env: &env,
                 extra_hosts: &settings.extra_hosts,
                 pids_limit: options.pids_limit,
-                ulimits,
+                ulimits: &ulimits,
                 socket_on_host,
                 stop_timeout: deadlines.destroy_grace,
             },
@@ -866,10 +860,7 @@ impl ContainerBackend {
                 .call_opt(
                     "GET /containers/{id}/json",
                     api,
-                    docker.inspect_container(
-                        target.as_deref().unwrap_or(&name),
-                        None::<InspectContainerOptions>,
-                    ),
+                    states::inspect_container(docker, target.as_deref().unwrap_or(&name)),
                 )
                 .await
             {
@@ -880,7 +871,7 @@ impl ContainerBackend {
                         .call_opt(
                             "GET /containers/{id}/json",
                             api,
-                            docker.inspect_container(&name, None::<InspectContainerOptions>),
+                            states::inspect_container(docker, &name),
                         )
                         .await
                     {
@@ -892,6 +883,23 @@ impl ContainerBackend {
                     }
                 }
                 Ok(None) => None,
+                Err(e @ StepError::Api { .. }) if container.is_some() => {
+                    // The id is our own create's: ours without its labels.
+                    // An answer that cannot be read must not leave the
+                    // container behind; a forced removal kills it if it runs.
+                    let id = container.unwrap_or(&name);
+                    tracing::warn!(
+                        agent_id = %agent,
+                        container = %id,
+                        error = %e,
+                        "cannot read the container's state; removing it by id"
+                    );
+                    if let Err(removal) = remove_forced(rt, id, api).await {
+                        errors.push(e);
+                        errors.push(removal);
+                    }
+                    continue;
+                }
                 Err(e) => {
                     errors.push(e);
                     continue;
@@ -971,25 +979,8 @@ impl ContainerBackend {
                     abort.abort();
                 }
             }
-            let removed = rt
-                .call_opt(
-                    "DELETE /containers/{id}",
-                    api,
-                    docker.remove_container(
-                        &id,
-                        Some(RemoveContainerOptions {
-                            force: true,
-                            v: true,
-                            link: false,
-                        }),
-                    ),
-                )
-                .await;
-            match removed {
-                Ok(_) => {}
-                // Removal already in progress (a concurrent destroy).
-                Err(StepError::Api { reason, .. }) if reason.contains("409") => {}
-                Err(e) => errors.push(e),
+            if let Err(e) = remove_forced(rt, &id, api).await {
+                errors.push(e);
             }
             if let Err(e) = failpoint("kici_container::destroy::remove") {
                 errors.push(e);
@@ -1045,6 +1036,50 @@ impl ContainerBackend {
     }
 }
 
+/// `DELETE /containers/{id}?force=true&v=true` (anonymous volumes too, B16);
+/// gone already or being removed (a concurrent destroy) counts as done.
+async fn remove_forced(rt: &Runtime, id: &str, api: Duration) -> Result<(), StepError> {
+    let removed = rt
+        .call_opt(
+            "DELETE /containers/{id}",
+            api,
+            rt.conn.docker.remove_container(
+                id,
+                Some(RemoveContainerOptions {
+                    force: true,
+                    v: true,
+                    link: false,
+                }),
+            ),
+        )
+        .await;
+    match removed {
+        Ok(_) => Ok(()),
+        Err(StepError::Api { reason, .. }) if reason.contains("409") => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The ulimits of a scaler's agents: the daemon's defaults, each name the
+/// scaler's `x-kici-scaler.ulimits` sets replaced by the scaler's value.
+pub fn scaler_ulimits(
+    daemon: &[Ulimit],
+    scaler: &BTreeMap<UlimitName, UlimitValue>,
+) -> Vec<Ulimit> {
+    let mut out: Vec<Ulimit> = daemon
+        .iter()
+        .filter(|u| !scaler.keys().any(|n| n.as_str() == u.name))
+        .cloned()
+        .collect();
+    out.extend(scaler.iter().map(|(name, value)| Ulimit {
+        name: name.as_str().to_owned(),
+        // UlimitValue keeps both at most i64::MAX.
+        soft: i64::try_from(value.soft()).unwrap_or(i64::MAX),
+        hard: i64::try_from(value.hard()).unwrap_or(i64::MAX),
+    }));
+    out
+}
+
 /// The agent's MAC: `02:42` + the four octets of its address. Docker's
 /// bridge driver before API 1.44 derives exactly this (and ignores a MAC it
 /// is given); newer Docker and Podman are given it on the endpoint. Locally
@@ -1098,10 +1133,7 @@ async fn watch_exit(
                 continue;
             }
         };
-        let inspected = docker
-            .inspect_container(&container, None::<InspectContainerOptions>)
-            .await
-            .ok();
+        let inspected = states::inspect_container(docker, &container).await.ok();
         let state = inspected.and_then(|c| c.state);
         let oom = state.as_ref().and_then(|s| s.oom_killed).unwrap_or(false);
         let code = state
@@ -1234,11 +1266,14 @@ impl Backend for ContainerBackend {
                 .call(
                     "GET /containers/json",
                     api,
-                    rt.conn.docker.list_containers(Some(ListContainersOptions {
-                        all: true,
-                        filters: Some(filters.clone()),
-                        ..Default::default()
-                    })),
+                    states::list_containers(
+                        &rt.conn.docker,
+                        ListContainersOptions {
+                            all: true,
+                            filters: Some(filters.clone()),
+                            ..Default::default()
+                        },
+                    ),
                 )
                 .await
                 .map_err(|e| BackendError::Unavailable(e.to_string()))?;
@@ -1301,9 +1336,7 @@ impl Backend for ContainerBackend {
                 .call_opt(
                     "GET /containers/{id}/json",
                     api,
-                    rt.conn
-                        .docker
-                        .inspect_container(target, None::<InspectContainerOptions>),
+                    states::inspect_container(&rt.conn.docker, target),
                 )
                 .await
                 .map_err(|e| BackendError::Unavailable(e.to_string()))?;

@@ -11,7 +11,9 @@
 //! - [`reference`]: image references, validated as the Engine parses them;
 //! - [`auth`]: registry credentials from `config.json` (`X-Registry-Auth`);
 //! - [`egress`]: the hook that installs egress rules before start;
-//! - [`logs`]: the Engine log stream forwarded like bare-metal output.
+//! - [`logs`]: the Engine log stream forwarded like bare-metal output;
+//! - [`states`]: inspect and list answers with Podman's own container
+//!   states (`stopped`) read as their Docker equivalents.
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -23,6 +25,7 @@ pub mod logs;
 pub mod network;
 pub mod reference;
 pub mod runtime;
+pub mod states;
 
 #[cfg(test)]
 mod test_support;

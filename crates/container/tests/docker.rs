@@ -267,6 +267,74 @@ async fn serial_spawn_creates_exactly_the_container_asked_for() {
     );
 }
 
+/// `x-kici-scaler.ulimits` of the scaler replaces the daemon's default of
+/// each name it sets; the other defaults stay.
+#[tokio::test]
+async fn serial_scaler_ulimits_override_the_daemon_defaults_by_name() {
+    let _serial = SERIAL.lock().await;
+    let fx = Fixture::with(|o| {
+        o.ulimits = vec![
+            "nofile=1024:2048".parse().unwrap(),
+            "nproc=4096:4096".parse().unwrap(),
+        ];
+    })
+    .await;
+    let image = fx.image("sleeper", &["sleep", "3600"]);
+    let yaml = scaler_yaml(
+        "limited",
+        &image,
+        "    x-kici-scaler:\n      ulimits:\n        nofile: {soft: 20000, hard: 40000}\n        core: 0",
+        "",
+    );
+    let scaler = scaler_from_yaml(&yaml, "limited");
+    let (spec, _reports) = spawn_spec(&scaler, 0);
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    let name = format!("kici-{agent}");
+    let c = inspect("container", &name).expect("container exists");
+    assert_eq!(
+        c["HostConfig"]["Ulimits"],
+        serde_json::json!([
+            {"Name": "nproc", "Soft": 4096, "Hard": 4096},
+            {"Name": "core", "Soft": 0, "Hard": 0},
+            {"Name": "nofile", "Soft": 20000, "Hard": 40000}
+        ])
+    );
+    // The process really runs with them.
+    assert_eq!(
+        docker_ok(&[
+            "exec",
+            &name,
+            "sh",
+            "-c",
+            "ulimit -Sn; ulimit -Hn; ulimit -c"
+        ]),
+        "20000\n40000\n0\n"
+    );
+
+    // A scaler without its own keeps the daemon's.
+    let plain = scaler_from_yaml(&scaler_yaml("plain", &image, "", ""), "plain");
+    let (spec, _plain_reports) = spawn_spec(&plain, 1);
+    let plain_agent = spec.agent;
+    let plain_handle = fx.backend.spawn(spec).await.unwrap();
+    let c = inspect("container", &format!("kici-{plain_agent}")).expect("container exists");
+    assert_eq!(
+        c["HostConfig"]["Ulimits"],
+        serde_json::json!([
+            {"Name": "nofile", "Soft": 1024, "Hard": 2048},
+            {"Name": "nproc", "Soft": 4096, "Hard": 4096}
+        ])
+    );
+
+    for (agent, handle) in [(agent, handle), (plain_agent, plain_handle)] {
+        fx.backend
+            .destroy(&agent, Some(&handle), GRACE)
+            .await
+            .unwrap();
+        assert!(inspect("container", &format!("kici-{agent}")).is_none());
+    }
+}
+
 #[tokio::test]
 async fn serial_exit_and_oom_kill_are_reported() {
     let _serial = SERIAL.lock().await;

@@ -441,6 +441,11 @@ impl Default for BackoffPolicy {
 pub struct ScalerExtension {
     pub deadlines: Deadlines,
     pub backoff: BackoffPolicy,
+    /// Container scalers: `HostConfig.Ulimits` of this scaler's agents, by
+    /// name. Each one set here replaces the daemon's default of that name;
+    /// names not set here keep the daemon's default. Empty for other types.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub ulimits: BTreeMap<UlimitName, UlimitValue>,
 }
 
 impl ScalerExtension {
@@ -448,7 +453,111 @@ impl ScalerExtension {
         Self {
             deadlines: Deadlines::defaults_for(kind),
             backoff: BackoffPolicy::default(),
+            ulimits: BTreeMap::new(),
         }
+    }
+}
+
+/// A resource limit of a container (`setrlimit(2)`'s, named as Docker's
+/// `--ulimit` and compose's `ulimits:` name them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UlimitName {
+    As,
+    Core,
+    Cpu,
+    Data,
+    Fsize,
+    Locks,
+    Memlock,
+    Msgqueue,
+    Nice,
+    Nofile,
+    Nproc,
+    Rss,
+    Rtprio,
+    Rttime,
+    Sigpending,
+    Stack,
+}
+
+impl UlimitName {
+    pub const ALL: [UlimitName; 16] = [
+        Self::As,
+        Self::Core,
+        Self::Cpu,
+        Self::Data,
+        Self::Fsize,
+        Self::Locks,
+        Self::Memlock,
+        Self::Msgqueue,
+        Self::Nice,
+        Self::Nofile,
+        Self::Nproc,
+        Self::Rss,
+        Self::Rtprio,
+        Self::Rttime,
+        Self::Sigpending,
+        Self::Stack,
+    ];
+
+    /// The name as the Engine API takes it (`nofile`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::As => "as",
+            Self::Core => "core",
+            Self::Cpu => "cpu",
+            Self::Data => "data",
+            Self::Fsize => "fsize",
+            Self::Locks => "locks",
+            Self::Memlock => "memlock",
+            Self::Msgqueue => "msgqueue",
+            Self::Nice => "nice",
+            Self::Nofile => "nofile",
+            Self::Nproc => "nproc",
+            Self::Rss => "rss",
+            Self::Rtprio => "rtprio",
+            Self::Rttime => "rttime",
+            Self::Sigpending => "sigpending",
+            Self::Stack => "stack",
+        }
+    }
+}
+
+impl fmt::Display for UlimitName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for UlimitName {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|n| n.as_str() == s).ok_or(())
+    }
+}
+
+/// One ulimit's soft and hard value: `soft <= hard <= i64::MAX` (the
+/// Engine API's type), by construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct UlimitValue {
+    soft: u64,
+    hard: u64,
+}
+
+impl UlimitValue {
+    /// `None` when `soft > hard` or either exceeds `i64::MAX`.
+    pub fn new(soft: u64, hard: u64) -> Option<Self> {
+        let max = i64::MAX.unsigned_abs();
+        (soft <= hard && hard <= max).then_some(Self { soft, hard })
+    }
+
+    pub fn soft(self) -> u64 {
+        self.soft
+    }
+
+    pub fn hard(self) -> u64 {
+        self.hard
     }
 }
 

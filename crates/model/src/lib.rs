@@ -21,7 +21,8 @@ pub use config::{
     BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config, ContainerRuntime,
     ContainerSettings, Deadlines, EnvName, FirecrackerLabelSet, FirecrackerNetwork,
     FirecrackerSettings, ImagePullPolicy, LabelSetBackend, LabelSetConfig, LabelSetExtension,
-    MachinePool, NetworkPolicy, Role, Roles, ScalerEntry, ScalerExtension, WarmPoolConfig,
+    MachinePool, NetworkPolicy, Role, Roles, ScalerEntry, ScalerExtension, UlimitName, UlimitValue,
+    WarmPoolConfig,
 };
 pub use ids::{AgentId, IdError, InstanceId, JobId, ScalerName, ScalerType};
 pub use labels::{Label, LabelError, LabelSet};
