@@ -283,7 +283,7 @@ async fn serial_scaler_ulimits_override_the_daemon_defaults_by_name() {
     let yaml = scaler_yaml(
         "limited",
         &image,
-        "    x-kici-scaler:\n      ulimits:\n        nofile: {soft: 20000, hard: 40000}\n        core: 0",
+        "    x-kici-scaler:\n      ulimits:\n        nofile: {soft: 10000, hard: 20000}\n        core: 0",
         "",
     );
     let scaler = scaler_from_yaml(&yaml, "limited");
@@ -297,7 +297,7 @@ async fn serial_scaler_ulimits_override_the_daemon_defaults_by_name() {
         serde_json::json!([
             {"Name": "nproc", "Soft": 4096, "Hard": 4096},
             {"Name": "core", "Soft": 0, "Hard": 0},
-            {"Name": "nofile", "Soft": 20000, "Hard": 40000}
+            {"Name": "nofile", "Soft": 10000, "Hard": 20000}
         ])
     );
     // The process really runs with them.
@@ -309,12 +309,12 @@ async fn serial_scaler_ulimits_override_the_daemon_defaults_by_name() {
             "-c",
             "ulimit -Sn; ulimit -Hn; ulimit -c"
         ]),
-        "20000\n40000\n0\n"
+        "10000\n20000\n0\n"
     );
 
     // A scaler without its own keeps the daemon's.
     let plain = scaler_from_yaml(&scaler_yaml("plain", &image, "", ""), "plain");
-    let (spec, _plain_reports) = spawn_spec(&plain, 1);
+    let (spec, _plain_reports) = spawn_spec(&plain, 0);
     let plain_agent = spec.agent;
     let plain_handle = fx.backend.spawn(spec).await.unwrap();
     let c = inspect("container", &format!("kici-{plain_agent}")).expect("container exists");
