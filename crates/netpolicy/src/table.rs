@@ -19,7 +19,7 @@ use nftables::batch::Batch;
 use nftables::expr::{Expression, MetaKey};
 use nftables::schema::{FlushObject, NfCmd, NfListObject, Table};
 use nftables::stmt::{JumpTarget, Operator, Statement};
-use nftables::types::NfFamily;
+use nftables::types::{NfFamily, NfHook};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
@@ -208,16 +208,24 @@ impl EgressTable {
                     )));
                 }
                 if b.subnet_drop && !in_base(&subnet_tag) {
-                    missing.add(rule(
-                        family,
-                        b.name,
-                        vec![
-                            matches(payload("ip", "saddr"), Operator::EQ, v4net(subnet)),
-                            counter(),
-                            Statement::Drop(None),
-                        ],
-                        subnet_tag.clone(),
-                    ));
+                    let mut exprs = Vec::with_capacity(4);
+                    if b.hook == NfHook::Input {
+                        // The host's own connections to its gateway address
+                        // leave with that address as source (a health check,
+                        // `curl` of the agent gateway) and come back on `lo`,
+                        // where no agent can inject a packet.
+                        exprs.push(matches(
+                            meta(MetaKey::Iifname),
+                            Operator::NEQ,
+                            Expression::String("lo".into()),
+                        ));
+                    }
+                    exprs.extend([
+                        matches(payload("ip", "saddr"), Operator::EQ, v4net(subnet)),
+                        counter(),
+                        Statement::Drop(None),
+                    ]);
+                    missing.add(rule(family, b.name, exprs, subnet_tag.clone()));
                 }
                 let bridge = options
                     .agent_bridge

@@ -137,6 +137,31 @@ async fn default_policy_blocks_private_and_host_but_allows_gateway_port_and_publ
     }
 }
 
+/// The host's own connection to a service on its gateway address has that
+/// address, inside the agent subnet, as its source: it must not meet the
+/// subnet's default drop (it arrives on `lo`, where no agent can send).
+#[tokio::test]
+async fn host_connections_to_its_gateway_address_are_not_the_subnets() {
+    let lab = Lab::new();
+    let _s = services(&lab);
+    let t = table(&lab, InstanceId::random()).await;
+    let before = t.unmatched_counters().await.unwrap().dropped_packets;
+    for port in [GATEWAY_PORT, OTHER_HOST_PORT] {
+        assert!(
+            tcp_reaches(&lab.host, None, GATEWAY, port),
+            "host -> its own gateway address, port {port}"
+        );
+        assert!(
+            tcp_reaches(&lab.host, Some(GATEWAY), HOST_PUBLIC, port),
+            "host -> its own public address from the gateway address, port {port}"
+        );
+    }
+    assert_eq!(
+        t.unmatched_counters().await.unwrap().dropped_packets,
+        before
+    );
+}
+
 #[tokio::test]
 async fn agents_cannot_reach_each_other_with_bridge_nf_off_and_on() {
     let mut lab = Lab::new();
