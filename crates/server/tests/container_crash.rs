@@ -247,12 +247,7 @@ fn serial_crash_at_each_container_step_leaks_nothing() {
 
 #[test]
 fn every_container_step_has_a_crash_test() {
-    let out = Command::new(common::daemon::BIN)
-        .arg("failpoints")
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let listed = String::from_utf8(out.stdout).unwrap();
+    let listed = listed_failpoints();
     let covered: BTreeSet<&str> = SPAWN_STEPS.iter().chain(DESTROY_STEPS).copied().collect();
     for fp in covered.iter() {
         assert!(listed.lines().any(|l| l == *fp), "no failpoint {fp}");
@@ -260,6 +255,233 @@ fn every_container_step_has_a_crash_test() {
     for fp in listed.lines().filter(|l| l.starts_with("kici_container::")) {
         assert!(covered.contains(fp), "{fp} has no crash test");
     }
+}
+
+/// `kici-scaler failpoints`: one name a line.
+fn listed_failpoints() -> String {
+    let out = Command::new(common::daemon::BIN)
+        .arg("failpoints")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Crashed at by the start-up test below.
+const ENSURE_DOCKER_USER: &str = "netpolicy::ensure::docker_user";
+/// Crashed at by the sweep test below.
+const SWEEP_DELETED: &str = "netpolicy::sweep::deleted";
+
+/// kici-netpolicy's failpoints a daemon crash test of this file hits: the
+/// spawn and destroy steps above, and the start-up and sweep tests below.
+fn netpolicy_crashed_here() -> BTreeSet<&'static str> {
+    SPAWN_STEPS
+        .iter()
+        .chain(DESTROY_STEPS)
+        .copied()
+        .filter(|fp| fp.starts_with("netpolicy::"))
+        .chain([ENSURE_DOCKER_USER, SWEEP_DELETED])
+        .collect()
+}
+
+/// kici-netpolicy's failpoints crash-tested in `firecracker_crash.rs`
+/// (checked against that file's text below).
+const NETPOLICY_CRASHED_IN_FIRECRACKER_CRASH: &[&str] = &["netpolicy::ensure::table"];
+
+/// kici-netpolicy's failpoints no daemon crash test hits, each with why
+/// (none today: the daemon reaches every one, and each is crash-tested).
+const NETPOLICY_NOT_CRASHED: &[(&str, &str)] = &[];
+
+/// Every `netpolicy::` failpoint the binary lists has a daemon crash test
+/// here or in `firecracker_crash.rs`, or a named reason why not; and every
+/// name these lists claim is a real failpoint.
+#[test]
+fn every_netpolicy_step_has_a_daemon_crash_test_or_says_why_not() {
+    let listed = listed_failpoints();
+    let firecracker_crash = include_str!("firecracker_crash.rs");
+    for fp in NETPOLICY_CRASHED_IN_FIRECRACKER_CRASH {
+        assert!(
+            firecracker_crash.contains(&format!("\"{fp}\"")),
+            "firecracker_crash.rs does not crash at {fp}"
+        );
+    }
+    let covered: BTreeSet<&str> = netpolicy_crashed_here()
+        .into_iter()
+        .chain(NETPOLICY_CRASHED_IN_FIRECRACKER_CRASH.iter().copied())
+        .chain(NETPOLICY_NOT_CRASHED.iter().map(|(fp, _)| *fp))
+        .collect();
+    for fp in &covered {
+        assert!(listed.lines().any(|l| l == *fp), "no failpoint {fp}");
+    }
+    let netpolicy: Vec<&str> = listed
+        .lines()
+        .filter(|l| l.starts_with("netpolicy::"))
+        .collect();
+    assert_eq!(
+        netpolicy.iter().copied().collect::<BTreeSet<_>>(),
+        kici_netpolicy::FAILPOINTS.iter().copied().collect(),
+        "the binary lists kici-netpolicy's failpoints"
+    );
+    for fp in netpolicy {
+        assert!(covered.contains(fp), "{fp} has no daemon crash test");
+    }
+}
+
+/// `DOCKER-USER` rules of `instance` (`iptables -S`).
+fn docker_user_rules(instance: InstanceId) -> Vec<String> {
+    let tag = format!("kici-scaler:{instance}:");
+    tool("iptables", &["-w", "-S", "DOCKER-USER"])
+        .lines()
+        .filter(|l| l.contains(&tag))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The instance's subnet-level nftables rules (default drops), one
+/// `family table chain comment` each, from `nft -j list ruleset`.
+fn subnet_rules(instance: InstanceId) -> Vec<String> {
+    let doc: serde_json::Value =
+        serde_json::from_str(&tool("nft", &["-j", "list", "ruleset"])).unwrap();
+    let tag = format!("kici-scaler:{instance}:subnet ");
+    let mut rules: Vec<String> = doc["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|o| o.get("rule"))
+        .filter(|r| r["comment"].as_str().is_some_and(|c| c.starts_with(&tag)))
+        .map(|r| {
+            format!(
+                "{} {} {} {}",
+                r["family"].as_str().unwrap(),
+                r["table"].as_str().unwrap(),
+                r["chain"].as_str().unwrap(),
+                r["comment"].as_str().unwrap()
+            )
+        })
+        .collect();
+    rules.sort();
+    rules
+}
+
+/// Waits for the daemon to die of its armed crash (at start-up, or just
+/// after it answered), and checks that it did.
+fn died_of(fp: &str, started: Result<Daemon, std::process::ExitStatus>) {
+    let status = match started {
+        Err(status) => status,
+        Ok(mut d) => d.wait_exit(),
+    };
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "{fp}: the daemon was to die there"
+    );
+}
+
+fn is_up(d: &Daemon, agent: &str) -> bool {
+    matches!(d.state_of(agent).as_str(), "booted" | "registered" | "idle")
+}
+
+/// The daemon dies right after adding its subnet's accepts to dockerd's
+/// `DOCKER-USER` at start-up (the container backend's egress table): the
+/// next start finds them and the subnet's drops in place and adds neither
+/// again, and the backend then works and leaves nothing.
+#[test]
+fn serial_crash_after_adding_docker_user_accepts_at_start_up_leaks_nothing() {
+    let fp = ENSURE_DOCKER_USER;
+    let mut world = World::new();
+    let dir = world.dir();
+    let crashed = start(&dir, Some(fp));
+    // The identity exists before any backend starts.
+    let instance: InstanceId = dir.instance().parse().unwrap();
+    world.instances.push(instance);
+    died_of(fp, crashed);
+    // Exactly the step's side effects: the accepts (traffic from the
+    // subnet, replies to it) and the subnet's default drops; nothing else.
+    let accepts = docker_user_rules(instance);
+    assert_eq!(accepts.len(), 2, "{fp}: {accepts:?}");
+    assert!(accepts.iter().any(|r| r.contains(&format!("-s {SUBNET}"))));
+    assert!(accepts.iter().any(|r| r.contains(&format!("-d {SUBNET}"))));
+    let drops = subnet_rules(instance);
+    assert!(!drops.is_empty(), "{fp}: no default drop");
+    assert!(containers_of(instance).is_empty());
+    assert!(agents_with_rules(instance).is_empty());
+
+    let mut d = start(&dir, None).unwrap();
+    assert_eq!(docker_user_rules(instance), accepts, "{fp}: added once");
+    assert_eq!(subnet_rules(instance), drops, "{fp}: added once");
+    assert_consistent(&mut d, &dir, fp);
+    let agent = scale(&d, "after").unwrap();
+    wait_until(&format!("{agent} is up"), || is_up(&d, &agent));
+    assert_consistent(&mut d, &dir, fp);
+    assert_eq!(agents_with_rules(instance), BTreeSet::from([agent.clone()]));
+    d.terminate();
+    assert!(containers_of(instance).is_empty(), "{fp}: containers left");
+    assert!(agents_with_rules(instance).is_empty(), "{fp}: rules left");
+    let r = rows(&dir.sqlite_url(), &dir.instance());
+    assert!(r.leases.is_empty() && r.agents.is_empty(), "{fp}: {r:?}");
+    // The instance keeps its subnet rules across restarts (World removes them).
+    assert_eq!(docker_user_rules(instance), accepts, "{fp}");
+}
+
+/// The daemon dies right after its stale-rule sweep deleted a dead
+/// container's rules, once in the start-up sweep and once in a reconcile
+/// pass beside a live agent: the rules are gone, the live agent's stay,
+/// and the next daemon has nothing left to sweep (the work was done once).
+#[test]
+fn serial_crash_after_sweeping_a_dead_containers_rules_leaks_nothing() {
+    const REAPED: &str = "kici_orch_scaler_orphans_reaped_total";
+    let fp = SWEEP_DELETED;
+    let mut world = World::new();
+    let dir = world.dir();
+    let d = start(&dir, None).unwrap();
+    let instance: InstanceId = dir.instance().parse().unwrap();
+    world.instances.push(instance);
+    d.terminate();
+    let swept_rules =
+        |d: &Daemon| common::daemon::metric(&d.metrics(), REAPED, "kind=\"nftables-rule\"");
+
+    // At start-up, before the API listens.
+    let dead = plant_rule(instance, "172.29.250.78".parse().unwrap()).to_string();
+    assert!(agents_with_rules(instance).contains(&dead));
+    died_of(fp, start(&dir, Some(fp)));
+    assert!(
+        agents_with_rules(instance).is_empty(),
+        "{fp}: swept before the crash"
+    );
+    let mut d = start(&dir, None).unwrap();
+    assert_consistent(&mut d, &dir, fp);
+    assert_eq!(swept_rules(&d), 0.0, "{fp}: nothing swept twice");
+    d.terminate();
+
+    // In a reconcile pass, with a live agent beside the dead one.
+    let mut d = start(&dir, Some(fp)).unwrap();
+    let keep = scale(&d, "keep").unwrap();
+    wait_until(&format!("{keep} is up"), || is_up(&d, &keep));
+    let dead = plant_rule(instance, "172.29.250.79".parse().unwrap()).to_string();
+    let status = d.wait_exit();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "{fp}: the reconciler was to die there"
+    );
+    assert_eq!(
+        agents_with_rules(instance),
+        BTreeSet::from([keep.clone()]),
+        "{fp}: {dead}'s rules swept, the live agent's kept"
+    );
+    let mut d = start(&dir, None).unwrap();
+    assert_consistent(&mut d, &dir, fp);
+    assert!(
+        d.agents().contains(&keep),
+        "{fp}: {keep} was not re-adopted"
+    );
+    assert_eq!(agents_with_rules(instance), BTreeSet::from([keep.clone()]));
+    assert_eq!(swept_rules(&d), 0.0, "{fp}: nothing swept twice");
+    d.terminate();
+    assert!(containers_of(instance).is_empty(), "{fp}: containers left");
+    assert!(agents_with_rules(instance).is_empty(), "{fp}: rules left");
+    let r = rows(&dir.sqlite_url(), &dir.instance());
+    assert!(r.leases.is_empty() && r.agents.is_empty(), "{fp}: {r:?}");
 }
 
 /// Installs default-policy egress rules for an agent that has no

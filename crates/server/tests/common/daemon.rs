@@ -165,6 +165,9 @@ pub struct Daemon {
     pub child: Child,
     /// The control API address as logged (`127.0.0.1:PORT`, `unix:/…`).
     pub addr: String,
+    /// The agent gateway's address as logged (`127.0.0.1:PORT`); backend
+    /// networks' gateway addresses listen on the same port.
+    pub gateway: String,
     lines: mpsc::Receiver<String>,
     /// The last lines read (for failure messages).
     pub seen: VecDeque<String>,
@@ -219,6 +222,7 @@ impl Daemon {
         let mut d = Daemon {
             child,
             addr: String::new(),
+            gateway: String::new(),
             lines,
             seen: VecDeque::new(),
             recovery: Value::Null,
@@ -227,6 +231,7 @@ impl Daemon {
         match d.wait_for_log("control API listening") {
             Some(fields) => {
                 d.addr = fields["addr"].as_str().unwrap().to_owned();
+                d.gateway = fields["gateway"].as_str().unwrap_or_default().to_owned();
                 Ok(d)
             }
             None => {
