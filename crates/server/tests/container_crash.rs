@@ -451,6 +451,7 @@ fn serial_crash_after_sweeping_a_dead_containers_rules_leaks_nothing() {
     let mut d = start(&dir, None).unwrap();
     assert_consistent(&mut d, &dir, fp);
     assert_eq!(swept_rules(&d), 0.0, "{fp}: nothing swept twice");
+    assert_eq!(docker_user_rules(instance).len(), 2, "{fp}: accepts once");
     d.terminate();
 
     // In a reconcile pass, with a live agent beside the dead one.
@@ -477,6 +478,7 @@ fn serial_crash_after_sweeping_a_dead_containers_rules_leaks_nothing() {
     );
     assert_eq!(agents_with_rules(instance), BTreeSet::from([keep.clone()]));
     assert_eq!(swept_rules(&d), 0.0, "{fp}: nothing swept twice");
+    assert_eq!(docker_user_rules(instance).len(), 2, "{fp}: accepts once");
     d.terminate();
     assert!(containers_of(instance).is_empty(), "{fp}: containers left");
     assert!(agents_with_rules(instance).is_empty(), "{fp}: rules left");

@@ -289,10 +289,7 @@ impl Service {
         let counted = hits.clone();
         let thread = std::thread::spawn(move || {
             let mut buf = [0u8; 512];
-            loop {
-                let Ok((n, peer)) = socket.recv_from(&mut buf) else {
-                    break;
-                };
+            while let Ok((n, peer)) = socket.recv_from(&mut buf) {
                 if n < 12 {
                     break; // the shutdown's empty read (or no DNS at all)
                 }
