@@ -264,6 +264,22 @@ impl FirecrackerBackend {
         F: Fn() -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Option<HashSet<AgentId>>> + Send,
     {
+        self.spawn_periodic_sweep_reporting(interval, known, |_| {})
+    }
+
+    /// [`FirecrackerBackend::spawn_periodic_sweep`], handing each pass's
+    /// report to `on_report` (the daemon counts what was removed).
+    pub fn spawn_periodic_sweep_reporting<F, Fut, R>(
+        &self,
+        interval: std::time::Duration,
+        known: F,
+        on_report: R,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Option<HashSet<AgentId>>> + Send,
+        R: Fn(&SweepReport) + Send + 'static,
+    {
         let backend = self.clone();
         tokio::spawn(async move {
             let mut ticks =
@@ -273,7 +289,8 @@ impl FirecrackerBackend {
                 ticks.tick().await;
                 match known().await {
                     Some(known) => {
-                        backend.sweep(&known).await;
+                        let report = backend.sweep(&known).await;
+                        on_report(&report);
                     }
                     None => tracing::warn!(
                         "periodic Firecracker sweep skipped: the state store cannot list its agents"

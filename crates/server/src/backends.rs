@@ -6,6 +6,7 @@
 //! at reload, by the runtime) with a message saying so, rather than failing
 //! at the first spawn.
 
+use crate::metrics::OrphanKind;
 use crate::settings::BackendTuning;
 use kici_engine::Backend;
 use kici_model::{AgentId, Config, InstanceId, ScalerType};
@@ -71,7 +72,13 @@ pub struct Started {
     pub agent_gateway: Option<IpAddr>,
     /// Its stale-rule sweep, if it keeps rules apart from its resources.
     pub rule_sweep: Option<Arc<dyn StaleRuleSweep>>,
+    /// What a sweep of the backend's own removes, by kind, if it has one
+    /// (the daemon counts it in `kici_orch_scaler_orphans_reaped_total`).
+    pub orphan_reports: Option<OrphanReports>,
 }
+
+/// Orphans removed by a backend's own sweep: `(kind, how many)` per pass.
+pub type OrphanReports = tokio::sync::mpsc::UnboundedReceiver<Vec<(OrphanKind, usize)>>;
 
 impl Started {
     pub fn new(backend: Arc<dyn Backend>) -> Self {
@@ -80,6 +87,7 @@ impl Started {
             after_shutdown: None,
             agent_gateway: None,
             rule_sweep: None,
+            orphan_reports: None,
         }
     }
 }
@@ -100,6 +108,8 @@ pub struct Built {
     pub agent_gateways: BTreeMap<ScalerType, IpAddr>,
     /// For the reconciler: the backends' stale-rule sweeps.
     pub rule_sweeps: Vec<Arc<dyn StaleRuleSweep>>,
+    /// For the metrics: what the backends' own sweeps remove.
+    pub orphan_reports: Vec<OrphanReports>,
 }
 
 /// The backends this build knows, by scaler type.
@@ -140,6 +150,7 @@ impl BackendRegistry {
                         after_shutdown: Some(Box::new(move || cleanup.prune_empty_cgroups())),
                         agent_gateway: None,
                         rule_sweep: None,
+                        orphan_reports: None,
                     })
                 })
             }),
@@ -208,6 +219,7 @@ impl BackendRegistry {
                         built.agent_gateways.insert(*kind, ip);
                     }
                     built.rule_sweeps.extend(started.rule_sweep);
+                    built.orphan_reports.extend(started.orphan_reports);
                 }
                 Err(why) => {
                     tracing::warn!(backend = %kind, error = %why, "backend unavailable");
@@ -368,6 +380,7 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         after_shutdown,
         agent_gateway: Some(IpAddr::V4(network.pool.gateway())),
         rule_sweep: Some(Arc::new(backend)),
+        orphan_reports: None,
     })
 }
 
@@ -435,14 +448,33 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
     // default); the reconciler covers start-up and `kici-scaler sweep`.
     // `run` keeps no store: nothing of an earlier instance can be its own,
     // so it has no periodic sweep.
+    let (reports, orphan_reports) = tokio::sync::mpsc::unbounded_channel();
     let sweeper = ctx.store.clone().map(|store| {
-        backend.spawn_periodic_sweep(ctx.tuning.firecracker_sweep_interval, move || {
-            let store = store.clone();
-            async move {
-                let rows = store.agents().await.ok()?;
-                Some(rows.into_iter().map(|r| r.agent_id).collect())
-            }
-        })
+        backend.spawn_periodic_sweep_reporting(
+            ctx.tuning.firecracker_sweep_interval,
+            move || {
+                let store = store.clone();
+                async move {
+                    let rows = store.agents().await.ok()?;
+                    Some(rows.into_iter().map(|r| r.agent_id).collect())
+                }
+            },
+            move |report: &kici_firecracker::SweepReport| {
+                let removed: Vec<(OrphanKind, usize)> = [
+                    (OrphanKind::Vm, report.vms.len()),
+                    (OrphanKind::Tap, report.taps.len()),
+                    (OrphanKind::IpLease, report.leases),
+                    (OrphanKind::NftablesRule, report.rules),
+                ]
+                .into_iter()
+                .filter(|(_, n)| *n > 0)
+                .collect();
+                if !removed.is_empty() {
+                    // Nobody counts once the daemon stops listening.
+                    let _ = reports.send(removed);
+                }
+            },
+        )
     });
     let ephemeral = ctx.ephemeral;
     let after_shutdown: Option<Box<dyn FnOnce() + Send>> = Some(Box::new(move || {
@@ -460,5 +492,6 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
         // kici-firecracker sweeps its rules with its own orphan sweep
         // (not wired into this reconciler yet).
         rule_sweep: None,
+        orphan_reports: Some(orphan_reports),
     })
 }

@@ -239,7 +239,7 @@ async fn run(
             })?
             .port(),
     };
-    let backends = registry
+    let mut backends = registry
         .start(&config, &ctx)
         .await
         .map_err(ServeError::Backends)?;
@@ -254,6 +254,7 @@ async fn run(
         );
     }
     let rule_sweeps = backends.rule_sweeps.clone();
+    let orphan_reports = std::mem::take(&mut backends.orphan_reports);
     let ledger = MachineLedger::open(settings.machine_ledger_dir.as_deref(), instance)?;
     let (stack, recovery) = Stack::start(
         Arc::clone(&config),
@@ -291,6 +292,19 @@ async fn run(
     );
     for (job, why) in &p.dropped {
         tracing::warn!(job_id = %job, reason = %why, "recorded pending request dropped");
+    }
+    for mut reports in orphan_reports {
+        let metrics = Arc::clone(&stack.metrics);
+        // Ends when the backend's sweep does (its sender goes with it).
+        tokio::spawn(async move {
+            while let Some(removed) = reports.recv().await {
+                for (kind, n) in removed {
+                    for _ in 0..n {
+                        metrics.orphan_reaped(kind);
+                    }
+                }
+            }
+        });
     }
     let runtime = stack.runtime.clone();
     let reconciler = Arc::new(

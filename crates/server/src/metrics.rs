@@ -56,8 +56,8 @@ pub enum Phase {
     registration,
 }
 
-/// `orphans_reaped_total{kind}`: what the reconciler removed that no live
-/// agent owned.
+/// `orphans_reaped_total{kind}`: what the reconciler (or a backend's own
+/// sweep) removed that no live agent owned.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum OrphanKind {
     Container,

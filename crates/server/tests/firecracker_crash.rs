@@ -313,6 +313,54 @@ fn serial_firecracker_crash_in_the_sweep_after_releasing_an_orphaned_lease_leaks
     });
 }
 
+/// What the backend's own sweep removes is counted by kind in
+/// `kici_orch_scaler_orphans_reaped_total`, like the reconciler's reaps.
+#[test]
+fn serial_firecracker_periodic_sweep_counts_what_it_removes_by_kind() {
+    let world = World::new();
+    let mut d = Daemon::start(&world.dir, SWEEP_EVERY_SECOND, &[]);
+    let instance: InstanceId = world.dir.instance().parse().unwrap();
+    let keep = scale(&d, "keep").unwrap();
+    wait_until(&format!("{keep} is up"), || {
+        d.state_of(&keep).as_str() == "booted"
+    });
+    let tapped = AgentId::random(ScalerType::Firecracker);
+    let tap = Orphan::Tap(PlantedTap::new(
+        &tapped,
+        &world.bridge,
+        &kici_firecracker::names::owner_tag(instance, &tapped),
+    ));
+    let lease = Orphan::Lease(plant_lease(
+        &world.dir.sqlite_url(),
+        instance,
+        &world.subnet,
+        &AgentId::random(ScalerType::Firecracker),
+    ));
+    let (mut taps, mut leases) = (0, 0);
+    while taps == 0 || leases == 0 {
+        let sweep = d.expect_log("Firecracker orphan sweep");
+        assert!(sweep["vms"] == 0 && sweep["errors"] == 0, "{sweep}");
+        taps += sweep["taps"].as_u64().unwrap();
+        leases += sweep["leases"].as_u64().unwrap();
+    }
+    assert_eq!((taps, leases), (1, 1));
+    assert!(tap.gone(&world) && lease.gone(&world));
+    let reaped = |kind: &str| {
+        common::daemon::metric(
+            &d.metrics(),
+            "kici_orch_scaler_orphans_reaped_total",
+            &format!("kind=\"{kind}\""),
+        )
+    };
+    wait_until("the sweep's removals are counted", || {
+        reaped("tap") == 1.0 && reaped("ip-lease") == 1.0
+    });
+    assert_eq!((reaped("vm"), reaped("chroot")), (0.0, 0.0));
+    assert_eq!(d.agents(), BTreeSet::from([keep]));
+    d.terminate();
+    assert_nothing_left(&world, "periodic sweep");
+}
+
 #[test]
 fn every_firecracker_step_has_a_daemon_crash_test_or_says_why_not() {
     let out = Command::new(common::daemon::BIN)
