@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Scenario harness behind bench/spawn-latency.sh and bench/rss.sh (stdlib only).
+"""Scenario harness behind bench/spawn-latency.sh, bench/rss.sh and
+bench/container-concurrency.sh (stdlib only).
 
 Not a test and never run in CI: it starts a real `kici-scaler serve` on
 loopback with a throw-away state dir and config, drives it over HTTP and
@@ -23,6 +24,7 @@ import http.client
 import select
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 
 LABEL = "bench"
 
@@ -60,7 +63,14 @@ def vm_field(pid: int, field: str) -> int:
 class Daemon:
     """One `kici-scaler serve` with its own temp state dir, config and marks dir."""
 
-    def __init__(self, bin_dir: str, max_agents: int, sleep_secs: int) -> None:
+    def __init__(
+        self,
+        bin_dir: str,
+        max_agents: int,
+        sleep_secs: int,
+        container_image: str | None = None,
+        serve_args: list[str] | None = None,
+    ) -> None:
         self.tmp = tempfile.mkdtemp(prefix="kici-scaler-bench-")
         self.state_dir = os.path.join(self.tmp, "state")
         os.mkdir(self.state_dir)
@@ -77,19 +87,22 @@ class Daemon:
         os.chmod(self.stub, 0o755)
         self.config = os.path.join(self.tmp, "scalers.yaml")
         with open(self.config, "w") as f:
-            f.write(
-                "version: 1\n"
-                f"globalMaxAgents: {max_agents}\n"
-                "scalers:\n"
-                "  - name: bench\n"
-                "    type: bare-metal\n"
-                f"    maxAgents: {max_agents}\n"
-                "    labelSets:\n"
-                f"      - labels: [{LABEL}]\n"
-                f"        binaryPath: {self.stub}\n"
-                "    x-kici-scaler:\n"
-                f"      registrationTimeoutSeconds: {sleep_secs + 60}\n"
-            )
+            if container_image is not None:
+                f.write(container_config(container_image, max_agents, sleep_secs))
+            else:
+                f.write(
+                    "version: 1\n"
+                    f"globalMaxAgents: {max_agents}\n"
+                    "scalers:\n"
+                    "  - name: bench\n"
+                    "    type: bare-metal\n"
+                    f"    maxAgents: {max_agents}\n"
+                    "    labelSets:\n"
+                    f"      - labels: [{LABEL}]\n"
+                    f"        binaryPath: {self.stub}\n"
+                    "    x-kici-scaler:\n"
+                    f"      registrationTimeoutSeconds: {sleep_secs + 60}\n"
+                )
         self.port = free_port()
         self.log_path = os.path.join(self.tmp, "serve.log")
         self.log = open(self.log_path, "wb")
@@ -101,6 +114,7 @@ class Daemon:
                 "--state-dir", self.state_dir,
                 "--listen", f"127.0.0.1:{self.port}",
                 "--gateway-listen", "127.0.0.1:0",
+                *(serve_args or []),
             ],
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )
@@ -120,6 +134,18 @@ class Daemon:
                 self.conn = None
             time.sleep(0.05)
         raise RuntimeError(f"serve not ready within 30 s:\n{self.tail_log()}")
+
+    def instance(self) -> str | None:
+        """The instance id serve logged at start-up."""
+        with open(self.log_path, "rb") as f:
+            for line in f:
+                try:
+                    fields = json.loads(line).get("fields", {})
+                except ValueError:
+                    continue
+                if isinstance(fields.get("instance"), str):
+                    return fields["instance"]
+        return None
 
     def tail_log(self) -> str:
         with open(self.log_path, "rb") as f:
@@ -313,6 +339,210 @@ def rss(args: argparse.Namespace) -> int:
     return 0
 
 
+def container_config(image: str, max_agents: int, sleep_secs: int) -> str:
+    """One container scaler; its agents never register (a plain `sleep`)."""
+    return (
+        "version: 1\n"
+        f"globalMaxAgents: {max_agents}\n"
+        "scalers:\n"
+        "  - name: bench\n"
+        "    type: container\n"
+        f"    maxAgents: {max_agents}\n"
+        "    runtime: docker\n"
+        "    labelSets:\n"
+        f"      - labels: [{LABEL}]\n"
+        f'        image: "{image}"\n'
+        "        imagePullPolicy: IfNotPresent\n"
+        "        resources: {cpus: 0.5, memory: 64m}\n"
+        "    x-kici-scaler:\n"
+        f"      registrationTimeoutSeconds: {sleep_secs + 60}\n"
+    )
+
+
+DOCKER_SOCKET = "/var/run/docker.sock"
+
+
+def docker(*args: str) -> str:
+    return subprocess.run(
+        ["docker", *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+class EngineEvents:
+    """dockerd's container `start` / `destroy` events, read as they come.
+
+    `GET /events` over the socket (HTTP/1.0: no chunking, the stream ends
+    when the socket closes). A `start` event is sent once the container
+    runs, i.e. when `State.Running` turned true; its `timeNano` is dockerd's
+    clock, the harness's clock too (same host, CLOCK_REALTIME).
+    """
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(DOCKER_SOCKET)
+        filters = json.dumps({"type": ["container"], "event": ["start", "destroy"]})
+        query = urllib.parse.quote(filters)
+        self.sock.sendall(f"GET /events?filters={query} HTTP/1.0\r\nHost: d\r\n\r\n".encode())
+        self.buf = b""
+        self.head_done = False
+        self.seen: dict[tuple[str, str], float] = {}
+
+    def wait(self, name: str, action: str, timeout: float = 120.0) -> float:
+        """Unix time (s) of `action` for container `name`; blocks in select()."""
+        deadline = time.monotonic() + timeout
+        while (name, action) not in self.seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no {action} event for {name} within {timeout} s")
+            ready, _, _ = select.select([self.sock], [], [], left)
+            if not ready:
+                continue
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise RuntimeError("dockerd closed the event stream")
+            self.buf += chunk
+            if not self.head_done:
+                if b"\r\n\r\n" not in self.buf:
+                    continue
+                _, self.buf = self.buf.split(b"\r\n\r\n", 1)
+                self.head_done = True
+            *lines, self.buf = self.buf.split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                e = json.loads(line)
+                actor = e.get("Actor", {}).get("Attributes", {}).get("name", "")
+                self.seen[(actor, e.get("Action", e.get("status", "")))] = e["timeNano"] / 1e9
+        return self.seen.pop((name, action))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def remove_instance_rules(instance: str) -> int:
+    """The instance's subnet rules (nftables, DOCKER-USER), which `serve`
+    keeps on exit for its next start; the bench removes its network, so
+    they go too. Only rules whose comment names this instance."""
+    tag = f"kici-scaler:{instance}:"
+    removed = 0
+    ruleset = json.loads(subprocess.run(
+        ["nft", "-j", "-a", "list", "ruleset"], check=True, capture_output=True, text=True,
+    ).stdout)
+    for item in ruleset.get("nftables", []):
+        rule = item.get("rule")
+        if rule and rule.get("comment", "").startswith(tag):
+            subprocess.run(
+                ["nft", "delete", "rule", rule["family"], rule["table"], rule["chain"],
+                 "handle", str(rule["handle"])],
+                check=True, capture_output=True,
+            )
+            removed += 1
+    listed = subprocess.run(["iptables", "-S", "DOCKER-USER"], capture_output=True, text=True)
+    for line in listed.stdout.splitlines():
+        if tag in line and line.startswith("-A "):
+            subprocess.run(["iptables", *shlex.split("-D " + line[3:])], check=True, capture_output=True)
+            removed += 1
+    return removed
+
+
+def build_sleeper_image(tmp: str, tag: str) -> None:
+    """FROM scratch: busybox-static as /bin/sleep, `sleep 3600`."""
+    ctx = os.path.join(tmp, "image")
+    os.mkdir(ctx)
+    shutil.copy("/bin/busybox", os.path.join(ctx, "busybox"))
+    with open(os.path.join(ctx, "Dockerfile"), "w") as f:
+        f.write('FROM scratch\nCOPY busybox /bin/sleep\nCMD ["/bin/sleep", "3600"]\n')
+    subprocess.run(
+        ["docker", "build", "-q", "-t", tag, ctx],
+        check=True, capture_output=True, env={**os.environ, "DOCKER_BUILDKIT": "0"},
+    )
+
+
+def container_concurrency(args: argparse.Namespace) -> int:
+    """N spawns one after another (each waited to Running) vs N at once."""
+    n = args.n
+    tag = f"{os.getpid():x}{int(time.time()) % 65536:04x}"
+    image = f"kici-scaler-bench-sleeper:{tag}"
+    network = f"kici-scaler-bench-{tag}"
+    bridge = f"kb{tag}"[:15]
+    subnet = f"10.{200 + os.getpid() % 50}.{int(time.time()) % 256}.0/24"
+    scratch = tempfile.mkdtemp(prefix="kici-scaler-bench-image-")
+    build_sleeper_image(scratch, image)
+    events = EngineEvents()
+    d = None
+    code = None
+    sequential: list[float] = []
+    concurrent_post: list[float] = []
+    try:
+        d = Daemon(
+            args.bin_dir, max_agents=2 * n + 8, sleep_secs=600, container_image=image,
+            serve_args=[
+                "--container-network", network,
+                "--container-subnet", subnet,
+                "--container-bridge", bridge,
+            ],
+        )
+
+        def destroy_all(agents: list[str]) -> None:
+            for aid in agents:
+                d.destroy(aid)
+            for aid in agents:
+                events.wait(f"kici-{aid}", "destroy")
+
+        # Warm-up: the network exists, the image is in the page cache.
+        warm = d.scale("warm-0")
+        events.wait(f"kici-{warm}", "start")
+        destroy_all([warm])
+
+        # Sequential: each spawn waited to Running before the next POST.
+        agents = []
+        t_first = time.time()
+        for i in range(n):
+            t0 = time.time()
+            aid = d.scale(f"seq-{i}")
+            running = events.wait(f"kici-{aid}", "start")
+            sequential.append((running - t0) * 1000)
+            agents.append(aid)
+        seq_total = running - t_first
+        destroy_all(agents)
+
+        # Concurrent: N POSTs back to back (each answers 202 at once), then
+        # every container waited to Running.
+        agents = []
+        t_first = time.time()
+        for i in range(n):
+            t0 = time.time()
+            agents.append(d.scale(f"conc-{i}"))
+            concurrent_post.append((time.time() - t0) * 1000)
+        conc_running = [events.wait(f"kici-{aid}", "start") for aid in agents]
+        conc_total = max(conc_running) - t_first
+        conc_latency = [(t - t_first) * 1000 for t in conc_running]
+        destroy_all(agents)
+    finally:
+        rules_removed = 0
+        if d is not None:
+            code = d.stop()
+            instance = d.instance()
+            if instance:
+                rules_removed = remove_instance_rules(instance)
+            if not args.keep:
+                d.cleanup()
+        events.close()
+        subprocess.run(["docker", "network", "rm", network], capture_output=True)
+        subprocess.run(["docker", "rmi", "-f", image], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"container spawns, POST /v1/scale -> State.Running (dockerd start event), N={n} (+1 warm-up)")
+    print(f"  sequential : total {seq_total:7.2f} s   per spawn p50 {percentile(sequential, 50):7.1f} ms"
+          f"  p90 {percentile(sequential, 90):7.1f} ms  mean {statistics.fmean(sequential):7.1f} ms")
+    print(f"  concurrent : total {conc_total:7.2f} s   (first POST -> last Running; POSTs answered"
+          f" p50 {percentile(concurrent_post, 50):.1f} ms, first Running after"
+          f" {min(conc_latency):.0f} ms)")
+    print(f"  ratio concurrent/sequential total: {conc_total / seq_total:.2f}"
+          f"  (speed-up {seq_total / conc_total:.2f}x)")
+    print(f"  serve exit code after SIGTERM: {code}; its {rules_removed} subnet rules removed")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bin-dir", required=True, help="directory holding the release kici-scaler")
@@ -324,7 +554,11 @@ def main() -> int:
     r.add_argument("agents", type=int, nargs="?", default=200)
     r.add_argument("--settle", type=float, default=2.0)
     r.add_argument("--sleep", type=int, default=600)
+    c = sub.add_parser("container-concurrency")
+    c.add_argument("n", type=int, nargs="?", default=20)
     args = p.parse_args()
+    if args.cmd == "container-concurrency":
+        return container_concurrency(args)
     return spawn_latency(args) if args.cmd == "spawn-latency" else rss(args)
 
 
