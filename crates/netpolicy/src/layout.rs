@@ -173,7 +173,9 @@ pub(crate) fn agent_rules(
         let mut planned = plan(
             policy,
             hook,
-            options.gateway_port,
+            options
+                .gateway_port
+                .map(|port| (options.gateway_address, port)),
             &options.resolvers,
             options.protect_host,
         );

@@ -168,15 +168,19 @@ pub(crate) fn statements(planned: &PlannedRule) -> Vec<Vec<Statement<'static>>> 
                 ]
             })
             .collect(),
-        PlannedRule::GatewayPort { port } => vec![vec![
-            matches(
-                payload("tcp", "dport"),
-                Operator::EQ,
-                Expression::Number(u32::from(port)),
-            ),
-            counter(),
-            Statement::Accept(None),
-        ]],
+        PlannedRule::GatewayPort { address, port } => vec![address
+            .map(|a| matches(payload("ip", "daddr"), Operator::EQ, v4(a)))
+            .into_iter()
+            .chain([
+                matches(
+                    payload("tcp", "dport"),
+                    Operator::EQ,
+                    Expression::Number(u32::from(port)),
+                ),
+                counter(),
+                Statement::Accept(None),
+            ])
+            .collect()],
         PlannedRule::Established => vec![vec![
             matches(
                 Expression::Named(NamedExpression::CT(CT {

@@ -91,8 +91,12 @@ pub(crate) enum Verdict {
 pub(crate) enum PlannedRule {
     /// DNS (udp and tcp 53) to a private resolver.
     Dns { resolver: Ipv4Addr },
-    /// tcp to the agent gateway port (input hook only).
-    GatewayPort { port: u16 },
+    /// tcp to the agent gateway port, on the gateway address when it is
+    /// known (input hook only).
+    GatewayPort {
+        address: Option<Ipv4Addr>,
+        port: u16,
+    },
     /// Replies to flows someone else opened (input and inet forward only; the
     /// bridge family has no conntrack without `nf_conntrack_bridge`).
     Established,
@@ -130,7 +134,7 @@ pub(crate) fn is_blocked_by_default(ip: Ipv4Addr) -> bool {
 pub(crate) fn plan(
     policy: &EgressPolicy,
     hook: Hook,
-    gateway_port: Option<u16>,
+    gateway: Option<(Option<Ipv4Addr>, u16)>,
     resolvers: &[IpAddr],
     protect_host: bool,
 ) -> Vec<PlannedRule> {
@@ -146,8 +150,8 @@ pub(crate) fn plan(
                 return rules;
             }
             rules.push(PlannedRule::Established);
-            if let Some(port) = gateway_port {
-                rules.push(PlannedRule::GatewayPort { port });
+            if let Some((address, port)) = gateway {
+                rules.push(PlannedRule::GatewayPort { address, port });
             }
             if !policy.deny_all {
                 rules.extend(v4_resolvers.map(|resolver| PlannedRule::Dns { resolver }));
@@ -202,7 +206,7 @@ mod tests {
             vec!["10.1.2.0/24".parse().unwrap(), "0.0.0.0/0".parse().unwrap()],
             false,
         );
-        let rules = plan(&policy, Hook::Forward, Some(9000), &[], true);
+        let rules = plan(&policy, Hook::Forward, Some((None, 9000)), &[], true);
         let pos = |n: &str, v: Verdict| {
             rules
                 .iter()
@@ -246,15 +250,31 @@ mod tests {
     fn deny_all_leaves_only_the_gateway_port() {
         let policy = EgressPolicy::new(vec!["203.0.113.0/24".parse().unwrap()], true);
         let resolvers = ["10.0.0.53".parse().unwrap()];
+        let gw = Ipv4Addr::new(10, 9, 0, 1);
         assert_eq!(
-            plan(&policy, Hook::Forward, Some(9000), &resolvers, true),
+            plan(
+                &policy,
+                Hook::Forward,
+                Some((Some(gw), 9000)),
+                &resolvers,
+                true
+            ),
             [PlannedRule::Established, PlannedRule::Final(Verdict::Drop)]
         );
         assert_eq!(
-            plan(&policy, Hook::Input, Some(9000), &resolvers, true),
+            plan(
+                &policy,
+                Hook::Input,
+                Some((Some(gw), 9000)),
+                &resolvers,
+                true
+            ),
             [
                 PlannedRule::Established,
-                PlannedRule::GatewayPort { port: 9000 },
+                PlannedRule::GatewayPort {
+                    address: Some(gw),
+                    port: 9000
+                },
                 PlannedRule::Final(Verdict::Drop)
             ]
         );
@@ -291,7 +311,13 @@ mod tests {
     #[test]
     fn unprotected_host_accepts_input() {
         assert_eq!(
-            plan(&EgressPolicy::default(), Hook::Input, Some(1), &[], false),
+            plan(
+                &EgressPolicy::default(),
+                Hook::Input,
+                Some((None, 1)),
+                &[],
+                false
+            ),
             [PlannedRule::Final(Verdict::Accept)]
         );
     }

@@ -51,6 +51,10 @@ pub struct TableOptions {
     /// The agent gateway's TCP port on the host: the one thing on the host an
     /// agent may reach (also under `denyAll`).
     pub gateway_port: Option<u16>,
+    /// The agent gateway's address on the host (the network's gateway). With
+    /// it the gateway port is open on that address only; without it, on
+    /// every host address.
+    pub gateway_address: Option<Ipv4Addr>,
     /// DNS resolvers agents use. One at a private address gets a udp/tcp 53
     /// exception; one on the host itself is reachable through the input hook.
     pub resolvers: Vec<IpAddr>,
@@ -77,6 +81,7 @@ impl Default for TableOptions {
     fn default() -> Self {
         Self {
             gateway_port: None,
+            gateway_address: None,
             resolvers: Vec::new(),
             protect_host: true,
             docker_user: DockerUserMode::Leave,

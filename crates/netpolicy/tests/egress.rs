@@ -24,6 +24,7 @@ const WEB: u16 = 80;
 fn options(lab: &Lab) -> TableOptions {
     TableOptions {
         gateway_port: Some(GATEWAY_PORT),
+        gateway_address: Some(GATEWAY),
         resolvers: vec![RESOLVER.into()],
         netns: Some(lab.host.clone()),
         ..TableOptions::default()
@@ -132,6 +133,13 @@ async fn default_policy_blocks_private_and_host_but_allows_gateway_port_and_publ
             Some(&id),
             || tcp_reaches(&a.ns, None, HOST_PUBLIC, OTHER_HOST_PORT),
             &format!("{ctx}: host service on its public address"),
+        )
+        .await;
+        assert_blocked_by_us(
+            &t,
+            Some(&id),
+            || tcp_reaches(&a.ns, None, HOST_PUBLIC, GATEWAY_PORT),
+            &format!("{ctx}: the gateway port on another host address"),
         )
         .await;
     }

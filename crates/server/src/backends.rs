@@ -318,10 +318,12 @@ fn host_resolvers() -> Vec<IpAddr> {
 }
 
 /// The egress table of a backend network: the subnet fails closed, agents
-/// may reach the host only on the gateway port.
+/// may reach the host only on the gateway port of the network's gateway
+/// address.
 async fn egress_table(
     ctx: &BackendContext,
     subnet: ipnet::Ipv4Net,
+    gateway: std::net::Ipv4Addr,
     bridge: &str,
     docker_user: kici_netpolicy::DockerUserMode,
 ) -> Result<kici_netpolicy::EgressTable, String> {
@@ -330,6 +332,7 @@ async fn egress_table(
         subnet,
         kici_netpolicy::TableOptions {
             gateway_port: Some(ctx.gateway_port),
+            gateway_address: Some(gateway),
             resolvers: host_resolvers(),
             protect_host: true,
             docker_user,
@@ -364,6 +367,7 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
     let table = egress_table(
         &ctx,
         network.pool.network(),
+        network.pool.gateway(),
         &network.bridge,
         kici_netpolicy::DockerUserMode::AcceptSubnet,
     )
@@ -430,6 +434,7 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
     let table = egress_table(
         &ctx,
         network.cidr,
+        network.gateway,
         &network.bridge_name,
         kici_netpolicy::DockerUserMode::Leave,
     )
