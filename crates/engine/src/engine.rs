@@ -41,7 +41,9 @@ pub struct EngineSettings {
     pub max_pending: usize,
     /// How many `gone` agents stay visible (`GET /v1/agents?all=true`).
     pub gone_history: usize,
-    /// A failed destroy is retried after this long.
+    /// A failed destroy is retried after 1 s, then after twice the previous
+    /// wait, at most this long; a destroy that never answers is issued again
+    /// after this long.
     pub destroy_retry: Duration,
     /// The agent's own idle window after a job when no warm pool sets one
     /// (`KICI_SCALER_IDLE_TIMEOUT`'s contract default, 5 s).
@@ -245,8 +247,34 @@ struct Agent {
     failure: Option<FailureReason>,
     /// Destroy after the current job (scaler draining, scaler removed).
     drain_after_job: bool,
-    destroy_issued: Option<Instant>,
+    destroy: Option<DestroyProgress>,
     last_exit_code: Option<i32>,
+}
+
+/// Where an agent's destroy stands (set from its first destroy order on).
+#[derive(Debug, Clone, Copy)]
+enum DestroyProgress {
+    /// Ordered at `since`; `failures` attempts failed before this one.
+    InFlight { since: Instant, failures: u32 },
+    /// The last of `failures` attempts failed; the next is ordered at `at`.
+    Backoff { at: Instant, failures: u32 },
+}
+
+impl DestroyProgress {
+    fn failures(self) -> u32 {
+        match self {
+            Self::InFlight { failures, .. } | Self::Backoff { failures, .. } => failures,
+        }
+    }
+}
+
+/// The wait after the `failures`-th failed destroy: 1 s, doubling, capped
+/// at `cap`. A transient refusal (an engine busy for a moment, a runtime
+/// answering in a state it cannot name yet) is retried within seconds,
+/// inside a shutdown's grace; a lasting one is not hammered.
+fn destroy_backoff(failures: u32, cap: Duration) -> Duration {
+    let exp = failures.saturating_sub(1).min(16);
+    Duration::from_secs(1u64 << exp).min(cap)
 }
 
 impl Agent {
@@ -285,7 +313,10 @@ impl Agent {
             AgentState::Idle => Some(self.since + self.idle_ttl(settings)),
             AgentState::Busy | AgentState::Draining => None,
             AgentState::Destroying => {
-                return self.destroy_issued.map(|t| t + settings.destroy_retry)
+                return self.destroy.map(|d| match d {
+                    DestroyProgress::InFlight { since, .. } => since + settings.destroy_retry,
+                    DestroyProgress::Backoff { at, .. } => at,
+                })
             }
             AgentState::Gone => return None,
         };
@@ -790,7 +821,7 @@ impl Engine {
             handle: None,
             failure: None,
             drain_after_job: false,
-            destroy_issued: None,
+            destroy: None,
             last_exit_code: None,
         };
         self.next_seq += 1;
@@ -1129,7 +1160,11 @@ impl Engine {
     pub fn destroy_failed(&mut self, agent: AgentId, detail: String, now: Instant) {
         if let Some(a) = self.agents.get_mut(&agent) {
             if a.state == AgentState::Destroying {
-                a.destroy_issued = Some(now);
+                let failures = a.destroy.map_or(0, DestroyProgress::failures) + 1;
+                a.destroy = Some(DestroyProgress::Backoff {
+                    at: now + destroy_backoff(failures, self.settings.destroy_retry),
+                    failures,
+                });
                 let (scaler, backend) = (a.name().clone(), a.scaler().kind);
                 self.events.push(EngineEvent::AgentTransition {
                     agent_id: agent,
@@ -1335,7 +1370,10 @@ impl Engine {
         let Some(a) = self.agents.get_mut(&agent) else {
             return;
         };
-        a.destroy_issued = Some(now);
+        a.destroy = Some(DestroyProgress::InFlight {
+            since: now,
+            failures: a.destroy.map_or(0, DestroyProgress::failures),
+        });
         self.effects.push(Effect::Destroy(DestroyOrder {
             agent,
             backend: a.scaler().kind,

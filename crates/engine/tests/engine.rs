@@ -715,6 +715,42 @@ fn destroy_failure_is_retried_and_capacity_stays_held_until_gone() {
     assert_eq!(usage_of(&e, "docker").agents, 0);
 }
 
+/// A failed destroy goes out again after 1 s, then 2, 4, … capped at
+/// `destroy_retry`; one that never answers is ordered again only after
+/// `destroy_retry`.
+#[test]
+fn failed_destroys_back_off_from_one_second_to_the_retry_cap() {
+    let mut clock = Clock::new();
+    let settings = EngineSettings {
+        destroy_retry: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let mut e = engine_with(BASIC, settings);
+    let a = spawned(
+        &e.request_scale(request("j1", &["docker"]), clock.now())
+            .unwrap(),
+    );
+    e.destroy_agent(a, clock.now()).unwrap();
+    assert_eq!(destroy_orders(&mut e), [a]);
+    // Unanswered: nothing until destroy_retry.
+    e.tick(clock.advance(9));
+    assert!(destroy_orders(&mut e).is_empty(), "in flight, not yet due");
+    e.tick(clock.advance(1));
+    assert_eq!(destroy_orders(&mut e), [a], "unanswered: ordered again");
+    for wait in [1u64, 2, 4, 8, 10, 10] {
+        e.destroy_failed(a, "refused".into(), clock.now());
+        clock.0 += Duration::from_secs(wait) - Duration::from_millis(1);
+        e.tick(clock.now());
+        assert!(destroy_orders(&mut e).is_empty(), "before {wait} s");
+        clock.0 += Duration::from_millis(1);
+        e.tick(clock.now());
+        assert_eq!(destroy_orders(&mut e), [a], "after {wait} s");
+    }
+    assert_eq!(usage_of(&e, "docker").agents, 1, "held until gone");
+    e.destroy_finished(a, clock.now());
+    assert_eq!(usage_of(&e, "docker").agents, 0);
+}
+
 #[test]
 fn early_exit_before_registration_is_a_failure() {
     let now = Clock::new().now();

@@ -227,7 +227,7 @@ impl Engine {
             handle: record.handle,
             failure: record.failure,
             drain_after_job: false,
-            destroy_issued: None,
+            destroy: None,
             last_exit_code: None,
         };
         self.next_seq += 1;
