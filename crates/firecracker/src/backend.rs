@@ -724,8 +724,17 @@ impl FirecrackerBackend {
         note(inner.egress.remove(agent).await.map_err(Into::into));
         note(fail_step(fp::DESTROY_RULES));
         let tag = names::owner_tag(inner.instance, agent);
+        // A spawn cut short between creating the TAP and attaching it (a
+        // crash) leaves it untagged; the agent's VM directory, made before
+        // the TAP and removed after it, still carries our marker then.
+        let marked_ours = parts.layout.as_ref().is_some_and(|l| {
+            std::fs::read_to_string(l.owner_marker(agent))
+                .ok()
+                .and_then(|t| names::parse_owner_tag(&t))
+                == Some((inner.instance, *agent))
+        });
         note(
-            delete_own_tap(agent, &tag, parts.tap_created)
+            delete_own_tap(agent, &tag, parts.tap_created, marked_ours)
                 .await
                 .map_err(Into::into),
         );
@@ -911,8 +920,15 @@ pub(crate) struct Teardown {
 }
 
 /// Deletes the agent's TAP if it is ours: tagged with our owner tag, or
-/// untagged but just created by this spawn.
-async fn delete_own_tap(agent: &AgentId, tag: &str, created_here: bool) -> Result<(), LinkError> {
+/// untagged but just created by this spawn, or untagged, on no bridge
+/// (attaching tags it) and named after an agent whose VM directory carries
+/// our marker (`marked_ours`: a spawn that died before attaching it).
+async fn delete_own_tap(
+    agent: &AgentId,
+    tag: &str,
+    created_here: bool,
+    marked_ours: bool,
+) -> Result<(), LinkError> {
     let name = names::tap_name(agent);
     let netlink = Netlink::connect()?;
     let Some(link) = netlink.get(&name).await? else {
@@ -920,7 +936,7 @@ async fn delete_own_tap(agent: &AgentId, tag: &str, created_here: bool) -> Resul
     };
     let ours = match link.alias.as_deref() {
         Some(alias) => alias == tag,
-        None => created_here,
+        None => created_here || (marked_ours && link.controller.is_none()),
     };
     if ours {
         netlink.delete(&name).await.map(drop)
