@@ -419,6 +419,45 @@ class EngineEvents:
         self.sock.close()
 
 
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 to dockerd's unix socket (stdlib only)."""
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(DOCKER_SOCKET)
+
+
+def raw_create_start(conn: UnixHTTPConnection, name: str, image: str, network: str, ip: str) -> None:
+    """The baseline: Engine API create + start of the body our backend sends
+    (same image, network with a fixed address, limits, caps, pids limit,
+    no-new-privileges), over one kept-alive connection."""
+    body = {
+        "Image": image,
+        "Env": ["KICI_AGENT_ID=bench", "KICI_LABELS=bench"],
+        "Labels": {"kici-scaler.bench": "raw"},
+        "HostConfig": {
+            "Memory": 64 * 1024 * 1024,
+            "NanoCpus": 500_000_000,
+            "PidsLimit": 4096,
+            "CapDrop": ["ALL"],
+            "SecurityOpt": ["no-new-privileges"],
+            "NetworkMode": network,
+        },
+        "NetworkingConfig": {"EndpointsConfig": {network: {"IPAMConfig": {"IPv4Address": ip}}}},
+    }
+    for method, path, payload, ok in (
+        ("POST", f"/containers/create?name={name}", body, 201),
+        ("POST", f"/containers/{name}/start", None, 204),
+    ):
+        data = json.dumps(payload).encode() if payload is not None else None
+        headers = {"Content-Type": "application/json"} if data else {}
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read()
+        if resp.status != ok:
+            raise RuntimeError(f"{method} {path}: {resp.status} {text[:300]!r}")
+
+
 def remove_instance_rules(instance: str) -> int:
     """The instance's subnet rules (nftables, DOCKER-USER), which `serve`
     keeps on exit for its next start; the bench removes its network, so
@@ -473,6 +512,8 @@ def container_concurrency(args: argparse.Namespace) -> int:
     code = None
     sequential: list[float] = []
     concurrent_post: list[float] = []
+    raw: list[float] = []
+    raw_names: list[str] = []
     try:
         d = Daemon(
             args.bin_dir, max_agents=2 * n + 8, sleep_secs=600, container_image=image,
@@ -506,6 +547,21 @@ def container_concurrency(args: argparse.Namespace) -> int:
         seq_total = running - t_first
         destroy_all(agents)
 
+        # Baseline in the same run: raw Engine API create + start, one after
+        # another, each waited to the same start event.
+        conn = UnixHTTPConnection("localhost")
+        base = subnet.rsplit(".", 1)[0]
+        for i in range(n):
+            name = f"kici-scaler-bench-raw-{tag}-{i}"
+            raw_names.append(name)
+            t0 = time.time()
+            raw_create_start(conn, name, image, network, f"{base}.{200 + i}")
+            raw.append((events.wait(name, "start") - t0) * 1000)
+        conn.close()
+        for name in raw_names:
+            subprocess.run(["docker", "rm", "-f", "-v", name], capture_output=True)
+        raw_names.clear()
+
         # Concurrent: N POSTs back to back (each answers 202 at once), then
         # every container waited to Running.
         agents = []
@@ -519,6 +575,8 @@ def container_concurrency(args: argparse.Namespace) -> int:
         conc_latency = [(t - t_first) * 1000 for t in conc_running]
         destroy_all(agents)
     finally:
+        for name in raw_names:
+            subprocess.run(["docker", "rm", "-f", "-v", name], capture_output=True)
         rules_removed = 0
         if d is not None:
             code = d.stop()
@@ -534,6 +592,10 @@ def container_concurrency(args: argparse.Namespace) -> int:
     print(f"container spawns, POST /v1/scale -> State.Running (dockerd start event), N={n} (+1 warm-up)")
     print(f"  sequential : total {seq_total:7.2f} s   per spawn p50 {percentile(sequential, 50):7.1f} ms"
           f"  p90 {percentile(sequential, 90):7.1f} ms  mean {statistics.fmean(sequential):7.1f} ms")
+    print(f"  raw Engine API create+start, sequential: per spawn p50 {percentile(raw, 50):7.1f} ms"
+          f"  p90 {percentile(raw, 90):7.1f} ms")
+    print(f"  ratio kici-scaler/raw, p50: {percentile(sequential, 50) / percentile(raw, 50):.3f}"
+          f"  (target <= 1.05)")
     print(f"  concurrent : total {conc_total:7.2f} s   (first POST -> last Running; POSTs answered"
           f" p50 {percentile(concurrent_post, 50):.1f} ms, first Running after"
           f" {min(conc_latency):.0f} ms)")
