@@ -28,9 +28,9 @@ pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:7879";
 const DEFAULT_RECONCILE_SECONDS: u64 = 120;
 /// The Firecracker backend's own orphan sweep: upstream's 15 minutes.
 const DEFAULT_FIRECRACKER_SWEEP_SECONDS: u64 = kici_firecracker::DEFAULT_SWEEP_INTERVAL.as_secs();
-/// Longest Firecracker sweep interval accepted: a day (anything longer is
-/// a typo, and a huge one would overflow the timer).
-const MAX_FIRECRACKER_SWEEP_SECONDS: u64 = 24 * 60 * 60;
+/// Longest reconcile or Firecracker sweep interval accepted: a day
+/// (anything longer is a typo, and a huge one would overflow the timer).
+const MAX_INTERVAL_SECONDS: u64 = 24 * 60 * 60;
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(60);
 pub const DEFAULT_EVENT_REPLAY: usize = 10_000;
 /// The environment variable holding the control API's bearer token.
@@ -159,8 +159,8 @@ pub struct ServeArgs {
     /// [default: 10000].
     #[arg(long, value_name = "N", env = "KICI_SCALER_EVENT_REPLAY")]
     pub event_replay: Option<usize>,
-    /// How often the reconciler compares the store with the host
-    /// [default: 120].
+    /// How often the reconciler compares the store with the host (1 to
+    /// 86400) [default: 120].
     #[arg(
         long,
         value_name = "SECONDS",
@@ -607,9 +607,7 @@ impl DaemonSettings {
             &file.reconcile_interval_seconds,
             DEFAULT_RECONCILE_SECONDS,
         );
-        if reconcile_every == 0 {
-            errors.push("reconcile-interval-seconds must be at least 1".to_owned());
-        }
+        check_interval("reconcile-interval-seconds", reconcile_every, &mut errors);
         let reconcile_age = pick(
             &args.reconcile_age_seconds,
             &file.reconcile_age_seconds,
@@ -620,13 +618,11 @@ impl DaemonSettings {
             &file.firecracker_sweep_interval_seconds,
             DEFAULT_FIRECRACKER_SWEEP_SECONDS,
         );
-        if firecracker_sweep == 0 {
-            errors.push("firecracker-sweep-interval-seconds must be at least 1".to_owned());
-        } else if firecracker_sweep > MAX_FIRECRACKER_SWEEP_SECONDS {
-            errors.push(format!(
-                "firecracker-sweep-interval-seconds: {firecracker_sweep} is more than a day; at most {MAX_FIRECRACKER_SWEEP_SECONDS}"
-            ));
-        }
+        check_interval(
+            "firecracker-sweep-interval-seconds",
+            firecracker_sweep,
+            &mut errors,
+        );
         let mut backends = args.backend.resolve(file, &mut errors);
         backends.firecracker_sweep_interval = Duration::from_secs(firecracker_sweep);
         backends.orphan_min_age = Duration::from_secs(reconcile_age);
@@ -668,6 +664,19 @@ impl DaemonSettings {
 
 fn pick<T: Clone>(flag: &Option<T>, file: &Option<T>, default: T) -> T {
     flag.clone().or_else(|| file.clone()).unwrap_or(default)
+}
+
+/// A periodic task's interval: 1 s to a day. Zero would spin; a timer
+/// further out than the clock can count would panic when armed, and a
+/// sweep less than daily is not one.
+fn check_interval(field: &str, seconds: u64, errors: &mut Vec<String>) {
+    if seconds == 0 {
+        errors.push(format!("{field} must be at least 1"));
+    } else if seconds > MAX_INTERVAL_SECONDS {
+        errors.push(format!(
+            "{field}: {seconds} is more than a day; at most {MAX_INTERVAL_SECONDS}"
+        ));
+    }
 }
 
 #[cfg(test)]
@@ -922,6 +931,16 @@ mod tests {
             };
             assert!(
                 msg.contains("firecracker-sweep-interval-seconds") && msg.contains(says),
+                "{bad}: {msg}"
+            );
+            // The reconciler's timer has the same bounds.
+            let mut a = args();
+            a.reconcile_interval_seconds = Some(bad);
+            let SettingsError::Invalid(msg) = DaemonSettings::resolve(&a, None).unwrap_err() else {
+                panic!("not Invalid");
+            };
+            assert!(
+                msg.contains("reconcile-interval-seconds") && msg.contains(says),
                 "{bad}: {msg}"
             );
         }
