@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::daemon::{agents_with_rules, rows, tool, wait_until, Daemon, Dir, FAST_RECONCILE};
+use common::daemon::{
+    agents_with_rules, remove_instance_rules, rows, tool, wait_until, Daemon, Dir, FAST_RECONCILE,
+};
 use kici_model::InstanceId;
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
@@ -68,29 +70,12 @@ impl Drop for World {
                 let _ = tool("docker", &["rm", "-f", "-v", &name]);
             }
             let instance = *instance;
-            let _ = std::thread::spawn(move || {
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(async {
-                        let table = kici_netpolicy::EgressTable::ensure(
-                            instance,
-                            SUBNET.parse().unwrap(),
-                            kici_netpolicy::TableOptions {
-                                agent_bridge: Some(BRIDGE.to_owned()),
-                                docker_user: kici_netpolicy::DockerUserMode::AcceptSubnet,
-                                ..kici_netpolicy::TableOptions::default()
-                            },
-                        )
-                        .await;
-                        if let Ok(table) = table {
-                            let _ = table.sweep_stale(&[]).await;
-                            let _ = table.teardown().await;
-                        }
-                    })
-            })
-            .join();
+            remove_instance_rules(
+                instance,
+                SUBNET,
+                BRIDGE,
+                kici_netpolicy::DockerUserMode::AcceptSubnet,
+            );
         }
         let _ = tool("docker", &["rmi", "-f", &self.image]);
     }

@@ -32,7 +32,7 @@
 
 mod common;
 
-use common::daemon::{agents_with_rules, tool, wait_until, Daemon, Dir};
+use common::daemon::{agents_with_rules, remove_instance_rules, tool, wait_until, Daemon, Dir};
 use kici_model::InstanceId;
 use serde_json::Value;
 use std::io::Write;
@@ -412,29 +412,12 @@ impl Drop for World {
             for name in containers_of(instance) {
                 let _ = tool("docker", &["rm", "-f", "-v", &name]);
             }
-            let _ = std::thread::spawn(move || {
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap()
-                    .block_on(async {
-                        let table = kici_netpolicy::EgressTable::ensure(
-                            instance,
-                            SUBNET.parse().unwrap(),
-                            kici_netpolicy::TableOptions {
-                                agent_bridge: Some(BRIDGE.to_owned()),
-                                docker_user: kici_netpolicy::DockerUserMode::AcceptSubnet,
-                                ..kici_netpolicy::TableOptions::default()
-                            },
-                        )
-                        .await;
-                        if let Ok(table) = table {
-                            let _ = table.sweep_stale(&[]).await;
-                            let _ = table.teardown().await;
-                        }
-                    })
-            })
-            .join();
+            remove_instance_rules(
+                instance,
+                SUBNET,
+                BRIDGE,
+                kici_netpolicy::DockerUserMode::AcceptSubnet,
+            );
         }
         let _ = tool("docker", &["rmi", "-f", &self.image]);
     }

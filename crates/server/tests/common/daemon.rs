@@ -553,6 +553,43 @@ pub fn tool(cmd: &str, args: &[&str]) -> String {
     )
 }
 
+/// Removes every egress rule of `instance` on `subnet`: its agents' chains
+/// and the subnet's own drops (and `DOCKER-USER` accepts under
+/// `AcceptSubnet`). A daemon leaves its subnet rules for its successor; no
+/// successor comes for a test's instance. On a thread and runtime of its
+/// own, so it works from `Drop` inside a test's runtime too.
+pub fn remove_instance_rules(
+    instance: kici_model::InstanceId,
+    subnet: &str,
+    bridge: &str,
+    docker_user: kici_netpolicy::DockerUserMode,
+) {
+    let (subnet, bridge) = (subnet.parse().unwrap(), bridge.to_owned());
+    let _ = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let table = kici_netpolicy::EgressTable::ensure(
+                    instance,
+                    subnet,
+                    kici_netpolicy::TableOptions {
+                        agent_bridge: Some(bridge),
+                        docker_user,
+                        ..kici_netpolicy::TableOptions::default()
+                    },
+                )
+                .await;
+                if let Ok(table) = table {
+                    let _ = table.sweep_stale(&[]).await;
+                    let _ = table.teardown().await;
+                }
+            })
+    })
+    .join();
+}
+
 /// Agents with an nftables rule of `instance` (`nft -j list ruleset`,
 /// comments `kici-scaler:<instance>:<agent>`; subnet and bridge rules
 /// carry other words there).

@@ -18,7 +18,9 @@
 //! which the instance's input-hook subnet drop discards. A real guest's
 //! packets come through the TAP with the VM's address, and so do these.
 
-use super::daemon::{agents_with_rules, rows, tool, wait_until, Daemon, Dir};
+use super::daemon::{
+    agents_with_rules, remove_instance_rules, rows, tool, wait_until, Daemon, Dir,
+};
 use kici_model::InstanceId;
 use kici_testkit::fc::{GuestSetup, Kit, SimClient, SimState, MUSL_TARGET};
 use kici_testkit::guestnet::{GuestNet, GuestNetConfig};
@@ -377,30 +379,12 @@ impl Drop for TestkitWorld {
         // no successor comes for a test's instance.
         if let Ok(instance) = std::fs::read_to_string(self.dir.path("state/instance-id")) {
             if let Ok(instance) = instance.trim().parse::<InstanceId>() {
-                let (subnet, bridge) = (self.subnet.parse().unwrap(), self.bridge.clone());
-                let _ = std::thread::spawn(move || {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap()
-                        .block_on(async {
-                            let table = kici_netpolicy::EgressTable::ensure(
-                                instance,
-                                subnet,
-                                kici_netpolicy::TableOptions {
-                                    agent_bridge: Some(bridge),
-                                    docker_user: kici_netpolicy::DockerUserMode::Leave,
-                                    ..kici_netpolicy::TableOptions::default()
-                                },
-                            )
-                            .await;
-                            if let Ok(table) = table {
-                                let _ = table.sweep_stale(&[]).await;
-                                let _ = table.teardown().await;
-                            }
-                        })
-                })
-                .join();
+                remove_instance_rules(
+                    instance,
+                    &self.subnet,
+                    &self.bridge,
+                    kici_netpolicy::DockerUserMode::Leave,
+                );
             }
         }
         let _ = self.firecracker("teardown");

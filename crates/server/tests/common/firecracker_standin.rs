@@ -4,7 +4,7 @@
 //! provision`, and everything torn down on drop (VMMs killed, the
 //! instance's subnet rules and the bridge removed).
 
-use super::daemon::{tool, Dir};
+use super::daemon::{remove_instance_rules, tool, Dir};
 use kici_model::InstanceId;
 use std::collections::BTreeSet;
 
@@ -144,30 +144,12 @@ impl Drop for World {
         // no successor comes for a test's instance.
         if let Ok(instance) = std::fs::read_to_string(self.dir.path("state/instance-id")) {
             if let Ok(instance) = instance.trim().parse::<InstanceId>() {
-                let (subnet, bridge) = (self.subnet.parse().unwrap(), self.bridge.clone());
-                let _ = std::thread::spawn(move || {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap()
-                        .block_on(async {
-                            let table = kici_netpolicy::EgressTable::ensure(
-                                instance,
-                                subnet,
-                                kici_netpolicy::TableOptions {
-                                    agent_bridge: Some(bridge),
-                                    docker_user: kici_netpolicy::DockerUserMode::Leave,
-                                    ..kici_netpolicy::TableOptions::default()
-                                },
-                            )
-                            .await;
-                            if let Ok(table) = table {
-                                let _ = table.sweep_stale(&[]).await;
-                                let _ = table.teardown().await;
-                            }
-                        })
-                })
-                .join();
+                remove_instance_rules(
+                    instance,
+                    &self.subnet,
+                    &self.bridge,
+                    kici_netpolicy::DockerUserMode::Leave,
+                );
             }
         }
         // TAPs of this test's instance a failed test may have left (the
