@@ -104,21 +104,7 @@ fn containers_of(instance: InstanceId) -> Vec<(String, String)> {
 /// exactly the live agents'.
 fn assert_consistent(d: &mut Daemon, dir: &Dir, context: &str) {
     let instance: InstanceId = dir.instance().parse().unwrap();
-    for _ in 0..3 {
-        d.expect_log("reconcile pass");
-    }
-    wait_until(&format!("{context}: agents settle"), || {
-        let (_, body) = d.http("GET", "/v1/agents", None);
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        v["agents"].as_array().is_some_and(|a| {
-            a.iter().all(|a| {
-                !matches!(
-                    a["state"].as_str(),
-                    Some("requested" | "provisioning" | "destroying")
-                )
-            })
-        })
-    });
+    d.settle(context);
     let live = d.agents();
     let containers: BTreeSet<String> = containers_of(instance)
         .into_iter()

@@ -21,21 +21,7 @@ use std::process::Command;
 /// exactly the live agents'; rules belong to live agents only.
 fn assert_consistent(d: &mut Daemon, world: &World, context: &str) {
     let instance: InstanceId = world.dir.instance().parse().unwrap();
-    for _ in 0..3 {
-        d.expect_log("reconcile pass");
-    }
-    wait_until(&format!("{context}: agents settle"), || {
-        let (_, body) = d.http("GET", "/v1/agents", None);
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        v["agents"].as_array().is_some_and(|a| {
-            a.iter().all(|a| {
-                !matches!(
-                    a["state"].as_str(),
-                    Some("requested" | "provisioning" | "destroying")
-                )
-            })
-        })
-    });
+    d.settle(context);
     let live = d.agents();
     assert_eq!(
         world.vm_dirs(),

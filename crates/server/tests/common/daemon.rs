@@ -343,6 +343,27 @@ impl Daemon {
         (status, serde_json::from_str(&answer).unwrap_or_default())
     }
 
+    /// Waits for three reconcile passes, then until no agent is still in
+    /// transition (requested, provisioning, destroying): the state a crash
+    /// test compares with the host.
+    pub fn settle(&mut self, context: &str) {
+        for _ in 0..3 {
+            self.expect_log("reconcile pass");
+        }
+        wait_until(&format!("{context}: agents settle"), || {
+            let (_, body) = self.http("GET", "/v1/agents", None);
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            v["agents"].as_array().is_some_and(|a| {
+                a.iter().all(|a| {
+                    !matches!(
+                        a["state"].as_str(),
+                        Some("requested" | "provisioning" | "destroying")
+                    )
+                })
+            })
+        });
+    }
+
     /// Every live agent's id.
     pub fn agents(&self) -> BTreeSet<String> {
         let (status, body) = self.http("GET", "/v1/agents", None);

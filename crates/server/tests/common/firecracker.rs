@@ -119,33 +119,7 @@ impl TestkitWorld {
         let subnet = format!("10.{second}.{third}.0/24");
         let gateway = Ipv4Addr::new(10, second, third, 1);
         let bridge = format!("kft{r:08x}");
-        let yaml = format!(
-            "version: 1
-firecracker:
-  cidr: {subnet}
-  bridgeName: {bridge}
-scalers:
-  - name: vm
-    type: firecracker
-    maxAgents: 4
-    firecrackerPath: {fc}
-    jailerPath: {jailer}
-    kernelPath: {kernel}
-    chrootBaseDir: {base}
-    uid: 10000
-    gid: 10000
-    labelSets:
-      - labels: [linux, vm]
-        rootfsPath: {rootfs}
-        overlayDriveSizeMib: 16
-",
-            fc = kit.firecracker.display(),
-            jailer = kit.jailer.display(),
-            kernel = dir.path("vmlinux").display(),
-            base = dir.path("jail").display(),
-            rootfs = dir.path("rootfs.ext4").display(),
-        );
-        std::fs::write(dir.path("scalers.yaml"), yaml).unwrap();
+        write_scalers(&dir, &subnet, &bridge, &kit.firecracker, &kit.jailer);
         let world = TestkitWorld {
             dir,
             kit,
@@ -525,21 +499,7 @@ pub fn agents_with_taps(instance: InstanceId) -> BTreeSet<String> {
 /// exactly the live agents', each once; rules belong to live agents only.
 pub fn assert_consistent(d: &mut Daemon, world: &TestkitWorld, context: &str) {
     let instance: InstanceId = world.dir.instance().parse().unwrap();
-    for _ in 0..3 {
-        d.expect_log("reconcile pass");
-    }
-    wait_until(&format!("{context}: agents settle"), || {
-        let (_, body) = d.http("GET", "/v1/agents", None);
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        v["agents"].as_array().is_some_and(|a| {
-            a.iter().all(|a| {
-                !matches!(
-                    a["state"].as_str(),
-                    Some("requested" | "provisioning" | "destroying")
-                )
-            })
-        })
-    });
+    d.settle(context);
     let (_, body) = d.http("GET", "/v1/agents", None);
     let listed: Vec<String> = serde_json::from_str::<serde_json::Value>(&body).unwrap()["agents"]
         .as_array()
@@ -572,4 +532,36 @@ pub fn assert_consistent(d: &mut Daemon, world: &TestkitWorld, context: &str) {
         "{context}: rules of agents that are gone: {:?}",
         ruled.difference(&live).collect::<Vec<_>>()
     );
+}
+
+/// `scalers.yaml` in `dir`: one Firecracker scaler on `subnet` and
+/// `bridge`, with `dir`'s `vmlinux`, `rootfs.ext4` and `jail/`.
+pub fn write_scalers(dir: &Dir, subnet: &str, bridge: &str, firecracker: &Path, jailer: &Path) {
+    let yaml = format!(
+        "version: 1
+firecracker:
+  cidr: {subnet}
+  bridgeName: {bridge}
+scalers:
+  - name: vm
+    type: firecracker
+    maxAgents: 4
+    firecrackerPath: {fc}
+    jailerPath: {jailer}
+    kernelPath: {kernel}
+    chrootBaseDir: {base}
+    uid: 10000
+    gid: 10000
+    labelSets:
+      - labels: [linux, vm]
+        rootfsPath: {rootfs}
+        overlayDriveSizeMib: 16
+",
+        fc = firecracker.display(),
+        jailer = jailer.display(),
+        kernel = dir.path("vmlinux").display(),
+        base = dir.path("jail").display(),
+        rootfs = dir.path("rootfs.ext4").display(),
+    );
+    std::fs::write(dir.path("scalers.yaml"), yaml).unwrap();
 }

@@ -5,6 +5,7 @@
 //! instance's subnet rules and the bridge removed).
 
 use super::daemon::{remove_instance_rules, tool, Dir};
+use super::firecracker::write_scalers;
 use kici_model::InstanceId;
 use std::collections::BTreeSet;
 
@@ -54,33 +55,7 @@ impl World {
         } else {
             format!("kfx{r:08x}")
         };
-        let yaml = format!(
-            "version: 1
-firecracker:
-  cidr: {subnet}
-  bridgeName: {bridge}
-scalers:
-  - name: vm
-    type: firecracker
-    maxAgents: 4
-    firecrackerPath: {fc}
-    jailerPath: {jailer}
-    kernelPath: {kernel}
-    chrootBaseDir: {base}
-    uid: 10000
-    gid: 10000
-    labelSets:
-      - labels: [linux, vm]
-        rootfsPath: {rootfs}
-        overlayDriveSizeMib: 16
-",
-            fc = firecracker.display(),
-            jailer = jailer.display(),
-            kernel = dir.path("vmlinux").display(),
-            base = dir.path("jail").display(),
-            rootfs = dir.path("rootfs.ext4").display(),
-        );
-        std::fs::write(dir.path("scalers.yaml"), yaml).unwrap();
+        write_scalers(&dir, &subnet, &bridge, &firecracker, &jailer);
         let world = World {
             dir,
             subnet,
