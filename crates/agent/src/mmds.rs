@@ -1,5 +1,5 @@
 //! The agent bootstrap from Firecracker's MicroVM Metadata Service, V2
-//! (upstream-contract.md §1.5; Firecracker's MMDS user guide).
+//! (KiCI's MMDS keys, see docs/deviations.md, D-mmds-v2; Firecracker's MMDS user guide).
 //!
 //! A session token comes from `PUT /latest/api/token` with
 //! `X-metadata-token-ttl-seconds`; every `GET` carries it in

@@ -1,4 +1,4 @@
-//! upstream-core.md §11.1 (`config.test.ts`), item by item; adapted where we
+//! Upstream KiCI's configuration test suite (`config.test.ts`), item by item; adapted where we
 //! deliberately deviate (noted per test).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,4 +1,5 @@
-//! Our deliberate deviations (DESIGN.md) and the rules we add: each rejected
+//! Our deliberate deviations (docs/deviations.md, D-strict-config and
+//! D-tie-break) and the rules we add: each rejected
 //! with a precise, positioned error; plus warnings, overlaps and the
 //! multi-file error report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -63,7 +63,7 @@ impl Default for EngineSettings {
     }
 }
 
-/// The answer to a scale request (DESIGN.md, `POST /v1/scale`).
+/// The answer to a scale request (`POST /v1/scale`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "result", rename_all = "kebab-case")]
 pub enum ScaleOutcome {
@@ -1747,7 +1747,7 @@ impl Engine {
         self.pending.len()
     }
 
-    /// Per-scaler status (DESIGN.md, `GET /v1/status`).
+    /// Per-scaler status (`GET /v1/status`).
     pub fn status(&self, now: Instant) -> Status {
         let usage = self.admission.usage();
         let scalers = self

@@ -1,5 +1,5 @@
-//! Named failpoints of the runtime's provisioning and release steps (issue
-//! 4), each right after its step's side effect: a crash there leaves exactly
+//! Named failpoints of the runtime's provisioning and release steps (the
+//! failpoint map is in docs/ARCHITECTURE.md), each right after its step's side effect: a crash there leaves exactly
 //! that effect behind for recovery to find. No-ops unless built with
 //! `--features failpoints`.
 

@@ -139,7 +139,7 @@ impl fmt::Display for FailureReason {
     }
 }
 
-/// Who owns the job queue for an agent (DESIGN.md, *Two modes*).
+/// Who owns the job queue for an agent (docs/ARCHITECTURE.md, *Two modes*).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
@@ -238,7 +238,8 @@ pub struct IllegalTransition {
     pub event: AgentEvent,
 }
 
-/// The single transition function of DESIGN.md's lifecycle table.
+/// The single transition function of the lifecycle table in
+/// docs/ARCHITECTURE.md.
 pub fn transition(from: AgentState, event: AgentEvent) -> Result<AgentState, IllegalTransition> {
     use AgentEvent as E;
     use AgentState as S;

@@ -1,7 +1,7 @@
 //! Scale requests that could not be admitted yet.
 //!
-//! A scale request has its own small state machine (DESIGN.md, *The agent
-//! lifecycle*): `pending → admitted | cancelled | expired | no-backend`
+//! A scale request has its own small state machine (docs/ARCHITECTURE.md,
+//! *The agent lifecycle*): `pending → admitted | cancelled | expired | no-backend`
 //! (plus `too-large` when a reload shrinks a cap below it). While pending it
 //! waits here, FIFO by arrival; the engine serves the queue oldest first
 //! among those that fit, with starved requests holding capacity.

@@ -1,5 +1,5 @@
 //! `kici-guest-init`: the `/init` (PID 1) of a kici-scaler Firecracker
-//! guest (upstream-contract.md §1.5, issue 6 item 9).
+//! guest (it reads KiCI's MMDS bootstrap keys).
 //!
 //! In order: mount `/dev` (devtmpfs), `/proc`, `/sys`; make the root
 //! writable with the overlay drive (see [`plan`] for the choice); mount

@@ -365,7 +365,8 @@ impl Default for FirecrackerNetwork {
     }
 }
 
-/// Deadlines of DESIGN.md (*Deadlines*), per scaler.
+/// The deadlines of one scaler (each settable under `x-kici-scaler`; the
+/// defaults are listed in docs/operations.md, *Deadlines*).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Deadlines {

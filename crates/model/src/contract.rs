@@ -1,5 +1,5 @@
-//! The agent bootstrap contract's environment names (upstream-contract.md
-//! §1.2). The KiCI agent refuses to start when it finds a `KICI_*` variable
+//! The agent bootstrap contract's environment names (the `KICI_*` variables
+//! the KiCI agent reads at start-up). The KiCI agent refuses to start when it finds a `KICI_*` variable
 //! outside its schema, so every layer that builds an agent environment (the
 //! config loader for label-set `env`, the backends, the reference agent)
 //! checks names against this one list.

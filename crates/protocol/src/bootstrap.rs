@@ -1,5 +1,5 @@
 //! The agent's bootstrap: the `KICI_*` environment an agent starts with
-//! (upstream-contract.md §1.2, §1.3), parsed and checked the way the KiCI
+//! (KiCI's agent bootstrap contract), parsed and checked the way the KiCI
 //! agent checks it, plus the labels an agent registers with.
 //!
 //! Every problem is reported at once ([`BootstrapError`] lists them all).
@@ -286,7 +286,7 @@ impl Bootstrap {
 
     /// The labels to register with: `KICI_LABELS` plus the host's
     /// `kici:os:*`, `kici:arch:*`, `kici:host:*` and the role labels of
-    /// `KICI_ROLES` (contract §1.3).
+    /// `KICI_ROLES` (as the KiCI agent derives them).
     pub fn register_labels(&self, host: &HostFacts) -> LabelSet {
         let mut labels: Vec<Label> = self.labels.iter().cloned().collect();
         labels.extend(host.labels());

@@ -1,4 +1,4 @@
-//! WebSocket close codes of the agent protocol (upstream-contract.md §2).
+//! WebSocket close codes of the agent protocol (KiCI's codes).
 
 use std::fmt;
 

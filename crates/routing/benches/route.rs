@@ -5,7 +5,7 @@
 //! mandatory label that each of their sets carries; jobs of 2-3 labels, most
 //! drawn from a configured set (so they match), some random.
 //!
-//! `naive_upstream` ports upstream-core.md §3.2 + §3.5 as upstream runs it per
+//! `naive_upstream` ports upstream's matcher (enrichment + selection) as upstream runs it per
 //! request: enrich every label set by building strings, lower-case + sort +
 //! dedup the job labels, scan with a `HashSet` subset test, keep the smallest
 //! enriched set.
@@ -135,7 +135,7 @@ fn naive_scalers(config: &Config) -> Vec<NaiveScaler> {
         .collect()
 }
 
-/// §3.5: auto labels, rebuilt as strings for every request.
+/// Upstream's auto labels, rebuilt as strings for every request.
 fn naive_auto_labels(s: &NaiveScaler, platform: &str, arch: &str) -> Vec<String> {
     let mut out = Vec::new();
     let platform = if s.backend_type == "bare-metal" {
@@ -166,7 +166,7 @@ fn naive_auto_labels(s: &NaiveScaler, platform: &str, arch: &str) -> Vec<String>
     out
 }
 
-/// §3.2 `findBackendForLabels` over freshly enriched sets.
+/// Upstream's `findBackendForLabels` over freshly enriched sets.
 fn naive_route(
     scalers: &[NaiveScaler],
     job: &[String],

@@ -1,8 +1,8 @@
 //! Label sets configured identically on two different scalers.
 //!
 //! Routing alone would silently send every such job to the earlier scaler,
-//! so boot and reload refuse a configuration with overlaps (upstream-core.md
-//! §3.4). Compared on the configured labels, not the enriched ones: the
+//! so boot and reload refuse a configuration with overlaps (as upstream
+//! KiCI's overlap detection does). Compared on the configured labels, not the enriched ones: the
 //! `kici:scaler:*` auto label would otherwise make every set unique.
 
 use kici_model::{LabelSet, ScalerEntry, ScalerName};

@@ -1,5 +1,6 @@
 //! Routing behaviour: upstream's `label-matcher.test.ts` checklist
-//! (upstream-core.md §11.2) adapted to our deviations, explanation reason
+//! adapted to our deviations (docs/deviations.md, D-tie-break and
+//! D-empty-runs-on), explanation reason
 //! codes, and auto labels.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,5 +1,4 @@
-//! Start-up recovery of 1,000 recorded agents (issue 4's target: ready in
-//! ≤ 1 s): the rows are read from a real SQLite store, decoded, and each
+//! Start-up recovery of 1,000 recorded agents (target: ready in ≤ 1 s): the rows are read from a real SQLite store, decoded, and each
 //! agent is adopted through the runtime (backend calls answered by the
 //! in-memory backend, which knows every agent as alive), its reservation
 //! re-established and its record rewritten. Baseline in the same run: the

@@ -1,7 +1,7 @@
 //! The agent gateway: the WebSocket at `/ws` that agents of scalers without
 //! an `orchestratorUrl` connect back to (its own listener,
 //! `--gateway-listen`), speaking the KiCI registration handshake
-//! (upstream-contract.md §2; the message types are `kici-protocol`'s).
+//! (KiCI's agent protocol; the message types are `kici-protocol`'s).
 //!
 //! One connection's life ([`Gateway::session`]):
 //!

@@ -1,4 +1,4 @@
-//! Standalone jobs (DESIGN.md, *Two modes*): kici-scaler as the dispatcher.
+//! Standalone jobs (see docs/deviations.md, D-standalone-mode): kici-scaler as the dispatcher.
 //!
 //! A job arrives through `POST /v1/jobs` or `kici-scaler run` as labels, a
 //! command (argv), env, resources and a timeout. [`submit`] mints its id,

@@ -1,7 +1,7 @@
 //! Agent bootstrap tokens and the other secrets the daemon handles.
 //!
-//! This module owns the ephemeral agent token store (upstream-contract.md
-//! §3, with its fix list applied): a token is `kat_` + 64 lowercase hex (256
+//! This module owns the ephemeral agent token store (KiCI's token contract,
+//! hardened: revoked on destroy, only a hash kept): a token is `kat_` + 64 lowercase hex (256
 //! bits from the OS RNG), minted once per spawn, bound to one agent id, valid
 //! for the scaler's `maxLifetime` (so a long job is never cut off), revoked
 //! when the agent is destroyed. Only the SHA-256 of a token is kept;

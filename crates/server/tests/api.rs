@@ -1339,7 +1339,7 @@ async fn the_router_and_the_openapi_document_agree_in_both_directions() {
     expected.sort();
     assert_eq!(
         documented, expected,
-        "the document is DESIGN.md's table (plus the README's extras)"
+        "the document is the contract's route table (plus the documented extras)"
     );
 
     // Every documented route is served (the router's fallback answers

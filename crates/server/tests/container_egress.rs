@@ -1,4 +1,4 @@
-//! Container egress with real traffic (issue 5): the real daemon
+//! Container egress with real traffic: the real daemon
 //! (`kici-scaler serve`) on the real dockerd spawns containers of the FROM
 //! scratch test image (`scripts/build-test-image.sh`: the static
 //! `kici-agent-lite` plus busybox) from label sets with different

@@ -1,4 +1,4 @@
-//! Standalone jobs (DESIGN.md, *Two modes*): `POST /v1/jobs`,
+//! Standalone jobs (docs/deviations.md, D-standalone-mode): `POST /v1/jobs`,
 //! `GET /v1/jobs/{id}`, `GET /v1/jobs/{id}/logs`, `DELETE /v1/jobs/{id}`.
 //!
 //! kici-scaler is the dispatcher here: it provisions an agent for the job,

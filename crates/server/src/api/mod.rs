@@ -1,4 +1,4 @@
-//! The control API (DESIGN.md, *API*): HTTP/JSON under `/v1`, SSE events,
+//! The control API (docs/operations.md, *Control API*): HTTP/JSON under `/v1`, SSE events,
 //! `/metrics`, `/healthz`, `/readyz`, `/openapi.json`.
 //!
 //! Every route is declared once, with its OpenAPI description, through
@@ -153,7 +153,7 @@ impl std::ops::Deref for AppState {
 #[openapi(
     info(
         title = "kici-scaler control API",
-        description = "Provision ephemeral CI agents by job labels (DESIGN.md, API). JSON, camelCase, \
+        description = "Provision ephemeral CI agents by job labels. JSON, camelCase, \
                        unknown fields rejected; every error is {\"error\":{\"code\",\"message\",\"field\"}}. \
                        A bearer token (KICI_SCALER_API_TOKEN) is required on every request when the daemon \
                        has one, always on a non-loopback listener."

@@ -135,7 +135,7 @@ pub fn take_sse_events(buffer: &mut String) -> Vec<SseEvent> {
     out
 }
 
-/// Every route of DESIGN.md's table (the agent gateway's `/ws` has its own
+/// Every route of the control API's contract (the agent gateway's `/ws` has its own
 /// listener and is not part of the control API).
 pub const DESIGN_ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/scale"),
@@ -163,5 +163,5 @@ pub const DESIGN_ROUTES: &[(&str, &str)] = &[
     ("get", "/openapi.json"),
 ];
 
-/// Routes served beyond DESIGN.md's table (documented in the README).
+/// Routes served beyond that contract (documented in docs/operations.md).
 pub const EXTRA_ROUTES: &[(&str, &str)] = &[("delete", "/v1/jobs/{id}")];
