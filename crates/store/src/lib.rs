@@ -1,5 +1,5 @@
-//! Durable state of kici-scaler: agents, pending requests, IP leases, token
-//! hashes and events, in embedded SQLite (the default) or a shared
+//! Durable state of kici-scaler: agents, pending requests, standalone jobs,
+//! IP leases, token hashes and events, in embedded SQLite (the default) or a shared
 //! PostgreSQL, behind one trait, [`StateStore`].
 //!
 //! Every row carries its owner, the [`InstanceId`] of the daemon that wrote
@@ -34,7 +34,7 @@ pub mod url;
 
 pub use error::StoreError;
 pub use ipam::{AllocError, IpAllocator, Ipv4Pool, Lease, MacAddress, PoolError};
-pub use record::{AgentRecord, EventRecord, PendingRecord, ResourceNames, UnixMillis};
+pub use record::{AgentRecord, EventRecord, JobRecord, PendingRecord, ResourceNames, UnixMillis};
 pub use url::{StoreOptions, StoreUrl};
 
 use async_trait::async_trait;
@@ -101,6 +101,16 @@ pub trait StateStore: IpAllocator {
 
     /// This owner's pending requests, oldest first.
     async fn pending(&self) -> Result<Vec<PendingRecord>, StoreError>;
+
+    /// Inserts or fully replaces the record of standalone job
+    /// `job.job_id`.
+    async fn put_job(&self, job: &JobRecord) -> Result<(), StoreError>;
+
+    /// Forgets a standalone job; returns whether it was recorded.
+    async fn delete_job(&self, job: &JobId) -> Result<bool, StoreError>;
+
+    /// This owner's standalone jobs, oldest first.
+    async fn jobs(&self) -> Result<Vec<JobRecord>, StoreError>;
 
     /// Records event `seq` (must be new for this owner; a duplicate is a
     /// [`StoreError::Database`] error).

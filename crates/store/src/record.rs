@@ -103,6 +103,40 @@ pub struct PendingRecord {
     pub created_at: UnixMillis,
 }
 
+/// A standalone job (table `jobs`), keyed by job id within the owner: what
+/// `GET /v1/jobs/{id}` shows of it, so that the job outlives a crash of the
+/// daemon. Names (`state`, `end`) are the server's wire names; the store
+/// keeps them as given. The command's environment is never recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobRecord {
+    /// The job's id.
+    pub job_id: JobId,
+    /// Its labels (runsOn), normalised.
+    pub labels: Vec<String>,
+    /// The command (argv).
+    pub command: Vec<String>,
+    /// Where the job is (`pending`, `spawning`, `running`, `failed`, …).
+    pub state: String,
+    /// The agent provisioned for it, once there is one.
+    pub agent_id: Option<AgentId>,
+    /// How it ended, once it has (`exited`, `aborted`, …).
+    pub end: Option<String>,
+    /// The command's exit code, when it exited.
+    pub exit_code: Option<i32>,
+    /// The signal that killed the command, when one did.
+    pub signal: Option<i32>,
+    /// Why it ended other than by its command's own exit.
+    pub reason: Option<String>,
+    /// Output bytes received when the record was written.
+    pub output_bytes: u64,
+    /// Output bytes no longer kept (the per-job cap) at that time.
+    pub dropped_bytes: u64,
+    /// When the job was submitted.
+    pub created_at: UnixMillis,
+    /// When the record last changed.
+    pub updated_at: UnixMillis,
+}
+
 /// One event of the SSE stream (table `events`), for replay after a
 /// reconnect or a restart.
 #[derive(Debug, Clone, PartialEq, Eq)]

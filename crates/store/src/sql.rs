@@ -11,7 +11,9 @@
 //! or claims the lowest free address, or returns no row.
 
 use crate::error::StoreError;
-use crate::record::{AgentRecord, EventRecord, PendingRecord, ResourceNames, UnixMillis};
+use crate::record::{
+    AgentRecord, EventRecord, JobRecord, PendingRecord, ResourceNames, UnixMillis,
+};
 use kici_model::{AgentId, JobId, MemoryBytes, MilliCpu, ScalerName, ScalerType};
 use std::net::Ipv4Addr;
 
@@ -32,6 +34,12 @@ ON CONFLICT (owner, job_id) DO UPDATE SET labels = excluded.labels, request = ex
 pub(crate) const DELETE_PENDING: &str =
     "DELETE FROM pending_requests WHERE owner = $1 AND job_id = $2";
 pub(crate) const PENDING: &str = "SELECT job_id, labels, request, run_id, created_at FROM pending_requests WHERE owner = $1 ORDER BY created_at, job_id";
+
+pub(crate) const PUT_JOB: &str = "INSERT INTO jobs (owner, job_id, labels, command, state, agent_id, end_kind, exit_code, signal, reason, output_bytes, dropped_bytes, created_at, updated_at) \
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+ON CONFLICT (owner, job_id) DO UPDATE SET labels = excluded.labels, command = excluded.command, state = excluded.state, agent_id = excluded.agent_id, end_kind = excluded.end_kind, exit_code = excluded.exit_code, signal = excluded.signal, reason = excluded.reason, output_bytes = excluded.output_bytes, dropped_bytes = excluded.dropped_bytes, created_at = excluded.created_at, updated_at = excluded.updated_at";
+pub(crate) const DELETE_JOB: &str = "DELETE FROM jobs WHERE owner = $1 AND job_id = $2";
+pub(crate) const JOBS: &str = "SELECT job_id, labels, command, state, agent_id, end_kind, exit_code, signal, reason, output_bytes, dropped_bytes, created_at, updated_at FROM jobs WHERE owner = $1 ORDER BY created_at, job_id";
 
 pub(crate) const APPEND_EVENT: &str =
     "INSERT INTO events (owner, seq, at, body) VALUES ($1, $2, $3, $4)";
@@ -227,6 +235,102 @@ impl TryFrom<PendingRow> for PendingRecord {
     }
 }
 
+/// A `jobs` row as stored.
+#[derive(sqlx::FromRow)]
+pub(crate) struct JobRow {
+    job_id: String,
+    labels: String,
+    command: String,
+    state: String,
+    agent_id: Option<String>,
+    end_kind: Option<String>,
+    exit_code: Option<i64>,
+    signal: Option<i64>,
+    reason: Option<String>,
+    output_bytes: i64,
+    dropped_bytes: i64,
+    created_at: i64,
+    updated_at: i64,
+}
+
+fn small_int(table: &'static str, field: &str, v: Option<i64>) -> Result<Option<i32>, StoreError> {
+    v.map(|v| {
+        i32::try_from(v).map_err(|_| corrupt(table, format_args!("{field} = {v} is out of range")))
+    })
+    .transpose()
+}
+
+impl TryFrom<JobRow> for JobRecord {
+    type Error = StoreError;
+    fn try_from(r: JobRow) -> Result<Self, StoreError> {
+        const T: &str = "jobs";
+        let job_id: JobId = r.job_id.parse().map_err(|e| corrupt(T, e))?;
+        Ok(Self {
+            labels: serde_json::from_str(&r.labels)
+                .map_err(|e| corrupt(T, format_args!("labels of {job_id}: {e}")))?,
+            command: serde_json::from_str(&r.command)
+                .map_err(|e| corrupt(T, format_args!("command of {job_id}: {e}")))?,
+            state: r.state,
+            agent_id: r
+                .agent_id
+                .map(|a| a.parse::<AgentId>())
+                .transpose()
+                .map_err(|e| corrupt(T, e))?,
+            end: r.end_kind,
+            exit_code: small_int(T, "exit_code", r.exit_code)?,
+            signal: small_int(T, "signal", r.signal)?,
+            reason: r.reason,
+            output_bytes: non_negative(T, "output_bytes", r.output_bytes)?,
+            dropped_bytes: non_negative(T, "dropped_bytes", r.dropped_bytes)?,
+            created_at: UnixMillis(r.created_at),
+            updated_at: UnixMillis(r.updated_at),
+            job_id,
+        })
+    }
+}
+
+/// A [`JobRecord`] converted to bindable column values (in [`PUT_JOB`]
+/// order, owner excluded).
+pub(crate) struct JobParams {
+    pub job_id: String,
+    pub labels: String,
+    pub command: String,
+    pub state: String,
+    pub agent_id: Option<String>,
+    pub end: Option<String>,
+    pub exit_code: Option<i64>,
+    pub signal: Option<i64>,
+    pub reason: Option<String>,
+    pub output_bytes: i64,
+    pub dropped_bytes: i64,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+impl JobParams {
+    pub(crate) fn new(j: &JobRecord) -> Result<Self, StoreError> {
+        // A Vec<String> always serializes.
+        let json = |v: &Vec<String>| {
+            serde_json::to_string(v).map_err(|e| StoreError::Database(e.to_string()))
+        };
+        Ok(Self {
+            job_id: j.job_id.to_string(),
+            labels: json(&j.labels)?,
+            command: json(&j.command)?,
+            state: j.state.clone(),
+            agent_id: j.agent_id.as_ref().map(ToString::to_string),
+            end: j.end.clone(),
+            exit_code: j.exit_code.map(i64::from),
+            signal: j.signal.map(i64::from),
+            reason: j.reason.clone(),
+            output_bytes: to_i64("output_bytes", j.output_bytes)?,
+            dropped_bytes: to_i64("dropped_bytes", j.dropped_bytes)?,
+            created_at: j.created_at.0,
+            updated_at: j.updated_at.0,
+        })
+    }
+}
+
 /// An `events` row as stored.
 #[derive(sqlx::FromRow)]
 pub(crate) struct EventRow {
@@ -414,6 +518,51 @@ macro_rules! impl_state_store {
                 rows.into_iter()
                     .map($crate::PendingRecord::try_from)
                     .collect()
+            }
+
+            async fn put_job(&self, job: &$crate::JobRecord) -> Result<(), $crate::StoreError> {
+                let p = $crate::sql::JobParams::new(job)?;
+                sqlx::query($crate::sql::PUT_JOB)
+                    .bind(&self.owner_text)
+                    .bind(&p.job_id)
+                    .bind(&p.labels)
+                    .bind(&p.command)
+                    .bind(&p.state)
+                    .bind(&p.agent_id)
+                    .bind(&p.end)
+                    .bind(p.exit_code)
+                    .bind(p.signal)
+                    .bind(&p.reason)
+                    .bind(p.output_bytes)
+                    .bind(p.dropped_bytes)
+                    .bind(p.created_at)
+                    .bind(p.updated_at)
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(())
+            }
+
+            async fn delete_job(
+                &self,
+                job: &kici_model::JobId,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::DELETE_JOB)
+                    .bind(&self.owner_text)
+                    .bind(job.as_str())
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected() > 0)
+            }
+
+            async fn jobs(&self) -> Result<Vec<$crate::JobRecord>, $crate::StoreError> {
+                let rows: Vec<$crate::sql::JobRow> = sqlx::query_as($crate::sql::JOBS)
+                    .bind(&self.owner_text)
+                    .fetch_all(self.reader())
+                    .await
+                    .map_err($crate::error::classify)?;
+                rows.into_iter().map($crate::JobRecord::try_from).collect()
             }
 
             async fn append_event(

@@ -17,6 +17,7 @@ async fn agents_pending_events() {
     a.ping().await.unwrap();
     agents_round_trip(a.as_ref(), b.as_ref()).await;
     pending_round_trip(a.as_ref(), b.as_ref()).await;
+    jobs_round_trip(a.as_ref(), b.as_ref()).await;
     events_round_trip(a.as_ref(), b.as_ref()).await;
 }
 

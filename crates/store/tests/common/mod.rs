@@ -4,8 +4,8 @@
 
 use kici_model::{AgentId, InstanceId, JobId, MemoryBytes, MilliCpu, ScalerName, ScalerType};
 use kici_store::{
-    open, AgentRecord, AllocError, Ipv4Pool, PendingRecord, StateStore, StoreError, StoreOptions,
-    StoreUrl, UnixMillis,
+    open, AgentRecord, AllocError, Ipv4Pool, JobRecord, PendingRecord, StateStore, StoreError,
+    StoreOptions, StoreUrl, UnixMillis,
 };
 use std::collections::{BTreeMap, HashSet};
 use std::net::Ipv4Addr;
@@ -210,6 +210,60 @@ pub async fn pending_round_trip(a: &dyn StateStore, b: &dyn StateStore) {
     assert!(!a.delete_pending(&p2.job_id).await.unwrap());
     assert_eq!(a.pending().await.unwrap().len(), 1);
     assert_eq!(b.pending().await.unwrap(), vec![p1]);
+}
+
+/// Standalone jobs: upsert, read back oldest first, update in place (an
+/// end, an agent), delete; another owner's row of the same job id is its
+/// own.
+pub async fn jobs_round_trip(a: &dyn StateStore, b: &dyn StateStore) {
+    let running = JobRecord {
+        job_id: "job-00000000000000aa".parse().unwrap(),
+        labels: vec!["linux".into(), "local".into()],
+        command: vec!["sh".into(), "-c".into(), "echo 'é'; sleep 9".into()],
+        state: "running".into(),
+        agent_id: Some(agent_id(3)),
+        end: None,
+        exit_code: None,
+        signal: None,
+        reason: None,
+        output_bytes: 1 << 40,
+        dropped_bytes: 7,
+        created_at: UnixMillis(20),
+        updated_at: UnixMillis(25),
+    };
+    let pending = JobRecord {
+        job_id: "job-00000000000000bb".parse().unwrap(),
+        state: "pending".into(),
+        agent_id: None,
+        output_bytes: 0,
+        dropped_bytes: 0,
+        created_at: UnixMillis(10),
+        updated_at: UnixMillis(10),
+        ..running.clone()
+    };
+    a.put_job(&running).await.unwrap();
+    a.put_job(&pending).await.unwrap();
+    b.put_job(&running).await.unwrap();
+    assert_eq!(
+        a.jobs().await.unwrap(),
+        vec![pending.clone(), running.clone()]
+    );
+
+    let ended = JobRecord {
+        state: "failed".into(),
+        end: Some("aborted".into()),
+        exit_code: Some(-1),
+        signal: Some(9),
+        reason: Some("kici-scaler restarted while the job ran".into()),
+        updated_at: UnixMillis(30),
+        ..running.clone()
+    };
+    a.put_job(&ended).await.unwrap();
+    assert_eq!(a.jobs().await.unwrap(), vec![pending.clone(), ended]);
+    assert!(a.delete_job(&pending.job_id).await.unwrap());
+    assert!(!a.delete_job(&pending.job_id).await.unwrap());
+    assert_eq!(a.jobs().await.unwrap().len(), 1);
+    assert_eq!(b.jobs().await.unwrap(), vec![running]);
 }
 
 pub async fn events_round_trip(a: &dyn StateStore, b: &dyn StateStore) {
