@@ -3,8 +3,9 @@
 //! One mutex guards every in-process counter. [`Admission::try_reserve`]
 //! checks every cap and records the reservation inside that one critical
 //! section — the machine-pool ledger write included — so no concurrent
-//! request can slip between a check and its reservation (upstream's §12.1),
-//! and a refusal or an error leaves nothing behind (§12.2). Count caps count
+//! request can slip between a check and its reservation, and a refusal or
+//! an error leaves nothing behind (upstream KiCI did neither; see
+//! docs/deviations.md, D-atomic-admission). Count caps count
 //! live [`Reservation`]s: an agent counts from admission until its guard
 //! drops, whatever the backend does meanwhile.
 

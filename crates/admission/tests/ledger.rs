@@ -1,4 +1,4 @@
-//! The machine-pool ledger: upstream's checklist (§11.5) adapted to our
+//! The machine-pool ledger: upstream's `machine-ledger.test.ts` checklist adapted to our
 //! format, plus liveness, expiry, reconciliation and failure paths.
 // Under `--cfg loom` the sync primitives only work inside `loom::model`.
 #![cfg(not(loom))]

@@ -62,7 +62,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::watch;
 
-/// `logsSource` of forwarded lines (upstream §6.6).
+/// `logsSource` of forwarded lines (upstream's value for bare-metal).
 pub const LOG_SOURCE: &str = "bare-metal";
 
 /// How long destroy waits for the kernel to remove killed processes before

@@ -1,7 +1,8 @@
 //! The environment an agent starts with — one precedence for every backend.
 //!
-//! This module owns the rule of upstream-contract.md §1.2, fixed the way
-//! DESIGN.md asks (lowest → highest):
+//! This module owns KiCI's agent-environment rule, with one precedence for
+//! every backend and the identity variables protected (lowest → highest;
+//! see docs/deviations.md, D-strict-config):
 //!
 //! 1. **system**: the host allowlist ([`BARE_METAL_SYSTEM_ALLOWLIST`]) copied
 //!    from the daemon's environment — bare-metal only;
@@ -149,7 +150,7 @@ impl ForwardedEnv {
 /// The agent's complete environment for `spec` on a backend of `kind`,
 /// sorted by name. Pure: everything comes from the arguments.
 ///
-/// Per backend (upstream-backends.md §7.1): `KICI_EXECUTION_MODE=bare-metal`
+/// Per backend (as upstream sets them): `KICI_EXECUTION_MODE=bare-metal`
 /// for container and bare-metal agents (Firecracker agents default to
 /// `firecracker` themselves), `KICI_PORT=0` for bare-metal only (agents share
 /// the host's ports), the system allowlist for bare-metal only.

@@ -1,4 +1,4 @@
-//! Named failpoints of the bare-metal backend (issue 4), each placed right
+//! Named failpoints of the bare-metal backend (docs/ARCHITECTURE.md), each placed right
 //! after its step's side effect, so a crash there leaves exactly that side
 //! effect behind, and `return` there proves the step's caller releases what
 //! was taken. No-ops unless the crate is built with `--features failpoints`.

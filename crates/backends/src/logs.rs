@@ -5,15 +5,16 @@
 //! follows both files and emits every line as one `tracing` event with the
 //! daemon's own fields (`agent_id`, `scaler`, `job_id`, `stream`, `source`)
 //! and the agent's text as the *string* field `line`. Nothing in the line is
-//! parsed, so an agent cannot forge attribution (upstream B36): a line
+//! parsed, so an agent cannot forge attribution (upstream could): a line
 //! `{"agentId":"evil"}` stays a string inside our event.
 //!
-//! Fixed upstream defects: the offset is the bytes consumed (B37); a file
-//! that shrank is re-read from the start (B38); one task reads each file
-//! (B39); at stop everything written is drained before the task ends, the
-//! incomplete last line included (B40); lines are decoded whole, so a
-//! multi-byte character split between reads survives (B41); lines are capped
-//! at [`MAX_LINE_BYTES`] with a marker (B42).
+//! Where upstream's tailer went wrong (docs/deviations.md, D-log-forwarding):
+//! the offset is the bytes consumed, not a later `stat`; a file that shrank
+//! is re-read from the start; one task reads each file; at stop everything
+//! written is drained before the task ends, the incomplete last line
+//! included; lines are decoded whole, so a multi-byte character split
+//! between reads survives; lines are capped at [`MAX_LINE_BYTES`] with a
+//! marker.
 //!
 //! Resuming after a daemon restart ([`Tailer::start_resumable`]): the
 //! offset of the last *forwarded whole line* of each file is kept beside it
@@ -94,7 +95,7 @@ pub struct LogContext {
     pub agent: AgentId,
     pub scaler: ScalerName,
     pub job: Option<JobId>,
-    /// `bare-metal`, `docker`, `firecracker-serial`, … (upstream §6.6).
+    /// `bare-metal`, `docker`, `firecracker-serial`, … (upstream's `logsSource` values).
     pub source: &'static str,
 }
 

@@ -1,5 +1,5 @@
 //! Registry credentials for pulls, from the standard Docker `config.json`
-//! (upstream sends none at all, B9).
+//! (upstream sends none at all; docs/deviations.md, D-registry-auth).
 //!
 //! The daemon never reads the client's `config.json`: whoever pulls through
 //! the Engine API must send the credentials as `X-Registry-Auth`. Lookup for a

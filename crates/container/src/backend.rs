@@ -16,7 +16,7 @@
 //! works by name from the agent id alone.
 //!
 //! Destroy: stop with the grace (the Engine kills after it), drain the
-//! output, remove with volumes (B16), remove the rules, release the lease —
+//! output, remove with volumes (upstream leaked them), remove the rules, release the lease —
 //! also when the container already died or was removed behind our back.
 
 use crate::auth;
@@ -245,7 +245,7 @@ struct Inner {
     runtimes: tokio::sync::Mutex<HashMap<RuntimeTarget, Arc<Runtime>>>,
     tracked: parking_lot::Mutex<HashMap<AgentId, Tracked>>,
     /// One pull at a time per image reference (concurrent spawns of the same
-    /// image wait for the first pull instead of pulling it N times, B10).
+    /// image wait for the first pull instead of pulling it N times).
     pulls: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Held shared by a spawn from create until its rules are installed,
     /// exclusively by [`ContainerBackend::sweep_stale_rules`].
@@ -1036,7 +1036,8 @@ impl ContainerBackend {
     }
 }
 
-/// `DELETE /containers/{id}?force=true&v=true` (anonymous volumes too, B16);
+/// `DELETE /containers/{id}?force=true&v=true` (anonymous volumes too: see
+/// docs/deviations.md, D-container-cleanup);
 /// gone already or being removed (a concurrent destroy) counts as done.
 async fn remove_forced(rt: &Runtime, id: &str, api: Duration) -> Result<(), StepError> {
     let removed = rt

@@ -1,11 +1,12 @@
 //! The `POST /containers/create` body of one agent: a pure function of the
 //! spawn, so every field is unit-tested without a daemon.
 //!
-//! Hardened by default (upstream B14): every capability dropped (the
+//! Hardened by default (docs/deviations.md, D-container-hardening): every
+//! capability dropped (the
 //! reference agent needs none), `no-new-privileges`, a pids limit, swap
 //! capped at the memory limit, a bounded json-file log (Docker), a read-only
 //! root with a private `/tmp` when the label set asks, integer `NanoCpus`
-//! (B6). The image's entrypoint and command are left alone; the token is in
+//! (docs/deviations.md, D-integer-resources). The image's entrypoint and command are left alone; the token is in
 //! the environment only (never argv). Name `kici-<agent id>`; owner labels
 //! `dev.kici.scaler.*` (never `kici-managed`, which upstream sweeps).
 
@@ -109,7 +110,7 @@ pub struct CreateContext<'a> {
     pub pids_limit: i64,
     pub ulimits: &'a [Ulimit],
     /// The runtime socket as the *host* sees it, when `containerSocket` may
-    /// mount it (local runtimes only; upstream B12).
+    /// mount it (local runtimes only; upstream mounted its own path).
     pub socket_on_host: Option<PathBuf>,
     /// `StopTimeout`: the destroy grace (Podman's default is short anyway;
     /// both then honour what destroy asks).
@@ -132,7 +133,8 @@ pub fn create_body(
     }
     let limits = spec.resources.limits;
     let memory = i64::try_from(limits.memory.bytes()).ok().filter(|m| *m > 0);
-    // Milli-CPUs to nano-CPUs: an integer by construction (B6).
+    // Milli-CPUs to nano-CPUs: an integer by construction (dockerd rejects
+    // a fraction; docs/deviations.md, D-integer-resources).
     let nano_cpus = i64::try_from(limits.cpu.millis())
         .ok()
         .and_then(|m| m.checked_mul(1_000_000))

@@ -4,7 +4,8 @@
 //! The rules themselves belong to `kici-netpolicy` (kici-scaler's own
 //! nftables table); this backend only decides *when*: after the container
 //! is created with its pinned address (so the match is known) and before it
-//! starts (no window with open egress, upstream B2), removed on destroy and
+//! starts (no window with open egress, as upstream had; docs/deviations.md,
+//! D-egress-before-start), removed on destroy and
 //! on every failed spawn. [`NftEgress`] is the real one (kici-scaler's own
 //! nftables tables through `kici_netpolicy::EgressTable`); [`NoEgressRules`]
 //! is for tests that do not look at traffic.

@@ -5,12 +5,13 @@
 //! [`LineSplitter`] as bare-metal (cap, CRLF, split UTF-8 handled there) and
 //! each line is emitted through [`LogContext::emit`]: one `tracing` event with
 //! the daemon's fields and the agent's text as a plain string, so an agent
-//! cannot forge attribution (B36). The stream is opened right after start and
+//! cannot forge attribution (docs/deviations.md, D-log-forwarding). The
+//! stream is opened right after start and
 //! replays from the container's beginning, so nothing written before it
-//! opened is lost (B3); it ends when the container stops, and destroy waits
-//! for it to drain before removing the container (B15). The last lines are
+//! opened is lost; it ends when the container stops, and destroy waits
+//! for it to drain before removing the container (upstream closed it first). The last lines are
 //! kept ([`Tail`]) so that an agent that exits on its own is reported with
-//! what it said last (upstream lost that, B3).
+//! what it said last (upstream lost that).
 
 use bollard::container::LogOutput;
 use bollard::query_parameters::LogsOptions;

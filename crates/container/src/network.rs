@@ -6,7 +6,7 @@
 //! (`enable_icc=false`) and a fixed bridge interface name (the egress rules
 //! match on it). An existing network is checked — driver, subnet, gateway,
 //! ICC — and any mismatch is a start-up error naming what differs (upstream
-//! reused whatever it found, B11). Agent addresses come from our allocator
+//! reused whatever it found; docs/deviations.md, D-container-network). Agent addresses come from our allocator
 //! and are pinned at create time, so the rules exist before the agent runs.
 
 use crate::runtime::{Connection, RuntimeKind};

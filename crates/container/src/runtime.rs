@@ -3,15 +3,15 @@
 //! A scaler names its runtime with `runtime` (`auto`, `docker`, `podman`),
 //! `socketPath` or `host` (`unix://…`, `tcp://host:port`, `https://…`). The
 //! connection is made with bollard, **pinged** (a socket file that exists but
-//! does not answer is no runtime — upstream only checked `access()`, B18) and
+//! does not answer is no runtime — upstream only checked `access()`) and
 //! the API version negotiated down to what the daemon speaks (Debian's
 //! dockerd 20.10 speaks 1.41). Which runtime answered is read from
 //! `GET /version` (Podman names itself among the components), not guessed
-//! from the socket path (B12).
+//! from the socket path (see docs/deviations.md, D-container-runtime).
 //!
 //! `tcp://` without TLS material is plain HTTP and is refused unless the
 //! address is loopback; with [`TlsFiles`] it is HTTPS with client
-//! certificates (B8).
+//! certificates (upstream handed the host string over unparsed, without TLS).
 
 use bollard::Docker;
 use kici_model::{ContainerRuntime, ContainerSettings};
@@ -135,7 +135,7 @@ pub enum RuntimeKind {
 }
 
 impl RuntimeKind {
-    /// The `logsSource` of forwarded lines (upstream §6.6).
+    /// The `logsSource` of forwarded lines (upstream's values).
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Docker => "docker",
@@ -200,7 +200,7 @@ pub enum RuntimeTarget {
 }
 
 impl RuntimeTarget {
-    /// `host` beats `socketPath` beats probing (upstream §2.2).
+    /// `host` beats `socketPath` beats probing (as upstream).
     pub fn of(settings: &ContainerSettings, tls: Option<&TlsFiles>) -> Result<Self, ConnectError> {
         let wanted = match settings.runtime {
             ContainerRuntime::Auto => None,
@@ -222,7 +222,7 @@ impl RuntimeTarget {
         Ok(Self::Probe(wanted))
     }
 
-    /// The sockets probed, in order (upstream §2.3): Docker's, rootful
+    /// The sockets probed, in upstream's order: Docker's, rootful
     /// Podman's, then rootless Podman's under `$XDG_RUNTIME_DIR`.
     fn candidates(runtime: Option<RuntimeKind>) -> Vec<(PathBuf, RuntimeKind)> {
         let mut all = vec![

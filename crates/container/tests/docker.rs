@@ -352,7 +352,7 @@ async fn serial_exit_and_oom_kill_are_reported() {
     let (spec, mut reports) = spawn_spec(&scaler, 0);
     let quitter_agent = spec.agent;
     let h1 = fx.backend.spawn(spec).await.unwrap();
-    // What it said last comes with the exit (upstream lost it, B3).
+    // What it said last comes with the exit (upstream lost it).
     assert_eq!(
         next_report(&mut reports).await,
         BackendReport::Exited {

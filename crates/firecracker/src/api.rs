@@ -1,11 +1,12 @@
 //! A typed client of the Firecracker API (v1.16.1,
-//! `shared/specs/firecracker-api-v1.16.1.yaml`) over its unix socket.
+//! `crates/testkit/spec/firecracker-api-v1.16.1.yaml`) over its unix socket.
 //!
 //! Request bodies are serde structs named after the spec's `definitions`;
 //! optional fields are omitted, never sent as `null`. One HTTP/1.1
 //! connection per call (Firecracker serves one request at a time anyway),
-//! every call bounded by the client's timeout (upstream B10: a wedged VMM
-//! hung spawn, destroy and shutdown for ever).
+//! every call bounded by the client's timeout (upstream set none: a wedged
+//! VMM hung spawn, destroy and shutdown for ever; see docs/deviations.md,
+//! D-bounded-calls).
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;

@@ -2,7 +2,8 @@
 //!
 //! Spawn, in order (each step's side effect recorded in [`Taken`], so a
 //! failure anywhere releases exactly what was taken, the running VMM
-//! included — upstream L1 left it running):
+//! included — upstream left it running; docs/deviations.md,
+//! D-fc-spawn-cleanup):
 //!
 //! 1. the VM directory with its owner marker (first, so every TAP and lease
 //!    of ours has a dated marker the sweep can age);
@@ -1100,7 +1101,8 @@ impl Backend for FirecrackerBackend {
         // The token and bootstrap env sit in the MMDS until now: gone, and
         // read back empty, before any job reaches the guest.
         // The runtime bounds the whole call by the scaler's API deadline;
-        // this is the per-request bound inside it (DESIGN: 30 s).
+        // this is the per-request bound inside it (30 s, the default
+        // `apiCallTimeoutSeconds`).
         self.clear_mmds(agent, Duration::from_secs(30))
             .await
             .map_err(|e| BackendError::Unavailable(format!("{agent}: {e}")))

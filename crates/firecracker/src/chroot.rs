@@ -13,7 +13,7 @@
 //!
 //! The images are never chowned or chmodded: a hard link shares the inode,
 //! so that would change the golden image every later VM boots from
-//! (upstream S5). They are attached read-only and must be readable by the
+//! (docs/deviations.md, D-fc-golden-images). They are attached read-only and must be readable by the
 //! jailer user as they are.
 
 use crate::names::{

@@ -4,8 +4,8 @@
 //! the serial console, and Firecracker's exit seen through a pidfd.
 //!
 //! Under `--new-pid-ns` the jailer exits as soon as the VM starts (upstream
-//! B1 stopped tailing then and so never forwarded anything the guest
-//! printed): here the watch ends only when Firecracker itself exits or
+//! stopped tailing then and so never forwarded anything the guest printed;
+//! see docs/deviations.md, D-fc-vm-watch): here the watch ends only when Firecracker itself exits or
 //! destroy stops it, after a final drain.
 //!
 //! The guest controls the serial console, so its file is bounded: Firecracker

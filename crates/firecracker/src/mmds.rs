@@ -1,4 +1,4 @@
-//! The MMDS document a guest boots with (upstream-contract.md §1.5).
+//! The MMDS document a guest boots with (KiCI's MMDS keys).
 //!
 //! Built from [`kici_backends::agent_env`] — the one agent environment every
 //! backend shares — so precedence and reserved names are decided there, not
@@ -20,7 +20,8 @@
 //! `kici-env` keys must be POSIX names; its serialised size is held within
 //! [`ENV_BUDGET_BYTES`] first-fit (a large entry is skipped, later small
 //! ones still fit), measured on the JSON as sent — escapes included
-//! (upstream B20 measured raw bytes and could overflow Firecracker's store).
+//! (upstream measured raw bytes and could overflow Firecracker's store; see
+//! docs/deviations.md, D-mmds-budget).
 //! Every skipped entry is warned about.
 
 use serde_json::{Map, Value};

@@ -1,6 +1,7 @@
-//! Names and owner markers of everything a VM holds on the host (DESIGN.md,
-//! "Names, ownership, identity"), derived in exactly one place so that spawn,
-//! destroy and the sweep can never disagree (upstream B2, B6).
+//! Names and owner markers of everything a VM holds on the host
+//! (docs/ARCHITECTURE.md, *Names and owners*), derived in exactly one place
+//! so that spawn, destroy and the sweep can never disagree (see
+//! docs/deviations.md, D-fc-names).
 //!
 //! - jailer id = agent id;
 //! - chroot `<chrootBaseDir>/<exec name>/<agent id>/root`, where `<exec name>`

@@ -4,8 +4,8 @@
 //!
 //! A VM's TAP is persistent (it outlives the descriptor we create it with,
 //! until destroy deletes it) and owned by the jailer uid/gid, so only
-//! Firecracker running as that user can attach to it (upstream S9: unowned
-//! TAPs could be taken by any local user). It is a bridge port with
+//! Firecracker running as that user can attach to it (upstream's unowned
+//! TAPs could be taken by any local user; docs/deviations.md, D-fc-tap-owner). It is a bridge port with
 //! `isolated on` (no frames to other isolated ports: VM-to-VM traffic
 //! never crosses the bridge) and carries the owner tag as its ifalias.
 

@@ -1,4 +1,4 @@
-//! Isolation with real traffic (issue 6, item 7): VMs spawned through the
+//! Isolation with real traffic: VMs spawned through the
 //! real backend (testkit `fc-sim` behind its `fake-jailer`, real TAPs on a
 //! real bridge, kici-netpolicy's real nftables rules), each VM's guest side
 //! a network namespace holding its IP and MAC whose frames cross the VM's

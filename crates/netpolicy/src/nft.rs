@@ -65,7 +65,8 @@ impl Runner {
                         command: shown.clone(),
                         source,
                     })?;
-                // Dropping the pipe closes it: nft reads until EOF (upstream B19).
+                // Dropping the pipe closes it: nft reads until EOF (upstream
+                // never closed it and nft waited for its timeout).
                 drop(pipe);
             }
             child

@@ -169,8 +169,8 @@ impl EgressTable {
         // dispatch jump missing and both insert it (harmless, but untidy).
         static ENSURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
         let _one_at_a_time = ENSURING.lock().await;
-        // `add table` / `add chain` are no-ops for what exists (upstream B20:
-        // an existing table must not skip its chains).
+        // `add table` / `add chain` are no-ops for what exists (an existing
+        // table must not skip its chains: docs/deviations.md, D-nftables).
         let mut skeleton = Batch::new();
         for (family, base) in [
             (NfFamily::INet, INET_BASES),

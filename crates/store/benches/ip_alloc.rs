@@ -1,7 +1,7 @@
 //! IP allocations per second with N concurrent allocators, as a ratio to
 //! raw single-row INSERT transactions per second measured in the same run,
 //! on the same database, with the same concurrency and durability settings
-//! (issue 4's performance target: ratio ≥ 0.5). Driven by
+//! (performance target: ratio ≥ 0.5). Driven by
 //! `bench/ip-alloc.sh`; not a criterion bench because what is measured is
 //! throughput under concurrency, not one call's latency.
 //!
