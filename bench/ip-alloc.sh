@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # IP allocations per second vs raw single-row INSERT transactions per second
-# (issue 4), on PostgreSQL (fsync and synchronous_commit on) and on SQLite,
+# on PostgreSQL (fsync and synchronous_commit on) and on SQLite,
 # with 16 concurrent allocators. See bench/README.md.
 #
 #   bench/ip-alloc.sh [SECONDS_PER_PHASE=3] [extra args for the bench binary]
