@@ -14,8 +14,12 @@
 //! if it could not be started (not found / not executable); 125 if
 //! kici-scaler itself failed (bad command line or configuration, no
 //! backend, too large, the agent failed or never registered, no capacity in
-//! time, the daemon unreachable), with the reason on stderr. SIGINT /
-//! SIGTERM cancel the job, destroy its agent and exit 130 / 143.
+//! time, the daemon unreachable), with the reason on stderr. SIGINT,
+//! SIGTERM, SIGHUP and SIGQUIT cancel the job, destroy its agent and exit
+//! 128 + the signal's number (130, 143, 129, 131). What a `run` killed with
+//! SIGKILL left behind (its agents, their cgroups, its temporary state dir)
+//! is swept by the next `run` or `serve` on the host (see
+//! [`crate::dead_runs`]).
 
 use crate::backends::{BackendContext, BackendRegistry};
 use crate::client::Client;
@@ -52,7 +56,8 @@ const EVENT_REPLAY: usize = 1024;
 #[command(
     after_help = "Exit codes: the command's own; 128+n if signal n killed it; \
                   126/127 if it could not be started; 125 if kici-scaler itself failed \
-                  (the reason is on stderr); 130/143 when interrupted (SIGINT/SIGTERM)."
+                  (the reason is on stderr); 128+n when interrupted by signal n \
+                  (SIGINT 130, SIGTERM 143, SIGHUP 129, SIGQUIT 131)."
 )]
 pub struct RunArgs {
     /// The configuration (scalers.yaml): run an in-process daemon for this
@@ -176,7 +181,7 @@ impl JobInput {
         let memory = args
             .memory
             .as_deref()
-            .map(str::parse::<MemoryBytes>)
+            .map(MemoryBytes::parse_request)
             .transpose()
             .map_err(|e| Failed(format!("--memory: {e}")))?;
         let resources = (cpus.is_some() || memory.is_some()).then_some(ResourceRequest {
@@ -201,10 +206,15 @@ impl JobInput {
     }
 }
 
-/// SIGINT and SIGTERM, which cancel the job.
+/// SIGINT, SIGTERM, SIGHUP and SIGQUIT, which cancel the job. A closed
+/// terminal or ssh session sends SIGHUP: left to its default action it
+/// would kill `run` before it destroyed the agent, and the agent, the job's
+/// escaped children and the agent's cgroup would outlive it.
 struct Interrupts {
     int: Signal,
     term: Signal,
+    hup: Signal,
+    quit: Signal,
 }
 
 impl Interrupts {
@@ -212,14 +222,19 @@ impl Interrupts {
         Ok(Self {
             int: signal(SignalKind::interrupt())?,
             term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+            quit: signal(SignalKind::quit())?,
         })
     }
 
-    /// The exit code for the signal that arrived (130, 143).
+    /// The exit code for the signal that arrived (128 + its number: 130,
+    /// 143, 129, 131), as a shell reports a process that signal killed.
     async fn recv(&mut self) -> u8 {
         tokio::select! {
             _ = self.int.recv() => 130,
             _ = self.term.recv() => 143,
+            _ = self.hup.recv() => 129,
+            _ = self.quit.recv() => 131,
         }
     }
 }
@@ -304,14 +319,41 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
     }
     let config = Arc::new(loaded.config);
 
+    // No daemon-config file here: flags, environment, defaults.
+    let tuning = args
+        .backend
+        .resolve(&crate::settings::DaemonFile::default(), &mut Vec::new());
+    // What an earlier `run` killed with SIGKILL left goes first.
+    for swept in crate::dead_runs::sweep(&std::env::temp_dir(), &tuning).await {
+        let _ = writeln!(
+            std::io::stderr(),
+            "kici-scaler: swept what a killed `kici-scaler run` left behind (instance {}: {} resource(s){})",
+            swept.instance,
+            swept.resources,
+            if swept.errors.is_empty() {
+                String::new()
+            } else {
+                format!("; not all of it: {}", swept.errors.join("; "))
+            }
+        );
+    }
+
     // Its own state dir and instance id: nothing here is shared with a
     // running `serve`.
     let temp = tempfile::Builder::new()
-        .prefix("kici-scaler-run-")
+        .prefix(crate::dead_runs::RUN_DIR_PREFIX)
         .tempdir()
         .map_err(|e| Failed(format!("cannot create a temporary state dir: {e}")))?;
     let state_dir = StateDir::open(temp.path(), false)?;
     let instance = state_dir.instance_id();
+    // Before any agent exists: a `run` killed from here on leaves a dir the
+    // next sweep can tear down completely.
+    crate::dead_runs::RunDir::record(temp.path(), config_path, args.config_dir.as_deref())
+        .map_err(|e| {
+            Failed(format!(
+                "cannot record the configuration in the state dir: {e}"
+            ))
+        })?;
     tracing::info!(instance = %instance, state_dir = %temp.path().display(), "run: in-process daemon");
 
     let gateway = stack::bind_gateway(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
@@ -330,10 +372,7 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
         instance,
         state_dir: temp.path().to_path_buf(),
         store: Some(store),
-        // No daemon-config file here: flags, environment, defaults.
-        tuning: args
-            .backend
-            .resolve(&crate::settings::DaemonFile::default(), &mut Vec::new()),
+        tuning,
         // A fresh instance id per run: nothing of it is ever owned again.
         ephemeral: true,
         gateway_port: gateway
@@ -368,6 +407,10 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
             engine: EngineSettings::default(),
             event_replay: EVENT_REPLAY,
             gateway: GatewaySettings::default(),
+            // The gateway of one job's agent: the defaults, within this
+            // process's descriptors.
+            gateway_limits: crate::serving::ConnectionLimits::gateway()
+                .within_descriptors(crate::serving::raise_open_file_limit(), 4),
         },
         // `run` lives in a temporary state dir with a fresh identity:
         // nothing of it is left to recover, so nothing is recorded.

@@ -317,6 +317,159 @@ fn run_interrupted_destroys_the_agent_and_exits_130() {
     assert_run_left_nothing(&dir);
 }
 
+/// A `run` whose job forks a child into a session of its own (as a
+/// daemonising job does), started and waited for: the job's pid, the
+/// escaped child's pid and the job's cgroup v2 directory.
+struct EscapingRun {
+    child: Child,
+    job: i32,
+    escaped: i32,
+    cgroup: PathBuf,
+}
+
+impl EscapingRun {
+    fn start(dir: &Dir) -> Self {
+        let config = dir.config(&agent_binary(), 1, "");
+        let job_pid = dir.path("job.pid");
+        let escaped_pid = dir.path("escaped.pid");
+        let cmd = format!(
+            "echo $$ > {job}; setsid sh -c 'echo $$ > {esc}; exec sleep 1001' & \
+             while [ ! -s {esc} ]; do sleep 0.05; done; echo started; exec sleep 1000",
+            job = job_pid.display(),
+            esc = escaped_pid.display(),
+        );
+        let mut child = command(dir)
+            .args(["run", "--config"])
+            .arg(&config)
+            .args(["--labels", "local", "--", "sh", "-c", &cmd])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert_eq!(line, "started\n");
+        let pid = |p: &Path| -> i32 { std::fs::read_to_string(p).unwrap().trim().parse().unwrap() };
+        let job = pid(&job_pid);
+        let escaped = pid(&escaped_pid);
+        let cgroup = v2_cgroup_of(job).expect("the job runs in a cgroup v2 directory");
+        assert_eq!(
+            v2_cgroup_of(escaped).as_ref(),
+            Some(&cgroup),
+            "the escaped child left the agent's cgroup"
+        );
+        Self {
+            child,
+            job,
+            escaped,
+            cgroup,
+        }
+    }
+
+    fn signal(&self, signal: rustix::process::Signal) {
+        rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), signal)
+            .unwrap();
+    }
+
+    fn wait(mut self) -> (Option<i32>, String) {
+        let status = self.child.wait().unwrap();
+        let mut err = String::new();
+        self.child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        (status.code(), err)
+    }
+}
+
+/// The cgroup v2 directory a process is in (wherever the v2 hierarchy is
+/// mounted on this host).
+fn v2_cgroup_of(pid: i32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .iter()
+        .map(|root| Path::new(root).join(rel.trim_start_matches('/')))
+        .find(|d| d.join("cgroup.procs").is_file())
+}
+
+fn parent_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    stat.rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// SIGHUP (a closed terminal or ssh session) and SIGQUIT cancel the job as
+/// SIGINT does: the agent, the job, what the job forked into a session of
+/// its own and the agent's cgroup are gone, and so is the state dir.
+#[test]
+fn run_on_sighup_and_sigquit_destroys_everything_and_exits_128_plus_the_signal() {
+    for (signal, code) in [
+        (rustix::process::Signal::HUP, 129),
+        (rustix::process::Signal::QUIT, 131),
+    ] {
+        let dir = Dir::new();
+        let run = EscapingRun::start(&dir);
+        let (job, escaped, cgroup) = (run.job, run.escaped, run.cgroup.clone());
+        let agent = parent_of(job);
+        run.signal(signal);
+        let (status, err) = run.wait();
+        assert_eq!(status, Some(code), "{signal:?}: {err}");
+        assert!(err.contains("interrupted"), "{signal:?}: {err}");
+        for (what, pid) in [("job", job), ("escaped child", escaped), ("agent", agent)] {
+            assert!(process_gone(pid), "{signal:?}: the {what} {pid} survived");
+        }
+        assert!(!cgroup.exists(), "{signal:?}: {} is left", cgroup.display());
+        assert_run_left_nothing(&dir);
+    }
+}
+
+/// SIGKILL cannot be handled: what the killed `run` left (its agent, the
+/// job's escaped child, the agent's cgroup, its state dir) is swept by the
+/// next `run` on the host.
+#[test]
+fn what_a_killed_run_left_is_swept_by_the_next_run() {
+    let dir = Dir::new();
+    let killed = EscapingRun::start(&dir);
+    let (job, escaped, cgroup) = (killed.job, killed.escaped, killed.cgroup.clone());
+    let agent = parent_of(job);
+    killed.signal(rustix::process::Signal::KILL);
+    let (status, _) = killed.wait();
+    assert_eq!(status, None, "killed by a signal");
+    // Without a sweep, all of it outlives the killed `run`.
+    assert!(!process_gone(escaped), "the escaped child died with `run`");
+    assert!(cgroup.exists(), "the agent's cgroup went with `run`");
+    assert_eq!(
+        std::fs::read_dir(dir.tmp()).unwrap().count(),
+        1,
+        "its state dir"
+    );
+
+    let config = dir.config(&agent_binary(), 1, "");
+    let out = run(&dir, &config, "local", &["true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("swept what a killed"),
+        "{}",
+        text(&out.stderr)
+    );
+    for (what, pid) in [("job", job), ("escaped child", escaped), ("agent", agent)] {
+        assert!(process_gone(pid), "the {what} {pid} survived the sweep");
+    }
+    assert!(!cgroup.exists(), "{} is left", cgroup.display());
+    assert_run_left_nothing(&dir);
+}
+
 // ---------------------------------------------------------------- serve
 
 struct Daemon {

@@ -1,0 +1,216 @@
+//! What a `kici-scaler run` killed with SIGKILL left behind, and sweeping it.
+//!
+//! `run` keeps its whole life in a temporary state dir
+//! (`kici-scaler-run-*` in the temp dir) holding, like a daemon's, the
+//! instance id its agents' resources are tagged with and the lock it holds
+//! while it lives (the lock file names its pid). Beside them it keeps a
+//! snapshot of the configuration it ran ([`RunDir::record`]), so that
+//! whoever finds the dir later can bring up the same backends and tear down
+//! what they own without guessing.
+//!
+//! A run dir whose lock can be taken belongs to a dead `run`: SIGKILL is
+//! the one signal `run` cannot handle. [`sweep`] — called by the next `run`
+//! and by `serve` at start-up — takes the lock, destroys every resource the
+//! dead instance owns (agent processes and their cgroups, containers,
+//! microVMs) through the same backends that made them, and removes the dir.
+//! A dir whose lock is held is alive; a dir without an instance id is still
+//! being created (the id is written only once the lock is held) and is left
+//! alone.
+
+use crate::backends::{BackendContext, BackendRegistry};
+use crate::identity::{IdentityError, StateDir, INSTANCE_ID_FILE};
+use crate::settings::BackendTuning;
+use kici_model::InstanceId;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The prefix of `run`'s temporary state dirs.
+pub const RUN_DIR_PREFIX: &str = "kici-scaler-run-";
+/// The configuration snapshot inside a run dir.
+const CONFIG_DIR: &str = "config";
+const MAIN_FILE: &str = "scalers.yaml";
+const DROP_IN_DIR: &str = "scalers.d";
+/// How long each dead agent gets to stop before it is killed.
+const DESTROY_GRACE: Duration = Duration::from_secs(5);
+
+/// A run dir, seen from the `run` that owns it.
+pub struct RunDir;
+
+impl RunDir {
+    /// Keeps a copy of the configuration `run` is about to use in its state
+    /// dir (the main file and the drop-ins as they are now).
+    pub fn record(state_dir: &Path, main: &Path, drop_ins: Option<&Path>) -> io::Result<()> {
+        let dir = state_dir.join(CONFIG_DIR);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::copy(main, dir.join(MAIN_FILE))?;
+        if let Some(drop_ins) = drop_ins {
+            let target = dir.join(DROP_IN_DIR);
+            std::fs::create_dir_all(&target)?;
+            for entry in std::fs::read_dir(drop_ins)? {
+                let entry = entry?;
+                let path = entry.path();
+                let yaml = matches!(
+                    path.extension().and_then(|e| e.to_str()),
+                    Some("yaml" | "yml")
+                );
+                if yaml && entry.file_type()?.is_file() {
+                    std::fs::copy(&path, target.join(entry.file_name()))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What was swept of one dead `run`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SweptRun {
+    pub dir: PathBuf,
+    pub instance: InstanceId,
+    /// Resources destroyed (agents and unattributed leftovers).
+    pub resources: usize,
+    /// What could not be done (the dir is kept for the next sweep then).
+    pub errors: Vec<String>,
+}
+
+/// Sweeps every dead run dir in `temp_dir`. Never fails: what it cannot
+/// do is reported per dir (and logged), and the next sweep tries again.
+pub async fn sweep(temp_dir: &Path, tuning: &BackendTuning) -> Vec<SweptRun> {
+    let Ok(entries) = std::fs::read_dir(temp_dir) else {
+        return Vec::new();
+    };
+    let mut swept = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let is_run_dir = name.to_str().is_some_and(|n| n.starts_with(RUN_DIR_PREFIX))
+            && entry.file_type().is_ok_and(|t| t.is_dir());
+        if !is_run_dir || !entry.path().join(INSTANCE_ID_FILE).is_file() {
+            continue;
+        }
+        if let Some(run) = sweep_one(&entry.path(), tuning).await {
+            if run.errors.is_empty() {
+                tracing::info!(
+                    dir = %run.dir.display(),
+                    instance = %run.instance,
+                    resources = run.resources,
+                    "swept what a killed `kici-scaler run` left behind"
+                );
+            } else {
+                tracing::warn!(
+                    dir = %run.dir.display(),
+                    instance = %run.instance,
+                    errors = %run.errors.join("; "),
+                    "cannot sweep all that a killed `kici-scaler run` left behind; the next sweep tries again"
+                );
+            }
+            swept.push(run);
+        }
+    }
+    swept
+}
+
+/// `None`: the dir is alive (or not ours to judge).
+async fn sweep_one(dir: &Path, tuning: &BackendTuning) -> Option<SweptRun> {
+    let state = match StateDir::open(dir, false) {
+        Ok(state) => state,
+        Err(IdentityError::InUse { .. }) => return None,
+        Err(e) => {
+            tracing::debug!(dir = %dir.display(), error = %e, "not a run dir that can be swept");
+            return None;
+        }
+    };
+    let instance = state.instance_id();
+    let mut run = SweptRun {
+        dir: dir.to_owned(),
+        instance,
+        resources: 0,
+        errors: Vec::new(),
+    };
+    match destroy_owned(&state, tuning).await {
+        Ok(n) => run.resources = n,
+        Err(errors) => run.errors = errors,
+    }
+    drop(state);
+    if run.errors.is_empty() {
+        if let Err(e) = std::fs::remove_dir_all(dir) {
+            run.errors
+                .push(format!("cannot remove {}: {e}", dir.display()));
+        }
+    }
+    Some(run)
+}
+
+/// Brings up the backends of the dead run's configuration under its
+/// instance id and destroys everything they list as owned by it.
+async fn destroy_owned(state: &StateDir, tuning: &BackendTuning) -> Result<usize, Vec<String>> {
+    let config_dir = state.path().join(CONFIG_DIR);
+    let main = config_dir.join(MAIN_FILE);
+    if !main.is_file() {
+        // A run that died before it recorded its configuration had started
+        // no agent yet.
+        return Ok(0);
+    }
+    let drop_ins = config_dir.join(DROP_IN_DIR);
+    let loaded = crate::stack::load_config(&main, drop_ins.is_dir().then_some(drop_ins.as_path()))
+        .map_err(|e| vec![format!("its configuration snapshot: {e}")])?;
+    let store = kici_store::open(
+        &kici_store::StoreUrl::default_in(state.path()),
+        state.instance_id(),
+        kici_store::StoreOptions::default(),
+    )
+    .await
+    .map_err(|e| vec![format!("its state store: {e}")])?;
+    let ctx = BackendContext {
+        config: None,
+        instance: state.instance_id(),
+        state_dir: state.path().to_path_buf(),
+        store: Some(store),
+        tuning: tuning.clone(),
+        // The dead instance never comes back: what it kept for itself goes.
+        ephemeral: true,
+        gateway_port: 0,
+    };
+    let built = BackendRegistry::builtin()
+        .build(&loaded.config, &ctx)
+        .await?;
+    let mut destroyed = 0;
+    let mut errors = Vec::new();
+    for backend in &built.backends {
+        let owned = match backend.list_owned().await {
+            Ok(owned) => owned,
+            Err(e) => {
+                errors.push(format!("{} backend: {e}", backend.kind()));
+                continue;
+            }
+        };
+        for resource in owned {
+            let Some(agent) = resource.agent else {
+                // Every backend names what it creates after the agent id;
+                // what carries our owner marker without one was not made by
+                // this version, and is left for an operator, as the
+                // reconciler does.
+                errors.push(format!(
+                    "{} carries the dead run's owner marker but no agent id; not removed",
+                    resource.handle.id
+                ));
+                continue;
+            };
+            let result = backend
+                .destroy(&agent, Some(&resource.handle), DESTROY_GRACE)
+                .await;
+            match result {
+                Ok(()) => destroyed += 1,
+                Err(e) => errors.push(format!("{}: {e}", resource.handle.id)),
+            }
+        }
+    }
+    if errors.is_empty() {
+        for hook in built.after_shutdown {
+            hook();
+        }
+        Ok(destroyed)
+    } else {
+        Err(errors)
+    }
+}
