@@ -58,7 +58,8 @@ fn spec_for(scaler: &Arc<kici_model::ScalerEntry>) -> SpawnSpec {
 }
 
 fn bench(c: &mut Criterion) {
-    let v2 = Path::new(BareMetalOptions::DEFAULT_CGROUP_ROOT);
+    let probe = BareMetalOptions::new(InstanceId::random(), PathBuf::new(), Vec::new());
+    let v2 = probe.cgroup_root.as_path();
     if !rustix::process::geteuid().is_root() || !v2.join("cgroup.procs").is_file() {
         eprintln!(
             "spawn bench: needs root and cgroup v2 at {}; skipped",

@@ -91,8 +91,17 @@ pub struct BareMetalOptions {
     pub instance: InstanceId,
     /// Per-agent directories go under `<state_dir>/agents/<agent id>/`.
     pub state_dir: PathBuf,
-    /// The cgroup v2 mount (tracking, and limits where it has controllers).
+    /// The topmost cgroup v2 directory kici-scaler writes to (tracking, and
+    /// limits where it has controllers): the v2 mount, or the daemon's own
+    /// delegated cgroup ([`crate::cgroup::discover`]).
     pub cgroup_root: PathBuf,
+    /// The directory under `cgroup_root` holding the instances' trees:
+    /// [`crate::cgroup::TREE`], or `agents` in a delegated cgroup.
+    pub cgroup_tree: String,
+    /// Why this host offers no cgroup v2 directory for agents (discovery
+    /// refused it: v1 only, or not delegated to an unprivileged user);
+    /// `validate` reports it and the backend accepts no scaler.
+    pub cgroup_refusal: Option<String>,
     /// Where the cgroup v1 hierarchies are mounted (`<root>/memory`,
     /// `<root>/cpu`): limits when v2 lacks the controller.
     pub cgroup_v1_root: PathBuf,
@@ -127,29 +136,54 @@ pub enum SpawnMethod {
 }
 
 impl BareMetalOptions {
-    pub const DEFAULT_CGROUP_ROOT: &'static str = "/sys/fs/cgroup/unified";
+    /// Where v1 hierarchies are mounted when discovery names none.
     pub const DEFAULT_CGROUP_V1_ROOT: &'static str = "/sys/fs/cgroup";
     /// 16 MiB of each log file stay on disk while an agent runs (everything
     /// is forwarded to the daemon's log anyway).
     pub const DEFAULT_LOG_KEEP_BYTES: u64 = 16 << 20;
 
-    /// Default cgroup roots; both env lists from `daemon_env` (usually
-    /// `std::env::vars()`).
+    /// The cgroups where this process's discovery puts them
+    /// ([`crate::cgroup::discover::host_placement`]); both env lists from
+    /// `daemon_env` (usually `std::env::vars()`).
     pub fn new(
         instance: InstanceId,
         state_dir: PathBuf,
         daemon_env: Vec<(String, String)>,
     ) -> Self {
-        Self {
+        let mut options = Self {
             instance,
             state_dir,
-            cgroup_root: PathBuf::from(Self::DEFAULT_CGROUP_ROOT),
+            cgroup_root: PathBuf::new(),
+            cgroup_tree: crate::cgroup::TREE.to_owned(),
+            cgroup_refusal: None,
             cgroup_v1_root: PathBuf::from(Self::DEFAULT_CGROUP_V1_ROOT),
             forwarded_env: daemon_env.clone(),
             system_env: daemon_env,
             spawn_method: SpawnMethod::default(),
             pids_max: None,
             log_keep_bytes: std::num::NonZeroU64::new(Self::DEFAULT_LOG_KEEP_BYTES),
+        };
+        options.place(crate::cgroup::discover::host_placement(None));
+        options
+    }
+
+    /// Puts the cgroups where `placement` says, or records why there is no
+    /// place for them.
+    pub fn place(
+        &mut self,
+        placement: Result<
+            crate::cgroup::discover::Placement,
+            crate::cgroup::discover::DiscoveryError,
+        >,
+    ) {
+        match placement {
+            Ok(p) => {
+                self.cgroup_root = p.top;
+                self.cgroup_tree = p.tree;
+                self.cgroup_v1_root = p.v1_root;
+                self.cgroup_refusal = None;
+            }
+            Err(e) => self.cgroup_refusal = Some(e.to_string()),
         }
     }
 }
@@ -204,6 +238,8 @@ impl ExitWatch {
 
 struct Inner {
     layout: CgroupLayout,
+    /// [`BareMetalOptions::cgroup_refusal`].
+    cgroup_refusal: Option<String>,
     agents_dir: PathBuf,
     system: SystemEnv,
     forwarded: ForwardedEnv,
@@ -252,7 +288,9 @@ impl BareMetalBackend {
                     options.cgroup_root,
                     options.cgroup_v1_root,
                     options.instance,
-                ),
+                )
+                .with_tree(options.cgroup_tree),
+                cgroup_refusal: options.cgroup_refusal,
                 agents_dir,
                 system,
                 forwarded,
@@ -1122,7 +1160,10 @@ impl Backend for BareMetalBackend {
             }
         }
         let root = self.inner.layout.v2_root();
-        if !root.join("cgroup.procs").is_file() || !root.join("cgroup.controllers").is_file() {
+        if let Some(why) = &self.inner.cgroup_refusal {
+            errors.push(why.clone());
+        } else if !root.join("cgroup.procs").is_file() || !root.join("cgroup.controllers").is_file()
+        {
             errors.push(format!(
                 "{} is not a cgroup v2 mount: bare-metal agents need one to be tracked and killed",
                 root.display()

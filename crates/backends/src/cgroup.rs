@@ -1,33 +1,42 @@
 //! cgroups of bare-metal agents.
 //!
-//! This module owns two things:
+//! This module owns three things:
 //!
+//! - **Placement** ([`discover`]): where the cgroups go on this host —
+//!   found from `/proc/self/mountinfo` and `/proc/self/cgroup`, never
+//!   assumed: inside the daemon's own delegated cgroup under systemd on a
+//!   pure v2 host (`<own>/agents/…`, the daemon itself in `<own>/daemon`),
+//!   else `<v2 mount>/kici-scaler/…`, or wherever `--cgroup-root` says.
 //! - **Tracking**: every agent gets a cgroup v2 leaf
-//!   `<v2 root>/kici-scaler/<instance>/<scaler>/<agent id>`. The child enters
-//!   it before it execs, so everything the agent ever forks (including what
-//!   escapes its process group with `setsid`) is found there, killed with
-//!   `cgroup.kill`, and seen gone through `cgroup.events`. The path is the
-//!   owner marker: reconcile lists it, destroy finds it without a handle.
-//!   Tracking needs no controller, so it works on hosts whose v2 mount has
-//!   none (as this project's CI hosts: the v1 hierarchies hold them).
+//!   `<top>/<tree>/<instance>/<scaler>/<agent id>` ([`CgroupLayout`]). The
+//!   child enters it before it execs, so everything the agent ever forks
+//!   (including what escapes its process group with `setsid`) is found
+//!   there, killed with `cgroup.kill`, and seen gone through
+//!   `cgroup.events`. The path is the owner marker: reconcile lists it,
+//!   destroy finds it without a handle. Tracking needs no controller, so it
+//!   works on hosts whose v2 mount has none (as this project's CI hosts: the
+//!   v1 hierarchies hold them).
 //! - **Limits** (only for `enforceCgroups: true`; a pids limit whenever the
-//!   daemon sets one): memory, CPU and tasks, per
-//!   dimension on v2 when the v2 root offers the controller (enabled down the
-//!   path through `cgroup.subtree_control`), else on the v1 hierarchy of the
-//!   same name (`<v1 root>/memory`, `<v1 root>/cpu`) at the same relative
-//!   path. A limit no controller can enforce is refused ([`LimitError`]),
-//!   never silently dropped. Memory limits also forbid swap
-//!   (`memory.swap.max = 0` / `memory.memsw.limit_in_bytes`) where the host
-//!   accounts it, so a limit kills instead of swapping.
+//!   daemon sets one): memory, CPU and tasks, per dimension on v2 when the
+//!   top cgroup offers the controller (enabled down the path through
+//!   `cgroup.subtree_control`), else on the v1 hierarchy of the same name
+//!   (`<v1 root>/memory`, `<v1 root>/cpu`) at the same relative path. A
+//!   limit no controller can enforce is refused ([`LimitError`]), never
+//!   silently dropped. Memory limits also forbid swap (`memory.swap.max = 0`
+//!   / `memory.memsw.limit_in_bytes`) where the host accounts it, so a limit
+//!   kills instead of swapping, and on v2 set `memory.oom.group = 1`, so an
+//!   OOM kill takes the whole agent (never half of it, never anything
+//!   outside it). Every value written is read back and compared: a kernel
+//!   that silently clamps or ignores a limit is an error, not a surprise.
 //!
 //! Hosts: on this project's dev/CI machines the v2 mount
 //! (`/sys/fs/cgroup/unified`) has no controllers, while the memory, cpu and
 //! pids controllers sit on v1 hierarchies (`/sys/fs/cgroup/<controller>`).
 //! So tracking and killing are v2 (`cgroup.procs`, `cgroup.kill`,
 //! `cgroup.events` work there) and limits are v1 — tested for real. The v2
-//! limit path (production hosts with delegation) is tested against a fake
-//! cgroupfs tree only. v1-only hosts (no v2 mount at all) cannot track
-//! agents and are refused by `validate`.
+//! limit path is tested for real on a pure-v2 Debian 12 guest with systemd
+//! (`scripts/vm-test.sh`) and here on a fake cgroupfs tree. v1-only hosts
+//! (no v2 mount at all) cannot track agents and are refused.
 
 use crate::failpoints;
 use kici_model::{AgentId, InstanceId, MemoryBytes, MilliCpu, Resources};
@@ -36,6 +45,8 @@ use rustix::process::{Pid, Signal};
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+
+pub mod discover;
 
 /// The directory under every cgroup root that holds kici-scaler's cgroups.
 pub const TREE: &str = "kici-scaler";
@@ -55,6 +66,24 @@ pub enum CgroupError {
     },
     #[error("cgroup {} already exists and still holds processes", .0.display())]
     InUse(PathBuf),
+    #[error(
+        "cannot enable {controllers} in {}: processes live in that cgroup itself, and cgroup v2 \
+         gives controllers to the children only of a cgroup without processes (the \"no internal \
+         processes\" rule). Run kici-scaler in a cgroup of its own with delegation (systemd: \
+         Delegate=yes, which makes it move into a leaf of its own), or name a cgroup without \
+         processes with --cgroup-root",
+        path.display()
+    )]
+    InternalProcesses { path: PathBuf, controllers: String },
+    #[error(
+        "{} reads back {read:?} after {wrote:?} was written: the kernel did not take the limit",
+        path.display()
+    )]
+    NotApplied {
+        path: PathBuf,
+        wrote: String,
+        read: String,
+    },
     /// A failpoint configured to fail ([`crate::failpoints`]).
     #[error("injected failure at {0}")]
     Injected(&'static str),
@@ -159,25 +188,44 @@ pub fn sanitise_scaler_name(name: &str) -> String {
     s
 }
 
-/// Where this instance's cgroups live.
+/// Where this instance's cgroups live: `<v2 root>/<tree>/<instance>/…`,
+/// where the v2 root is the topmost cgroup kici-scaler writes to (the v2
+/// mount, or the daemon's own delegated cgroup) and the tree is
+/// [`TREE`] or, in a delegated cgroup, [`discover::DELEGATED_TREE`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CgroupLayout {
     v2_root: PathBuf,
     v1_root: PathBuf,
+    tree: String,
     instance: InstanceId,
 }
 
 impl CgroupLayout {
+    /// The tree is [`TREE`].
     pub fn new(v2_root: PathBuf, v1_root: PathBuf, instance: InstanceId) -> Self {
         Self {
             v2_root,
             v1_root,
+            tree: TREE.to_owned(),
             instance,
         }
     }
 
+    /// Another name for the directory under the v2 root that holds the
+    /// instances' trees.
+    pub fn with_tree(mut self, tree: impl Into<String>) -> Self {
+        self.tree = tree.into();
+        self
+    }
+
     pub fn v2_root(&self) -> &Path {
         &self.v2_root
+    }
+
+    /// The directory under the v2 root (and each v1 hierarchy) that holds
+    /// the instances' trees.
+    pub fn tree(&self) -> &str {
+        &self.tree
     }
 
     pub fn v1_dir(&self, controller: V1Controller) -> PathBuf {
@@ -185,7 +233,7 @@ impl CgroupLayout {
     }
 
     fn instance_rel(&self) -> PathBuf {
-        Path::new(TREE).join(self.instance.to_string())
+        Path::new(&self.tree).join(self.instance.to_string())
     }
 
     fn agent_rel(&self, scaler: &str, agent: AgentId) -> PathBuf {
@@ -194,7 +242,7 @@ impl CgroupLayout {
             .join(agent.to_string())
     }
 
-    /// `<v2 root>/kici-scaler/<instance>`.
+    /// `<v2 root>/<tree>/<instance>`.
     pub fn instance_dir(&self) -> PathBuf {
         self.v2_root.join(self.instance_rel())
     }
@@ -431,6 +479,29 @@ fn write_file(path: &Path, contents: &str) -> Result<(), CgroupError> {
         .map_err(io_err("write", path))
 }
 
+/// Writes a limit and reads it back: the limit counts only once the kernel
+/// shows it. `expected` is what the file must then read (the kernel rounds
+/// byte limits down to whole pages).
+fn write_limit(path: &Path, contents: &str, expected: &str) -> Result<(), CgroupError> {
+    write_file(path, contents)?;
+    let read = fs::read_to_string(path).map_err(io_err("read back", path))?;
+    if read.trim() == expected {
+        Ok(())
+    } else {
+        Err(CgroupError::NotApplied {
+            path: path.to_owned(),
+            wrote: contents.to_owned(),
+            read: read.trim().to_owned(),
+        })
+    }
+}
+
+/// A byte limit as the kernel reads it back: whole pages.
+fn page_rounded(bytes: u64) -> String {
+    let page = rustix::param::page_size() as u64;
+    (bytes / page * page).to_string()
+}
+
 /// Creates `dir` (its parents too); an existing empty cgroup is reused.
 fn make_cgroup(dir: &Path) -> Result<(), CgroupError> {
     if let Some(parent) = dir.parent() {
@@ -470,7 +541,17 @@ fn enable_v2_controllers(
             .map(|c| format!("+{c}"))
             .collect();
         if !missing.is_empty() {
-            write_file(&path, &missing.join(" "))?;
+            match write_file(&path, &missing.join(" ")) {
+                Err(CgroupError::Io { source, .. })
+                    if source.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error()) =>
+                {
+                    return Err(CgroupError::InternalProcesses {
+                        path: dir,
+                        controllers: missing.join(" "),
+                    })
+                }
+                other => other?,
+            }
         }
         dir.push(component);
     }
@@ -529,21 +610,28 @@ impl AgentCgroups {
             let bytes = memory.bytes().to_string();
             match hierarchy {
                 Hierarchy::V2 => {
-                    write_file(&tracking.join("memory.max"), &bytes)?;
+                    let pages = page_rounded(memory.bytes());
+                    write_limit(&tracking.join("memory.max"), &bytes, &pages)?;
+                    // Present only where the kernel accounts swap; without
+                    // it the limit would swap instead of killing.
                     let swap = tracking.join("memory.swap.max");
                     if swap.exists() {
-                        write_file(&swap, "0")?;
+                        write_limit(&swap, "0", "0")?;
                     }
+                    // An OOM kill takes every process of the agent at once:
+                    // no half-killed agent whose leader lives on.
+                    write_limit(&tracking.join("memory.oom.group"), "1", "1")?;
                 }
                 Hierarchy::V1 => {
                     let dir = layout.v1_agent_dir(V1Controller::Memory, scaler, agent);
                     make_cgroup(&dir)?;
                     self.v1.push((V1Controller::Memory, dir.clone()));
+                    let pages = page_rounded(memory.bytes());
                     // memsw must stay ≥ the memory limit: memory first.
-                    write_file(&dir.join("memory.limit_in_bytes"), &bytes)?;
+                    write_limit(&dir.join("memory.limit_in_bytes"), &bytes, &pages)?;
                     let memsw = dir.join("memory.memsw.limit_in_bytes");
                     if memsw.exists() {
-                        write_file(&memsw, &bytes)?;
+                        write_limit(&memsw, &bytes, &pages)?;
                     }
                 }
             }
@@ -552,29 +640,28 @@ impl AgentCgroups {
             let quota = cpu_quota_us(cpu);
             match hierarchy {
                 Hierarchy::V2 => {
-                    write_file(
-                        &tracking.join("cpu.max"),
-                        &format!("{quota} {CPU_PERIOD_US}"),
-                    )?;
+                    let max = format!("{quota} {CPU_PERIOD_US}");
+                    write_limit(&tracking.join("cpu.max"), &max, &max)?;
                 }
                 Hierarchy::V1 => {
                     let dir = layout.v1_agent_dir(V1Controller::Cpu, scaler, agent);
                     make_cgroup(&dir)?;
                     self.v1.push((V1Controller::Cpu, dir.clone()));
-                    write_file(&dir.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
-                    write_file(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                    let (period, quota) = (CPU_PERIOD_US.to_string(), quota.to_string());
+                    write_limit(&dir.join("cpu.cfs_period_us"), &period, &period)?;
+                    write_limit(&dir.join("cpu.cfs_quota_us"), &quota, &quota)?;
                 }
             }
         }
         if let Some((max, hierarchy)) = plan.pids {
             let max = max.to_string();
             match hierarchy {
-                Hierarchy::V2 => write_file(&tracking.join("pids.max"), &max)?,
+                Hierarchy::V2 => write_limit(&tracking.join("pids.max"), &max, &max)?,
                 Hierarchy::V1 => {
                     let dir = layout.v1_agent_dir(V1Controller::Pids, scaler, agent);
                     make_cgroup(&dir)?;
                     self.v1.push((V1Controller::Pids, dir.clone()));
-                    write_file(&dir.join("pids.max"), &max)?;
+                    write_limit(&dir.join("pids.max"), &max, &max)?;
                 }
             }
         }
@@ -778,6 +865,66 @@ mod tests {
         assert_eq!(dir, leaf.parent().unwrap());
         assert_eq!(read(&dir.join("cgroup.subtree_control")), "+memory +cpu");
         assert!(!leaf.join("cgroup.subtree_control").exists());
+    }
+
+    #[test]
+    fn a_delegated_layout_holds_agents_under_its_tree_with_every_v2_limit() {
+        let (_dir, layout) = fake_v2("cpu memory pids\n");
+        let layout = layout.with_tree(discover::DELEGATED_TREE);
+        let plan = LimitPlan::for_limits(
+            limits(500, 64 << 20),
+            &Controllers::detect(&layout),
+            &layout,
+        )
+        .unwrap()
+        .with_pids(
+            std::num::NonZeroU64::new(128).unwrap(),
+            &Controllers::detect(&layout),
+            &layout,
+        )
+        .unwrap();
+        let agent = AgentId::random(ScalerType::BareMetal);
+        let cgroups = AgentCgroups::create(&layout, "metal", agent, &plan).unwrap();
+        let leaf = cgroups.tracking.clone().unwrap();
+        assert_eq!(
+            leaf,
+            layout
+                .v2_root()
+                .join("agents")
+                .join(layout.instance.to_string())
+                .join("metal")
+                .join(agent.to_string())
+        );
+        let read = |name: &str| fs::read_to_string(leaf.join(name)).unwrap();
+        assert_eq!(read("memory.max"), (64u64 << 20).to_string());
+        assert_eq!(read("memory.oom.group"), "1");
+        assert_eq!(read("cpu.max"), "50000 100000");
+        assert_eq!(read("pids.max"), "128");
+        assert_eq!(layout.find_agent(agent), cgroups);
+        assert_eq!(layout.tracking_leaves().unwrap(), vec![leaf]);
+    }
+
+    #[test]
+    fn a_limit_that_does_not_read_back_is_an_error() {
+        let (_dir, layout) = fake_v2("memory\n");
+        let agent = AgentId::random(ScalerType::BareMetal);
+        let leaf = layout.tracking_dir("s", agent);
+        fs::create_dir_all(&leaf).unwrap();
+        // Takes every write and reads back empty: a limit that never took.
+        std::os::unix::fs::symlink("/dev/null", leaf.join("memory.max")).unwrap();
+        let plan = LimitPlan {
+            memory: Some((MemoryBytes::from_bytes(8 << 20), Hierarchy::V2)),
+            cpu: None,
+            pids: None,
+        };
+        let err = AgentCgroups::create(&layout, "s", agent, &plan).unwrap_err();
+        assert!(
+            matches!(&err, CgroupError::NotApplied { wrote, read, .. } if wrote == "8388608" && read.is_empty()),
+            "{err}"
+        );
+        assert!(err
+            .to_string()
+            .contains("the kernel did not take the limit"));
     }
 
     #[test]

@@ -140,6 +140,9 @@ impl BackendRegistry {
                     );
                     options.pids_max = ctx.tuning.bare_metal_pids_max;
                     options.log_keep_bytes = ctx.tuning.bare_metal_log_keep_bytes;
+                    options.place(crate::cgroups::place_self(
+                        ctx.tuning.cgroup_root.as_deref(),
+                    )?);
                     let backend =
                         kici_backends::BareMetalBackend::new(options).map_err(|e| e.to_string())?;
                     let cleanup = backend.clone();

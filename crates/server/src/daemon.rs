@@ -366,13 +366,16 @@ async fn run(
         scalers = config.scalers.len(),
         "control API listening"
     );
+    crate::systemd::ready(&format!("control API listening on {addr}"));
 
     let stop = loop {
         tokio::select! {
             _ = hangup.recv() => {
                 tracing::info!("SIGHUP: reloading the configuration");
+                crate::systemd::reloading();
                 // The reloader logs and counts the outcome.
                 let _ = reloader.reload().await;
+                crate::systemd::ready(&format!("control API listening on {addr}"));
             }
             _ = terminate.recv() => break "SIGTERM",
             _ = interrupt.recv() => break "SIGINT",
@@ -395,6 +398,7 @@ async fn run(
         grace_seconds = settings.shutdown_grace.as_secs(),
         "shutting down: destroying every agent"
     );
+    crate::systemd::stopping("shutting down: destroying every agent");
     state.set_ready(false);
     // No new connections; open ones continue, so event and log streams
     // report the shutdown's destroys and the jobs' ends.

@@ -1,4 +1,6 @@
-//! `kici-scaler doctor`: what the bare-metal backend needs on this host,
+//! `kici-scaler doctor`: what the bare-metal backend needs on this host
+//! (where its cgroups go and why — [`kici_backends::cgroup::discover`] —,
+//! and, when a daemon holds the state dir, where the running daemon's go),
 //! for each container scaler what `serve` checks at start-up (the
 //! runtime answers, `kici-scaler-net` is as expected — created when missing,
 //! as `serve` would —, the label sets' images parse, limits fit the host),
@@ -22,6 +24,7 @@ use crate::agent_binary::SearchPath;
 use crate::cli::{CliError, ConfigArgs, Outcome};
 use crate::identity::{DEFAULT_STATE_DIR, LOCK_FILE};
 use clap::Args;
+use kici_backends::cgroup::discover::{self, Case, DiscoveryError, Placement};
 use kici_backends::cgroup::{CgroupLayout, Controllers, V1Controller};
 use kici_backends::BareMetalOptions;
 use kici_model::{BackendSettings, Config, InstanceId, LabelSetBackend, ScalerType};
@@ -94,22 +97,112 @@ pub struct DoctorReport {
     pub checks: Vec<CheckRow>,
 }
 
-/// Where the checks look (the daemon's defaults, injectable for tests).
+/// Where the checks look (what discovery finds for this process,
+/// injectable for tests).
 #[derive(Debug, Clone)]
 pub struct HostPaths {
+    /// The topmost cgroup v2 directory the daemon would write to.
     pub cgroup_v2_root: PathBuf,
     pub cgroup_v1_root: PathBuf,
+    /// The directory under `cgroup_v2_root` holding instance trees.
+    pub cgroup_tree: String,
+    /// What discovery found, as a report row (`None`: not asked).
+    pub placement: Option<CheckRow>,
+    /// `--cgroup-root`, also applied to a running daemon's discovery.
+    pub cgroup_override: Option<PathBuf>,
     pub proc_locks: PathBuf,
 }
 
 impl Default for HostPaths {
     fn default() -> Self {
-        Self {
-            cgroup_v2_root: PathBuf::from(BareMetalOptions::DEFAULT_CGROUP_ROOT),
+        Self::discover(None)
+    }
+}
+
+impl HostPaths {
+    /// This process's placement (or `--cgroup-root`'s).
+    pub fn discover(override_root: Option<&Path>) -> Self {
+        let placement = discover::host_placement(override_root);
+        let mut host = Self {
+            cgroup_v2_root: PathBuf::new(),
             cgroup_v1_root: PathBuf::from(BareMetalOptions::DEFAULT_CGROUP_V1_ROOT),
+            cgroup_tree: kici_backends::cgroup::TREE.to_owned(),
+            placement: None,
+            cgroup_override: override_root.map(Path::to_path_buf),
             proc_locks: PathBuf::from("/proc/locks"),
+        };
+        if let Ok(p) = &placement {
+            host.cgroup_v2_root = p.top.clone();
+            host.cgroup_v1_root = p.v1_root.clone();
+            host.cgroup_tree = p.tree.clone();
+        }
+        host.placement = Some(placement_row(PLACEMENT_CHECK, &placement, true));
+        host
+    }
+}
+
+const PLACEMENT_CHECK: &str = "cgroup placement";
+
+/// One row for a placement: the case, why, where agents go, what is
+/// missing. `needed`: a bare-metal scaler depends on it (a refusal fails).
+pub fn placement_row(
+    check: &str,
+    placement: &Result<Placement, DiscoveryError>,
+    needed: bool,
+) -> CheckRow {
+    match placement {
+        Ok(p) => {
+            let mut detail = format!(
+                "{}: {}; agents under {}/<instance>/<scaler>/<agent id>",
+                p.case,
+                p.reason,
+                p.tree_dir().display()
+            );
+            if let Some(leaf) = &p.daemon_leaf {
+                detail.push_str(&format!("; daemon in {}", leaf.display()));
+            }
+            let status = match &p.advice {
+                Some(advice) => {
+                    detail.push_str(&format!("; {advice}"));
+                    Status::Warn
+                }
+                None => Status::Ok,
+            };
+            CheckRow::new(check, status, detail)
+        }
+        Err(e) => CheckRow::new(
+            check,
+            if needed { Status::Fail } else { Status::Warn },
+            e.to_string(),
+        ),
+    }
+}
+
+/// The placement of the daemon running as `pid` (read from its `/proc`).
+fn daemon_placement_row(pid: &str, override_root: Option<&Path>) -> Option<CheckRow> {
+    let proc_dir = Path::new("/proc").join(pid);
+    if !proc_dir.is_dir() {
+        return None;
+    }
+    let check = format!("{PLACEMENT_CHECK} (running daemon, pid {pid})");
+    let placement = discover::placement_of(&proc_dir, override_root).map(|(_, p)| p);
+    let mut row = placement_row(&check, &placement, true);
+    if let Ok(p) = &placement {
+        if p.case == Case::SystemdDelegated {
+            if let Some(leaf) = &p.daemon_leaf {
+                let inside = fs::read_to_string(leaf.join("cgroup.procs"))
+                    .is_ok_and(|procs| procs.lines().any(|l| l.trim() == pid));
+                if !inside {
+                    row.status = Status::Warn;
+                    row.detail.push_str(&format!(
+                        "; pid {pid} is not in {} (a daemon older than this one?)",
+                        leaf.display()
+                    ));
+                }
+            }
         }
     }
+    Some(row)
 }
 
 /// `kici-scaler doctor`.
@@ -125,7 +218,7 @@ pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
     let mut report = run_checks(
         &args.config,
         &state_dir,
-        &HostPaths::default(),
+        &HostPaths::discover(tuning.cgroup_root.as_deref()),
         &tuning.container_network,
     );
     for p in problems {
@@ -199,6 +292,16 @@ pub fn run_checks(
             .iter()
             .any(|s| matches!(s.kind, ScalerType::BareMetal))
     });
+    if let Some(row) = &host.placement {
+        let mut row = row.clone();
+        if !has_bare_metal && row.status == Status::Fail {
+            row.status = Status::Warn;
+        }
+        checks.push(row);
+    }
+    if let Some(pid) = lock_holder(&state_dir.join(LOCK_FILE), &host.proc_locks) {
+        checks.extend(daemon_placement_row(&pid, host.cgroup_override.as_deref()));
+    }
     checks.push(cgroup_tracking_check(host, has_bare_metal));
     if let Some(config) = &config {
         checks.extend(cgroup_controllers_check(config, host));
@@ -539,6 +642,13 @@ fn cgroup_tracking_check(host: &HostPaths, needed: bool) -> CheckRow {
     const CHECK: &str = "cgroup v2 tracking";
     let missing = if needed { Status::Fail } else { Status::Warn };
     let root = &host.cgroup_v2_root;
+    if root.as_os_str().is_empty() {
+        return CheckRow::new(
+            CHECK,
+            missing,
+            "no cgroup v2 directory for agents on this host (see the cgroup placement row)",
+        );
+    }
     if !root.join("cgroup.procs").is_file() {
         return CheckRow::new(
             CHECK,
@@ -554,21 +664,31 @@ fn cgroup_tracking_check(host: &HostPaths, needed: bool) -> CheckRow {
         root.clone(),
         host.cgroup_v1_root.clone(),
         InstanceId::random(),
-    );
+    )
+    .with_tree(host.cgroup_tree.clone());
     let probe = layout.instance_dir();
+    let tree = root.join(layout.tree());
+    let tree_existed = tree.is_dir();
     let result = probe_cgroup(&probe);
-    // Removes the probe and any `kici-scaler/` parts only it needed.
+    // Removes the probe and the tree directory if only the probe needed it.
     layout.prune_empty();
+    if !tree_existed {
+        let _ = fs::remove_dir(&tree);
+    }
     match result {
         Ok(None) => CheckRow::new(
             CHECK,
             Status::Ok,
             format!(
                 "{}: probe cgroup created and removed; cgroup.procs and cgroup.kill writable",
-                root.display()
+                root.join(layout.tree()).display()
             ),
         ),
-        Ok(Some(note)) => CheckRow::new(CHECK, Status::Warn, format!("{}: {note}", root.display())),
+        Ok(Some(note)) => CheckRow::new(
+            CHECK,
+            Status::Warn,
+            format!("{}: {note}", root.join(layout.tree()).display()),
+        ),
         Err(e) => CheckRow::new(CHECK, missing, e),
     }
 }
@@ -612,7 +732,8 @@ fn cgroup_controllers_check(config: &Config, host: &HostPaths) -> Option<CheckRo
         host.cgroup_v2_root.clone(),
         host.cgroup_v1_root.clone(),
         InstanceId::random(),
-    );
+    )
+    .with_tree(host.cgroup_tree.clone());
     let found = Controllers::detect(&layout);
     let where_ = |v2: &str, v1: V1Controller, v1_ok: bool| {
         if found.v2.iter().any(|c| c == v2) {
@@ -882,6 +1003,69 @@ scalers:
         );
         assert_eq!(row.status, Status::Fail);
         assert!(row.detail.contains("cannot create"), "{}", row.detail);
+    }
+
+    #[test]
+    fn the_placement_row_names_the_case_the_paths_and_what_is_missing() {
+        let facts = discover::Facts {
+            systemd: true,
+            delegated: true,
+            uid: 0,
+        };
+        let mountinfo = "28 21 0:25 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        let decide = |cgroup: &str, facts, over: Option<&Path>| {
+            discover::decide(
+                &discover::parse(mountinfo, cgroup),
+                facts,
+                over,
+                Path::new("/proc/self/mountinfo"),
+            )
+        };
+        let service = "0::/system.slice/kici-scaler.service\n";
+        let row = placement_row("p", &decide(service, facts, None), true);
+        assert_eq!(row.status, Status::Ok);
+        assert!(
+            row.detail
+                .starts_with("pure cgroup v2, systemd, delegated: "),
+            "{}",
+            row.detail
+        );
+        assert!(row.detail.contains(
+            "agents under /sys/fs/cgroup/system.slice/kici-scaler.service/agents/<instance>"
+        ));
+        assert!(row
+            .detail
+            .ends_with("daemon in /sys/fs/cgroup/system.slice/kici-scaler.service/daemon"));
+
+        let undelegated = discover::Facts {
+            delegated: false,
+            ..facts
+        };
+        let row = placement_row("p", &decide(service, undelegated, None), true);
+        assert_eq!(row.status, Status::Warn);
+        assert!(
+            row.detail
+                .contains("not delegated: add Delegate=yes to the unit (kici-scaler.service)"),
+            "{}",
+            row.detail
+        );
+
+        let row = placement_row(
+            "p",
+            &decide(service, undelegated, Some(Path::new("/srv/cg"))),
+            true,
+        );
+        assert_eq!(row.status, Status::Ok);
+        assert!(row.detail.starts_with("override (--cgroup-root): "));
+
+        let user = discover::Facts {
+            uid: 1000,
+            ..undelegated
+        };
+        let scope = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/x.scope\n";
+        let refused = decide(scope, user, None);
+        assert_eq!(placement_row("p", &refused, true).status, Status::Fail);
+        assert_eq!(placement_row("p", &refused, false).status, Status::Warn);
     }
 
     #[test]

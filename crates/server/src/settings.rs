@@ -223,6 +223,7 @@ pub struct DaemonFile {
     pub container_network: Option<String>,
     pub container_subnet: Option<String>,
     pub container_bridge: Option<String>,
+    pub cgroup_root: Option<PathBuf>,
 }
 
 /// A daemon-config value written as a number or a word (`4096`, `"max"`,
@@ -325,6 +326,11 @@ pub struct BackendArgs {
     /// (at most 15 bytes) [default: kici-scaler0].
     #[arg(long, value_name = "IFNAME", env = "KICI_SCALER_CONTAINER_BRIDGE")]
     pub container_bridge: Option<String>,
+    /// The cgroup v2 directory bare-metal agents' cgroups go under (as
+    /// PATH/kici-scaler/<instance>/…), instead of where discovery puts them
+    /// (the daemon's own delegated cgroup under systemd, else the v2 mount).
+    #[arg(long, value_name = "PATH", env = "KICI_SCALER_CGROUP_ROOT")]
+    pub cgroup_root: Option<PathBuf>,
 }
 
 /// The backends' tuning, resolved ([`BackendArgs`] over the daemon-config
@@ -344,6 +350,8 @@ pub struct BackendTuning {
     /// The reconcile age threshold: the Firecracker sweep spares anything
     /// of an agent younger than this too.
     pub orphan_min_age: Duration,
+    /// `--cgroup-root`: where bare-metal cgroups go; `None`: discovered.
+    pub cgroup_root: Option<PathBuf>,
 }
 
 impl Default for BackendTuning {
@@ -357,6 +365,7 @@ impl Default for BackendTuning {
             container_network: kici_container::NetworkSettings::default(),
             firecracker_sweep_interval: kici_firecracker::DEFAULT_SWEEP_INTERVAL,
             orphan_min_age: Duration::from_secs(DEFAULT_RECONCILE_SECONDS),
+            cgroup_root: None,
         }
     }
 }
@@ -440,6 +449,10 @@ impl BackendArgs {
             bare_metal_pids_max: pids.map_or(defaults.bare_metal_pids_max, Limit::get),
             bare_metal_log_keep_bytes: log_keep
                 .map_or(defaults.bare_metal_log_keep_bytes, Limit::get),
+            cgroup_root: self
+                .cgroup_root
+                .clone()
+                .or_else(|| file.cgroup_root.clone()),
             ..defaults
         }
     }
