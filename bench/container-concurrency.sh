@@ -7,6 +7,6 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 n="${1:-20}"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/work/targets/bench}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(cd "$here/.." && pwd)/target}"
 (cd "$here/.." && cargo build --release -q -p kici-scaler)
 exec python3 "$here/harness.py" --bin-dir "$CARGO_TARGET_DIR/release" container-concurrency "$n"

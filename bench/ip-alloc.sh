@@ -15,7 +15,7 @@ cd "$repo"
 seconds="${1:-3}"
 shift || true
 
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/work/targets/bench}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}"
 if [ -z "${KICI_SCALER_TEST_POSTGRES:-}" ]; then
     scripts/postgres.sh start
     KICI_SCALER_TEST_POSTGRES="$(scripts/postgres.sh url)"

@@ -20,8 +20,26 @@ pub enum ResourceError {
     MemoryOverflow(String),
     #[error("cpus must be a number greater than 0 and at most {MAX_CPUS_PER_REQUEST}, got {0}")]
     InvalidCpus(String),
+    #[error(
+        "memory {0:?} has a space in it: write the number and its unit together (e.g. \"1g\")"
+    )]
+    MemorySpace(String),
+    #[error("memory {0:?} is below one page (4k): nothing can run in it")]
+    MemoryBelowPage(String),
     #[error("cpus {0} is below the 0.001 (1 milli-CPU) resolution")]
     CpusTooSmall(String),
+}
+
+/// A number as a person reads it in an error: plain while it is short,
+/// in scientific notation when plain would run to dozens of digits
+/// (`1e308`, `1e-300`).
+pub fn readable(value: f64) -> String {
+    let plain = value.to_string();
+    if plain.len() <= 16 {
+        plain
+    } else {
+        format!("{value:e}")
+    }
 }
 
 /// CPU in thousandths of a core.
@@ -44,11 +62,11 @@ impl MilliCpu {
     /// error rather than a silent "no request".
     pub fn from_cores(cores: f64) -> Result<Self, ResourceError> {
         if !cores.is_finite() || cores <= 0.0 || cores > MAX_CPUS_PER_REQUEST {
-            return Err(ResourceError::InvalidCpus(cores.to_string()));
+            return Err(ResourceError::InvalidCpus(readable(cores)));
         }
         let millis = (cores * 1000.0).round();
         if millis < 1.0 {
-            return Err(ResourceError::CpusTooSmall(cores.to_string()));
+            return Err(ResourceError::CpusTooSmall(readable(cores)));
         }
         // In range: 1 ..= 256_000, exactly representable.
         Ok(Self(millis as u64))
@@ -57,11 +75,11 @@ impl MilliCpu {
     /// A cap's `maxCpu`: > 0, no upper bound (a host pool may be large).
     pub fn cap_from_cores(cores: f64) -> Result<Self, ResourceError> {
         if !cores.is_finite() || cores <= 0.0 || cores > 1e12 {
-            return Err(ResourceError::InvalidCpus(cores.to_string()));
+            return Err(ResourceError::InvalidCpus(readable(cores)));
         }
         let millis = (cores * 1000.0).round();
         if millis < 1.0 {
-            return Err(ResourceError::CpusTooSmall(cores.to_string()));
+            return Err(ResourceError::CpusTooSmall(readable(cores)));
         }
         Ok(Self(millis as u64))
     }
@@ -122,6 +140,26 @@ impl MemoryBytes {
     /// Whole MiB, rounded down (Firecracker's `mem_size_mib`).
     pub fn mib_floor(self) -> u64 {
         self.0 / (1024 * 1024)
+    }
+}
+
+impl MemoryBytes {
+    /// One page: the least memory a process can be given.
+    pub const PAGE: Self = Self(4096);
+
+    /// A job's memory request or limit as an API client or the command line
+    /// gives it: the configuration grammar without its tolerance of blanks
+    /// before the unit (`"1 g"` is a typo there, not a size), and at least
+    /// one page.
+    pub fn parse_request(s: &str) -> Result<Self, ResourceError> {
+        if s.chars().any(char::is_whitespace) {
+            return Err(ResourceError::MemorySpace(s.to_owned()));
+        }
+        let bytes: Self = s.parse()?;
+        if bytes < Self::PAGE {
+            return Err(ResourceError::MemoryBelowPage(s.to_owned()));
+        }
+        Ok(bytes)
     }
 }
 
@@ -349,6 +387,35 @@ impl EffectiveResources {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn request_memory_refuses_blanks_and_less_than_a_page() {
+        assert_eq!(
+            MemoryBytes::parse_request("1 g"),
+            Err(ResourceError::MemorySpace("1 g".into()))
+        );
+        assert_eq!(
+            MemoryBytes::parse_request("1k"),
+            Err(ResourceError::MemoryBelowPage("1k".into()))
+        );
+        assert_eq!(MemoryBytes::parse_request("4k"), Ok(MemoryBytes::PAGE));
+        assert_eq!(
+            MemoryBytes::parse_request("1g"),
+            Ok(MemoryBytes::from_bytes(1 << 30))
+        );
+        // The configuration grammar is unchanged.
+        assert_eq!("1 g".parse(), Ok(MemoryBytes::from_bytes(1 << 30)));
+    }
+
+    #[test]
+    fn huge_and_tiny_numbers_in_errors_are_readable() {
+        let e = MilliCpu::from_cores(1e308).unwrap_err().to_string();
+        assert!(e.ends_with("got 1e308"), "{e}");
+        let e = MilliCpu::from_cores(1e-300).unwrap_err().to_string();
+        assert!(e.contains("1e-300"), "{e}");
+        assert_eq!(readable(0.5), "0.5");
+        assert_eq!(readable(512.0), "512");
+    }
 
     fn mem(s: &str) -> Result<u64, ResourceError> {
         s.parse::<MemoryBytes>().map(MemoryBytes::bytes)

@@ -20,15 +20,13 @@ use crate::gateway::GatewaySettings;
 use crate::identity::{IdentityError, IdentitySource, StateDir};
 use crate::reconcile::{Reaping, Reconciler, SweepReport};
 use crate::reload::{ConfigReloader, Reload};
+use crate::serving::{self, Listener, ListenerName, Server};
 use crate::settings::{
     DaemonFile, DaemonSettings, ListenAddr, ServeArgs, SettingsError, API_TOKEN_ENV,
 };
 use crate::stack::{self, Stack, StackOptions};
 use crate::tls::{self, TlsError};
 use crate::token::Secret;
-use axum::Router;
-use axum_server::tls_rustls::RustlsConfig;
-use axum_server::Handle;
 use kici_admission::MachineLedger;
 use kici_store::StoreOptions;
 use std::io;
@@ -127,10 +125,11 @@ fn api_token_from_env(settings: &DaemonSettings) -> Result<Option<Secret>, Serve
     Ok(token)
 }
 
-/// A bound listener, before serving.
-enum Bound {
-    Tcp(std::net::TcpListener, Option<RustlsConfig>),
-    Unix(std::os::unix::net::UnixListener),
+/// A bound listener, before serving, and what to print as its address.
+struct Bound {
+    listener: Listener,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    addr: String,
 }
 
 fn bind(settings: &DaemonSettings) -> Result<Bound, ServeError> {
@@ -141,15 +140,16 @@ fn bind(settings: &DaemonSettings) -> Result<Bound, ServeError> {
     match &settings.listen {
         ListenAddr::Tcp(addr) => {
             let tls = match &settings.tls {
-                Some(files) => Some(RustlsConfig::from_config(Arc::new(tls::server_config(
-                    &files.cert,
-                    &files.key,
-                )?))),
+                Some(files) => Some(Arc::new(tls::server_config(&files.cert, &files.key)?)),
                 None => None,
             };
             let listener = std::net::TcpListener::bind(addr).map_err(listen_err)?;
-            listener.set_nonblocking(true).map_err(listen_err)?;
-            Ok(Bound::Tcp(listener, tls))
+            let addr = listener.local_addr().map_err(listen_err)?.to_string();
+            Ok(Bound {
+                listener: Listener::tcp(listener).map_err(listen_err)?,
+                tls,
+                addr,
+            })
         }
         ListenAddr::Unix(path) => {
             remove_stale_socket(path).map_err(listen_err)?;
@@ -159,8 +159,11 @@ fn bind(settings: &DaemonSettings) -> Result<Bound, ServeError> {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
                 .map_err(listen_err)?;
-            listener.set_nonblocking(true).map_err(listen_err)?;
-            Ok(Bound::Unix(listener))
+            Ok(Bound {
+                listener: Listener::unix(listener).map_err(listen_err)?,
+                tls: None,
+                addr: format!("unix:{}", path.display()),
+            })
         }
     }
 }
@@ -192,6 +195,17 @@ async fn run(
 ) -> Result<(), ServeError> {
     let state_dir = StateDir::open(&settings.state_dir, settings.reset_identity)?;
     let instance = state_dir.instance_id();
+    // Each listener's cap is at most a quarter of the descriptors, so
+    // stalled clients of both together cannot exhaust them.
+    let open_files = serving::raise_open_file_limit();
+    let api_limits = settings.api_limits.within_descriptors(open_files, 4);
+    let gateway_limits = settings.gateway_limits.within_descriptors(open_files, 4);
+    tracing::info!(
+        open_files,
+        api_max_connections = api_limits.max_connections,
+        gateway_max_connections = gateway_limits.max_connections,
+        "connection limits"
+    );
     match state_dir.identity_source() {
         IdentitySource::Existing => {}
         IdentitySource::Created => {
@@ -209,6 +223,12 @@ async fn run(
         tracing::warn!(warning = %w, "configuration warning");
     }
     let config = Arc::new(loaded.config);
+    // What a `kici-scaler run` killed with SIGKILL left on this host goes,
+    // beside start-up (it concerns other instances only).
+    let dead_run_tuning = settings.backends.clone();
+    tokio::spawn(async move {
+        crate::dead_runs::sweep(&std::env::temp_dir(), &dead_run_tuning).await;
+    });
 
     // Both listeners before any agent exists: a busy port costs nothing.
     let bound = bind(&settings)?;
@@ -265,6 +285,7 @@ async fn run(
             engine: settings.engine.clone(),
             event_replay: settings.event_replay,
             gateway: GatewaySettings::default(),
+            gateway_limits,
         },
         Some(Arc::clone(&store)),
     )
@@ -350,11 +371,19 @@ async fn run(
     let mut interrupt =
         signal(SignalKind::interrupt()).map_err(|e| ServeError::Signal("SIGINT", e))?;
 
-    let Server {
+    let Bound {
+        listener,
+        tls,
         addr,
-        handle,
-        task: mut server_task,
-    } = Server::start(bound, router).map_err(ServeError::Serve)?;
+    } = bound;
+    let mut server = Server::start(
+        ListenerName::Api,
+        listener,
+        tls,
+        router,
+        api_limits,
+        stack.metrics.listener(ListenerName::Api),
+    );
     // Ready before the log line says so: scripts (and tests) wait for it.
     state.set_ready(true);
     tracing::info!(
@@ -379,7 +408,7 @@ async fn run(
             }
             _ = terminate.recv() => break "SIGTERM",
             _ = interrupt.recv() => break "SIGINT",
-            result = &mut server_task => {
+            result = &mut server.task => {
                 // The listener died on its own: stop everything.
                 let err = match result {
                     Ok(Ok(())) => io::Error::other("the listener stopped"),
@@ -402,17 +431,17 @@ async fn run(
     state.set_ready(false);
     // No new connections; open ones continue, so event and log streams
     // report the shutdown's destroys and the jobs' ends.
-    handle.graceful_shutdown(None);
+    server.graceful_shutdown(None);
     reconcile_task.abort();
     let stopped = stack.shutdown(settings.shutdown_grace).await;
     store.close().await;
-    handle.graceful_shutdown(Some(CONNECTION_DRAIN));
-    match tokio::time::timeout(CONNECTION_DRAIN * 2, &mut server_task).await {
+    server.graceful_shutdown(Some(CONNECTION_DRAIN));
+    match tokio::time::timeout(CONNECTION_DRAIN * 2, &mut server.task).await {
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "control API ended with an error"),
         Ok(Err(e)) => tracing::warn!(error = %e, "control API task failed"),
         Ok(Ok(Ok(()))) => {}
         Err(_) => {
-            handle.shutdown();
+            server.shutdown();
             tracing::warn!("control API connections did not close in time; closed");
         }
     }
@@ -466,76 +495,4 @@ fn spawn_reconciler(reconciler: Arc<Reconciler>, every: Duration) -> JoinHandle<
             log_sweep(&reconciler.pass(Reaping::MarkThenReap).await);
         }
     })
-}
-
-/// The serving task and its controls.
-struct Server {
-    addr: String,
-    handle: AnyHandle,
-    task: JoinHandle<io::Result<()>>,
-}
-
-/// axum-server's handle is typed by address kind.
-enum AnyHandle {
-    Tcp(Handle<std::net::SocketAddr>),
-    Unix(Handle<std::os::unix::net::SocketAddr>),
-}
-
-impl AnyHandle {
-    fn graceful_shutdown(&self, limit: Option<Duration>) {
-        match self {
-            Self::Tcp(h) => h.graceful_shutdown(limit),
-            Self::Unix(h) => h.graceful_shutdown(limit),
-        }
-    }
-
-    fn shutdown(&self) {
-        match self {
-            Self::Tcp(h) => h.shutdown(),
-            Self::Unix(h) => h.shutdown(),
-        }
-    }
-}
-
-impl Server {
-    fn start(bound: Bound, router: Router) -> io::Result<Self> {
-        let service = router.into_make_service();
-        match bound {
-            Bound::Tcp(listener, tls) => {
-                let addr = listener.local_addr()?;
-                let handle = Handle::new();
-                let task = match tls {
-                    Some(tls) => {
-                        let server = axum_server::tls_rustls::from_tcp_rustls(listener, tls)?
-                            .handle(handle.clone());
-                        tokio::spawn(server.serve(service))
-                    }
-                    None => {
-                        let server = axum_server::from_tcp(listener)?.handle(handle.clone());
-                        tokio::spawn(server.serve(service))
-                    }
-                };
-                Ok(Self {
-                    addr: addr.to_string(),
-                    handle: AnyHandle::Tcp(handle),
-                    task,
-                })
-            }
-            Bound::Unix(listener) => {
-                let path = listener
-                    .local_addr()?
-                    .as_pathname()
-                    .map(|p| format!("unix:{}", p.display()))
-                    .unwrap_or_else(|| "unix:?".to_owned());
-                let handle = Handle::new();
-                let server = axum_server::from_unix(listener)?.handle(handle.clone());
-                let task = tokio::spawn(server.serve(service));
-                Ok(Self {
-                    addr: path,
-                    handle: AnyHandle::Unix(handle),
-                    task,
-                })
-            }
-        }
-    }
 }

@@ -268,6 +268,13 @@ impl Gateway {
                     .close(CloseCode::HandshakeTimeout, "auth timeout")
                     .await)
             }
+            // Anything but `auth.request` first is an authentication
+            // failure, a binary frame included.
+            Next::Binary => {
+                return Err(conn
+                    .refuse("first message must be auth.request, not a binary frame")
+                    .await)
+            }
             other => return Err(conn.end(other).await),
         };
         let auth = match AgentMessage::from_json(&text) {

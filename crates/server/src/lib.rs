@@ -54,6 +54,7 @@ pub mod reload;
 pub mod remote;
 pub mod run;
 pub mod serving;
+pub mod serving;
 pub mod settings;
 pub mod stack;
 pub mod state;

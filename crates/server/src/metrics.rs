@@ -7,6 +7,7 @@
 //! pre-created for every label combination the configuration and the enums
 //! allow (scalers × states, backends × failure reasons, caps, ...).
 
+use crate::serving::{ListenerMetrics, ListenerName};
 use kici_admission::Cap;
 use kici_engine::runtime::SequencedEvent;
 use kici_engine::{AgentState, AgentView, BreakerState, EngineEvent, FailureReason, Status};
@@ -36,6 +37,8 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_provision_seconds",
     "kici_orch_scaler_breaker_open",
     "kici_orch_scaler_orphans_reaped_total",
+    "kici_orch_scaler_connections",
+    "kici_orch_scaler_connection_limit_reached_total",
 ];
 
 /// `config_reloads_total{result}`.
@@ -110,6 +113,11 @@ struct ScalerLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CapLabels {
     cap: &'static str,
 }
@@ -178,6 +186,8 @@ pub struct Metrics {
     provision: HistogramFamily<PhaseLabels>,
     breaker_open: Family<BreakerLabels, Gauge>,
     orphans: Family<KindLabels, Counter>,
+    connections: Family<ListenerLabels, Gauge>,
+    connection_limits: Family<ListenerLabels, Counter>,
     /// Seconds an agent spent in `requested`, until it boots (the provision
     /// phase spans requested + provisioning).
     requested_seconds: Mutex<HashMap<AgentId, f64>>,
@@ -203,6 +213,8 @@ impl Metrics {
             provision: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
             breaker_open: Family::default(),
             orphans: Family::default(),
+            connections: Family::default(),
+            connection_limits: Family::default(),
             requested_seconds: Mutex::new(HashMap::new()),
             scrape: Mutex::new(()),
             registry: Registry::default(),
@@ -267,6 +279,23 @@ impl Metrics {
             "Resources the reconciler removed because no live agent owned them, per kind",
             m.orphans.clone(),
         );
+        registry.register(
+            "kici_orch_scaler_connections",
+            "Connections being served, per listener (api, gateway)",
+            m.connections.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_connection_limit_reached",
+            "Times a listener reached its connection cap (new connections then wait in the backlog until one ends), per listener",
+            m.connection_limits.clone(),
+        );
+        for name in ListenerName::ALL {
+            let labels = ListenerLabels {
+                listener: name.as_str(),
+            };
+            let _ = m.connections.get_or_create(&labels);
+            let _ = m.connection_limits.get_or_create(&labels);
+        }
         for result in [
             ReloadResult::attempted,
             ReloadResult::success,
@@ -339,6 +368,17 @@ impl Metrics {
 
     fn count_reload(&self, result: ReloadResult) {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
+    }
+
+    /// The series a listener reports its connections to.
+    pub fn listener(&self, name: ListenerName) -> ListenerMetrics {
+        let labels = ListenerLabels {
+            listener: name.as_str(),
+        };
+        ListenerMetrics {
+            open: self.connections.get_or_create(&labels).clone(),
+            limit_reached: self.connection_limits.get_or_create(&labels).clone(),
+        }
     }
 
     /// For the reconciler.

@@ -11,6 +11,7 @@
 //! bare-metal pids cap and log retention) are shared with `kici-scaler run`,
 //! which has flags and environment but no daemon-config file.
 
+use crate::serving::ConnectionLimits;
 use clap::Args;
 use kici_container::Ulimit;
 use kici_engine::EngineSettings;
@@ -184,6 +185,33 @@ pub struct ServeArgs {
         env = "KICI_SCALER_FIRECRACKER_SWEEP_INTERVAL_SECONDS"
     )]
     pub firecracker_sweep_interval_seconds: Option<u64>,
+    /// A connection must send a complete request head within this; it is
+    /// also how long an idle keep-alive connection stays open (1 to 3600)
+    /// [default: 10].
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "KICI_SCALER_HTTP_HEADER_TIMEOUT_SECONDS"
+    )]
+    pub http_header_timeout_seconds: Option<u64>,
+    /// A request body must arrive in full within this, or the request is
+    /// answered 408 (1 to 3600) [default: 30].
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "KICI_SCALER_HTTP_BODY_TIMEOUT_SECONDS"
+    )]
+    pub http_body_timeout_seconds: Option<u64>,
+    /// Most connections the control API serves at once; more wait until
+    /// one ends (lowered to a quarter of the open-file limit)
+    /// [default: 1024].
+    #[arg(long, value_name = "N", env = "KICI_SCALER_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Most connections each agent gateway listener serves at once (one per
+    /// agent); more wait until one ends (lowered to a quarter of the
+    /// open-file limit) [default: 4096].
+    #[arg(long, value_name = "N", env = "KICI_SCALER_GATEWAY_MAX_CONNECTIONS")]
+    pub gateway_max_connections: Option<usize>,
     /// Mint a new instance id when the state dir belongs to another machine
     /// or its identity is unreadable.
     #[arg(long)]
@@ -217,6 +245,10 @@ pub struct DaemonFile {
     pub reconcile_interval_seconds: Option<u64>,
     pub reconcile_age_seconds: Option<u64>,
     pub firecracker_sweep_interval_seconds: Option<u64>,
+    pub http_header_timeout_seconds: Option<u64>,
+    pub http_body_timeout_seconds: Option<u64>,
+    pub max_connections: Option<usize>,
+    pub gateway_max_connections: Option<usize>,
     pub container_ulimits: Option<Vec<String>>,
     pub bare_metal_pids_max: Option<NumberOrWord>,
     pub bare_metal_log_keep_bytes: Option<NumberOrWord>,
@@ -528,6 +560,10 @@ pub struct DaemonSettings {
     pub reconcile_age: Duration,
     /// Container ulimits, bare-metal pids and log caps.
     pub backends: BackendTuning,
+    /// The control API's connection bounds.
+    pub api_limits: ConnectionLimits,
+    /// Each agent gateway listener's connection bounds.
+    pub gateway_limits: ConnectionLimits,
 }
 
 impl DaemonSettings {
@@ -636,6 +672,45 @@ impl DaemonSettings {
             firecracker_sweep,
             &mut errors,
         );
+        let header_timeout = pick(
+            &args.http_header_timeout_seconds,
+            &file.http_header_timeout_seconds,
+            ConnectionLimits::DEFAULT_HEADER_TIMEOUT.as_secs(),
+        );
+        check_timeout("http-header-timeout-seconds", header_timeout, &mut errors);
+        let body_timeout = pick(
+            &args.http_body_timeout_seconds,
+            &file.http_body_timeout_seconds,
+            ConnectionLimits::DEFAULT_BODY_TIMEOUT.as_secs(),
+        );
+        check_timeout("http-body-timeout-seconds", body_timeout, &mut errors);
+        let max_connections = pick(
+            &args.max_connections,
+            &file.max_connections,
+            ConnectionLimits::DEFAULT_API_CONNECTIONS,
+        );
+        let gateway_max_connections = pick(
+            &args.gateway_max_connections,
+            &file.gateway_max_connections,
+            ConnectionLimits::DEFAULT_GATEWAY_CONNECTIONS,
+        );
+        for (field, n) in [
+            ("max-connections", max_connections),
+            ("gateway-max-connections", gateway_max_connections),
+        ] {
+            if n == 0 {
+                errors.push(format!("{field} must be at least 1"));
+            }
+        }
+        let api_limits = ConnectionLimits {
+            max_connections,
+            header_timeout: Duration::from_secs(header_timeout),
+            body_timeout: Duration::from_secs(body_timeout),
+        };
+        let gateway_limits = ConnectionLimits {
+            max_connections: gateway_max_connections,
+            ..api_limits
+        };
         let mut backends = args.backend.resolve(file, &mut errors);
         backends.firecracker_sweep_interval = Duration::from_secs(firecracker_sweep);
         backends.orphan_min_age = Duration::from_secs(reconcile_age);
@@ -668,6 +743,8 @@ impl DaemonSettings {
                     reconcile_every: Duration::from_secs(reconcile_every),
                     reconcile_age: Duration::from_secs(reconcile_age),
                     backends,
+                    api_limits,
+                    gateway_limits,
                 })
             }
             _ => Err(SettingsError::Invalid(errors.join("\n"))),
@@ -678,6 +755,21 @@ impl DaemonSettings {
 fn pick<T: Clone>(flag: &Option<T>, file: &Option<T>, default: T) -> T {
     flag.clone().or_else(|| file.clone()).unwrap_or(default)
 }
+
+/// A connection deadline: 1 s to an hour. Zero would close every
+/// connection at once; a client that needs more than an hour to send a
+/// request head or body is a stalled one.
+fn check_timeout(field: &str, seconds: u64, errors: &mut Vec<String>) {
+    if seconds == 0 {
+        errors.push(format!("{field} must be at least 1"));
+    } else if seconds > MAX_TIMEOUT_SECONDS {
+        errors.push(format!(
+            "{field}: {seconds} is more than an hour; at most {MAX_TIMEOUT_SECONDS}"
+        ));
+    }
+}
+
+const MAX_TIMEOUT_SECONDS: u64 = 3600;
 
 /// A periodic task's interval: 1 s to a day. Zero would spin; a timer
 /// further out than the clock can count would panic when armed, and a

@@ -18,6 +18,7 @@ use crate::jobs::JobBook;
 use crate::metrics::Metrics;
 use crate::persist::{restore_pending, PendingRecorder, PendingRestored, Persister};
 use crate::pump::Pump;
+use crate::serving::{ConnectionLimits, Listener, ListenerName, Server};
 use crate::state::{durable_from_record, RecordedToken, StoreJournal};
 use crate::token::{TokenBootstrapper, TokenStore};
 use kici_admission::{Admission, MachineLedger};
@@ -35,8 +36,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use std::time::SystemTime;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 /// How long the gateway's listener may take to stop once every agent is
 /// gone.
@@ -121,6 +120,8 @@ pub struct StackOptions {
     /// Events kept for `GET /v1/events` resumption.
     pub event_replay: usize,
     pub gateway: GatewaySettings,
+    /// Each gateway listener's connection bounds.
+    pub gateway_limits: ConnectionLimits,
 }
 
 /// Why a stack did not start.
@@ -166,8 +167,8 @@ pub struct Stack {
     pub pending: Option<PendingRecorder>,
     pump: Pump,
     follower: EngineFollower,
-    gateway_stop: oneshot::Sender<()>,
-    gateway_task: JoinHandle<io::Result<()>>,
+    /// The gateway's listeners, the `--gateway-listen` one first.
+    gateway_servers: Vec<Server>,
     after_shutdown: Vec<Box<dyn FnOnce() + Send>>,
 }
 
@@ -185,7 +186,7 @@ impl Stack {
         store: Option<Arc<dyn StateStore>>,
     ) -> Result<(Self, Recovery), StackError> {
         let gateway_addr = gateway.local_addr().map_err(StackError::Gateway)?;
-        let listener = tokio::net::TcpListener::from_std(gateway).map_err(StackError::Gateway)?;
+        let listener = Listener::tcp(gateway).map_err(StackError::Gateway)?;
         // The gateway also listens on each backend network's gateway
         // address (same port): containers and VMs cannot reach loopback.
         let mut extra_listeners = Vec::new();
@@ -193,8 +194,7 @@ impl Stack {
         for (kind, ip) in &backends.agent_gateways {
             let addr = SocketAddr::new(*ip, gateway_addr.port());
             let l = bind_backend_gateway(addr).map_err(StackError::Gateway)?;
-            extra_listeners
-                .push(tokio::net::TcpListener::from_std(l).map_err(StackError::Gateway)?);
+            extra_listeners.push(Listener::tcp(l).map_err(StackError::Gateway)?);
             backend_gateways.push((*kind, addr));
         }
         let admission = Admission::new(&config, ledger)?;
@@ -287,30 +287,22 @@ impl Stack {
             recovery.pending = restored;
             restore_tokens(&runtime, &tokens, &recovery.report.adopted, tokens_of);
         }
-        let (gateway_stop, stopped) = oneshot::channel::<()>();
         let router = gateway.router();
-        let (stop_extra, _) = tokio::sync::watch::channel(false);
+        let serve = |listener| {
+            Server::start(
+                ListenerName::Gateway,
+                listener,
+                None,
+                router.clone(),
+                options.gateway_limits,
+                metrics.listener(ListenerName::Gateway),
+            )
+        };
+        let mut gateway_servers = vec![serve(listener)];
         for (l, (kind, addr)) in extra_listeners.into_iter().zip(&backend_gateways) {
-            let router = router.clone();
-            let mut stop = stop_extra.subscribe();
-            tokio::spawn(async move {
-                axum::serve(l, router)
-                    .with_graceful_shutdown(async move {
-                        let _ = stop.wait_for(|s| *s).await;
-                    })
-                    .await
-            });
+            gateway_servers.push(serve(l));
             tracing::info!(addr = %addr, backend = %kind, "agent gateway listening for a backend network");
         }
-        let gateway_task = tokio::spawn(async move {
-            let result = axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await;
-            let _ = stop_extra.send(true);
-            result
-        });
         tracing::info!(addr = %gateway_addr, "agent gateway listening");
         let stack = Self {
             config,
@@ -324,8 +316,7 @@ impl Stack {
             pending,
             pump,
             follower,
-            gateway_stop,
-            gateway_task,
+            gateway_servers,
             after_shutdown: backends.after_shutdown,
         };
         Ok((stack, recovery))
@@ -333,7 +324,9 @@ impl Stack {
 
     /// Whether the gateway's server task ended on its own (its error).
     pub fn gateway_failed(&self) -> bool {
-        self.gateway_task.is_finished()
+        self.gateway_servers
+            .first()
+            .is_some_and(|server| server.task.is_finished())
     }
 
     /// Stops admitting, cancels pending requests, destroys every agent (up
@@ -346,12 +339,16 @@ impl Stack {
         // `pending-ended` events) before the pump closes the event log.
         self.follower.finish().await;
         self.pump.finish().await;
-        let _ = self.gateway_stop.send(());
-        match tokio::time::timeout(GATEWAY_STOP, self.gateway_task).await {
-            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "agent gateway ended with an error"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "agent gateway task failed"),
-            Ok(Ok(Ok(()))) => {}
-            Err(_) => tracing::warn!("agent gateway did not stop in time"),
+        for server in &self.gateway_servers {
+            server.graceful_shutdown(Some(GATEWAY_STOP));
+        }
+        for server in self.gateway_servers {
+            match tokio::time::timeout(GATEWAY_STOP * 2, server.task).await {
+                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "agent gateway ended with an error"),
+                Ok(Err(e)) => tracing::warn!(error = %e, "agent gateway task failed"),
+                Ok(Ok(Ok(()))) => {}
+                Err(_) => tracing::warn!("agent gateway did not stop in time"),
+            }
         }
         if all_gone {
             for hook in self.after_shutdown {

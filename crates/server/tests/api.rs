@@ -258,6 +258,10 @@ async fn an_orchestrator_drives_an_agent_through_its_life() {
     assert_eq!(body["warm"], false);
     let agent = agent_of(&a);
     h.booted(agent).await;
+    let while_live = h
+        .call("GET", &format!("/v1/agents/{agent}"), None)
+        .await
+        .json();
 
     let spec = h.bare.spec(agent).unwrap();
     assert_eq!(spec.orchestrator_url, "ws://127.0.0.1:7879/ws");
@@ -350,11 +354,51 @@ async fn an_orchestrator_drives_an_agent_through_its_life() {
     let all = h.call("GET", "/v1/agents?all=true", None).await;
     assert_eq!(all.json()["agents"][0]["agentId"], agent.to_string());
     assert_eq!(all.json()["agents"][0]["state"], "gone");
+    // A gone agent is listed with what it had (its job ended before it
+    // went): its resources and its age, not zeros.
+    let gone = &all.json()["agents"][0];
+    assert!(gone["ageSeconds"].as_f64().unwrap() > 0.0, "{gone}");
+    assert_eq!(gone["resources"], while_live["resources"], "{gone}");
     // The token died with the agent.
     let r = h
         .call("POST", &path("registered"), Some(json!({"token": token})))
         .await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+}
+
+/// An agent destroyed with its job bound is listed, once gone, with that
+/// job and the resources it held, its age still counting.
+#[tokio::test]
+async fn a_gone_agent_keeps_its_job_and_resources() {
+    let h = Harness::new().await;
+    let r = h
+        .call(
+            "POST",
+            "/v1/scale",
+            Some(json!({"jobId": "job-9", "labels": ["docker"],
+                        "resources": {"requests": {"cpus": 0.5, "memory": "256m"}}})),
+        )
+        .await;
+    let agent = agent_of(&r);
+    h.booted(agent).await;
+    h.call("DELETE", &format!("/v1/agents/{agent}"), None).await;
+    h.settle_until("gone", || h.state_of(agent) == Some(AgentState::Gone))
+        .await;
+    let first = h
+        .call("GET", &format!("/v1/agents/{agent}"), None)
+        .await
+        .json();
+    assert_eq!(first["state"], "gone", "{first}");
+    assert_eq!(first["jobId"], "job-9", "{first}");
+    assert_eq!(first["resources"]["cpus"], 0.5, "{first}");
+    assert_eq!(first["resources"]["memoryBytes"], 256 << 20, "{first}");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let later = h.call("GET", "/v1/agents?all=true", None).await.json();
+    let later = &later["agents"][0];
+    assert!(
+        later["ageSeconds"].as_f64() > first["ageSeconds"].as_f64(),
+        "{first} then {later}"
+    );
 }
 
 #[tokio::test]
@@ -459,6 +503,45 @@ async fn too_large_and_no_backend_are_answers_not_errors() {
     assert_eq!(big.json()["cap"], "scaler-cpu");
 }
 
+/// Resource amounts an operator would never mean: a blank inside a memory
+/// size, less memory than a page, and a number whose plain spelling runs to
+/// hundreds of digits (the error shows it as written, not expanded).
+#[tokio::test]
+async fn odd_resource_amounts_are_refused_readably() {
+    let h = Harness::new().await;
+    for (resources, field, needle) in [
+        (
+            json!({"requests": {"memory": "1 g"}}),
+            "resources.requests.memory",
+            "space",
+        ),
+        (
+            json!({"limits": {"memory": "1k"}}),
+            "resources.limits.memory",
+            "below one page",
+        ),
+        (
+            json!({"requests": {"cpus": 1e308}}),
+            "resources.requests.cpus",
+            "got 1e308",
+        ),
+    ] {
+        let r = h
+            .call(
+                "POST",
+                "/v1/scale",
+                Some(json!({"jobId": "j", "labels": ["docker"], "resources": resources})),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{resources}");
+        assert_eq!(r.error(), ("invalid-value".into(), Some(field.into())));
+        let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(message.contains(needle), "{message}");
+        assert!(message.len() < 200, "{message}");
+    }
+    assert!(h.rt.agents(true).is_empty(), "nothing was spawned");
+}
+
 #[tokio::test]
 async fn bad_input_is_a_clear_4xx_naming_the_field_and_changes_nothing() {
     let h = Harness::new().await;
@@ -471,6 +554,13 @@ async fn bad_input_is_a_clear_4xx_naming_the_field_and_changes_nothing() {
         ),
         (
             r#"{"jobId":"j","labels":["docker"]} x"#,
+            400,
+            "malformed-json",
+            None,
+        ),
+        // Broken after an unknown key: still a syntax error first.
+        (
+            r#"{"bogus": "x", "jobId": "j", labels"#,
             400,
             "malformed-json",
             None,
@@ -974,6 +1064,36 @@ async fn a_reader_too_far_behind_gets_a_reset() {
     assert_eq!(events[0].id, Some(newest - 2));
     assert_eq!(events[1].id, Some(newest - 1));
     assert_eq!(events[2].id, Some(newest));
+}
+
+/// A client resuming against a new or reset state dir asks for ids this
+/// daemon never had: it gets a `reset` at once, then live events.
+#[tokio::test]
+async fn a_last_event_id_ahead_of_the_newest_gets_a_reset_at_once() {
+    let h = Harness::new().await;
+    let a = agent_of(&h.scale("job-1", &["docker"]).await);
+    h.booted(a).await;
+    h.settle_until("logged", || h.state.events.newest_id() >= 2)
+        .await;
+    let newest = h.state.events.newest_id();
+    let ahead = (newest + 1000).to_string();
+    let reset = read_events(&h, Some(&ahead), 1).await;
+    assert_eq!(reset[0].event, "reset");
+    assert_eq!(reset[0].data["missedFrom"], 1);
+    assert_eq!(reset[0].data["missedTo"], newest);
+    assert_eq!(reset[0].id, Some(newest));
+    assert!(
+        reset[0].data["reason"].as_str().unwrap().contains(&ahead),
+        "{}",
+        reset[0].data
+    );
+    // After the reset it follows live events from the newest id.
+    let (events, ()) = tokio::join!(read_events(&h, Some(&ahead), 2), async {
+        tokio::task::yield_now().await;
+        h.scale("job-2", &["docker"]).await;
+    });
+    assert_eq!(events[0].event, "reset");
+    assert_eq!(events[1].id, Some(newest + 1));
 }
 
 // ------------------------------------------------------------ operations

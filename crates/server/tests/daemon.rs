@@ -506,6 +506,43 @@ fn sighup_reloads_and_a_broken_config_changes_nothing() {
     assert!(metrics.contains("kici_orch_scaler_config_reloads_total{result=\"attempted\"} 2"));
 }
 
+/// A reload cannot start a backend the daemon did not start with: it is
+/// refused, naming the scaler and its file, saying why and what to do.
+#[test]
+fn a_reload_that_adds_a_backend_type_says_to_restart() {
+    let bare_metal_only = &CONFIG[..CONFIG.find("  - name: docker").unwrap()];
+    let dir = Dir::with_config(bare_metal_only);
+    let d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
+    std::fs::write(dir.path("scalers.yaml"), CONFIG).unwrap();
+    let (status, body) = http(&d.addr, "POST", "/v1/reload", &[], None);
+    assert_eq!(status, 422, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    let errors = answer["error"]["errors"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let text = if errors.is_empty() {
+        body.clone()
+    } else {
+        format!("{errors:?}")
+    };
+    for needle in [
+        "scalers.yaml",
+        "scalers[name=docker]",
+        "the container backend was not started",
+        "restart the daemon",
+    ] {
+        assert!(text.contains(needle), "{needle} missing: {text}");
+    }
+    let (_, status) = http(&d.addr, "GET", "/v1/status", &[], None);
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(
+        status["scalers"].as_array().unwrap().len(),
+        1,
+        "nothing changed"
+    );
+}
+
 #[test]
 fn sigterm_destroys_every_agent_and_exits_0() {
     let dir = Dir::with_config(CONFIG);
@@ -712,4 +749,134 @@ fn a_firecracker_sweep_interval_out_of_bounds_is_refused_naming_the_setting() {
             "{stderr}"
         );
     }
+}
+
+// ------------------------------------------------------ stalled clients
+
+/// Opens `n` connections to `addr` that each send `prefix` and then stall.
+fn stalled(addr: &str, n: usize, prefix: &str) -> Vec<std::net::TcpStream> {
+    (0..n)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(prefix.as_bytes()).unwrap();
+            s
+        })
+        .collect()
+}
+
+/// What a stalled connection got before the daemon closed it.
+fn answer_then_close(mut s: std::net::TcpStream) -> String {
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)
+        .expect("the daemon closes a stalled connection");
+    answer
+}
+
+/// Stalled clients — connections that send nothing, half a request head
+/// or half a body, more of them than the daemon has descriptors for — no
+/// longer take the control API or the agent gateway down: each is closed
+/// at its deadline (a half body answered 408 in the error shape), each
+/// listener caps its connections (logged and counted), and once the
+/// stalled ones are gone `/healthz`, `POST /v1/jobs` and a WebSocket
+/// upgrade on the gateway are served.
+#[test]
+fn stalled_connections_cannot_take_the_daemon_down() {
+    let dir = Dir::with_config(CONFIG);
+    let serve = dir.serve_command(&[
+        "--memory-backends",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-header-timeout-seconds",
+        "2",
+        "--http-body-timeout-seconds",
+        "2",
+    ]);
+    // The hard limit too: the daemon cannot raise its way out of it.
+    let mut cmd = Command::new("prlimit");
+    cmd.arg("--nofile=256:256")
+        .arg("--")
+        .arg(serve.get_program())
+        .args(serve.get_args());
+    for (k, v) in serve.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let mut d = Daemon::spawn(cmd).unwrap();
+    // Logged during start-up, before the API listened.
+    let limits = d
+        .seen
+        .iter()
+        .filter_map(|l| log_message(l))
+        .find(|(m, _)| m == "connection limits")
+        .map(|(_, fields)| fields)
+        .expect("the start-up log names the connection limits");
+    assert_eq!(limits["open_files"], 256, "{limits}");
+    assert_eq!(limits["api_max_connections"], 64, "{limits}");
+
+    // More stalled clients than the daemon has descriptors: 140 on the API
+    // (nothing, half a head, half a body), 120 on the gateway (nothing).
+    let mut api = stalled(&d.addr, 50, "");
+    api.extend(stalled(&d.addr, 50, "GET /healthz HTTP/1.1\r\nHost: x\r\n"));
+    let half_bodies = stalled(
+        &d.addr,
+        40,
+        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"labels\":",
+    );
+    let gateway = stalled(&d.gateway, 120, "");
+
+    // Behind them all, real clients are served.
+    let (status, body) = http(&d.addr, "GET", "/healthz", &[], None);
+    assert_eq!(status, 200, "/healthz: {body}");
+    let (status, body) = http(
+        &d.addr,
+        "POST",
+        "/v1/jobs",
+        &[],
+        Some(r#"{"labels":["local"],"command":["true"]}"#),
+    );
+    assert_eq!(status, 202, "POST /v1/jobs: {body}");
+    let mut ws = std::net::TcpStream::connect(&d.gateway).unwrap();
+    ws.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(
+        ws,
+        "GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    .unwrap();
+    let mut head = [0u8; 12];
+    ws.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 101", "the gateway's upgrade");
+
+    // Every stalled connection was closed by the daemon; a half body got
+    // its 408 first.
+    for s in api.into_iter().chain(gateway) {
+        let answer = answer_then_close(s);
+        assert!(
+            answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+            "{answer}"
+        );
+    }
+    for s in half_bodies {
+        let answer = answer_then_close(s);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains(r#""code":"body-timeout""#), "{answer}");
+    }
+
+    let text = d.metrics();
+    for listener in ["api", "gateway"] {
+        let reached = common::daemon::metric(
+            &text,
+            "kici_orch_scaler_connection_limit_reached_total",
+            &format!("listener=\"{listener}\""),
+        );
+        assert!(reached >= 1.0, "{listener}: {reached}\n{text}");
+    }
+    let reached = d
+        .wait_for_log("connection limit reached: new connections wait until one ends")
+        .expect("logged");
+    assert_eq!(reached["max_connections"], 64, "{reached}");
+    d.terminate();
 }

@@ -90,6 +90,7 @@ impl Setup {
                 engine: EngineSettings::default(),
                 event_replay: 100,
                 gateway: settings,
+                gateway_limits: kici_scaler::serving::ConnectionLimits::gateway(),
             },
             None,
         )
@@ -528,6 +529,10 @@ async fn a_wrong_or_malformed_token_is_refused_with_4010() {
     // No auth at all: every agent we spawn has a token.
     let mut a = s.connect().await;
     a.register(agent, s.labels(agent)).await;
+    a.expect_refusal("first message must be auth.request").await;
+    // A binary frame first is an authentication failure too.
+    let mut a = s.connect().await;
+    a.ws.send(Message::binary(vec![0u8, 1, 2])).await.unwrap();
     a.expect_refusal("first message must be auth.request").await;
     // None of this registered the agent.
     assert_eq!(

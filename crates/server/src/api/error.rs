@@ -7,6 +7,7 @@
 //! field, a wrong type, a missing field, too large — into that shape with
 //! the field's path, instead of axum's plain-text rejections.
 
+use crate::serving::{BodyDeadline, ConnectionLimits};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -178,7 +179,25 @@ where
                 "the body must be JSON, sent with Content-Type: application/json",
             ));
         }
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+        // The listener's body deadline; a request that did not come
+        // through a listener (an in-process test) has the default.
+        let deadline = req
+            .extensions()
+            .get::<BodyDeadline>()
+            .map_or(ConnectionLimits::DEFAULT_BODY_TIMEOUT, |d| d.0);
+        let read = tokio::time::timeout(deadline, Bytes::from_request(req, state))
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body-timeout",
+                    format!(
+                        "the body did not arrive in full within {} s",
+                        deadline.as_secs()
+                    ),
+                )
+            })?;
+        let bytes = read.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
@@ -196,6 +215,16 @@ where
 /// Parses `bytes` as one JSON document of type `T`, mapping every error to
 /// an [`ApiError`] naming the field.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // Syntax first, over the whole body: a broken document is 400 whichever
+    // key comes first, never a 422 for a field the parser met before the
+    // break. `IgnoredAny` checks without building anything.
+    serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "malformed-json",
+            format!("the body is not valid JSON: {e}"),
+        )
+    })?;
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(serde_error)?;
     de.end().map_err(|e| {

@@ -7,7 +7,10 @@
 //! events from now on; with one, it resumes after that id from the replay
 //! buffer. When some of the events it asked for are no longer kept, it first
 //! gets an explicit `reset` event (`id:` = the last missed id) and should
-//! re-read `GET /v1/agents` and `GET /v1/status`.
+//! re-read `GET /v1/agents` and `GET /v1/status`. A `Last-Event-ID` ahead
+//! of the newest recorded id (a client resuming against a new or reset
+//! state dir) gets that `reset` at once (`missedFrom` 1, `missedTo` the
+//! newest id), then the events from there on.
 
 use super::error::{ApiError, ErrorBody};
 use super::AppState;
@@ -40,15 +43,34 @@ pub fn event_name(event: &EngineEvent) -> &'static str {
 struct Reset {
     missed_from: u64,
     missed_to: u64,
-    reason: &'static str,
+    reason: String,
 }
 
-fn reset_event(gap: Gap) -> Event {
+/// Why a reader gets a `reset`.
+enum ResetCause {
+    /// The events it asked for are no longer kept.
+    Evicted,
+    /// Its `Last-Event-ID` is newer than anything this daemon recorded: it
+    /// read another history (a new or reset state dir).
+    Ahead { asked: u64 },
+}
+
+fn reset_event(gap: Gap, cause: ResetCause) -> Event {
+    let reason = match cause {
+        ResetCause::Evicted => {
+            "these events are no longer in the replay buffer; re-read /v1/agents and /v1/status"
+                .to_owned()
+        }
+        ResetCause::Ahead { asked } => format!(
+            "Last-Event-ID {asked} is ahead of this daemon's newest event ({}): its state was \
+             reset or is new; re-read /v1/agents and /v1/status",
+            gap.missed_to
+        ),
+    };
     let data = Reset {
         missed_from: gap.missed_from,
         missed_to: gap.missed_to,
-        reason:
-            "these events are no longer in the replay buffer; re-read /v1/agents and /v1/status",
+        reason,
     };
     Event::default()
         .id(gap.missed_to.to_string())
@@ -101,7 +123,24 @@ pub async fn events(
 
 /// Every event of `log` after `after`, then live ones, until the log closes.
 pub fn follow(log: Arc<EventLog>, after: u64) -> impl Stream<Item = Result<Event, Infallible>> {
-    let start = (log, after, VecDeque::<Event>::new());
+    let mut queued = VecDeque::<Event>::new();
+    let newest = log.newest_id();
+    // Waiting for ids this log will only reach by chance would show the
+    // reader nothing, or events unrelated to the ones it saw: it is told at
+    // once, and follows from here.
+    let after = if after > newest {
+        queued.push_back(reset_event(
+            Gap {
+                missed_from: 1,
+                missed_to: newest,
+            },
+            ResetCause::Ahead { asked: after },
+        ));
+        newest
+    } else {
+        after
+    };
+    let start = (log, after, queued);
     stream::unfold(start, |(log, mut after, mut queued)| async move {
         loop {
             if let Some(event) = queued.pop_front() {
@@ -110,7 +149,7 @@ pub fn follow(log: Arc<EventLog>, after: u64) -> impl Stream<Item = Result<Event
             match log.read_after(after) {
                 Next::Events { gap, events } => {
                     if let Some(gap) = gap {
-                        queued.push_back(reset_event(gap));
+                        queued.push_back(reset_event(gap, ResetCause::Evicted));
                     }
                     for e in &events {
                         queued.push_back(sse_event(e));

@@ -155,7 +155,7 @@ impl ResourceSpecBody {
             .map_err(|e| ApiError::invalid(format!("{at}.cpus"), e.to_string()))?;
         let memory = self
             .memory
-            .map(|m| m.parse::<MemoryBytes>())
+            .map(|m| MemoryBytes::parse_request(&m))
             .transpose()
             .map_err(|e| ApiError::invalid(format!("{at}.memory"), e.to_string()))?;
         if memory == Some(MemoryBytes::ZERO) {

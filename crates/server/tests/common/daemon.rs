@@ -203,9 +203,17 @@ impl Daemon {
     /// API listened (a crash failpoint hit during start-up).
     pub fn try_start(dir: &Dir, args: &[&str], env: &[(&str, &str)]) -> Result<Daemon, ExitStatus> {
         let mut cmd = dir.serve_command(args);
-        cmd.env("KICI_SCALER_LOG", "info")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
+        cmd.envs(env.iter().copied());
+        Self::spawn(cmd)
+    }
+
+    /// Starts `cmd` (a [`Dir::serve_command`], possibly wrapped) and waits
+    /// until the API listens; `Err` if it died first.
+    pub fn spawn(mut cmd: Command) -> Result<Daemon, ExitStatus> {
+        if !cmd.get_envs().any(|(k, _)| k == "KICI_SCALER_LOG") {
+            cmd.env("KICI_SCALER_LOG", "info");
+        }
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap();

@@ -1,0 +1,429 @@
+//! Serving HTTP/1.1 on a listener, bounded against clients that stall.
+//!
+//! Both listeners face clients the operator does not control: the control
+//! API may be reachable from a network, and the agent gateway from every
+//! job that runs in a container or VM. A connection that sends nothing, half
+//! a request head or half a body would otherwise hold a socket and a task
+//! forever, and a few hundred of them exhaust the daemon's descriptors. So
+//! every connection served here has:
+//!
+//! - a **head deadline** ([`ConnectionLimits::header_timeout`]): the whole
+//!   request head must arrive within it. It also runs while a keep-alive
+//!   connection waits for its next request, so it is the idle deadline too;
+//!   a response being streamed (SSE, job logs) or an upgraded WebSocket is
+//!   not subject to it;
+//! - a **body deadline** ([`ConnectionLimits::body_timeout`]), handed to the
+//!   handlers as the [`BodyDeadline`] request extension: the JSON extractor
+//!   answers 408 when the body has not arrived in full by then;
+//! - a **cap** on concurrent connections per listener
+//!   ([`ConnectionLimits::max_connections`]). At the cap the listener stops
+//!   accepting: new connections wait in the kernel's backlog (holding no
+//!   descriptor of ours) until a connection ends, instead of being reset.
+//!   Reaching the cap is logged once per episode and counted
+//!   (`kici_orch_scaler_connection_limit_reached_total{listener}`).
+//!
+//! Each listener has its own cap, so clients of one (jobs reaching the
+//! gateway) can never starve the other (the control API). A TLS handshake
+//! counts as part of the head and has the same deadline.
+
+use axum::extract::Request;
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{watch, Semaphore};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+use tower::ServiceExt;
+
+/// The bounds of one listener's connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Most connections served at once.
+    pub max_connections: usize,
+    /// For the request head (and a TLS handshake); also the keep-alive idle
+    /// deadline.
+    pub header_timeout: Duration,
+    /// For the whole request body.
+    pub body_timeout: Duration,
+}
+
+impl ConnectionLimits {
+    pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const DEFAULT_API_CONNECTIONS: usize = 1024;
+    pub const DEFAULT_GATEWAY_CONNECTIONS: usize = 4096;
+
+    /// The control API's defaults.
+    pub fn api() -> Self {
+        Self {
+            max_connections: Self::DEFAULT_API_CONNECTIONS,
+            header_timeout: Self::DEFAULT_HEADER_TIMEOUT,
+            body_timeout: Self::DEFAULT_BODY_TIMEOUT,
+        }
+    }
+
+    /// The agent gateway's defaults (a connection per agent).
+    pub fn gateway() -> Self {
+        Self {
+            max_connections: Self::DEFAULT_GATEWAY_CONNECTIONS,
+            ..Self::api()
+        }
+    }
+
+    /// This cap, lowered to `share` of the process's descriptor limit, so
+    /// that the caps of every listener together leave descriptors for the
+    /// store, the backends and the agents' files.
+    pub fn within_descriptors(self, descriptors: u64, share: u64) -> Self {
+        let fair = usize::try_from(descriptors / share.max(1)).unwrap_or(usize::MAX);
+        Self {
+            max_connections: self.max_connections.min(fair.max(MIN_CONNECTIONS)),
+            ..self
+        }
+    }
+}
+
+/// Raises this process's soft limit on open files to its hard limit (a
+/// daemon's connections, agents' log files and store handles all count
+/// against it, and the soft default of 1024 is low for a busy gateway);
+/// returns the limit now in force (`u64::MAX` when unlimited).
+pub fn raise_open_file_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let current = limit.current.unwrap_or(u64::MAX);
+    if limit.current == limit.maximum {
+        return current;
+    }
+    match setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        },
+    ) {
+        Ok(()) => limit.maximum.unwrap_or(u64::MAX),
+        Err(e) => {
+            tracing::warn!(error = %e, soft = current, "cannot raise the open-file limit");
+            current
+        }
+    }
+}
+
+/// The gateway's bounds: a stack without a control API serves only the
+/// gateway.
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self::gateway()
+    }
+}
+
+/// However few descriptors there are, a listener serves this many.
+const MIN_CONNECTIONS: usize = 16;
+
+/// Which listener: the `listener` label of its metrics and log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ListenerName {
+    /// The control API (`--listen`).
+    Api,
+    /// The agent gateway (`--gateway-listen` and each backend network's).
+    Gateway,
+}
+
+impl ListenerName {
+    pub const ALL: [ListenerName; 2] = [Self::Api, Self::Gateway];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Api => "api",
+            Self::Gateway => "gateway",
+        }
+    }
+}
+
+/// The body deadline of the connection a request came on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyDeadline(pub Duration);
+
+/// A bound listener.
+pub enum Listener {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener),
+}
+
+impl Listener {
+    pub fn tcp(listener: std::net::TcpListener) -> io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        tokio::net::TcpListener::from_std(listener).map(Self::Tcp)
+    }
+
+    pub fn unix(listener: std::os::unix::net::UnixListener) -> io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        tokio::net::UnixListener::from_std(listener).map(Self::Unix)
+    }
+}
+
+/// Where a listener reports its connections.
+#[derive(Clone, Default)]
+pub struct ListenerMetrics {
+    /// Connections being served.
+    pub open: Gauge,
+    /// Times the cap was reached.
+    pub limit_reached: Counter,
+}
+
+/// How a [`Server`] is asked to stop.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Stop {
+    Running,
+    /// Stop accepting; let open connections finish (within the limit, if
+    /// any, after which they are closed).
+    Graceful(Option<Duration>),
+    /// Close every connection now.
+    Now,
+}
+
+/// A listener being served, and its controls.
+pub struct Server {
+    stop: watch::Sender<Stop>,
+    /// Ends when the listener stops (asked to, or failed).
+    pub task: JoinHandle<io::Result<()>>,
+}
+
+impl Server {
+    /// Serves `router` on `listener` (through TLS when `tls` is given),
+    /// within `limits`.
+    pub fn start(
+        name: ListenerName,
+        listener: Listener,
+        tls: Option<Arc<rustls::ServerConfig>>,
+        router: Router,
+        limits: ConnectionLimits,
+        metrics: ListenerMetrics,
+    ) -> Self {
+        let (stop, stopped) = watch::channel(Stop::Running);
+        let task = tokio::spawn(accept_loop(
+            name,
+            listener,
+            tls.map(tokio_rustls::TlsAcceptor::from),
+            router,
+            limits,
+            metrics,
+            stopped,
+        ));
+        Self { stop, task }
+    }
+
+    /// Stops accepting; open connections finish their requests (and
+    /// streams) — within `limit` when given, after which they are closed.
+    pub fn graceful_shutdown(&self, limit: Option<Duration>) {
+        self.stop.send_replace(Stop::Graceful(limit));
+    }
+
+    /// Closes every connection now.
+    pub fn shutdown(&self) {
+        self.stop.send_replace(Stop::Now);
+    }
+}
+
+async fn accept_loop(
+    name: ListenerName,
+    listener: Listener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    router: Router,
+    limits: ConnectionLimits,
+    metrics: ListenerMetrics,
+    mut stopped: watch::Receiver<Stop>,
+) -> io::Result<()> {
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // Flipped once the listener stops: each connection then finishes the
+    // request it serves and closes.
+    let (draining, drain_signal) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    let mut at_cap = false;
+    let outcome = loop {
+        // Finished connections are reaped as we go, so the set holds only
+        // open ones.
+        while connections.try_join_next().is_some() {}
+        if *stopped.borrow() != Stop::Running {
+            break Ok(());
+        }
+        let permit = match Arc::clone(&permits).try_acquire_owned() {
+            Ok(permit) => {
+                at_cap = false;
+                permit
+            }
+            Err(_) => {
+                if !at_cap {
+                    at_cap = true;
+                    metrics.limit_reached.inc();
+                    tracing::warn!(
+                        listener = name.as_str(),
+                        max_connections = limits.max_connections,
+                        "connection limit reached: new connections wait until one ends"
+                    );
+                }
+                tokio::select! {
+                    p = Arc::clone(&permits).acquire_owned() => match p {
+                        Ok(p) => p,
+                        // Never closed: the semaphore lives in this loop.
+                        Err(_) => break Ok(()),
+                    },
+                    _ = stopped.changed() => continue,
+                }
+            }
+        };
+        let accepted = tokio::select! {
+            a = accept(&listener) => a,
+            _ = stopped.changed() => continue,
+        };
+        let stream = match accepted {
+            Ok(stream) => stream,
+            Err(e) if transient(&e) => {
+                // Out of descriptors or a connection reset before accept:
+                // back off instead of spinning.
+                tracing::warn!(listener = name.as_str(), error = %e, "accept failed; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => break Err(e),
+        };
+        metrics.open.inc();
+        let open = metrics.open.clone();
+        let router = router.clone();
+        let tls = tls.clone();
+        let watcher = drain_signal.clone();
+        connections.spawn(async move {
+            let _permit = permit;
+            match stream {
+                Stream::Tcp(tcp) => match tls {
+                    Some(acceptor) => {
+                        match tokio::time::timeout(limits.header_timeout, acceptor.accept(tcp))
+                            .await
+                        {
+                            Ok(Ok(tls)) => serve_connection(tls, router, limits, watcher).await,
+                            Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                            Err(_) => tracing::debug!("TLS handshake timed out"),
+                        }
+                    }
+                    None => serve_connection(tcp, router, limits, watcher).await,
+                },
+                Stream::Unix(unix) => serve_connection(unix, router, limits, watcher).await,
+            }
+            open.dec();
+        });
+    };
+    drop(listener);
+    draining.send_replace(true);
+    drain(&mut connections, &mut stopped).await;
+    // Whatever is still open (past the limit, or mid-handshake) is closed.
+    connections.abort_all();
+    while connections.join_next().await.is_some() {}
+    outcome
+}
+
+/// Waits for open connections to finish their requests, until the stop
+/// asked for allows no more time.
+async fn drain(connections: &mut JoinSet<()>, stopped: &mut watch::Receiver<Stop>) {
+    let limit_of = |stop: Stop| match stop {
+        Stop::Graceful(limit) => limit,
+        Stop::Now => Some(Duration::ZERO),
+        // The listener failed on its own: what is open finishes.
+        Stop::Running => None,
+    };
+    let mut deadline = limit_of(*stopped.borrow_and_update()).map(|l| Instant::now() + l);
+    loop {
+        let until_deadline = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            next = connections.join_next() => if next.is_none() {
+                return;
+            },
+            () = until_deadline => return,
+            changed = stopped.changed() => {
+                if changed.is_err() {
+                    // The controls are gone: nobody waits for a drain.
+                    return;
+                }
+                // Asked again: the earlier of the two deadlines holds.
+                if let Some(limit) = limit_of(*stopped.borrow_and_update()) {
+                    let at = Instant::now() + limit;
+                    deadline = Some(deadline.map_or(at, |d| d.min(at)));
+                }
+            }
+        }
+    }
+}
+
+enum Stream {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+async fn accept(listener: &Listener) -> io::Result<Stream> {
+    match listener {
+        Listener::Tcp(l) => l.accept().await.map(|(s, _)| Stream::Tcp(s)),
+        Listener::Unix(l) => l.accept().await.map(|(s, _)| Stream::Unix(s)),
+    }
+}
+
+/// Errors after which the listener still works.
+fn transient(e: &io::Error) -> bool {
+    use rustix::io::Errno;
+    let out_of_resources = Errno::from_io_error(e)
+        .is_some_and(|n| [Errno::MFILE, Errno::NFILE, Errno::NOBUFS, Errno::NOMEM].contains(&n));
+    out_of_resources
+        || matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::Interrupted
+        )
+}
+
+async fn serve_connection<IO>(
+    io: IO,
+    router: Router,
+    limits: ConnectionLimits,
+    mut draining: watch::Receiver<bool>,
+) where
+    IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let deadline = BodyDeadline(limits.body_timeout);
+    let service = hyper::service::service_fn(move |mut request: Request<hyper::body::Incoming>| {
+        request.extensions_mut().insert(deadline);
+        router.clone().oneshot(request.map(axum::body::Body::new))
+    });
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    let connection = http
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    tokio::pin!(connection);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        () = async {
+            // The guard `wait_for` returns is not `Send`: drop it at once.
+            let _ = draining.wait_for(|d| *d).await.map(|_| ());
+        } => {
+            // The request in flight (or stream) finishes; no further one
+            // is read.
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    };
+    // Errors here are the client's (a reset, a head deadline): nothing to
+    // act on, and at debug level only, or a stalling client floods the log.
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
