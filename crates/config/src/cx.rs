@@ -50,6 +50,10 @@ pub(crate) enum Keys {
     Lenient,
 }
 
+/// Why `<<` is an unknown key: operators coming from YAML 1.1 tools expect it
+/// to merge.
+const MERGE_KEY_HINT: &str = "YAML 1.2, which upstream reads, has no merge keys: `<<` is an ordinary key and merges nothing; write the fields out, or alias whole values";
+
 fn is_plain_key(key: &str) -> bool {
     !key.is_empty()
         && key
@@ -212,7 +216,10 @@ impl Cx {
             }
             let origin = self.origin_at(k.mark());
             let path = obj.val.child_path(key);
-            let extra = hint(key).map(|h| format!(" ({h})")).unwrap_or_default();
+            let extra = hint(key)
+                .or_else(|| (key == "<<").then_some(MERGE_KEY_HINT))
+                .map(|h| format!(" ({h})"))
+                .unwrap_or_default();
             match mode {
                 Keys::Strict => self.error(
                     origin,
@@ -238,7 +245,15 @@ impl Cx {
 
     fn expected(&mut self, v: &Val<'_>, what: &str) {
         let got = describe(v.node);
-        self.err(v, format!("expected {what}, got {got}"));
+        // Upstream refuses an explicit null for every field it types (`~`,
+        // `null`, or a key with no value): leaving a field out is the only
+        // way to get its default. Say so, where a key could be left out.
+        let hint = if matches!(v.seg, Seg::Key(_)) && Self::is_null(v) {
+            " (an explicit null is not \"unset\": remove the key to use the default)"
+        } else {
+            ""
+        };
+        self.err(v, format!("expected {what}, got {got}{hint}"));
     }
 
     pub fn obj<'b>(&mut self, v: &Val<'b>) -> Option<Obj<'b>> {
@@ -390,7 +405,7 @@ impl Cx {
         }
     }
 
-    /// True when the value is absent in the YAML sense (`~`, `null`, empty).
+    /// True when the value is null in the YAML sense (`~`, `null`, empty).
     pub fn is_null(v: &Val<'_>) -> bool {
         matches!(Self::scalar(v), Some(Scalar::Null))
     }
@@ -398,7 +413,7 @@ impl Cx {
 
 /// The outcome of reading an optional field.
 pub(crate) enum Got<T> {
-    /// Not written, or written as null.
+    /// Not written.
     Absent,
     /// Written but invalid (already reported).
     Bad,
@@ -415,7 +430,9 @@ impl<T> Got<T> {
 }
 
 impl Cx {
-    /// Reads an optional field; null counts as absent.
+    /// Reads an optional field. An explicit null is not absent: upstream's
+    /// schema refuses it for every field, so `read` sees it and reports what
+    /// it expected instead.
     pub fn opt<'b, T>(
         &mut self,
         obj: &'b Obj<'_>,
@@ -424,7 +441,6 @@ impl Cx {
     ) -> Got<T> {
         match self.field(obj, key) {
             None => Got::Absent,
-            Some(v) if Self::is_null(&v) => Got::Absent,
             Some(v) => match read(self, &v) {
                 Some(t) => Got::Value(t),
                 None => Got::Bad,
@@ -498,7 +514,7 @@ mod tests {
             Some("12")
         );
         let (_, e) = with_value("", |cx, v| cx.string(v));
-        assert_eq!(e, ["f.yaml:1:1: k: expected a string, got null"]);
+        assert_eq!(e, ["f.yaml:1:1: k: expected a string, got null (an explicit null is not \"unset\": remove the key to use the default)"]);
         let (_, e) = with_value(".nan", |cx, v| cx.positive_number(v));
         assert!(e[0].ends_with("expected a number > 0, got .nan"));
         let (_, e) = with_value("[a]", |cx, v| cx.bool(v));

@@ -26,7 +26,14 @@ const TOP_KEYS: [&str; 7] = [
     "firecracker",
 ];
 
-const FIRECRACKER_KEYS: [&str; 5] = ["cidr", "bridgeName", "gateway", "netmask", "table"];
+const FIRECRACKER_KEYS: [&str; 6] = [
+    "cidr",
+    "bridgeName",
+    "gateway",
+    "netmask",
+    "table",
+    "autoProvisionHost",
+];
 
 /// Linux interface names are at most 15 bytes.
 const MAX_IFNAME_LEN: usize = 15;
@@ -42,8 +49,13 @@ fn parse_all(cx: &mut Cx, docs: &[Doc<'_>]) -> Vec<Option<Node>> {
         .enumerate()
         .map(|(i, d)| {
             let main = i == 0;
-            match yaml::parse(i, d.text) {
-                Ok(node) => Some(node),
+            match yaml::parse_with_warnings(i, d.text) {
+                Ok((node, warnings)) => {
+                    for w in warnings {
+                        cx.warn(cx.origin_at(w.at), "", w.message);
+                    }
+                    Some(node)
+                }
                 Err(ParseFailure::Empty) if main => {
                     cx.error(
                         Origin::new(d.name.clone(), 1, 1),
@@ -88,8 +100,9 @@ fn top_obj(node: &Node) -> Option<Obj<'_>> {
     })
 }
 
-/// The scaler nodes a drop-in adds, with warnings for everything it ignores.
-fn drop_in_scalers<'n>(cx: &mut Cx, obj: &Obj<'n>) -> Vec<&'n Node> {
+/// The scaler nodes a drop-in adds (`None` when it has no `scalers` list at
+/// all), with warnings for everything it ignores.
+fn drop_in_scalers<'n>(cx: &mut Cx, obj: &Obj<'n>) -> Option<Vec<&'n Node>> {
     for k in obj.map.keys() {
         if k.as_str() != "scalers" {
             cx.warn(
@@ -103,22 +116,18 @@ fn drop_in_scalers<'n>(cx: &mut Cx, obj: &Obj<'n>) -> Vec<&'n Node> {
         }
     }
     if let Some(Node::Sequence(seq)) = obj.map.get("scalers") {
-        return seq.iter().collect();
+        return Some(seq.iter().collect());
     }
-    match cx.field(obj, "scalers") {
-        None => Vec::new(),
-        Some(v) => match v.node {
-            _ if Cx::is_null(&v) => Vec::new(),
-            other => {
-                let got = describe(other);
-                cx.warn_at(
-                    &v,
-                    format!("`scalers` in a drop-in must be a list, got {got}: ignored"),
-                );
-                Vec::new()
-            }
-        },
+    // Upstream merges a drop-in's `scalers` only when it is a list; anything
+    // else (null included) adds nothing.
+    if let Some(v) = cx.field(obj, "scalers") {
+        let got = describe(v.node);
+        cx.warn_at(
+            &v,
+            format!("`scalers` in a drop-in must be a list, got {got}: ignored"),
+        );
     }
+    None
 }
 
 fn version(cx: &mut Cx, top: &Obj<'_>) {
@@ -267,6 +276,10 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
         .opt(&obj, "table", nonempty)
         .value()
         .unwrap_or(defaults.table);
+    let auto_provision_host = cx
+        .opt(&obj, "autoProvisionHost", |cx, v| cx.bool(v))
+        .value()
+        .unwrap_or(defaults.auto_provision_host);
     let cidr = cidr?;
     let net = cidr.trunc();
     let first_host = u32::from(net.network()).checked_add(1).map(Ipv4Addr::from);
@@ -309,6 +322,7 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
         gateway,
         netmask,
         table,
+        auto_provision_host,
     })
 }
 
@@ -385,30 +399,38 @@ fn walk(cx: &mut Cx, nodes: &[Option<Node>]) -> Option<Config> {
 
     // Scaler nodes: the main file's, then each drop-in's in order.
     let mut scaler_nodes: Vec<&Node> = Vec::new();
-    let mut main_has_scalers = false;
     let scalers_val = cx.field(&top, "scalers");
-    if let Some(v) = &scalers_val {
-        if !Cx::is_null(v) {
-            main_has_scalers = true;
-            if let Some(items) = cx.list(v) {
-                scaler_nodes.extend(items.iter().map(|i| i.node));
+    // Upstream appends drop-in lists to the main file's `scalers`, treating a
+    // missing or null one as empty; only when no drop-in brings a list does
+    // the main file's have to be one itself.
+    let main_null = scalers_val.as_ref().is_some_and(Cx::is_null);
+    if let Some(v) = scalers_val.as_ref().filter(|_| !main_null) {
+        if let Some(items) = cx.list(v) {
+            scaler_nodes.extend(items.iter().map(|i| i.node));
+        }
+    }
+    let mut drop_in_lists = false;
+    for node in nodes.iter().skip(1).flatten() {
+        if let Some(obj) = top_obj(node) {
+            if let Some(added) = drop_in_scalers(cx, &obj) {
+                drop_in_lists = true;
+                scaler_nodes.extend(added);
             }
         }
     }
-    let mut drop_ins_add = false;
-    for node in nodes.iter().skip(1).flatten() {
-        if let Some(obj) = top_obj(node) {
-            let added = drop_in_scalers(cx, &obj);
-            drop_ins_add |= !added.is_empty();
-            scaler_nodes.extend(added);
-        }
-    }
-    if !main_has_scalers && !drop_ins_add {
+    if scalers_val.is_none() && !drop_in_lists {
         cx.err_key(
             &top,
             "scalers",
             "missing required key `scalers` (a list of scaler entries)",
         );
+    } else if main_null && !drop_in_lists {
+        if let Some(v) = &scalers_val {
+            cx.err(
+                v,
+                "expected a list of scaler entries, got null (write `scalers: []` for none)",
+            );
+        }
     } else if scaler_nodes.is_empty() {
         let origin = scalers_val.map_or_else(|| cx.origin(&top.val), |v| cx.origin(&v));
         cx.warn(

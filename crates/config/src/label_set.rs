@@ -2,11 +2,12 @@
 //! fields of the scaler's backend type.
 
 use crate::cx::{Cx, Got, Keys, Obj, Val};
+use crate::node::Node;
 use crate::resources;
-use crate::yaml::quote;
+use crate::yaml::{classify, quote, Scalar};
 use ipnet::IpNet;
 use kici_model::{
-    BackpressureMode, EnvName, FirecrackerLabelSet, ImagePullPolicy, Label, LabelSet,
+    BackpressureMode, EnvName, FirecrackerLabelSet, HostAccess, ImagePullPolicy, Label, LabelSet,
     LabelSetBackend, LabelSetConfig, LabelSetExtension, NetworkPolicy, Origin, ScalerType,
 };
 use std::collections::BTreeMap;
@@ -155,23 +156,29 @@ fn labels(cx: &mut Cx, v: &Val<'_>) -> Option<(LabelSet, Vec<String>)> {
     let mut raw = Vec::with_capacity(items.len());
     for item in &items {
         let Some(s) = cx.string(item) else { continue };
-        match Label::user(&s) {
+        match Label::canonical_user(&s) {
             Ok(l) => parsed.push(l),
             Err(e) => cx.err(item, e.to_string()),
         }
-        raw.push(s);
+        // Agents get the spelling as written, minus the surrounding blanks
+        // that canonical labels drop.
+        raw.push(
+            s.trim_matches(|c: char| c.is_whitespace() || c == '\u{feff}')
+                .to_owned(),
+        );
     }
     (cx.error_count() == before).then(|| (LabelSet::from_labels(parsed), raw))
 }
 
-/// `mandatoryLabels` and similar label lists (may be empty).
+/// `mandatoryLabels` and similar label lists (may be empty), canonical as
+/// label sets are.
 pub(crate) fn label_list(cx: &mut Cx, v: &Val<'_>) -> Option<LabelSet> {
     let items = cx.list(v)?;
     let before = cx.error_count();
     let mut parsed = Vec::with_capacity(items.len());
     for item in &items {
         let Some(s) = cx.string(item) else { continue };
-        match Label::user(&s) {
+        match Label::canonical_user(&s) {
             Ok(l) => parsed.push(l),
             Err(e) => cx.err(item, e.to_string()),
         }
@@ -240,7 +247,12 @@ fn env(cx: &mut Cx, v: &Val<'_>) -> Option<BTreeMap<EnvName, String>> {
 fn network_policy(cx: &mut Cx, v: &Val<'_>) -> Option<NetworkPolicy> {
     let obj = cx.obj(v)?;
     let before = cx.error_count();
-    cx.check_keys(&obj, &["allowlist", "denyAll"], Keys::Lenient, |_| None);
+    cx.check_keys(
+        &obj,
+        &["allowlist", "denyAll", "hostAccess"],
+        Keys::Lenient,
+        |_| None,
+    );
     let allowlist = cx
         .opt(&obj, "allowlist", |cx, v| {
             let items = cx.list(v)?;
@@ -271,9 +283,23 @@ fn network_policy(cx: &mut Cx, v: &Val<'_>) -> Option<NetworkPolicy> {
         .opt(&obj, "denyAll", |cx, v| cx.bool(v))
         .value()
         .unwrap_or(false);
+    let host_access = cx.opt(&obj, "hostAccess", |cx, v| {
+        let items = cx.list(v)?;
+        let before = cx.error_count();
+        let mut entries = Vec::with_capacity(items.len());
+        for item in &items {
+            let Some(s) = cx.string(item) else { continue };
+            match s.parse::<HostAccess>() {
+                Ok(e) => entries.push(e),
+                Err(e) => cx.err(item, e.to_string()),
+            }
+        }
+        (cx.error_count() == before).then_some(entries)
+    });
     (cx.error_count() == before).then_some(NetworkPolicy {
         allowlist,
         deny_all,
+        host_access: host_access.value(),
     })
 }
 
@@ -286,6 +312,33 @@ fn extension(cx: &mut Cx, v: &Val<'_>) -> Option<LabelSetExtension> {
         .value()
         .unwrap_or(false);
     (cx.error_count() == before).then_some(LabelSetExtension { read_only_rootfs })
+}
+
+/// A bare-metal label set's agent: `binaryPath`. Upstream also accepts an
+/// `image` instead, and then runs the job's own container image as the agent
+/// with its runtime injected; kici-scaler has no such mode, so that label
+/// set is refused rather than started some other way.
+fn bare_metal(cx: &mut Cx, obj: &Obj<'_>) -> Option<LabelSetBackend> {
+    if image_instead_of_binary(obj) {
+        let image = cx.field(obj, "image")?;
+        cx.err(
+            &image,
+            "a bare-metal label set with an `image` and no `binaryPath` runs the job's own container image as its agent upstream; kici-scaler does not support that mode: set `binaryPath` to the agent binary, or move this label set to a container scaler",
+        );
+        return None;
+    }
+    required_truthy(cx, obj, "binaryPath", ScalerType::BareMetal, true).map(|p| {
+        LabelSetBackend::BareMetal {
+            binary_path: PathBuf::from(p),
+        }
+    })
+}
+
+/// A label set naming a non-empty string `image` and no `binaryPath` (as
+/// upstream's truthiness test reads them).
+fn image_instead_of_binary(obj: &Obj<'_>) -> bool {
+    let non_empty_string = |key: &str| matches!(obj.map.get(key), Some(Node::Scalar(s)) if matches!(classify(s), Scalar::Str(t) if !t.is_empty()));
+    non_empty_string("image") && !non_empty_string("binaryPath")
 }
 
 fn path_buf(cx: &mut Cx, v: &Val<'_>) -> Option<PathBuf> {
@@ -340,7 +393,9 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, kind: Option<ScalerType>) -> Parse
             )
         })
         .value()
-        .unwrap_or(ImagePullPolicy::Always);
+        // Upstream's default since 0.9: agent images are pinned, and pulling
+        // on every spawn only loads the registry.
+        .unwrap_or(ImagePullPolicy::IfNotPresent);
     let container_socket = cx
         .opt(&obj, "containerSocket", |cx, v| cx.bool(v))
         .value()
@@ -381,7 +436,15 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, kind: Option<ScalerType>) -> Parse
     let backend = match kind {
         None => None,
         Some(kind) => {
-            warn_foreign(cx, &obj, kind, &OWNED);
+            // A bare-metal `image` without `binaryPath` is an error of its
+            // own (below), not a field to ignore.
+            let bare_metal_image = kind == ScalerType::BareMetal && image_instead_of_binary(&obj);
+            let owned: Vec<(&str, &[ScalerType])> = OWNED
+                .iter()
+                .copied()
+                .filter(|(key, _)| !(bare_metal_image && *key == "image"))
+                .collect();
+            warn_foreign(cx, &obj, kind, &owned);
             if ext.read_only_rootfs && kind != ScalerType::Container {
                 if let Some(x) = cx.field(&obj, "x-kici-scaler") {
                     cx.warn_at(&x, format!("readOnlyRootfs only applies to container scalers; ignored for this {kind} scaler"),
@@ -399,13 +462,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, kind: Option<ScalerType>) -> Parse
                         }
                     })
                 }
-                ScalerType::BareMetal => {
-                    required_truthy(cx, &obj, "binaryPath", kind, true).map(|p| {
-                        LabelSetBackend::BareMetal {
-                            binary_path: PathBuf::from(p),
-                        }
-                    })
-                }
+                ScalerType::BareMetal => bare_metal(cx, &obj),
                 ScalerType::Firecracker => {
                     required_truthy(cx, &obj, "rootfsPath", kind, true).map(|p| {
                         LabelSetBackend::Firecracker(FirecrackerLabelSet {

@@ -68,25 +68,61 @@ impl Node {
     }
 }
 
+/// An explicit tag on a scalar, as the YAML 1.2 core schema knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScalarTag {
+    /// `!!str`, or the non-specific `!`.
+    Str,
+    Int,
+    Float,
+    Bool,
+    Null,
+    /// A tag the core schema does not define (`!custom`): upstream's parser
+    /// reads the value as a string (and warns), so do we.
+    Other,
+}
+
 /// A scalar's text, as written once quotes and escapes are resolved.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScalarNode {
     value: String,
     plain: bool,
+    tag: Option<ScalarTag>,
     mark: Marker,
 }
 
 impl ScalarNode {
     pub fn new(value: String, plain: bool, mark: Marker) -> Self {
-        Self { value, plain, mark }
+        Self {
+            value,
+            plain,
+            tag: None,
+            mark,
+        }
+    }
+
+    /// A scalar written with an explicit tag, which decides its type
+    /// whatever its quoting (`!!int "3"` is the number 3).
+    pub fn tagged(value: String, plain: bool, tag: ScalarTag, mark: Marker) -> Self {
+        Self {
+            value,
+            plain,
+            tag: Some(tag),
+            mark,
+        }
+    }
+
+    /// The explicit tag, if any.
+    pub fn tag(&self) -> Option<ScalarTag> {
+        self.tag
     }
 
     pub fn as_str(&self) -> &str {
         &self.value
     }
 
-    /// Written without quotes and not as a block scalar: the YAML core schema
-    /// may read it as null, a boolean or a number.
+    /// Written without quotes and not as a block scalar. Without a tag, the
+    /// YAML core schema may read such a scalar as null, a boolean or a number.
     pub fn is_plain(&self) -> bool {
         self.plain
     }

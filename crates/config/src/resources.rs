@@ -4,6 +4,7 @@
 use crate::cx::{Cx, Keys, Val};
 use crate::node::Node;
 use crate::yaml::{classify, describe, Scalar};
+use kici_model::resources::MAX_CPUS_PER_REQUEST;
 use kici_model::{MemoryBytes, MilliCpu, ResourceCap, ResourceRequest, ResourceSpec};
 
 const SPEC_KEYS: [&str; 2] = ["cpus", "memory"];
@@ -42,12 +43,48 @@ pub(crate) fn memory(cx: &mut Cx, v: &Val<'_>) -> Option<MemoryBytes> {
     }
 }
 
-fn cores(
-    cx: &mut Cx,
-    v: &Val<'_>,
-    parse: fn(f64) -> Result<MilliCpu, kici_model::ResourceError>,
-) -> Option<MilliCpu> {
+/// The largest `maxCpu` [`MilliCpu::cap_from_cores`] takes: far beyond any
+/// machine, yet exact in milli-CPUs.
+const MAX_CAP_CORES: f64 = 1e12;
+
+/// Cores in a request (`cpus`: more than 0, at most 256) or a cap (`maxCpu`:
+/// more than 0, no upper bound worth naming).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CoresOf {
+    Request,
+    Cap,
+}
+
+fn cores(cx: &mut Cx, v: &Val<'_>, of: CoresOf) -> Option<MilliCpu> {
     let n = cx.any_number(v, "a number of CPU cores such as 0.5 or 2")?;
+    // Say what is wrong with the number itself before any range: a cap has
+    // no upper bound, so "at most 256" would be wrong there.
+    let problem = if n.is_nan() {
+        Some(format!("{n} is not a number of cores"))
+    } else if n < 0.0 {
+        Some(format!("must be greater than 0: {n} is negative"))
+    } else if n == 0.0 {
+        Some("must be greater than 0, got 0".to_owned())
+    } else if n.is_infinite() {
+        Some("must be a finite number of cores, got .inf".to_owned())
+    } else if of == CoresOf::Request && n > MAX_CPUS_PER_REQUEST {
+        Some(format!(
+            "must be at most {MAX_CPUS_PER_REQUEST}, got {n} (the most cores one agent may request)"
+        ))
+    } else if of == CoresOf::Cap && n > MAX_CAP_CORES {
+        Some(format!("must be at most {MAX_CAP_CORES:e} cores, got {n}"))
+    } else {
+        None
+    };
+    if let Some(p) = problem {
+        let name = if of == CoresOf::Cap { "maxCpu" } else { "cpus" };
+        cx.err(v, format!("{name} {p}"));
+        return None;
+    }
+    let parse = match of {
+        CoresOf::Request => MilliCpu::from_cores,
+        CoresOf::Cap => MilliCpu::cap_from_cores,
+    };
     match parse(n) {
         Ok(c) => Some(c),
         Err(e) => {
@@ -63,7 +100,7 @@ fn spec(cx: &mut Cx, v: &Val<'_>) -> Option<ResourceSpec> {
     cx.check_keys(&obj, &SPEC_KEYS, Keys::Strict, no_hint);
     let cpus = cx
         .field(&obj, "cpus")
-        .and_then(|c| cores(cx, &c, MilliCpu::from_cores));
+        .and_then(|c| cores(cx, &c, CoresOf::Request));
     let memory = cx.field(&obj, "memory").and_then(|m| memory(cx, &m));
     (cx.error_count() == before).then_some(ResourceSpec { cpus, memory })
 }
@@ -90,7 +127,7 @@ pub(crate) fn request(cx: &mut Cx, v: &Val<'_>) -> Option<ResourceRequest> {
     } else {
         let cpus = cx
             .field(&obj, "cpus")
-            .and_then(|c| cores(cx, &c, MilliCpu::from_cores));
+            .and_then(|c| cores(cx, &c, CoresOf::Request));
         let memory = cx.field(&obj, "memory").and_then(|m| memory(cx, &m));
         ResourceRequest::flat(ResourceSpec { cpus, memory })
     };
@@ -111,7 +148,7 @@ pub(crate) fn cap(cx: &mut Cx, v: &Val<'_>) -> Option<ResourceCap> {
     cx.check_keys(&obj, &CAP_KEYS, Keys::Strict, no_hint);
     let max_cpu = cx
         .field(&obj, "maxCpu")
-        .and_then(|c| cores(cx, &c, MilliCpu::cap_from_cores));
+        .and_then(|c| cores(cx, &c, CoresOf::Cap));
     let max_memory = cx.field(&obj, "maxMemory").and_then(|m| memory(cx, &m));
     (cx.error_count() == before).then_some(ResourceCap {
         max_cpu,

@@ -3,21 +3,25 @@
 
 use crate::cx::{field_path, Cx, Got, Keys, Obj, Val};
 use crate::label_set::{self, required_truthy, warn_foreign, ParsedLabelSet};
+use crate::node::Node;
 use crate::resources::{self, NamedCap};
-use crate::yaml::quote;
+use crate::yaml::{classify, quote, Scalar};
 use kici_model::{
     BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime, ContainerSettings,
-    FirecrackerSettings, LabelSet, MachinePool, Origin, ResourceCap, ResourceRequest, Role, Roles,
-    ScalerEntry, ScalerExtension, ScalerName, ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
+    FirecrackerSettings, Label, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs,
+    ResourceCap, ResourceRequest, Role, Roles, ScalerEntry, ScalerExtension, ScalerName,
+    ScalerPlatform, ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
+    LEGACY_PLATFORM_TAINT_LABELS,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub(crate) const KEYS: [&str; 26] = [
+pub(crate) const KEYS: [&str; 31] = [
     "name",
     "type",
     "maxAgents",
+    "maxConcurrentSpawns",
     "labelSets",
     "host",
     "socketPath",
@@ -27,6 +31,7 @@ pub(crate) const KEYS: [&str; 26] = [
     "networkIsolation",
     "warmPool",
     "mandatoryLabels",
+    "platform",
     "roles",
     "resourceCap",
     "machinePool",
@@ -40,7 +45,18 @@ pub(crate) const KEYS: [&str; 26] = [
     "vcpuCount",
     "memSizeMib",
     "requireSudo",
+    "provisioningTargets",
+    "claimTtlSeconds",
+    "agentTokenTtlSeconds",
     "x-kici-scaler",
+];
+
+/// Fields only `type: event` scalers use (upstream's schema accepts them on
+/// every entry and ignores them elsewhere).
+const EVENT_KEYS: [&str; 3] = [
+    "provisioningTargets",
+    "claimTtlSeconds",
+    "agentTokenTtlSeconds",
 ];
 
 const CONTAINER: &[ScalerType] = &[ScalerType::Container];
@@ -146,6 +162,13 @@ fn kind(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerType> {
     if let Ok(t) = s.parse::<ScalerType>() {
         return Some(t);
     }
+    if s == "event" {
+        cx.err(
+            v,
+            "type \"event\" (agents started by a provisioning workflow and redeemed with claim codes) is not supported by kici-scaler yet; use \"container\", \"bare-metal\" or \"firecracker\"",
+        );
+        return None;
+    }
     let why = match s.as_str() {
         "docker" => " (the legacy type \"docker\" was removed; use \"container\")",
         "kubernetes" => " (\"kubernetes\" is reserved upstream and not supported)",
@@ -198,6 +221,79 @@ fn warm_pool(cx: &mut Cx, v: &Val<'_>) -> Option<WarmPoolConfig> {
         size,
         idle_timeout,
     })
+}
+
+/// `platform: {os, arch}`, a strict object with both keys required.
+fn platform(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerPlatform> {
+    let obj = cx.obj(v)?;
+    let before = cx.error_count();
+    cx.check_keys(&obj, &["os", "arch"], Keys::Strict, |_| None);
+    let os = cx.required(&obj, "os", |cx, v| {
+        let choices = PlatformOs::ALL.map(|o| (o.as_str(), o));
+        platform_choice(cx, v, &choices, |s| match s {
+            "darwin" => Some("macos"),
+            "win32" => Some("windows"),
+            _ => None,
+        })
+    });
+    let arch = cx.required(&obj, "arch", |cx, v| {
+        let choices = PlatformArch::ALL.map(|a| (a.as_str(), a));
+        platform_choice(cx, v, &choices, |s| match s {
+            "x86_64" | "amd64" => Some("x64"),
+            "aarch64" => Some("arm64"),
+            _ => None,
+        })
+    });
+    if cx.error_count() != before {
+        return None;
+    }
+    Some(ScalerPlatform {
+        os: os?,
+        arch: arch?,
+    })
+}
+
+/// One of `choices`, with a hint when the value is another common name of
+/// one of them (upstream names platforms as Node.js does).
+fn platform_choice<T: Copy>(
+    cx: &mut Cx,
+    v: &Val<'_>,
+    choices: &[(&str, T)],
+    alias: fn(&str) -> Option<&'static str>,
+) -> Option<T> {
+    if let Node::Scalar(s) = v.node {
+        if let Scalar::Str(text) = classify(s) {
+            if let Some(name) = alias(text) {
+                let names: Vec<String> = choices.iter().map(|(n, _)| quote(n)).collect();
+                cx.err(
+                    v,
+                    format!(
+                        "expected one of {}, got {} (upstream's name for it is {})",
+                        names.join(", "),
+                        quote(text),
+                        quote(name)
+                    ),
+                );
+                return None;
+            }
+        }
+    }
+    cx.choice(v, choices)
+}
+
+/// `provisioningTargets`: workflow refs, each a non-empty string.
+fn provisioning_targets(cx: &mut Cx, v: &Val<'_>) -> Option<Vec<String>> {
+    let items = cx.list(v)?;
+    let before = cx.error_count();
+    let mut out = Vec::with_capacity(items.len());
+    for item in &items {
+        match cx.string(item) {
+            Some(t) if t.is_empty() => cx.err(item, "a provisioning target must not be empty"),
+            Some(t) => out.push(t),
+            None => {}
+        }
+    }
+    (cx.error_count() == before).then_some(out)
 }
 
 fn roles(cx: &mut Cx, v: &Val<'_>) -> Option<Roles> {
@@ -515,17 +611,35 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
     out.name = name.clone().zip(name_val.map(|v| cx.origin(&v)));
     let kind = cx.required(&obj, "type", kind);
     let max_agents = cx.required(&obj, "maxAgents", |cx, v| cx.positive_int(v));
+    let max_concurrent_spawns = cx
+        .opt(&obj, "maxConcurrentSpawns", |cx, v| cx.positive_int(v))
+        .value()
+        .unwrap_or(ScalerEntry::DEFAULT_MAX_CONCURRENT_SPAWNS);
+    let platform_got = cx.opt(&obj, "platform", platform);
+    let platform_ok = !matches!(platform_got, Got::Bad);
+    let platform = platform_got.value();
+    // Type-checked on every entry, as upstream's flat schema does; used by
+    // none of the types kici-scaler supports.
+    let _ = cx.opt(&obj, "provisioningTargets", provisioning_targets);
+    for key in ["claimTtlSeconds", "agentTokenTtlSeconds"] {
+        let _ = cx.opt(&obj, key, |cx, v| cx.positive_int(v));
+    }
+    if kind.is_some() {
+        for key in EVENT_KEYS {
+            if let Some(v) = cx.field(&obj, key) {
+                cx.warn_at(
+                    &v,
+                    format!("`{key}` only applies to event scalers; ignored for this scaler"),
+                );
+            }
+        }
+    }
     let orchestrator_url = opt_nonempty_string(cx, &obj, "orchestratorUrl");
     let warm_val = cx.field(&obj, "warmPool");
     let warm = cx.opt(&obj, "warmPool", warm_pool).value();
-    let mandatory = cx
-        .opt(&obj, "mandatoryLabels", label_set::label_list)
-        .value();
-    let mandatory_ok = mandatory.is_some()
-        || cx
-            .field(&obj, "mandatoryLabels")
-            .is_none_or(|v| Cx::is_null(&v));
-    let mandatory = mandatory.unwrap_or_default();
+    let mandatory = cx.opt(&obj, "mandatoryLabels", label_set::label_list);
+    let mandatory_ok = !matches!(mandatory, Got::Bad);
+    let mandatory = mandatory.value().unwrap_or_default();
     let roles = cx.opt(&obj, "roles", roles).value().unwrap_or(Roles::All);
     let cap_got = cx.opt(&obj, "resourceCap", resources::cap);
     let cap_ok = !matches!(cap_got, Got::Bad);
@@ -566,11 +680,15 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
     }
 
     // mandatoryLabels: every label set must carry every gate label, or a job
-    // could reach the scaler through a label set without it.
-    if mandatory_ok {
+    // could reach the scaler through a label set without it. A label the
+    // declared platform taints the pool with counts as carried: routing adds
+    // it to every label set of the pool (upstream's rule).
+    let taints = LabelSet::from_labels(platform.map(ScalerPlatform::taints).unwrap_or_default());
+    if mandatory_ok && platform_ok {
         for (i, ls) in out.label_sets.iter().enumerate() {
             let Some(labels) = &ls.labels else { continue };
-            for m in mandatory.missing_from(labels) {
+            let reachable = labels.union(&taints);
+            for m in mandatory.missing_from(&reachable) {
                 cx.error(
                     ls.origin.clone(),
                     field_path(&ls.path, "labels"),
@@ -578,6 +696,41 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
                         "mandatoryLabel {} is missing from labelSets[{i}]: every label set must contain every mandatory label",
                         quote(m.as_str())
                     ),
+                );
+            }
+        }
+    }
+
+    // Plain platform labels taint a label set even without `platform`
+    // (upstream's legacy rule); say so, as upstream does, since a generic
+    // job then never lands there.
+    if platform.is_none() {
+        for ls in &out.label_sets {
+            let Some(labels) = &ls.labels else { continue };
+            let plain: Vec<&str> = labels
+                .iter()
+                .map(Label::as_str)
+                .filter(|l| LEGACY_PLATFORM_TAINT_LABELS.contains(l))
+                .collect();
+            if !plain.is_empty() {
+                cx.warn(
+                    ls.origin.clone(),
+                    field_path(&ls.path, "labels"),
+                    format!(
+                        "the platform label(s) {} taint this label set: only jobs whose labels include {} land on it; declare `platform: {{os, arch}}` on the scaler to make the taint explicit",
+                        plain.join(", "),
+                        if plain.len() == 1 { "it" } else { "all of them" }
+                    ),
+                );
+            }
+        }
+    }
+    if let (Some(p), Some(ScalerType::Firecracker)) = (platform, kind) {
+        if p.os != PlatformOs::Linux {
+            if let Some(v) = cx.field(&obj, "platform") {
+                cx.warn_at(
+                    &v,
+                    format!("Firecracker guests run Linux, but platform.os is {:?}: the pool is tainted with it and only jobs asking for it land here", p.os.as_str()),
                 );
             }
         }
@@ -699,6 +852,8 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
             orchestrator_url,
             warm_pool: warm,
             mandatory_labels: mandatory,
+            platform,
+            max_concurrent_spawns,
             roles,
             resource_cap,
             machine_pool,

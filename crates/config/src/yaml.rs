@@ -1,10 +1,11 @@
 //! YAML text → positioned [`Node`] tree, and the YAML 1.2 core-schema
-//! reading of plain scalars.
+//! reading of scalars.
 //!
 //! The events come from `saphyr_parser` (the maintained successor of
 //! yaml-rust's parser: a non-recursive state machine that reports a start
 //! and an end position for every event). This module builds the tree from
-//! them without recursion, as js-yaml (upstream's loader) reads a document:
+//! them without recursion, reading a document the way upstream's loader does
+//! (the `yaml` npm package with its default YAML 1.2 core schema):
 //!
 //! - Anchors and aliases: `*x` is the node anchored `&x` earlier in the same
 //!   file. Anchors are per file; an alias to an anchor that is not defined
@@ -12,21 +13,28 @@
 //! - An aliased value keeps the positions of its definition: an error inside
 //!   `*x` points at the file:line:col where `&x` wrote it, while its field
 //!   path names the place the alias is used.
-//! - Merge keys: `<<: *base` and `<<: [*a, *b]` (or inline mappings) copy
-//!   the entries of the mappings in; keys written explicitly win over merged
-//!   ones wherever they appear, and an earlier merge source wins over a later
-//!   one. A quoted `"<<"` is an ordinary key.
+//! - `<<` is an ordinary key, as YAML 1.2 defines it: `<<: *base` does not
+//!   merge anything (merge keys are a YAML 1.1 feature). In a strict object
+//!   the schema walk then reports it as an unknown key, which is what
+//!   upstream reports too. A `%YAML 1.1` directive, which would switch
+//!   upstream's parser to YAML 1.1 rules, is refused with a clear error.
+//! - Explicit tags decide a scalar's type whatever its quoting, as upstream's
+//!   parser does: `!!int "3"` is 3 and `!!str 3` is "3". A core tag whose
+//!   pattern the value does not match (`!!float "3"`: a 1.2 float has a
+//!   point or an exponent), and any tag the core schema does not define,
+//!   leave the value a string, with a warning. Tags that would make a value
+//!   no field accepts (`!!binary`, `!!timestamp`, `!!set`, ...) are errors.
 //! - Duplicate keys are errors naming both positions; a second document is
-//!   an error; core-schema tags (`!!str`, `!!int`, ...) are honoured as js-yaml
-//!   does, other tags are refused.
+//!   an error.
 //! - Guards: [`MAX_FILE_BYTES`], [`MAX_INDENT_COLUMNS`] (checked by
 //!   [`prescan`] before the parser runs), [`MAX_NODES`] counting every alias
 //!   at its full size (alias bombs), [`MAX_DEPTH`] and [`MAX_ALIAS_DEPTH`].
 
 use crate::node::{
-    self, KeyIndex, MappingNode, Marker, Node, ScalarNode, SequenceNode, LINEAR_LOOKUP_MAX,
+    self, KeyIndex, MappingNode, Marker, Node, ScalarNode, ScalarTag, SequenceNode,
+    LINEAR_LOOKUP_MAX,
 };
-use saphyr_parser::{Event, Parser, ScalarStyle, ScanError, Span};
+use saphyr_parser::{Event, Parser, ScalarStyle, ScanError, Span, Tag};
 use std::rc::Rc;
 
 /// Largest file accepted, in bytes. Configurations are a few hundred KiB at
@@ -50,6 +58,8 @@ pub struct Prescan {
     pub second_document: Option<u32>,
     /// 1-based line whose indentation exceeds [`MAX_INDENT_COLUMNS`].
     pub too_deep: Option<u32>,
+    /// 1-based line of a `%YAML 1.1` directive.
+    pub yaml_1_1: Option<u32>,
 }
 
 fn is_marker(line: &str, marker: &str) -> bool {
@@ -101,7 +111,14 @@ pub fn prescan(text: &str) -> Prescan {
             ended |= out.has_content;
             continue;
         }
-        if is_blank_or_comment(line) || (!out.has_content && line.starts_with('%')) {
+        if !out.has_content && line.starts_with('%') {
+            let mut words = line.split_whitespace();
+            if words.next() == Some("%YAML") && words.next() == Some("1.1") {
+                out.yaml_1_1.get_or_insert(lineno);
+            }
+            continue;
+        }
+        if is_blank_or_comment(line) {
             continue;
         }
         if ended {
@@ -149,10 +166,27 @@ fn fail(at: Marker, message: impl Into<String>) -> ParseFailure {
     }
 }
 
+/// Something the parser accepted but the operator should know: a tag that
+/// did not apply, read as a string instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseWarning {
+    pub at: Marker,
+    pub message: String,
+}
+
+/// [`parse_with_warnings`] without the warnings.
+#[cfg(test)]
+pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
+    parse_with_warnings(source, text).map(|(node, _)| node)
+}
+
 /// Parses one document whose markers carry `source`. The top level must be a
 /// mapping. Never panics: the parser is run under `catch_unwind` as a last
 /// line of defence, and deep or oversized input is refused before parsing.
-pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
+pub fn parse_with_warnings(
+    source: usize,
+    text: &str,
+) -> Result<(Node, Vec<ParseWarning>), ParseFailure> {
     if text.len() > MAX_FILE_BYTES {
         return Err(ParseFailure::Syntax {
             line: 0,
@@ -174,6 +208,13 @@ pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
             ),
         });
     }
+    if let Some(line) = scan.yaml_1_1 {
+        return Err(ParseFailure::Syntax {
+            line,
+            col: 1,
+            message: "`%YAML 1.1` switches upstream's parser to YAML 1.1 rules (merge keys, yes/no booleans, ...), which kici-scaler does not implement: remove the directive and write the file in YAML 1.2".into(),
+        });
+    }
     if !scan.has_content {
         return Err(ParseFailure::Empty);
     }
@@ -181,7 +222,7 @@ pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
         return Err(second_document(line));
     }
     let result = std::panic::catch_unwind(|| Builder::new(source, text).run());
-    let root = match result {
+    let (root, warnings) = match result {
         Ok(r) => r?,
         Err(_) => {
             return Err(ParseFailure::Syntax {
@@ -193,7 +234,7 @@ pub fn parse(source: usize, text: &str) -> Result<Node, ParseFailure> {
         }
     };
     match root {
-        Node::Mapping(_) => Ok(root),
+        Node::Mapping(_) => Ok((root, warnings)),
         other => {
             let at = other.mark();
             Err(ParseFailure::NotAMapping {
@@ -264,9 +305,6 @@ struct OpenMap {
     start: usize,
     /// Key → position relative to `start`, once the mapping is large.
     index: Option<KeyIndex>,
-    /// `merged[i]`: entry `i` came from a merge key and an explicit key may
-    /// still replace it. Empty unless the mapping merges.
-    merged: Vec<bool>,
     /// A key awaiting its value, and where it appears in the text.
     key: Option<(ScalarNode, Marker)>,
 }
@@ -276,7 +314,6 @@ impl OpenMap {
         Self {
             start,
             index: None,
-            merged: Vec::new(),
             key: None,
         }
     }
@@ -285,20 +322,32 @@ impl OpenMap {
         node::position(all.get(self.start..)?, self.index.as_ref(), key)
     }
 
-    fn is_merged(&self, i: usize) -> bool {
-        self.merged.get(i).copied().unwrap_or(false)
-    }
-
-    fn append(&mut self, all: &mut Vec<Entry>, key: ScalarNode, value: Node, merged: bool) {
+    /// `key: value`. Every key is an ordinary key, `<<` included (YAML 1.2
+    /// has no merge keys); a key written twice is an error naming both
+    /// places.
+    fn insert(
+        &mut self,
+        all: &mut Vec<Entry>,
+        (key, key_at): (ScalarNode, Marker),
+        value: Node,
+    ) -> Result<(), ParseFailure> {
+        if let Some(i) = self.position(all, key.as_str()) {
+            let first = all[self.start + i].0.mark();
+            return Err(fail(
+                key_at,
+                format!(
+                    "duplicate key {:?} (first at line {}, column {})",
+                    key.as_str(),
+                    first.line(),
+                    first.column()
+                ),
+            ));
+        }
         let i = all.len() - self.start;
         if let Some(index) = &mut self.index {
             index.insert(key.as_str().into(), i);
         }
         all.push((key, value));
-        if merged {
-            self.merged.resize(i + 1, false);
-            self.merged[i] = true;
-        }
         if self.index.is_none() && i + 1 > LINEAR_LOOKUP_MAX {
             let index: KeyIndex = all[self.start..]
                 .iter()
@@ -307,83 +356,7 @@ impl OpenMap {
                 .collect();
             self.index = Some(index);
         }
-    }
-
-    /// An explicit `key: value`: duplicates are errors, except over a merged
-    /// entry, which the explicit one replaces in place (js-yaml keeps the
-    /// first insertion's order too).
-    fn insert(
-        &mut self,
-        all: &mut Vec<Entry>,
-        (key, key_at): (ScalarNode, Marker),
-        value: Node,
-        value_at: Marker,
-    ) -> Result<(), ParseFailure> {
-        if key.is_plain() && key.as_str() == "<<" {
-            return self.merge(all, &value, value_at);
-        }
-        match self.position(all, key.as_str()) {
-            Some(i) if self.is_merged(i) => {
-                self.merged[i] = false;
-                all[self.start + i] = (key, value);
-                Ok(())
-            }
-            Some(i) => {
-                let first = all[self.start + i].0.mark();
-                Err(fail(
-                    key_at,
-                    format!(
-                        "duplicate key {:?} (first at line {}, column {})",
-                        key.as_str(),
-                        first.line(),
-                        first.column()
-                    ),
-                ))
-            }
-            None => {
-                self.append(all, key, value, false);
-                Ok(())
-            }
-        }
-    }
-
-    /// `<<: *base` or `<<: [*a, *b]`, as js-yaml reads them: keys already
-    /// present (explicit or from an earlier source) win; explicit keys that
-    /// come later replace merged ones.
-    fn merge(
-        &mut self,
-        all: &mut Vec<Entry>,
-        value: &Node,
-        at: Marker,
-    ) -> Result<(), ParseFailure> {
-        const WHAT: &str = "a merge key `<<` takes a mapping or a list of mappings (such as `*base` or `[*a, *b]`)";
-        match value {
-            Node::Mapping(source) => {
-                self.merge_from(all, source);
-                Ok(())
-            }
-            Node::Sequence(seq) => {
-                if let Some(bad) = seq.iter().find(|n| n.as_mapping().is_none()) {
-                    return Err(fail(
-                        bad.mark(),
-                        format!("{WHAT}, got {} in the list", describe(bad)),
-                    ));
-                }
-                for source in seq.iter().filter_map(Node::as_mapping) {
-                    self.merge_from(all, source);
-                }
-                Ok(())
-            }
-            Node::Scalar(_) => Err(fail(at, format!("{WHAT}, got {}", describe(value)))),
-        }
-    }
-
-    fn merge_from(&mut self, all: &mut Vec<Entry>, source: &MappingNode) {
-        for (k, v) in source.iter() {
-            if self.position(all, k.as_str()).is_none() {
-                self.append(all, k.clone(), v.clone(), true);
-            }
-        }
+        Ok(())
     }
 }
 
@@ -406,6 +379,7 @@ struct Builder<'t> {
     anchors: Vec<Option<(Node, Extent)>>,
     produced: usize,
     root: Option<Node>,
+    warnings: Vec<ParseWarning>,
 }
 
 impl<'t> Builder<'t> {
@@ -421,10 +395,15 @@ impl<'t> Builder<'t> {
             anchors: Vec::new(),
             produced: 0,
             root: None,
+            warnings: Vec::new(),
         }
     }
 
-    fn run(mut self) -> Result<Node, ParseFailure> {
+    fn warn(&mut self, at: Marker, message: String) {
+        self.warnings.push(ParseWarning { at, message });
+    }
+
+    fn run(mut self) -> Result<(Node, Vec<ParseWarning>), ParseFailure> {
         let mut parser = Parser::new_from_str(self.text);
         while let Some(next) = parser.next_event() {
             let (event, span) = next.map_err(|e| self.scan_error(&e))?;
@@ -440,19 +419,21 @@ impl<'t> Builder<'t> {
                 Event::Alias(id) => self.alias(id, &span)?,
                 Event::Scalar(value, style, anchor, tag) => {
                     let mark = self.content_mark(&span, anchor != 0 || tag.is_some());
-                    // `!!str` makes a plain scalar a string; the other core
-                    // scalar tags keep the plain reading (the walker then
-                    // checks the type it expects).
-                    let plain = match tag.as_deref().map(core_tag) {
-                        None => style == ScalarStyle::Plain,
-                        Some(Some("str")) => false,
-                        Some(Some("int" | "float" | "bool" | "null")) => {
-                            style == ScalarStyle::Plain
+                    let plain = style == ScalarStyle::Plain;
+                    let value = value.into_owned();
+                    let scalar = match tag.as_deref() {
+                        None => ScalarNode::new(value, plain, mark),
+                        Some(t) => {
+                            let tag = self.scalar_tag(t, mark)?;
+                            let scalar = ScalarNode::tagged(value, plain, tag, mark);
+                            if let Some(w) = tag_mismatch(t, &scalar) {
+                                self.warn(mark, w);
+                            }
+                            scalar
                         }
-                        Some(_) => return Err(tag_error(mark)),
                     };
                     self.count(1, mark)?;
-                    let node = Node::Scalar(ScalarNode::new(value.into_owned(), plain, mark));
+                    let node = Node::Scalar(scalar);
                     self.define(anchor, &node, Extent::LEAF);
                     self.push(node, Extent::LEAF, mark)?;
                 }
@@ -460,13 +441,11 @@ impl<'t> Builder<'t> {
                     let kind = OpenKind::Seq {
                         start: self.items.len(),
                     };
-                    let foreign = tag.as_deref().is_some_and(|t| core_tag(t) != Some("seq"));
-                    self.start(kind, anchor, foreign, &span)?;
+                    self.start(kind, anchor, tag.as_deref(), &span)?;
                 }
                 Event::MappingStart(anchor, tag) => {
                     let kind = OpenKind::Map(OpenMap::new(self.entries.len()));
-                    let foreign = tag.as_deref().is_some_and(|t| core_tag(t) != Some("map"));
-                    self.start(kind, anchor, foreign, &span)?;
+                    self.start(kind, anchor, tag.as_deref(), &span)?;
                 }
                 Event::SequenceEnd | Event::MappingEnd => {
                     let Some(open) = self.open.pop() else {
@@ -490,19 +469,64 @@ impl<'t> Builder<'t> {
                 }
             }
         }
-        self.root.ok_or(ParseFailure::Empty)
+        let root = self.root.ok_or(ParseFailure::Empty)?;
+        Ok((root, self.warnings))
+    }
+
+    /// What an explicit tag on a scalar means; an error for the core tags
+    /// whose values no field of the schema could take.
+    fn scalar_tag(&mut self, tag: &Tag, at: Marker) -> Result<ScalarTag, ParseFailure> {
+        Ok(match core_suffix(tag) {
+            Some("str") => ScalarTag::Str,
+            Some("int") => ScalarTag::Int,
+            Some("float") => ScalarTag::Float,
+            Some("bool") => ScalarTag::Bool,
+            Some("null") => ScalarTag::Null,
+            Some(other) if UNUSABLE_CORE_TAGS.contains(&other) => {
+                return Err(unusable_tag(at, tag))
+            }
+            Some(_) => {
+                self.warn(
+                    at,
+                    format!("the tag {} does not apply to a scalar: the value is read as a string, as upstream's parser reads it", tag_text(tag)),
+                );
+                ScalarTag::Other
+            }
+            // `!` alone: the non-specific tag, a string by definition.
+            None if is_non_specific(tag) => ScalarTag::Str,
+            None => {
+                self.warn(
+                    at,
+                    format!("the tag {} is not a YAML core-schema tag: the value is read as a string, as upstream's parser reads it", tag_text(tag)),
+                );
+                ScalarTag::Other
+            }
+        })
     }
 
     fn start(
         &mut self,
         kind: OpenKind,
         anchor: usize,
-        tagged: bool,
+        tag: Option<&Tag>,
         span: &Span,
     ) -> Result<(), ParseFailure> {
-        let mark = self.content_mark(span, anchor != 0 || tagged);
-        if tagged {
-            return Err(tag_error(mark));
+        let mark = self.content_mark(span, anchor != 0 || tag.is_some());
+        if let Some(tag) = tag {
+            let (fits, what) = match &kind {
+                OpenKind::Seq { .. } => (core_suffix(tag) == Some("seq"), "list"),
+                OpenKind::Map(_) => (core_suffix(tag) == Some("map"), "mapping"),
+            };
+            let non_specific = is_non_specific(tag);
+            if core_suffix(tag).is_some_and(|s| UNUSABLE_CORE_TAGS.contains(&s)) {
+                return Err(unusable_tag(mark, tag));
+            }
+            if !fits && !non_specific {
+                self.warn(
+                    mark,
+                    format!("the tag {} does not apply to a {what}: it is ignored and the value read as a {what}, as upstream's parser reads it", tag_text(tag)),
+                );
+            }
         }
         self.count(1, mark)?;
         self.open.push(Open {
@@ -681,7 +705,7 @@ impl<'t> Builder<'t> {
                 Ok(())
             }
             OpenKind::Map(map) => match map.key.take() {
-                Some(key) => map.insert(&mut self.entries, key, node, at),
+                Some(key) => map.insert(&mut self.entries, key, node),
                 None => match node {
                     Node::Scalar(key) => {
                         map.key = Some((key, at));
@@ -694,22 +718,69 @@ impl<'t> Builder<'t> {
     }
 }
 
-/// The suffix of a YAML core-schema tag (`!!str` → `str`), `None` for any
-/// other tag.
-fn core_tag(tag: &saphyr_parser::Tag) -> Option<&str> {
-    tag.is_yaml_core_schema().then_some(tag.suffix.as_str())
+/// The suffix of a YAML core-schema tag (`!!str` and its verbatim form
+/// `!<tag:yaml.org,2002:str>` → `str`), `None` for any other tag.
+fn core_suffix(tag: &Tag) -> Option<&str> {
+    const CORE: &str = "tag:yaml.org,2002:";
+    if tag.is_yaml_core_schema() {
+        return Some(tag.suffix.as_str());
+    }
+    tag.suffix.strip_prefix(CORE)
 }
 
-fn tag_error(at: Marker) -> ParseFailure {
+/// The non-specific tag `!` (the parser reports it as the suffix `!` with
+/// no handle).
+fn is_non_specific(tag: &Tag) -> bool {
+    (tag.handle.is_empty() && tag.suffix == "!") || (tag.handle == "!" && tag.suffix.is_empty())
+}
+
+/// Core-schema tags whose values (bytes, dates, sets, ordered maps) no field
+/// of the configuration takes: upstream's parser builds them and its schema
+/// then refuses them.
+const UNUSABLE_CORE_TAGS: [&str; 5] = ["binary", "timestamp", "omap", "pairs", "set"];
+
+fn tag_text(tag: &Tag) -> String {
+    match core_suffix(tag) {
+        Some(s) => format!("`!!{s}`"),
+        None => format!("`{tag}`"),
+    }
+}
+
+fn unusable_tag(at: Marker, tag: &Tag) -> ParseFailure {
     fail(
         at,
-        "YAML tags other than the core schema's (!!str, !!int, !!float, !!bool, !!null, !!seq, !!map) are not supported",
+        format!(
+            "the tag {} makes a value no configuration field accepts (only !!str, !!int, !!float, !!bool, !!null, !!seq and !!map are useful here)",
+            tag_text(tag)
+        ),
     )
+}
+
+/// The warning for a core scalar tag whose pattern the value does not
+/// match: the value stays a string (upstream's parser does the same).
+fn tag_mismatch(tag: &Tag, scalar: &ScalarNode) -> Option<String> {
+    let what = match scalar.tag()? {
+        ScalarTag::Int => "an integer (digits, 0o octal or 0x hex)",
+        ScalarTag::Float => {
+            "a YAML 1.2 float (it needs a decimal point or an exponent, or is .inf/.nan)"
+        }
+        ScalarTag::Bool => "true or false",
+        ScalarTag::Null => "null or ~",
+        ScalarTag::Str | ScalarTag::Other => return None,
+    };
+    match classify(scalar) {
+        Scalar::Str(v) => Some(format!(
+            "{} applies only to {what}; {} is read as a string",
+            tag_text(tag),
+            quote(v)
+        )),
+        _ => None,
+    }
 }
 
 /// A scalar read with the YAML 1.2 core schema (what upstream's parser
 /// does): plain scalars may be null, booleans or numbers; quoted and block
-/// scalars are always strings.
+/// scalars are strings; an explicit tag decides whatever the quoting.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Scalar<'a> {
     Null,
@@ -740,38 +811,75 @@ fn is_core_float(s: &str) -> bool {
     mantissa_ok && exponent_ok
 }
 
-pub fn classify(s: &ScalarNode) -> Scalar<'_> {
-    let v = s.as_str();
-    if !s.is_plain() {
-        return Scalar::Str(v);
-    }
+fn core_null(v: &str) -> bool {
+    matches!(v, "" | "~" | "null" | "Null" | "NULL")
+}
+
+fn core_bool(v: &str) -> Option<bool> {
     match v {
-        "" | "~" | "null" | "Null" | "NULL" => return Scalar::Null,
-        "true" | "True" | "TRUE" => return Scalar::Bool(true),
-        "false" | "False" | "FALSE" => return Scalar::Bool(false),
-        ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => {
-            return Scalar::Number(f64::INFINITY)
-        }
-        "-.inf" | "-.Inf" | "-.INF" => return Scalar::Number(f64::NEG_INFINITY),
-        ".nan" | ".NaN" | ".NAN" => return Scalar::Number(f64::NAN),
-        _ => {}
+        "true" | "True" | "TRUE" => Some(true),
+        "false" | "False" | "FALSE" => Some(false),
+        _ => None,
     }
-    if let Some(hex) = v.strip_prefix("0x") {
-        if let Ok(n) = u64::from_str_radix(hex, 16) {
-            return Scalar::Number(n as f64);
+}
+
+/// The core schema's integers: `[-+]?[0-9]+`, `0o[0-7]+`, `0x[0-9a-fA-F]+`
+/// (no sign after the prefix, no underscores).
+fn core_int(v: &str) -> Option<f64> {
+    let radix = |digits: &str, radix: u32| -> Option<f64> {
+        if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+            return None;
         }
+        u64::from_str_radix(digits, radix).ok().map(|n| n as f64)
+    };
+    if let Some(hex) = v.strip_prefix("0x") {
+        return radix(hex, 16);
     }
     if let Some(oct) = v.strip_prefix("0o") {
-        if let Ok(n) = u64::from_str_radix(oct, 8) {
-            return Scalar::Number(n as f64);
-        }
+        return radix(oct, 8);
     }
-    if is_core_float(v) {
-        if let Ok(n) = v.parse::<f64>() {
-            return Scalar::Number(n);
-        }
+    if is_digits(v.strip_prefix(['-', '+']).unwrap_or(v)) {
+        return v.parse::<f64>().ok();
     }
-    Scalar::Str(v)
+    None
+}
+
+/// The core schema's floats: `.inf`, `.nan` and the float pattern.
+fn core_float(v: &str) -> Option<f64> {
+    match v {
+        ".inf" | ".Inf" | ".INF" | "+.inf" | "+.Inf" | "+.INF" => Some(f64::INFINITY),
+        "-.inf" | "-.Inf" | "-.INF" => Some(f64::NEG_INFINITY),
+        ".nan" | ".NaN" | ".NAN" => Some(f64::NAN),
+        _ if is_core_float(v) => v.parse::<f64>().ok(),
+        _ => None,
+    }
+}
+
+/// A float an explicit `!!float` accepts: the float pattern minus plain
+/// integers (`!!float 3` matches none of the core schema's float forms, so
+/// upstream's parser leaves it a string).
+fn tagged_float(v: &str) -> Option<f64> {
+    if is_digits(v.strip_prefix(['-', '+']).unwrap_or(v)) {
+        return None;
+    }
+    core_float(v)
+}
+
+pub fn classify(s: &ScalarNode) -> Scalar<'_> {
+    let v = s.as_str();
+    let resolved = match s.tag() {
+        Some(ScalarTag::Str | ScalarTag::Other) => None,
+        Some(ScalarTag::Null) => core_null(v).then_some(Scalar::Null),
+        Some(ScalarTag::Bool) => core_bool(v).map(Scalar::Bool),
+        Some(ScalarTag::Int) => core_int(v).map(Scalar::Number),
+        Some(ScalarTag::Float) => tagged_float(v).map(Scalar::Number),
+        None if !s.is_plain() => None,
+        None if core_null(v) => Some(Scalar::Null),
+        None => core_bool(v)
+            .map(Scalar::Bool)
+            .or_else(|| core_int(v).or_else(|| core_float(v)).map(Scalar::Number)),
+    };
+    resolved.unwrap_or(Scalar::Str(v))
 }
 
 /// Longest value quoted back in a message.
@@ -841,6 +949,14 @@ mod tests {
         assert_eq!(c("512m"), "Str(\"512m\")");
         assert_eq!(c("yes"), "Str(\"yes\")");
         assert_eq!(c(".inf"), "Number(inf)");
+        // Signs inside the prefixed forms, and underscores, are not numbers
+        // in YAML 1.2 (nor for upstream's parser).
+        assert_eq!(c("0x+1F"), "Str(\"0x+1F\")");
+        assert_eq!(c("0o-7"), "Str(\"0o-7\")");
+        assert_eq!(c("1_000"), "Str(\"1_000\")");
+        assert_eq!(c("+12"), "Number(12.0)");
+        assert_eq!(c("007"), "Number(7.0)");
+        assert_eq!(c("2001-01-01"), "Str(\"2001-01-01\")");
     }
 
     #[test]
@@ -941,29 +1057,39 @@ mod tests {
     }
 
     #[test]
-    fn merge_keys_keep_order_and_precedence() {
-        let n = parse(
-            0,
-            "a: &a {x: 1, y: 1}\nb: &b {y: 2, z: 2}\nm:\n  w: 0\n  <<: [*a, *b]\n  x: 3\n",
-        )
-        .unwrap();
+    fn merge_keys_are_ordinary_keys() {
+        // YAML 1.2 (upstream's parser) has no merge keys: `<<` is a key like
+        // any other, its value the aliased mapping itself.
+        let n = parse(0, "a: &a {x: 1}\nm:\n  <<: *a\n  x: 3\n").unwrap();
         let m = at(&n, "m").as_mapping().unwrap();
-        let got: Vec<(&str, &str)> = m.iter().map(|(k, v)| (k.as_str(), text_of(v))).collect();
-        // Explicit keys win wherever they are; the earlier source wins; the
-        // order is that of first insertion, as in a JavaScript object.
-        assert_eq!(got, [("w", "0"), ("x", "3"), ("y", "1"), ("z", "2")]);
-        // The replaced entry is the explicit one, at its own position.
+        let keys: Vec<&str> = m.keys().map(|k| k.as_str()).collect();
+        assert_eq!(keys, ["<<", "x"]);
+        assert_eq!(m.get("<<"), Some(at(&n, "a")));
+        // So two of them are a duplicate key, as upstream reports.
         assert_eq!(
-            m.keys()
-                .nth(1)
-                .map(|k| (k.mark().line(), k.mark().column())),
-            Some((6, 3))
+            parse(0, "m: {<<: {y: 1}, <<: {x: 1}}\n"),
+            Err(ParseFailure::Syntax {
+                line: 1,
+                col: 17,
+                message: "duplicate key \"<<\" (first at line 1, column 5)".into()
+            })
         );
-        // Merge keys may repeat (js-yaml allows it); later ones add, never replace.
-        let n = parse(0, "a: &a {x: 1}\nm: {<<: {y: 1}, <<: *a, y: 2}\n").unwrap();
-        let m = at(&n, "m").as_mapping().unwrap();
-        let got: Vec<(&str, &str)> = m.iter().map(|(k, v)| (k.as_str(), text_of(v))).collect();
-        assert_eq!(got, [("y", "2"), ("x", "1")]);
+        // Whatever its value.
+        assert!(parse(0, "m: {<<: 3}\n").is_ok());
+    }
+
+    #[test]
+    fn a_yaml_1_1_directive_is_refused() {
+        match parse(0, "%YAML 1.1\n---\na: &a {x: 1}\nb: {<<: *a}\n") {
+            Err(ParseFailure::Syntax {
+                line: 1,
+                col: 1,
+                message,
+            }) => assert!(message.contains("YAML 1.1"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(0, "%YAML 1.2\n---\na: 1\n").is_ok());
+        assert_eq!(prescan("a: |\n  %YAML 1.1\n").yaml_1_1, None);
     }
 
     #[test]
@@ -982,29 +1108,83 @@ mod tests {
         assert_eq!(pos(at(&crlf, "b")), (2, 3));
     }
 
+    fn warnings(text: &str) -> Vec<String> {
+        let (_, w) = parse_with_warnings(0, text).unwrap();
+        w.iter()
+            .map(|w| format!("{}:{}: {}", w.at.line(), w.at.column(), w.message))
+            .collect()
+    }
+
     #[test]
-    fn core_tags_are_honoured_and_other_tags_refused_where_the_value_starts() {
-        let n = parse(
-            0,
-            "a: &x !!map {k: v}\nb: !!str 1\nc: !!int 2\nd: !!seq [1]\n",
-        )
-        .unwrap();
-        assert_eq!(pos(at(&n, "a")), (1, 13));
-        let plain = |node: &Node| match node {
-            Node::Scalar(s) => s.is_plain(),
+    fn tags_decide_the_type_whatever_the_quoting() {
+        let c = |t: &str| match scalar(t) {
+            Node::Scalar(s) => format!("{:?}", classify(&s)),
             other => panic!("{other:?}"),
         };
-        assert!(!plain(at(&n, "b")), "!!str makes a string");
-        assert_eq!(text_of(at(&n, "b")), "1");
-        assert!(plain(at(&n, "c")));
+        // What upstream's parser (the `yaml` package, core schema) makes of
+        // each; checked against it.
+        assert_eq!(c("!!int \"3\""), "Number(3.0)");
+        assert_eq!(c("!!int '+3'"), "Number(3.0)");
+        assert_eq!(c("!!int \"0x1F\""), "Number(31.0)");
+        assert_eq!(c("!!int \"0o17\""), "Number(15.0)");
+        assert_eq!(c("!!float \"0.5\""), "Number(0.5)");
+        assert_eq!(c("!!float \"1e3\""), "Number(1000.0)");
+        assert_eq!(c("!!float \"1.\""), "Number(1.0)");
+        assert_eq!(c("!!float \".inf\""), "Number(inf)");
+        assert_eq!(c("!!bool \"true\""), "Bool(true)");
+        assert_eq!(c("!!null \"\""), "Null");
+        assert_eq!(c("!!null '~'"), "Null");
+        assert_eq!(c("!!str 3"), "Str(\"3\")");
+        assert_eq!(c("!!str true"), "Str(\"true\")");
+        assert_eq!(c("! 3"), "Str(\"3\")");
+        assert_eq!(c("!<tag:yaml.org,2002:int> \"5\""), "Number(5.0)");
+        // A core tag whose pattern the value does not match leaves a string.
+        assert_eq!(c("!!float \"3\""), "Str(\"3\")");
+        assert_eq!(c("!!float 3"), "Str(\"3\")");
+        assert_eq!(c("!!int \"abc\""), "Str(\"abc\")");
+        assert_eq!(c("!!int 1_000"), "Str(\"1_000\")");
+        assert_eq!(c("!!int 0x+1F"), "Str(\"0x+1F\")");
+        assert_eq!(c("!!null \"x\""), "Str(\"x\")");
+        // Unknown tags: a string.
+        assert_eq!(c("!custom 3"), "Str(\"3\")");
+    }
+
+    #[test]
+    fn tags_that_do_not_apply_warn_where_the_value_starts() {
         assert_eq!(
-            parse(0, "a: &x !custom {k: v}\n"),
+            warnings("a: !!float \"3\"\nb: !!int x\nc: !custom 3\nd: !!map [1]\ne: !!str {k: v}\nf: !!seq 1\n"),
+            [
+                "1:12: `!!float` applies only to a YAML 1.2 float (it needs a decimal point or an exponent, or is .inf/.nan); \"3\" is read as a string",
+                "2:10: `!!int` applies only to an integer (digits, 0o octal or 0x hex); \"x\" is read as a string",
+                "3:12: the tag `!custom` is not a YAML core-schema tag: the value is read as a string, as upstream's parser reads it",
+                "4:10: the tag `!!map` does not apply to a list: it is ignored and the value read as a list, as upstream's parser reads it",
+                "5:10: the tag `!!str` does not apply to a mapping: it is ignored and the value read as a mapping, as upstream's parser reads it",
+                "6:10: the tag `!!seq` does not apply to a scalar: the value is read as a string, as upstream's parser reads it",
+            ]
+        );
+        assert_eq!(
+            warnings("a: &x !!map {k: v}\nb: !!int '3'\nc: ! 3\nd: !!seq [1]\n"),
+            Vec::<String>::new()
+        );
+        let n = parse(0, "a: &x !!map {k: v}\nd: !!seq [1]\ne: !custom {k: v}\n").unwrap();
+        assert_eq!(pos(at(&n, "a")), (1, 13));
+        assert!(at(&n, "e").as_mapping().is_some());
+        assert_eq!(
+            parse(0, "a: &x !!set {k: v}\n"),
             Err(ParseFailure::Syntax {
                 line: 1,
-                col: 15,
-                message: "YAML tags other than the core schema's (!!str, !!int, !!float, !!bool, !!null, !!seq, !!map) are not supported".into()
+                col: 13,
+                message: "the tag `!!set` makes a value no configuration field accepts (only !!str, !!int, !!float, !!bool, !!null, !!seq and !!map are useful here)".into()
             })
         );
+        assert!(matches!(
+            parse(0, "a: !!timestamp 2001-01-01\n"),
+            Err(ParseFailure::Syntax {
+                line: 1,
+                col: 16,
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -1026,15 +1206,6 @@ mod tests {
                 col: 3,
                 message: "duplicate key \"k42\" (first at line 44, column 3)".into()
             })
-        );
-        // Merging into a large mapping keeps explicit keys.
-        let merged = format!("b: &b {{k5: merged, z: merged}}\n{text}")
-            .replace("  k42: again\n", "  <<: *b\n");
-        let n = parse(0, &merged).unwrap();
-        let m = at(&n, "m").as_mapping().unwrap();
-        assert_eq!(
-            (text_of(m.get("k5").unwrap()), text_of(m.get("z").unwrap())),
-            ("5", "merged")
         );
     }
 

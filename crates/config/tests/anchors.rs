@@ -1,8 +1,9 @@
-//! YAML anchors, aliases and merge keys, read as upstream's js-yaml reads
-//! them: aliases stand for the anchored value, `<<` merges mappings in
-//! (explicit keys win, earlier sources win), anchors are per file, findings
-//! inside an aliased value point at its definition, and alias bombs are
-//! refused with a positioned error.
+//! YAML anchors and aliases, and the merge keys YAML 1.2 does not have, read
+//! as upstream's parser (the `yaml` package, YAML 1.2 core schema) reads
+//! them: aliases stand for the anchored value, `<<` is an ordinary key
+//! (unknown in strict objects), anchors are per file, findings inside an
+//! aliased value point at its definition, and alias bombs are refused with a
+//! positioned error.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -117,16 +118,16 @@ fn quoting_survives_an_alias() {
 }
 
 #[test]
-fn merge_keys_follow_js_yaml() {
-    let l = ok("version: 1
+fn merge_keys_are_ordinary_keys() {
+    // Upstream's parser reads YAML 1.2, which has no merge keys: `<<` is a
+    // key like any other. A scaler entry and a label set are strict objects,
+    // so it is an unknown key there, and the fields it meant to bring in are
+    // missing. (This config used to load, merged as js-yaml would.)
+    let text = "version: 1
 x-templates:
   container: &container
     type: container
     maxAgents: 2
-    roles: [builder]
-  big: &big
-    maxAgents: 9
-    resourceCap: { maxCpu: 8 }
   linux: &linux
     labels: [linux]
     image: kici/agent:1
@@ -135,87 +136,61 @@ scalers:
     name: plain
     labelSets:
       - <<: *linux
-  - <<: [*big, *container]
-    name: earlier-source-wins
-    labelSets:
-      - <<: *linux
-        labels: [linux, big]
-  - maxAgents: 5
-    <<: *container
-    name: explicit-before-wins
-    labelSets:
-      - { <<: *linux, labels: [a] }
-  - <<: *container
-    maxAgents: 7
-    name: explicit-after-wins
-    labelSets:
-      - { <<: *linux, image: other:2, labels: [b] }
-");
-    let s = &l.config.scalers;
-    let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
+";
+    let keys = "name, type, maxAgents, maxConcurrentSpawns, labelSets, host, socketPath, runtime, orchestratorUrl, extraHosts, networkIsolation, warmPool, mandatoryLabels, platform, roles, resourceCap, machinePool, enforceCgroups, firecrackerPath, jailerPath, kernelPath, chrootBaseDir, uid, gid, vcpuCount, memSizeMib, requireSudo, provisioningTargets, claimTtlSeconds, agentTokenTtlSeconds, x-kici-scaler";
+    let hint = "(YAML 1.2, which upstream reads, has no merge keys: `<<` is an ordinary key and merges nothing; write the fields out, or alias whole values)";
     assert_eq!(
-        names,
+        err_lines(text),
         [
-            "plain",
-            "earlier-source-wins",
-            "explicit-before-wins",
-            "explicit-after-wins"
+            format!("scalers.yaml:10:5: scalers[0][\"<<\"]: unrecognized key \"<<\" {hint}; accepted keys: {keys}"),
+            "scalers.yaml:10:5: scalers[0].type: missing required key `type`".to_owned(),
+            "scalers.yaml:10:5: scalers[0].maxAgents: missing required key `maxAgents`".to_owned(),
+            format!("scalers.yaml:13:9: scalers[0].labelSets[0][\"<<\"]: unrecognized key \"<<\" {hint}; accepted keys: labels, image, imagePullPolicy, binaryPath, resources, containerSocket, volumes, env, networkPolicy, backpressureMode, rootfsPath, kernelPath, vcpuCount, memSizeMib, overlayDriveSizeMib, x-kici-scaler"),
+            "scalers.yaml:13:9: scalers[0].labelSets[0].labels: missing required key `labels`".to_owned(),
         ]
     );
-    assert!(s.iter().all(|s| s.kind == ScalerType::Container));
-    let max: Vec<u32> = s.iter().map(|s| s.max_agents).collect();
-    assert_eq!(max, [2, 9, 5, 7]);
-    assert!(s[0].resource_cap.is_none());
-    assert!(s[1].resource_cap.is_some());
-    assert_eq!(s[1].label_sets[0].raw_labels, ["linux", "big"]);
-    assert_eq!(image(&l, 0), "kici/agent:1");
-    assert_eq!(image(&l, 3), "other:2");
-    // Only the unknown top-level key is warned about; merged keys are real keys.
-    assert_eq!(
-        warning_lines(&l),
-        ["scalers.yaml:2:1: x-templates: unknown key \"x-templates\" is ignored; known keys: version, globalMaxAgents, defaults, globalResourceCap, machinePools, scalers, firecracker"]
-    );
+    // In an object upstream does not check strictly (the top level), `<<` is
+    // an unknown key like any other: a warning, and nothing merged.
+    let l = ok(&format!(
+        "x: &v {{globalMaxAgents: 7}}\n<<: *v\n{}",
+        with_scalers(&container("c", "a"))
+    ));
+    assert_eq!(l.config.global_max_agents, 50);
+    assert!(warning_lines(&l).iter().any(|w| w.starts_with(&format!(
+        "scalers.yaml:2:1: [\"<<\"]: unknown key \"<<\" {hint} is ignored"
+    ))));
 }
 
 #[test]
-fn merge_key_errors_are_positioned() {
+fn merge_key_mistakes_are_ordinary_key_mistakes() {
     let base = "version: 1\nx: &b {type: container, maxAgents: 2}\n";
-    // Not a mapping.
+    // Written twice: a duplicate key, as upstream's parser reports it.
     assert_eq!(
-        err_lines(&format!("{base}scalers:\n  - <<: 3\n")),
-        ["scalers.yaml:4:9: a merge key `<<` takes a mapping or a list of mappings (such as `*base` or `[*a, *b]`), got 3"]
+        err_lines(&format!("{base}scalers:\n  - <<: *b\n    <<: *b\n")),
+        ["scalers.yaml:5:5: duplicate key \"<<\" (first at line 4, column 5)"]
     );
-    assert_eq!(
-        err_lines(&format!("{base}scalers:\n  - <<: [*b, x]\n")),
-        ["scalers.yaml:4:14: a merge key `<<` takes a mapping or a list of mappings (such as `*base` or `[*a, *b]`), got \"x\" in the list"]
-    );
-    // Overriding a merged key is fine; repeating an explicit one is not.
-    assert_eq!(
-        err_lines(&format!(
-            "{base}scalers:\n  - <<: *b\n    maxAgents: 3\n    maxAgents: 4\n"
-        )),
-        ["scalers.yaml:6:5: duplicate key \"maxAgents\" (first at line 5, column 5)"]
-    );
-    // A quoted "<<" is an ordinary key: unknown in a scaler.
-    assert_error(
-        &format!("{base}scalers:\n  - '<<': *b\n    name: a\n"),
-        &["scalers.yaml:4:5: scalers[0][\"<<\"]: unrecognized key \"<<\""],
-    );
+    // Whatever its value, and quoted or not, it is the same unknown key.
+    for entry in ["<<: 3", "'<<': *b", "\"<<\": [*b]"] {
+        assert_error(
+            &format!("{base}scalers:\n  - {entry}\n    name: a\n"),
+            &["scalers.yaml:4:5: scalers[0][\"<<\"]: unrecognized key \"<<\""],
+        );
+    }
 }
 
 #[test]
 fn errors_inside_an_aliased_value_point_at_its_definition() {
     let text = "version: 1
 x-bad: &bad
+  name: a
   type: container
   maxAgents: 0
   bogus: 1
+  labelSets:
+    - labels: [a]
+      image: kici/agent:1
 scalers:
-  - <<: *bad
-    name: a
-    labelSets:
-      - labels: [a]
-        image: kici/agent:1
+  - *bad
   - name: b
     type: container
     maxAgents: &zero 0
@@ -232,8 +207,8 @@ scalers:
     assert_eq!(
         err_lines(text),
         [
-            "scalers.yaml:4:14: scalers[0].maxAgents: expected an integer > 0, got 0",
-            "scalers.yaml:5:3: scalers[0].bogus: unrecognized key \"bogus\"; accepted keys: name, type, maxAgents, labelSets, host, socketPath, runtime, orchestratorUrl, extraHosts, networkIsolation, warmPool, mandatoryLabels, roles, resourceCap, machinePool, enforceCgroups, firecrackerPath, jailerPath, kernelPath, chrootBaseDir, uid, gid, vcpuCount, memSizeMib, requireSudo, x-kici-scaler",
+            "scalers.yaml:5:14: scalers[0].maxAgents: expected an integer > 0, got 0",
+            "scalers.yaml:6:3: scalers[0].bogus: unrecognized key \"bogus\"; accepted keys: name, type, maxAgents, maxConcurrentSpawns, labelSets, host, socketPath, runtime, orchestratorUrl, extraHosts, networkIsolation, warmPool, mandatoryLabels, platform, roles, resourceCap, machinePool, enforceCgroups, firecrackerPath, jailerPath, kernelPath, chrootBaseDir, uid, gid, vcpuCount, memSizeMib, requireSudo, provisioningTargets, claimTtlSeconds, agentTokenTtlSeconds, x-kici-scaler",
             // The anchored value's own position (after `&zero`), for both uses.
             "scalers.yaml:14:22: scalers[1].maxAgents: expected an integer > 0, got 0",
             "scalers.yaml:14:22: scalers[2].maxAgents: expected an integer > 0, got 0",
@@ -252,24 +227,31 @@ fn anchors_are_per_file() {
         err,
         "scalers.d/a.yaml:7:16: unknown alias *img: no anchor of that name is defined before it in this file (anchors do not carry over between files)"
     );
-    // Within a drop-in they work, merges included; the same name in two
-    // files names two different values.
-    let drop_in = "x: &t {type: bare-metal, maxAgents: 3}\nscalers:\n  - <<: *t\n    name: d\n    labelSets:\n      - labels: [d]\n        binaryPath: /opt/agent\n";
-    let main = "version: 1\nx: &t {type: container, maxAgents: 2}\nscalers:\n  - <<: *t\n    name: m\n    labelSets:\n      - labels: [m]\n        image: kici/agent:1\n";
+    // Within a drop-in they work; the same name in two files names two
+    // different values.
+    let drop_in = "x: &t [bare-metal, 3]\nscalers:\n  - name: d\n    type: bare-metal\n    maxAgents: &n 3\n    labelSets:\n      - labels: [d]\n        binaryPath: /opt/agent\n  - name: e\n    type: bare-metal\n    maxAgents: *n\n    labelSets:\n      - labels: [e]\n        binaryPath: /opt/agent\n";
+    let main = "version: 1\nx: &n 2\nscalers:\n  - name: m\n    type: container\n    maxAgents: *n\n    labelSets:\n      - labels: [m]\n        image: kici/agent:1\n";
     let l = load_documents(&[("scalers.yaml", main), ("scalers.d/a.yaml", drop_in)]).unwrap();
     let s = &l.config.scalers;
     assert_eq!(
-        (s[0].kind, s[0].max_agents, s[1].kind, s[1].max_agents),
-        (ScalerType::Container, 2, ScalerType::BareMetal, 3)
+        (
+            s[0].kind,
+            s[0].max_agents,
+            s[1].kind,
+            s[1].max_agents,
+            s[2].max_agents
+        ),
+        (ScalerType::Container, 2, ScalerType::BareMetal, 3, 3)
     );
-    // A finding in the drop-in's merged value names the drop-in.
-    let drop_in = drop_in.replace("maxAgents: 3", "maxAgents: x");
+    // A finding in the drop-in's aliased value names the drop-in, at the
+    // definition, for each use.
+    let drop_in = drop_in.replace("&n 3", "&n x");
     let err = load_documents(&[("scalers.yaml", main), ("scalers.d/a.yaml", &drop_in)])
         .unwrap_err()
         .to_string();
     assert_eq!(
         err,
-        "scalers.d/a.yaml:1:37: scalers[1].maxAgents: expected an integer > 0, got \"x\""
+        "scalers.d/a.yaml:5:19: scalers[1].maxAgents: expected an integer > 0, got \"x\"\nscalers.d/a.yaml:5:19: scalers[2].maxAgents: expected an integer > 0, got \"x\""
     );
 }
 
@@ -301,6 +283,7 @@ fn the_anchors_fixture_reads_as_written_out() {
         (s[0].max_agents, s[1].max_agents, s[1].kind),
         (4, 2, ScalerType::Container)
     );
+    assert_eq!(image(&l, 1), "ghcr.io/kici-dev/agent:1.2.3");
     let large = &s[1].label_sets[0];
     assert_eq!(large.raw_labels, ["linux", "x64", "large"]);
     assert_eq!(large.env, s[0].label_sets[0].env);

@@ -40,7 +40,8 @@ fn minimal_container_config_parses_with_defaults() {
             volumes,
         } => {
             assert_eq!(image, "kici/agent:1");
-            assert_eq!(*image_pull_policy, ImagePullPolicy::Always);
+            // Upstream's default since 0.9 (it was Always before).
+            assert_eq!(*image_pull_policy, ImagePullPolicy::IfNotPresent);
             assert!(!container_socket);
             assert!(volumes.is_empty());
         }
@@ -149,13 +150,25 @@ fn container_label_set_requires_image() {
 #[test]
 fn bare_metal_label_set_requires_binary_path() {
     let text = with_scalers(
-        "  - name: b\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [a]\n        image: ignored\n",
+        "  - name: b\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [a]\n",
     );
     assert_error(
         &text,
         &[
             "scalers[0].labelSets[0].binaryPath",
             "requires a 'binaryPath' field",
+        ],
+    );
+    // An `image` in its place is upstream's container mode for bare metal,
+    // which kici-scaler refuses with its own error (it used to be ignored).
+    let text = with_scalers(
+        "  - name: b\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [a]\n        image: ignored\n",
+    );
+    assert_error(
+        &text,
+        &[
+            "scalers[0].labelSets[0].image",
+            "a bare-metal label set with an `image` and no `binaryPath`",
         ],
     );
 }

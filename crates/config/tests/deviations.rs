@@ -708,11 +708,15 @@ fn empty_and_malformed_files() {
         err_lines("a: &x 1\nb: *x\nversion: *x\n"),
         ["scalers.yaml:1:1: scalers: missing required key `scalers` (a list of scaler entries)"]
     );
+    // A tag the core schema does not define leaves a string, with a warning,
+    // as upstream's parser does (it used to be refused).
+    let l = ok(&with_scalers(&container("c", "a")).replace("image: kici", "image: !foo kici"));
     assert_eq!(
-        err_lines("a: !foo 1\n"),
-        ["scalers.yaml:1:9: YAML tags other than the core schema's (!!str, !!int, !!float, !!bool, !!null, !!seq, !!map) are not supported"]
+        warning_lines(&l),
+        ["scalers.yaml:8:21: the tag `!foo` is not a YAML core-schema tag: the value is read as a string, as upstream's parser reads it"]
     );
-    // Core-schema tags are honoured as js-yaml does: `!!str` makes a string.
+    // Core-schema tags are honoured as upstream's parser does: `!!str` makes
+    // a string.
     assert_error(
         &with_scalers(&container("c", "a")).replace("maxAgents: 2", "maxAgents: !!str 2"),
         &["maxAgents: expected an integer"],
@@ -819,7 +823,10 @@ fn type_errors_say_what_was_expected() {
 }
 
 #[test]
-fn null_optional_fields_count_as_absent() {
+fn explicit_nulls_are_errors_as_upstream() {
+    // Upstream's schema refuses an explicit null (`~`, `null`, or a key with
+    // no value) for every field it types; leaving the key out is the only
+    // way to get a default. These used to read as absent.
     let text = with_scalers(&format!(
         "{}        env:\n        resources: ~\n",
         container("c", "a").replace(
@@ -827,12 +834,16 @@ fn null_optional_fields_count_as_absent() {
             "    warmPool:\n    roles: null\n    labelSets:"
         )
     ));
-    let l = ok(&text);
-    let s = &l.config.scalers[0];
-    assert!(s.warm_pool.is_none());
-    assert_eq!(s.roles, kici_model::Roles::All);
-    assert!(s.label_sets[0].env.is_empty());
-    assert!(s.label_sets[0].resources.is_none());
+    let hint = "(an explicit null is not \"unset\": remove the key to use the default)";
+    assert_eq!(
+        err_lines(&text),
+        [
+            format!("scalers.yaml:6:5: scalers[0].warmPool: expected a mapping, got null {hint}"),
+            format!("scalers.yaml:7:12: scalers[0].roles: expected a list, got null {hint}"),
+            format!("scalers.yaml:11:9: scalers[0].labelSets[0].env: expected a mapping, got null {hint}"),
+            format!("scalers.yaml:12:20: scalers[0].labelSets[0].resources: expected a mapping, got null {hint}"),
+        ]
+    );
 }
 
 #[test]

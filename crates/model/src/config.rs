@@ -75,6 +75,15 @@ pub struct ScalerEntry {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warm_pool: Option<WarmPoolConfig>,
     pub mandatory_labels: LabelSet,
+    /// `platform`: the OS and architecture of this pool's agents, when
+    /// declared. A non-default one (not linux / not x64) taints the pool:
+    /// routing then sends it only jobs that ask for those labels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub platform: Option<ScalerPlatform>,
+    /// `maxConcurrentSpawns`: at most this many spawns of this scaler in
+    /// flight at once (image pull, create, start); the rest wait their turn.
+    /// Orthogonal to `max_agents`.
+    pub max_concurrent_spawns: u32,
     pub roles: Roles,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resource_cap: Option<ResourceCap>,
@@ -91,6 +100,10 @@ pub struct ScalerEntry {
 }
 
 impl ScalerEntry {
+    /// `maxConcurrentSpawns` when the entry does not set it (upstream's
+    /// default).
+    pub const DEFAULT_MAX_CONCURRENT_SPAWNS: u32 = 8;
+
     /// The warm pool target when one is enabled with a positive size.
     pub fn warm_target(&self) -> u32 {
         self.warm_pool
@@ -169,6 +182,90 @@ impl WarmPoolConfig {
         self.idle_timeout.as_millis()
     }
 }
+
+/// `platform: {os, arch}` of a scaler entry: what its agents run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct ScalerPlatform {
+    pub os: PlatformOs,
+    pub arch: PlatformArch,
+}
+
+impl ScalerPlatform {
+    /// The platform every pool is assumed to have unless told otherwise; it
+    /// taints nothing.
+    pub const DEFAULT: ScalerPlatform = ScalerPlatform {
+        os: PlatformOs::Linux,
+        arch: PlatformArch::X64,
+    };
+
+    /// The plain taint tokens of this platform, os first: `macos` or
+    /// `windows` for a non-Linux OS, `arm64` for a non-x64 architecture.
+    /// A tainted pool takes only jobs whose labels name every token, so that
+    /// a generic job never lands on an exotic machine by accident.
+    pub fn taints(self) -> Vec<Label> {
+        let mut out = Vec::with_capacity(2);
+        if self.os != PlatformOs::Linux {
+            out.push(Label::from_valid_literal(self.os.as_str()));
+        }
+        if self.arch != PlatformArch::X64 {
+            out.push(Label::from_valid_literal(self.arch.as_str()));
+        }
+        out
+    }
+}
+
+impl fmt::Display for ScalerPlatform {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.os.as_str(), self.arch.as_str())
+    }
+}
+
+/// `platform.os`, in upstream's (Node.js-derived) names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlatformOs {
+    Linux,
+    Macos,
+    Windows,
+}
+
+impl PlatformOs {
+    pub const ALL: [PlatformOs; 3] = [Self::Linux, Self::Macos, Self::Windows];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Linux => "linux",
+            Self::Macos => "macos",
+            Self::Windows => "windows",
+        }
+    }
+}
+
+/// `platform.arch`, in upstream's (Node.js) names: `x64` is x86_64, `arm64`
+/// is aarch64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlatformArch {
+    X64,
+    Arm64,
+}
+
+impl PlatformArch {
+    pub const ALL: [PlatformArch; 2] = [Self::X64, Self::Arm64];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::X64 => "x64",
+            Self::Arm64 => "arm64",
+        }
+    }
+}
+
+/// Plain labels that taint the label set naming them even without a
+/// `platform` field (upstream's legacy rule, kept for configurations written
+/// before `platform` existed): a label set with `macos` only takes jobs that
+/// ask for `macos`.
+pub const LEGACY_PLATFORM_TAINT_LABELS: [&str; 3] = ["macos", "windows", "arm64"];
 
 /// Which internal job kinds a scaler's agents may run. Execution jobs carry
 /// no role label, so every scaler runs them.
@@ -306,6 +403,97 @@ impl BackpressureMode {
 pub struct NetworkPolicy {
     pub allowlist: Vec<IpNet>,
     pub deny_all: bool,
+    /// `hostAccess`: the services on the host itself an agent may reach.
+    /// `None` when not written: the class default applies (DNS on the
+    /// network's gateway, the agent gateway's port). `Some` replaces that
+    /// default outright; `Some(vec![])` denies every host service.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_access: Option<Vec<HostAccess>>,
+}
+
+/// One `networkPolicy.hostAccess` entry, written
+/// `<address|cidr|*>[:<port|*>]`: `10.0.0.1:53`, `*:7879`, `172.29.0.0/16`.
+/// Agent networks are IPv4, so the addresses are too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HostAccess {
+    /// The host addresses it opens (host bits cleared); `None` for `*`,
+    /// every address of the host.
+    pub addr: Option<Ipv4Net>,
+    /// The TCP/UDP port; `None` for `*` or no port, every port.
+    pub port: Option<u16>,
+}
+
+/// Why a `hostAccess` entry was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{entry:?} is not a host access entry: {why}; expected <address|cidr|*>[:<port|*>], such as \"10.0.0.1:53\", \"*:7879\" or \"172.29.0.0/16\"")]
+pub struct HostAccessError {
+    pub entry: String,
+    pub why: &'static str,
+}
+
+impl std::str::FromStr for HostAccess {
+    type Err = HostAccessError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = |why| HostAccessError {
+            entry: s.to_owned(),
+            why,
+        };
+        if s.contains('[') || s.matches(':').count() > 1 {
+            return Err(bad("IPv6 is not supported (agent networks are IPv4)"));
+        }
+        let (addr, port) = match s.split_once(':') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr = match addr {
+            "" => return Err(bad("the address is missing")),
+            "*" => None,
+            a if a.contains('/') => Some(
+                a.parse::<Ipv4Net>()
+                    .map_err(|_| bad("the address is not an IPv4 CIDR"))?
+                    .trunc(),
+            ),
+            a => Some(Ipv4Net::from(
+                a.parse::<Ipv4Addr>()
+                    .map_err(|_| bad("the address is not an IPv4 address"))?,
+            )),
+        };
+        let port = match port {
+            None | Some("*") => None,
+            Some("") => return Err(bad("the port after ':' is missing")),
+            Some(p) => {
+                if !p.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad("the port is not a number"));
+                }
+                match p.parse::<u16>() {
+                    Ok(n) if n > 0 => Some(n),
+                    _ => return Err(bad("the port must be between 1 and 65535")),
+                }
+            }
+        };
+        Ok(Self { addr, port })
+    }
+}
+
+impl fmt::Display for HostAccess {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.addr {
+            None => f.write_str("*")?,
+            Some(net) if net.prefix_len() == 32 => write!(f, "{}", net.addr())?,
+            Some(net) => write!(f, "{net}")?,
+        }
+        match self.port {
+            Some(p) => write!(f, ":{p}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Serialize for HostAccess {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
 }
 
 /// A POSIX environment variable name (`[A-Za-z_][A-Za-z0-9_]*`).
@@ -350,6 +538,10 @@ pub struct FirecrackerNetwork {
     pub gateway: Ipv4Addr,
     pub netmask: Ipv4Addr,
     pub table: String,
+    /// `autoProvisionHost`: `serve` provisions (or heals) this bridge at
+    /// start-up, as `firecracker provision` does, instead of refusing to
+    /// start without it.
+    pub auto_provision_host: bool,
 }
 
 impl Default for FirecrackerNetwork {
@@ -361,6 +553,7 @@ impl Default for FirecrackerNetwork {
             gateway: Ipv4Addr::new(10, 0, 0, 1),
             netmask: Ipv4Addr::new(255, 255, 255, 0),
             table: "kici".into(),
+            auto_provision_host: true,
         }
     }
 }
@@ -572,4 +765,57 @@ pub struct LabelSetExtension {
 
 fn ser_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn platform_taints_are_the_non_default_parts() {
+        let p = |os, arch| ScalerPlatform { os, arch }.taints();
+        let s = |v: Vec<Label>| v.iter().map(|l| l.to_string()).collect::<Vec<_>>();
+        assert!(p(PlatformOs::Linux, PlatformArch::X64).is_empty());
+        assert_eq!(
+            s(p(PlatformOs::Macos, PlatformArch::Arm64)),
+            ["macos", "arm64"]
+        );
+        assert_eq!(s(p(PlatformOs::Windows, PlatformArch::X64)), ["windows"]);
+        assert_eq!(s(p(PlatformOs::Linux, PlatformArch::Arm64)), ["arm64"]);
+        assert_eq!(ScalerPlatform::DEFAULT.to_string(), "linux/x64");
+    }
+
+    #[test]
+    fn host_access_entries() {
+        let ok = |s: &str| s.parse::<HostAccess>().unwrap().to_string();
+        assert_eq!(ok("*"), "*");
+        assert_eq!(ok("*:53"), "*:53");
+        assert_eq!(ok("*:*"), "*");
+        assert_eq!(ok("10.0.0.1:53"), "10.0.0.1:53");
+        assert_eq!(ok("10.0.0.1"), "10.0.0.1");
+        assert_eq!(ok("172.29.1.2/16:7879"), "172.29.0.0/16:7879");
+        let why = |s: &str| s.parse::<HostAccess>().unwrap_err().why;
+        assert_eq!(why(""), "the address is missing");
+        assert_eq!(why(":53"), "the address is missing");
+        assert_eq!(why("host.local:53"), "the address is not an IPv4 address");
+        assert_eq!(why("10.0.0.0/33"), "the address is not an IPv4 CIDR");
+        assert_eq!(why("10.0.0.1:"), "the port after ':' is missing");
+        assert_eq!(why("10.0.0.1:0"), "the port must be between 1 and 65535");
+        assert_eq!(
+            why("10.0.0.1:70000"),
+            "the port must be between 1 and 65535"
+        );
+        assert_eq!(why("10.0.0.1:+53"), "the port is not a number");
+        assert_eq!(
+            why("[::1]:53"),
+            "IPv6 is not supported (agent networks are IPv4)"
+        );
+        assert_eq!(
+            why("::1"),
+            "IPv6 is not supported (agent networks are IPv4)"
+        );
+        let e = "x".parse::<HostAccess>().unwrap_err().to_string();
+        assert!(e.starts_with("\"x\" is not a host access entry: the address is not an IPv4 address; expected <address|cidr|*>[:<port|*>]"), "{e}");
+    }
 }

@@ -29,6 +29,13 @@ pub enum LabelError {
     Reserved(String),
 }
 
+/// `raw` without the whitespace JavaScript's `String.prototype.trim` removes
+/// (Unicode white space, plus the byte-order mark, which is not white space
+/// to Rust), so a label trims here exactly as it does in KiCI.
+fn trim_label(raw: &str) -> &str {
+    raw.trim_matches(|c: char| c.is_whitespace() || c == '\u{feff}')
+}
+
 /// One label in normalised (lower-case) form.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Label(Arc<str>);
@@ -63,12 +70,37 @@ impl Label {
         Ok(label)
     }
 
+    /// The canonical form KiCI 0.9 gives every label it stores or compares:
+    /// surrounding whitespace trimmed, then lower-cased, so `" Linux"` is
+    /// `linux`. Whitespace inside a label is still refused, as by
+    /// [`Label::parse`].
+    pub fn canonical(raw: &str) -> Result<Self, LabelError> {
+        Self::parse(trim_label(raw))
+    }
+
+    /// [`Label::canonical`] for a label an operator configures. The reserved
+    /// prefix is checked on the trimmed label, so `" kici:os:linux"` cannot
+    /// slip past the check and become `kici:os:linux` afterwards.
+    pub fn canonical_user(raw: &str) -> Result<Self, LabelError> {
+        let label = Self::canonical(raw)?;
+        if label.is_reserved() {
+            return Err(LabelError::Reserved(raw.to_owned()));
+        }
+        Ok(label)
+    }
+
     /// Builds an auto-injected label without validation of the prefix.
     /// Callers only pass `kici:<kind>:<value>` built from validated parts.
     pub fn auto(kind: &str, value: &str) -> Self {
         Self(Arc::from(
             format!("{RESERVED_PREFIX}{kind}:{value}").to_lowercase(),
         ))
+    }
+
+    /// A plain label from a literal known to be valid and lower-case (the
+    /// platform taint tokens); not checked.
+    pub(crate) fn from_valid_literal(s: &'static str) -> Self {
+        Self(Arc::from(s))
     }
 
     pub fn as_str(&self) -> &str {
@@ -110,6 +142,17 @@ impl LabelSet {
         let labels = raw
             .into_iter()
             .map(|s| Label::parse(s.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::from_labels(labels))
+    }
+
+    /// Parses raw labels in their canonical form ([`Label::canonical`]:
+    /// trimmed, lower-cased), de-duplicated and sorted. Job side: `kici:`
+    /// labels allowed. An empty list is the empty set.
+    pub fn canonical<S: AsRef<str>>(raw: impl IntoIterator<Item = S>) -> Result<Self, LabelError> {
+        let labels = raw
+            .into_iter()
+            .map(|s| Label::canonical(s.as_ref()))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self::from_labels(labels))
     }
@@ -237,6 +280,37 @@ mod tests {
             Label::parse(&"x".repeat(300)),
             Err(LabelError::TooLong(_))
         ));
+    }
+
+    #[test]
+    fn canonical_trims_then_lower_cases_then_checks() {
+        assert_eq!(Label::canonical(" Linux").unwrap().as_str(), "linux");
+        assert_eq!(
+            Label::canonical("\tGPU\u{a0}\u{feff}").unwrap().as_str(),
+            "gpu"
+        );
+        assert_eq!(Label::canonical("   "), Err(LabelError::Empty));
+        assert!(matches!(
+            Label::canonical(" a b "),
+            Err(LabelError::BadCharacter(_))
+        ));
+        // The reserved prefix is checked after trimming.
+        assert_eq!(
+            Label::canonical_user(" kici:os:linux"),
+            Err(LabelError::Reserved(" kici:os:linux".into()))
+        );
+        assert!(Label::canonical(" kici:os:linux").is_ok());
+        assert_eq!(
+            LabelSet::canonical([" Linux", "linux ", "Docker"])
+                .unwrap()
+                .key(),
+            "docker,linux"
+        );
+        assert!(LabelSet::canonical(Vec::<String>::new())
+            .unwrap()
+            .is_empty());
+        // `parse` itself is unchanged: it does not trim.
+        assert!(Label::parse(" linux").is_err());
     }
 
     proptest! {

@@ -20,9 +20,10 @@ pub mod secret;
 pub use config::{
     BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config, ContainerRuntime,
     ContainerSettings, Deadlines, EnvName, FirecrackerLabelSet, FirecrackerNetwork,
-    FirecrackerSettings, ImagePullPolicy, LabelSetBackend, LabelSetConfig, LabelSetExtension,
-    MachinePool, NetworkPolicy, Role, Roles, ScalerEntry, ScalerExtension, UlimitName, UlimitValue,
-    WarmPoolConfig,
+    FirecrackerSettings, HostAccess, HostAccessError, ImagePullPolicy, LabelSetBackend,
+    LabelSetConfig, LabelSetExtension, MachinePool, NetworkPolicy, PlatformArch, PlatformOs, Role,
+    Roles, ScalerEntry, ScalerExtension, ScalerPlatform, UlimitName, UlimitValue, WarmPoolConfig,
+    LEGACY_PLATFORM_TAINT_LABELS,
 };
 pub use ids::{AgentId, IdError, InstanceId, JobId, ScalerName, ScalerType};
 pub use labels::{Label, LabelError, LabelSet};

@@ -328,6 +328,7 @@ mod tests {
         let cfg = NetworkPolicy {
             allowlist: vec!["10.1.2.3/16".parse().unwrap()],
             deny_all: true,
+            host_access: None,
         };
         let p = EgressPolicy::from_config(Some(&cfg));
         assert_eq!(p.allowlist(), &["10.1.0.0/16".parse::<IpNet>().unwrap()]);

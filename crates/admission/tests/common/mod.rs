@@ -68,6 +68,8 @@ impl ConfigBuilder {
             orchestrator_url: None,
             warm_pool: None,
             mandatory_labels: LabelSet::default(),
+            platform: None,
+            max_concurrent_spawns: ScalerEntry::DEFAULT_MAX_CONCURRENT_SPAWNS,
             roles: Roles::All,
             resource_cap: cap(cpu_millis, memory_bytes),
             machine_pool: pool.map(str::to_owned),

@@ -235,6 +235,7 @@ impl Harness {
             gateway: Ipv4Addr::new(10, second, third, 1),
             netmask: Ipv4Addr::new(255, 255, 255, 0),
             table: "kici".into(),
+            auto_provision_host: true,
         };
         HostNetwork { network: &network }.provision().await.unwrap();
 

@@ -52,6 +52,8 @@ pub fn scaler(name: &str, kind: ScalerType) -> ScalerBuilder {
             orchestrator_url: None,
             warm_pool: None,
             mandatory_labels: LabelSet::default(),
+            platform: None,
+            max_concurrent_spawns: ScalerEntry::DEFAULT_MAX_CONCURRENT_SPAWNS,
             roles: Roles::All,
             resource_cap: None,
             machine_pool: None,
