@@ -406,7 +406,7 @@ async fn serve_connection<IO>(
         .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
     let connection = http
-        .serve_connection(TokioIo::new(io), service)
+        .serve_connection(TokioIo::new(ErrorShapedIo::new(io)), service)
         .with_upgrades();
     tokio::pin!(connection);
     let result = tokio::select! {
@@ -425,5 +425,188 @@ async fn serve_connection<IO>(
     // act on, and at debug level only, or a stalling client floods the log.
     if let Err(e) = result {
         tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+/// hyper answers a request it cannot parse (a malformed request line or
+/// header, a duplicate or negative `Content-Length`, HTTP/0.9: 400; a URI
+/// too long: 414; a head too large: 431) itself, before any handler runs,
+/// with an empty body. Clients of this API read every error as
+/// `{"error":{"code","message"}}`, so this wrapper gives those automatic
+/// answers that body on their way out.
+///
+/// It recognises them exactly: a write that is one whole response head
+/// with one of those statuses and `content-length: 0`, and nothing after
+/// it — the daemon's own error answers always carry a body. Writes are not
+/// vectored, so hyper hands a head over in one buffer.
+struct ErrorShapedIo<IO> {
+    io: IO,
+    /// A rewritten answer not yet fully written, and how much of it was.
+    pending: Option<(Vec<u8>, usize)>,
+}
+
+impl<IO> ErrorShapedIo<IO> {
+    fn new(io: IO) -> Self {
+        Self { io, pending: None }
+    }
+}
+
+/// The error-shaped answer for one of hyper's automatic ones, if `head` is
+/// one.
+fn error_shaped(head: &[u8]) -> Option<Vec<u8>> {
+    const EMPTY: &[u8] = b"content-length: 0\r\n";
+    let (code, message) = [
+        (
+            &b"HTTP/1.1 400 "[..],
+            "bad-request",
+            "the request is not valid HTTP/1.1: a malformed request line or header, a duplicate \
+             or invalid Content-Length, or an HTTP version other than 1.0 and 1.1",
+        ),
+        (
+            &b"HTTP/1.1 414 "[..],
+            "uri-too-long",
+            "the request URI is longer than this server accepts (64 KiB)",
+        ),
+        (
+            &b"HTTP/1.1 431 "[..],
+            "headers-too-large",
+            "the request head is larger than this server accepts",
+        ),
+    ]
+    .into_iter()
+    .find(|(status, _, _)| head.starts_with(status))
+    .map(|(_, code, message)| (code, message))?;
+    let end = head.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    if end != head.len() {
+        return None;
+    }
+    let at = head
+        .windows(EMPTY.len())
+        .position(|w| w.eq_ignore_ascii_case(EMPTY))?;
+    let body = format!(r#"{{"error":{{"code":"{code}","message":"{message}"}}}}"#);
+    let mut out = Vec::with_capacity(head.len() + body.len() + 64);
+    out.extend_from_slice(&head[..at]);
+    out.extend_from_slice(
+        format!(
+            "content-type: application/json\r\ncontent-length: {}\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    out.extend_from_slice(&head[at + EMPTY.len()..]);
+    out.extend_from_slice(body.as_bytes());
+    Some(out)
+}
+
+impl<IO: AsyncWrite + Unpin> ErrorShapedIo<IO> {
+    /// Writes what is pending; `Ready(Ok)` once nothing is.
+    fn poll_pending(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<io::Result<()>> {
+        use std::task::Poll;
+        while let Some((bytes, written)) = &mut self.pending {
+            match std::pin::Pin::new(&mut self.io).poll_write(cx, &bytes[*written..]) {
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                }
+                Poll::Ready(Ok(n)) => {
+                    *written += n;
+                    if *written == bytes.len() {
+                        self.pending = None;
+                    }
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for ErrorShapedIo<IO> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for ErrorShapedIo<IO> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        std::task::ready!(this.poll_pending(cx))?;
+        if let Some(shaped) = error_shaped(buf) {
+            // Taken whole; written out by this and the next polls.
+            this.pending = Some((shaped, 0));
+            return match this.poll_pending(cx) {
+                std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
+                _ => std::task::Poll::Ready(Ok(buf.len())),
+            };
+        }
+        std::pin::Pin::new(&mut this.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.poll_pending(cx))?;
+        std::pin::Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.poll_pending(cx))?;
+        std::pin::Pin::new(&mut this.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn hypers_automatic_answers_get_the_error_shape() {
+        let head =
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\ndate: x\r\n\r\n";
+        let shaped = String::from_utf8(error_shaped(head).unwrap()).unwrap();
+        let (head, body) = shaped.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 431 "), "{head}");
+        assert!(head.contains("content-type: application/json"), "{head}");
+        assert!(
+            head.contains(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        assert!(head.contains("date: x"), "{head}");
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["code"], "headers-too-large");
+    }
+
+    #[test]
+    fn other_writes_pass_unchanged() {
+        // A handler's own 400 has a body.
+        assert!(error_shaped(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 12\r\n\r\n").is_none());
+        // A head followed by its body in the same buffer is not hyper's.
+        assert!(error_shaped(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\nx").is_none());
+        assert!(error_shaped(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").is_none());
+    }
+
+    #[test]
+    fn descriptor_caps_keep_a_floor() {
+        let l = ConnectionLimits::api().within_descriptors(256, 4);
+        assert_eq!(l.max_connections, 64);
+        let l = ConnectionLimits::api().within_descriptors(20, 4);
+        assert_eq!(l.max_connections, MIN_CONNECTIONS);
+        let l = ConnectionLimits::api().within_descriptors(u64::MAX, 4);
+        assert_eq!(l.max_connections, ConnectionLimits::DEFAULT_API_CONNECTIONS);
     }
 }

@@ -880,3 +880,67 @@ fn stalled_connections_cannot_take_the_daemon_down() {
     assert_eq!(reached["max_connections"], 64, "{reached}");
     d.terminate();
 }
+
+/// What the daemon answers to raw `request` bytes (status, body).
+fn raw_answer(addr: &str, request: Vec<u8>) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut writer = s.try_clone().unwrap();
+    // The daemon may answer (and close) before it read everything.
+    let sender = std::thread::spawn(move || {
+        let _ = writer.write_all(&request);
+    });
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let _ = sender.join();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.split(' ').nth(1).unwrap_or("0").parse().unwrap_or(0);
+    (status, body.to_owned())
+}
+
+/// Requests the HTTP parser refuses before any handler runs still get the
+/// API's error shape.
+#[test]
+fn requests_http_itself_refuses_get_the_error_shape() {
+    let dir = Dir::with_config(CONFIG);
+    let d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
+    let long_uri = format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(70_000));
+    let huge_head = format!(
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(600_000)
+    );
+    let cases: [(&str, Vec<u8>, u16, &str); 5] = [
+        ("a URI too long", long_uri.into_bytes(), 414, "uri-too-long"),
+        ("a head too large", huge_head.into_bytes(), 431, "headers-too-large"),
+        (
+            "two Content-Lengths",
+            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}"
+                .to_vec(),
+            400,
+            "bad-request",
+        ),
+        (
+            "a negative Content-Length",
+            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n".to_vec(),
+            400,
+            "bad-request",
+        ),
+        ("HTTP/0.9", b"GET /healthz\r\n\r\n".to_vec(), 400, "bad-request"),
+    ];
+    for (what, request, status, code) in cases {
+        let (got, body) = raw_answer(&d.addr, request);
+        assert_eq!(got, status, "{what}: {body}");
+        let v: Value =
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("{what}: {e}: {body:?}"));
+        assert_eq!(v["error"]["code"], code, "{what}: {body}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}"
+        );
+    }
+    // The daemon serves on.
+    assert_eq!(http(&d.addr, "GET", "/healthz", &[], None).0, 200);
+}
