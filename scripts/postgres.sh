@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A throwaway PostgreSQL 15 for tests and benches (issue 4).
+# A throwaway PostgreSQL 15 for tests and benches.
 #
 #   scripts/postgres.sh start    init (first time) and start; already running → ok
 #   scripts/postgres.sh stop     fast shutdown; not running → ok

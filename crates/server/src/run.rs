@@ -44,7 +44,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-/// `run` failed before or beside the job (DESIGN: 125, as `docker run`).
+/// `run` failed before or beside the job: 125, as `docker run` does.
 pub const EXIT_FAILED: u8 = 125;
 /// How long `run` waits for its agents to be destroyed before it exits.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7878";
 pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:7879";
-/// Reconcile interval and age threshold (DESIGN, *Deadlines*: 120 s).
+/// Reconcile interval and age threshold: 120 s (see docs/operations.md).
 const DEFAULT_RECONCILE_SECONDS: u64 = 120;
 /// The Firecracker backend's own orphan sweep: upstream's 15 minutes.
 const DEFAULT_FIRECRACKER_SWEEP_SECONDS: u64 = kici_firecracker::DEFAULT_SWEEP_INTERVAL.as_secs();
@@ -556,7 +556,7 @@ pub struct DaemonSettings {
     pub reset_identity: bool,
     /// Between reconcile passes.
     pub reconcile_every: Duration,
-    /// Reconcile age threshold (DESIGN, *Deadlines*).
+    /// Reconcile age threshold: unowned resources younger than this are spared.
     pub reconcile_age: Duration,
     /// Container ulimits, bare-metal pids and log caps.
     pub backends: BackendTuning,
