@@ -25,6 +25,9 @@ DEBIAN_PACKAGES=(
     busybox-static     # test images FROM scratch
     e2fsprogs          # mkfs.ext4 for Firecracker overlay drives
     iproute2           # ip: assertions on links, TAPs and bridges
+    qemu-system-x86    # scripts/vm-test.sh: the pure cgroup v2 guest with systemd (TCG)
+    qemu-utils         # scripts/vm-test.sh: qemu-img overlays of the cached guest image
+    mmdebstrap         # scripts/vm-test.sh: the guest's Debian 12 root filesystem
 )
 
 want_base=1

@@ -92,6 +92,9 @@ pub enum Command {
     /// tests; `KICI_SCALER_CRASH_AT` arms them in `failpoints` builds).
     #[command(hide = true)]
     Failpoints,
+    /// Shell completions and man pages from this definition (packaging).
+    #[command(hide = true)]
+    Generate(crate::generate::GenerateArgs),
 }
 
 /// How to reach a running daemon. The bearer token, if the daemon needs
@@ -267,6 +270,11 @@ where
         // stderr carries the job's own stderr: only kici-scaler's errors
         // join it unless KICI_SCALER_LOG asks for more.
         init_logging_with(RUN_LOG_FILTER);
+        // Not root on a systemd host: into a delegated user scope first.
+        if crate::user_scope::wanted(args) {
+            let why = crate::user_scope::reexec(&std::env::args_os().collect::<Vec<_>>());
+            tracing::warn!(reason = %why, "staying outside a delegated user scope");
+        }
         return ExitCode::from(crate::run::run(args));
     }
     init_logging();
@@ -344,6 +352,7 @@ pub fn execute(
         Command::Doctor(args) => crate::doctor::doctor(args, out),
         Command::Sweep(args) => crate::sweep::sweep(args, out),
         Command::Firecracker(args) => crate::firecracker_cli::firecracker(args, out, err),
+        Command::Generate(args) => crate::generate::generate(args, out),
         Command::Failpoints => {
             for name in crate::crashpoints::all() {
                 writeln!(out, "{name}")?;

@@ -134,6 +134,7 @@ async fn run(
         | Command::Doctor(_)
         | Command::Sweep(_)
         | Command::Firecracker(_)
+        | Command::Generate(_)
         | Command::Failpoints => Err(CliError::NotOneShot),
     }
 }
