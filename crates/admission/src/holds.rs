@@ -19,10 +19,15 @@ pub(crate) struct Held {
 }
 
 impl Held {
-    fn add(&mut self, agents: u64, requests: Resources) {
-        self.agents = self.agents.saturating_add(agents);
-        self.cpu = self.cpu.saturating_add(requests.cpu.millis());
-        self.memory = self.memory.saturating_add(requests.memory.bytes());
+    /// Adds `count` agents of `requests` each.
+    fn add(&mut self, count: u64, requests: Resources) {
+        self.agents = self.agents.saturating_add(count);
+        self.cpu = self
+            .cpu
+            .saturating_add(requests.cpu.millis().saturating_mul(count));
+        self.memory = self
+            .memory
+            .saturating_add(requests.memory.bytes().saturating_mul(count));
     }
 }
 
@@ -43,16 +48,32 @@ impl Holds {
     /// Holds what one starved request needs: one agent and its requests in
     /// its scaler and globally, its requests in its machine pool.
     pub fn add(&mut self, scaler: &ScalerName, requests: Resources, pool: Option<&str>) {
-        self.global.add(1, requests);
+        self.add_many(scaler, requests, pool, 1);
+    }
+
+    /// [`Holds::add`] for `count` identical starved requests at once: the
+    /// engine holds for a run of same-shaped requests without visiting
+    /// each of them.
+    pub fn add_many(
+        &mut self,
+        scaler: &ScalerName,
+        requests: Resources,
+        pool: Option<&str>,
+        count: u64,
+    ) {
+        if count == 0 {
+            return;
+        }
+        self.global.add(count, requests);
         self.scalers
             .entry(scaler.clone())
             .or_default()
-            .add(1, requests);
+            .add(count, requests);
         if let Some(pool) = pool {
             self.pools
                 .entry(pool.to_owned())
                 .or_default()
-                .add(1, requests);
+                .add(count, requests);
         }
     }
 
@@ -75,5 +96,45 @@ impl Holds {
 
     pub(crate) fn pool(&self, name: &str) -> Held {
         self.pools.get(name).copied().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kici_model::{MemoryBytes, MilliCpu};
+
+    #[test]
+    fn add_many_is_add_repeated() {
+        let scaler = ScalerName::new("s");
+        let r = Resources::new(
+            MilliCpu::from_millis(1500),
+            MemoryBytes::from_bytes(1 << 30),
+        );
+        let mut one_by_one = Holds::none();
+        for _ in 0..3 {
+            one_by_one.add(&scaler, r, Some("pool"));
+        }
+        let mut at_once = Holds::none();
+        at_once.add_many(&scaler, r, Some("pool"), 3);
+        assert_eq!(one_by_one, at_once);
+        assert_eq!(at_once.scaler("s").cpu, 4500);
+        assert_eq!(at_once.pool("pool").memory, 3 << 30);
+        let mut nothing = Holds::none();
+        nothing.add_many(&scaler, r, Some("pool"), 0);
+        assert_eq!(nothing, Holds::none(), "a count of 0 holds nothing");
+    }
+
+    #[test]
+    fn add_many_saturates() {
+        let scaler = ScalerName::new("s");
+        let r = Resources::new(
+            MilliCpu::from_millis(u64::MAX / 2),
+            MemoryBytes::from_bytes(1),
+        );
+        let mut h = Holds::none();
+        h.add_many(&scaler, r, None, 3);
+        assert_eq!(h.global().cpu, u64::MAX);
+        assert_eq!(h.global().agents, 3);
     }
 }

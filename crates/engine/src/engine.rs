@@ -15,7 +15,7 @@ use crate::breaker::{Breaker, BreakerState};
 use crate::lifecycle::{
     transition, AgentEvent, AgentState, FailureReason, IllegalTransition, Mode, StopCause,
 };
-use crate::pending::{PendingEnd, PendingEntry, PendingQueue, ScaleRequest};
+use crate::pending::{Admitter, Attempt, PendingEnd, PendingEntry, PendingQueue, ScaleRequest};
 use kici_admission::{Admission, AdmitError, Cap, Demand, Holds, Reservation};
 use kici_model::{
     AgentId, Config, EffectiveResources, JobId, LabelSet, Resources, ScalerEntry, ScalerName,
@@ -187,6 +187,10 @@ pub enum EngineEvent {
         /// Seconds spent in `from`.
         seconds_in_state: f64,
     },
+    /// A waiting request is refused by `cap`: when it starts waiting, and
+    /// again only when the scaler or cap in its way changes — never at
+    /// every admission pass (each event is a log line and a metric
+    /// increment downstream).
     #[serde(rename_all = "camelCase")]
     Refused {
         job_id: JobId,
@@ -478,7 +482,7 @@ impl Engine {
 
     /// Whether `job` waits in the pending queue.
     pub fn is_pending(&self, job: &JobId) -> bool {
-        self.pending.position(job).is_some()
+        self.pending.contains(job)
     }
 
     fn request_scale_arrived(
@@ -543,6 +547,7 @@ impl Engine {
             enqueued: arrived,
             expires: arrived + self.settings.pending_ttl,
             request,
+            refused_for: None,
         });
         if let Err(e) = self.serve_pending(now) {
             // The ledger failed: undo this request entirely, report it.
@@ -626,94 +631,43 @@ impl Engine {
 
     /// Serves the pending queue: oldest first among those that fit; a request
     /// older than the starvation threshold that does not fit holds what it
-    /// needs so younger ones cannot take it.
+    /// needs so younger ones cannot take it. Runs on every arrival, release
+    /// and tick, so it tries one request per shape of waiting request (see
+    /// [`PendingQueue::plan`]) and reports a refusal only when a request's
+    /// reason changed — never a visit and a report per waiting request.
     fn serve_pending(&mut self, now: Instant) -> Result<(), ScaleError> {
         if self.pending.is_empty() || self.shutting_down {
             return Ok(());
         }
-        let mut holds = Holds::none();
-        let mut admitted: Vec<(PendingEntry, Reservation, AgentId)> = Vec::new();
-        let mut refused: Vec<(JobId, ScalerName, Cap, String)> = Vec::new();
-        let mut too_large: Vec<(JobId, String)> = Vec::new();
-        let mut ledger_error = None;
-        for entry in self.pending.iter() {
-            let switches = self
-                .switches
-                .get(&entry.scaler)
-                .copied()
-                .unwrap_or_default();
-            if switches.cordoned || switches.draining {
-                continue;
-            }
-            let key = (
-                entry.scaler.clone(),
-                self.config.scalers[entry.scaler_index].label_sets[entry.label_set]
-                    .labels
-                    .clone(),
-            );
-            if self
-                .breakers
-                .get(&key)
-                .is_some_and(|b| b.check(now).is_err())
-            {
-                continue;
-            }
-            let scaler = &self.config.scalers[entry.scaler_index];
-            let agent = self.fresh_agent_id(scaler.kind, &admitted);
-            let demand = Demand {
-                agent,
-                scaler: scaler.name.clone(),
-                requests: entry.resources.requests,
-                pool: scaler.machine_pool.clone(),
+        let plan = {
+            let mut admitter = PassAdmitter {
+                engine: self,
+                now,
+                drawn: Vec::new(),
             };
-            match self.admission.try_reserve(demand, &holds) {
-                Ok(reservation) => admitted.push((entry.clone(), reservation, agent)),
-                Err(AdmitError::Refused(refusal)) => {
-                    if now.saturating_duration_since(entry.enqueued) >= self.settings.starvation {
-                        holds.add(
-                            &scaler.name,
-                            entry.resources.requests,
-                            scaler.machine_pool.as_deref(),
-                        );
-                    }
-                    refused.push((
-                        entry.request.job.clone(),
-                        entry.scaler.clone(),
-                        refusal.cap,
-                        refusal.to_string(),
-                    ));
-                }
-                Err(AdmitError::TooLarge(t)) => {
-                    too_large.push((entry.request.job.clone(), t.detail))
-                }
-                // A colliding id: the next pass draws another.
-                Err(AdmitError::DuplicateAgent(_)) => {}
-                Err(
-                    e @ (AdmitError::Ledger(_)
-                    | AdmitError::UnknownScaler(_)
-                    | AdmitError::PoolMismatch { .. }),
-                ) => {
-                    ledger_error = Some(e.to_string());
-                    break;
-                }
-            }
-        }
-        for (job, scaler, cap, detail) in refused {
+            self.pending
+                .plan(now, self.settings.starvation, &mut admitter)
+        };
+        for (job, scaler, refusal) in self.pending.record_refusals(&plan.refused) {
             self.events.push(EngineEvent::Refused {
                 job_id: job,
                 scaler,
-                cap,
-                detail,
+                cap: refusal.cap,
+                detail: refusal.to_string(),
             });
         }
-        for (job, _) in too_large {
-            if let Some(entry) = self.pending.remove(&job) {
-                self.jobs.remove(&job);
+        for (shape, _) in &plan.too_large {
+            for entry in self.pending.take_shape(shape) {
+                self.jobs.remove(&entry.request.job);
                 self.pending_ended(&entry, PendingEnd::TooLarge, now);
             }
         }
-        for (entry, reservation, agent) in admitted {
-            self.pending.remove(&entry.request.job);
+        for (job, (reservation, agent)) in plan.admitted {
+            // Planned from this very queue, nothing removed since: present.
+            // Were it not, dropping the reservation releases it.
+            let Some(entry) = self.pending.remove(&job) else {
+                continue;
+            };
             self.pending_ended(&entry, PendingEnd::Admitted, now);
             if let Some(record) = self.jobs.get_mut(&entry.request.job) {
                 record.agent = Some(agent);
@@ -728,22 +682,18 @@ impl Engine {
                 now,
             );
         }
-        match ledger_error {
+        match plan.error {
             Some(e) => Err(ScaleError::Admission(e)),
             None => Ok(()),
         }
     }
 
-    fn fresh_agent_id(
-        &self,
-        kind: ScalerType,
-        also: &[(PendingEntry, Reservation, AgentId)],
-    ) -> AgentId {
+    fn fresh_agent_id(&self, kind: ScalerType, also: &[AgentId]) -> AgentId {
         loop {
             let id = AgentId::random(kind);
             let taken = self.agents.contains_key(&id)
                 || self.gone.iter().any(|g| g.agent_id == id)
-                || also.iter().any(|(_, _, a)| *a == id);
+                || also.contains(&id);
             if !taken {
                 return id;
             }
@@ -1333,6 +1283,8 @@ impl Engine {
             enqueued,
             expires: (enqueued + self.settings.pending_ttl).max(now),
             request,
+            // A new wait: its first refusal is reported again.
+            refused_for: None,
         });
     }
 
@@ -1432,7 +1384,7 @@ impl Engine {
                 AgentState::Busy | AgentState::Draining | AgentState::Gone => {}
             }
         }
-        let expired = self.pending.take_where(|e| e.expires <= now);
+        let expired = self.pending.take_expired(now);
         for entry in expired {
             self.jobs.remove(&entry.request.job);
             self.pending_ended(&entry, PendingEnd::Expired, now);
@@ -1813,6 +1765,80 @@ impl Engine {
     /// Names of every scaler with at least one live agent (for reconcile).
     pub fn live_agent_ids(&self) -> BTreeSet<AgentId> {
         self.agents.keys().copied().collect()
+    }
+}
+
+/// How many agent ids one admission attempt draws before it gives up for
+/// this pass: ids have 32 random bits and the engine skips those it knows,
+/// so a second collision means admission knows ids the engine does not.
+const ID_DRAWS: usize = 2;
+
+/// The engine's half of an admission pass: what the queue cannot know
+/// (switches, breakers, agent ids) and the reservation itself.
+struct PassAdmitter<'a> {
+    engine: &'a Engine,
+    now: Instant,
+    /// Ids of this pass's admissions: their agents do not exist yet.
+    drawn: Vec<AgentId>,
+}
+
+impl Admitter for PassAdmitter<'_> {
+    type Admitted = (Reservation, AgentId);
+
+    fn pool(&self, entry: &PendingEntry) -> Option<&str> {
+        self.engine.config.scalers[entry.scaler_index]
+            .machine_pool
+            .as_deref()
+    }
+
+    fn attempt(&mut self, entry: &PendingEntry, holds: &Holds) -> Attempt<Self::Admitted> {
+        let engine = self.engine;
+        let switches = engine
+            .switches
+            .get(&entry.scaler)
+            .copied()
+            .unwrap_or_default();
+        if switches.cordoned || switches.draining {
+            return Attempt::Skip;
+        }
+        let scaler = &engine.config.scalers[entry.scaler_index];
+        let key = (
+            entry.scaler.clone(),
+            scaler.label_sets[entry.label_set].labels.clone(),
+        );
+        if engine
+            .breakers
+            .get(&key)
+            .is_some_and(|b| b.check(self.now).is_err())
+        {
+            return Attempt::Skip;
+        }
+        for _ in 0..ID_DRAWS {
+            let agent = engine.fresh_agent_id(scaler.kind, &self.drawn);
+            let demand = Demand {
+                agent,
+                scaler: scaler.name.clone(),
+                requests: entry.resources.requests,
+                pool: scaler.machine_pool.clone(),
+            };
+            match engine.admission.try_reserve(demand, holds) {
+                Ok(reservation) => {
+                    self.drawn.push(agent);
+                    return Attempt::Admitted((reservation, agent));
+                }
+                Err(AdmitError::Refused(refusal)) => return Attempt::Refused(refusal),
+                Err(AdmitError::TooLarge(t)) => return Attempt::TooLarge(t.detail),
+                // A colliding id: draw another.
+                Err(AdmitError::DuplicateAgent(_)) => {}
+                Err(
+                    e @ (AdmitError::Ledger(_)
+                    | AdmitError::UnknownScaler(_)
+                    | AdmitError::PoolMismatch { .. }),
+                ) => return Attempt::Stop(e.to_string()),
+            }
+        }
+        // Still colliding: the next pass draws again.
+        Attempt::Skip
     }
 }
 

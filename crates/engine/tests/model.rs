@@ -3,7 +3,8 @@
 //! registrations, job ends, disconnects, destroys (succeeding or failing),
 //! cancels, cordons, reloads and clock jumps. After every step the capacity
 //! books must balance exactly (no leak, no double release, no cap exceeded),
-//! and a final shutdown must release everything.
+//! a waiting request is never reported refused twice in a row for the same
+//! reason, and a final shutdown must release everything.
 //!
 //! This is the deterministic-scheduler check of the engine: every
 //! interleaving proptest generates is replayable from its seed.
@@ -11,10 +12,11 @@
 mod common;
 
 use common::*;
-use kici_engine::{AgentState, Effect, Engine, Mode, ResourceHandle};
-use kici_model::{AgentId, MilliCpu, ResourceRequest, ResourceSpec};
+use kici_admission::Cap;
+use kici_engine::{AgentState, Effect, Engine, EngineEvent, Mode, ResourceHandle};
+use kici_model::{AgentId, JobId, MilliCpu, ResourceRequest, ResourceSpec, ScalerName};
 use proptest::prelude::*;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 const CONFIG_A: &str = r#"
@@ -182,10 +184,45 @@ fn check_books(e: &Engine, now: Instant) {
     }
 }
 
+/// What each waiting request was last reported refused for.
+#[derive(Default)]
+struct Refusals(HashMap<JobId, (ScalerName, Cap)>);
+
+impl Refusals {
+    /// A request is refused (an event, a log line, a metric increment)
+    /// once per reason it waits for: never twice in a row for the same
+    /// scaler and cap while it stays pending.
+    fn absorb(&mut self, e: &mut Engine) {
+        for event in e.take_events() {
+            match event {
+                EngineEvent::Refused {
+                    job_id,
+                    scaler,
+                    cap,
+                    ..
+                } => {
+                    let reason = (scaler, cap);
+                    assert_ne!(
+                        self.0.get(&job_id),
+                        Some(&reason),
+                        "{job_id} reported refused again for the same reason"
+                    );
+                    self.0.insert(job_id, reason);
+                }
+                EngineEvent::PendingEnded { job_id, .. } => {
+                    self.0.remove(&job_id);
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
 fn run(ops: Vec<Op>) {
     let mut clock = Clock::new();
     let mut e = engine(CONFIG_A);
     let mut world = World::default();
+    let mut refusals = Refusals::default();
     let mut config_b = false;
     for op in ops {
         let now = clock.now();
@@ -295,6 +332,7 @@ fn run(ops: Vec<Op>) {
             }
         }
         world.absorb(&mut e);
+        refusals.absorb(&mut e);
         check_books(&e, clock.now());
     }
     // Shutdown releases everything once the backend has done its part.
