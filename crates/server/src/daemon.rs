@@ -286,6 +286,7 @@ async fn run(
             event_replay: settings.event_replay,
             gateway: GatewaySettings::default(),
             gateway_limits,
+            job_output: Some(settings.state_dir.join(crate::jobs::OUTPUT_DIR)),
         },
         Some(Arc::clone(&store)),
     )

@@ -19,20 +19,38 @@
 //! dropped and a reader that had not read them yet is told which it missed.
 //! Finished jobs stay readable until [`FINISHED_KEPT`] newer ones finished.
 //!
+//! With a state store ([`JobBook::durable`]) a job also outlives a crash of
+//! the daemon: its record (labels, command — never its environment —,
+//! state, agent, end) is written before the job is acknowledged and again
+//! at every change of state, through the same writer as pending requests
+//! ([`crate::persist`]), and deleted when the job is forgotten; its output
+//! is appended to a file as it arrives ([`spool`]). After a restart,
+//! [`JobBook::restore`] shows every recorded job again: one that had ended
+//! as it ended, one that had not as `failed`, `end: aborted`, with why (the
+//! agent of a started job is destroyed by the recovery, like every
+//! standalone agent with a job), and its output so far readable — or, when
+//! its file cannot be read, `outputLost`.
+//!
 //! A job whose agent fails before running it is not retried on another
 //! agent: the request the engine re-queues is cancelled and the job fails
 //! with the reason, so `run` can say what went wrong at once.
 
-use crate::persist::{PendingRecorder, RecordAck};
+mod spool;
+
+use crate::persist::{JobRecorder, PendingRecorder, RecordAck};
 use kici_engine::runtime::Runtime;
 use kici_engine::{AgentState, EngineEvent, PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
 use kici_engine::{Mode, StopCause};
 use kici_model::{AgentId, JobId, LabelSet, ResourceRequest};
 use kici_protocol::{ChunkData, JobEnd, JobSpec, OutputStream};
+use kici_store::{JobRecord, UnixMillis};
 use parking_lot::Mutex;
 use rand::RngCore;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, VecDeque};
+use spool::{Spool, SpoolFile};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::Path;
 use tokio::sync::watch;
 use utoipa::ToSchema;
 
@@ -43,6 +61,16 @@ pub const OUTPUT_CAP_BYTES: usize = 4 * 1024 * 1024;
 pub const FINISHED_KEPT: usize = 256;
 /// Most chunks handed to a reader per call.
 const READ_BATCH: usize = 64;
+/// The directory in the daemon's state dir that holds every job's output
+/// file (see [`spool`]).
+pub const OUTPUT_DIR: &str = "job-output";
+
+/// Why a job that ran when the daemon died ended (its agent is destroyed
+/// by the recovery; running it again is not ours to decide).
+pub const RESTARTED_WHILE_RUNNING: &str = "kici-scaler restarted while the job ran";
+/// Why a job whose agent was being provisioned when the daemon died ended.
+pub const RESTARTED_BEFORE_START: &str =
+    "kici-scaler restarted before the job's agent reported it started; the agent was destroyed";
 
 /// Where a job is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -128,6 +156,11 @@ pub struct JobView {
     pub output_bytes: u64,
     /// Output bytes no longer kept (the per-job buffer's cap).
     pub dropped_bytes: u64,
+    /// The job's output from before a restart of kici-scaler could not be
+    /// read back (its output file was missing or unreadable): the logs
+    /// hold only what came after, if anything.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub output_lost: bool,
 }
 
 impl JobView {
@@ -245,6 +278,12 @@ struct Job {
     output: Output,
     /// Bumped on every change; readers wait on it.
     changed: watch::Sender<u64>,
+    /// When it was submitted (kept in its record).
+    created_at: UnixMillis,
+    /// Its output file while it runs (durable books).
+    spool: Option<SpoolFile>,
+    /// See [`JobView::output_lost`].
+    output_lost: bool,
 }
 
 impl Job {
@@ -262,12 +301,74 @@ impl Job {
             reason: ending.and_then(|e| e.reason.clone()),
             output_bytes: self.output.total_bytes,
             dropped_bytes: self.output.dropped_bytes,
+            output_lost: self.output_lost,
         }
     }
 
     fn bump(&self) {
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
+
+    /// The job's record as of now.
+    fn record(&self) -> JobRecord {
+        let ending = self.ending.as_ref();
+        JobRecord {
+            job_id: self.spec.job_id().clone(),
+            labels: self.labels.iter().map(|l| l.as_str().to_owned()).collect(),
+            command: self.spec.argv().to_vec(),
+            state: wire_name(self.state),
+            agent_id: self.agent,
+            end: ending.map(|e| wire_name(e.kind)),
+            exit_code: ending.and_then(|e| e.exit_code),
+            signal: ending.and_then(|e| e.signal),
+            reason: ending.and_then(|e| e.reason.clone()),
+            output_bytes: self.output.total_bytes,
+            dropped_bytes: self.output.dropped_bytes,
+            created_at: self.created_at,
+            updated_at: UnixMillis::now(),
+        }
+    }
+}
+
+/// A state's or an end's name on the wire (its serde name): the one
+/// spelling, also in the store.
+fn wire_name<T: Serialize>(value: T) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(s)) => s,
+        // Unit variants serialize as strings.
+        _ => String::new(),
+    }
+}
+
+/// The value a wire name names, if any.
+fn from_wire_name<T: DeserializeOwned>(name: &str) -> Option<T> {
+    serde_json::from_value(serde_json::Value::String(name.to_owned())).ok()
+}
+
+/// Where a durable book writes what must outlive the daemon.
+#[derive(Debug)]
+struct Durable {
+    recorder: JobRecorder,
+    /// `None`: no output directory (or it could not be created); output
+    /// then lives in memory only and is lost with the daemon.
+    spool: Option<Spool>,
+}
+
+/// What [`JobBook::restore`] did with the recorded jobs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobsRestored {
+    /// Had ended: shown as they ended.
+    pub finished: usize,
+    /// Were running: ended aborted ([`RESTARTED_WHILE_RUNNING`]).
+    pub aborted_running: Vec<JobId>,
+    /// Had not started: ended aborted.
+    pub aborted_unstarted: Vec<JobId>,
+    /// Whose output before the restart could not be read back.
+    pub output_lost: Vec<JobId>,
+    /// Records that did not decode, with why (deleted).
+    pub unreadable: Vec<(JobId, String)>,
+    /// Output files of no recorded job, removed.
+    pub stray_files: usize,
 }
 
 #[derive(Debug, Default)]
@@ -284,6 +385,7 @@ pub struct JobBook {
     books: Mutex<Books>,
     output_cap: usize,
     finished_kept: usize,
+    durable: Option<Durable>,
 }
 
 impl Default for JobBook {
@@ -302,7 +404,56 @@ impl JobBook {
             books: Mutex::new(Books::default()),
             output_cap: output_cap.max(1),
             finished_kept: finished_kept.max(1),
+            durable: None,
         }
+    }
+
+    /// A book whose jobs outlive the daemon: records through `recorder`,
+    /// output files in `output_dir` (created 0700 if needed; without it, or
+    /// if it cannot be created, output is in memory only and a restart
+    /// reports it lost).
+    pub fn durable(recorder: JobRecorder, output_dir: Option<&Path>) -> Self {
+        Self::new().recorded(recorder, output_dir)
+    }
+
+    /// This book, durable (see [`JobBook::durable`]).
+    fn recorded(self, recorder: JobRecorder, output_dir: Option<&Path>) -> Self {
+        let spool = output_dir.and_then(|dir| match Spool::open(dir) {
+            Ok(spool) => Some(spool),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot create the job output directory; job output is kept in memory only and lost if kici-scaler crashes");
+                None
+            }
+        });
+        Self {
+            durable: Some(Durable { recorder, spool }),
+            ..self
+        }
+    }
+
+    /// Whether jobs are recorded in a state store ([`JobBook::durable`]).
+    pub fn is_durable(&self) -> bool {
+        self.durable.is_some()
+    }
+
+    /// Sends `job`'s record to the store (durable books); the answer says
+    /// whether it was committed.
+    fn save(&self, job: &Job) -> Option<RecordAck> {
+        self.durable.as_ref().map(|d| d.recorder.save(job.record()))
+    }
+
+    /// Deletes what a forgotten job left in the store and on disk.
+    fn forget(&self, id: &JobId) {
+        if let Some(d) = &self.durable {
+            d.recorder.forget(id.clone());
+            if let Some(spool) = &d.spool {
+                spool.remove(id);
+            }
+        }
+    }
+
+    fn spool(&self) -> Option<&Spool> {
+        self.durable.as_ref().and_then(|d| d.spool.as_ref())
     }
 
     /// A fresh job id: `job-` + 16 hex.
@@ -316,7 +467,9 @@ impl JobBook {
             .unwrap_or_else(|_| unreachable!("job-<hex> is a valid job id"))
     }
 
-    fn insert(&self, spec: JobSpec, labels: LabelSet) {
+    /// Records a new job (`pending`); with a store, the answer says when
+    /// its record is committed.
+    fn insert(&self, spec: JobSpec, labels: LabelSet) -> Option<RecordAck> {
         let job = Job {
             spec,
             labels,
@@ -325,9 +478,15 @@ impl JobBook {
             ending: None,
             output: Output::default(),
             changed: watch::channel(0).0,
+            created_at: UnixMillis::now(),
+            spool: None,
+            output_lost: false,
         };
         let id = job.spec.job_id().clone();
-        self.books.lock().jobs.insert(id, job);
+        let mut b = self.books.lock();
+        let ack = self.save(&job);
+        b.jobs.insert(id, job);
+        ack
     }
 
     fn remove(&self, id: &JobId) {
@@ -336,6 +495,7 @@ impl JobBook {
             if let Some(agent) = job.agent {
                 b.by_agent.remove(&agent);
             }
+            self.forget(id);
             job.bump();
         }
     }
@@ -354,20 +514,25 @@ impl JobBook {
     }
 
     /// The job's agent was chosen (admitted, or a warm agent took it).
-    fn bind(b: &mut Books, id: &JobId, agent: AgentId) {
+    fn bind(&self, b: &mut Books, id: &JobId, agent: AgentId) {
         let Some(job) = b.jobs.get_mut(id) else {
             return;
         };
         if job.state.is_terminal() {
             return;
         }
-        if let Some(old) = job.agent.replace(agent) {
+        let old = job.agent.replace(agent);
+        if let Some(old) = old {
             if old != agent {
                 b.by_agent.remove(&old);
             }
         }
-        if job.state == JobState::Pending {
+        let pending = job.state == JobState::Pending;
+        if pending {
             job.state = JobState::Spawning;
+        }
+        if pending || old != Some(agent) {
+            let _ = self.save(job);
         }
         job.bump();
         b.by_agent.insert(agent, id.clone());
@@ -382,6 +547,16 @@ impl JobBook {
         }
         job.state = state;
         job.ending = Some(ending);
+        if let Some(mut file) = job.spool.take() {
+            // What stays on disk is what stays readable.
+            if file.larger_than(job.output.kept_bytes, job.output.chunks.len()) {
+                if let Err(e) = rewrite_spool(&mut file, &job.output) {
+                    // The file is still whole (the old one, or the new).
+                    tracing::debug!(job_id = %id, error = %e, "shrinking the finished job's output file failed");
+                }
+            }
+        }
+        let _ = self.save(job);
         job.bump();
         if let Some(agent) = job.agent {
             b.by_agent.remove(&agent);
@@ -393,14 +568,20 @@ impl JobBook {
             "job ended"
         );
         b.finished.push_back(id.clone());
+        self.evict(b);
+        true
+    }
+
+    /// Forgets the oldest finished jobs beyond the limit.
+    fn evict(&self, b: &mut Books) {
         while b.finished.len() > self.finished_kept {
             if let Some(old) = b.finished.pop_front() {
                 if let Some(job) = b.jobs.remove(&old) {
+                    self.forget(&old);
                     job.bump();
                 }
             }
         }
-        true
     }
 
     // ----- the gateway ----------------------------------------------------
@@ -416,10 +597,22 @@ impl JobBook {
     /// The agent acknowledged the job.
     pub fn started(&self, id: &JobId, agent: AgentId) {
         let mut b = self.books.lock();
-        Self::bind(&mut b, id, agent);
+        self.bind(&mut b, id, agent);
         if let Some(job) = b.jobs.get_mut(id) {
             if matches!(job.state, JobState::Pending | JobState::Spawning) {
                 job.state = JobState::Running;
+                // The file exists from the start: after a crash, it also
+                // tells a job that ran from one whose record had not caught
+                // up yet.
+                job.spool = self.spool().and_then(|spool| {
+                    spool
+                        .create(id)
+                        .map_err(|e| {
+                            tracing::warn!(job_id = %id, error = %e, "cannot create the job's output file; its output is lost if kici-scaler crashes")
+                        })
+                        .ok()
+                });
+                let _ = self.save(job);
                 job.bump();
                 tracing::info!(job_id = %id, agent_id = %agent, "job running");
             }
@@ -431,9 +624,38 @@ impl JobBook {
         let mut b = self.books.lock();
         if let Some(job) = b.jobs.get_mut(id) {
             if !job.state.is_terminal() {
+                let index = job.output.next_index;
+                if let Some(mut file) = job.spool.take() {
+                    // Under the book's lock, so chunks land in the file in
+                    // their order; a page-cache write, no fsync.
+                    match file.append(index, stream, &data) {
+                        Ok(()) => job.spool = Some(file),
+                        Err(e) => self.spool_failed(id, e),
+                    }
+                }
                 job.output.push(stream, data, self.output_cap);
+                if let Some(mut file) = job.spool.take() {
+                    let rewritten = if file.wants_compaction(self.output_cap) {
+                        rewrite_spool(&mut file, &job.output)
+                    } else {
+                        Ok(())
+                    };
+                    match rewritten {
+                        Ok(()) => job.spool = Some(file),
+                        Err(e) => self.spool_failed(id, e),
+                    }
+                }
                 job.bump();
             }
+        }
+    }
+
+    /// The job's output file could not be written: it is deleted, so that
+    /// a restart reports the output lost instead of showing part of it.
+    fn spool_failed(&self, id: &JobId, e: std::io::Error) {
+        tracing::warn!(job_id = %id, error = %e, "writing the job's output file failed; its output is lost if kici-scaler crashes");
+        if let Some(spool) = self.spool() {
+            spool.remove(id);
         }
     }
 
@@ -471,25 +693,154 @@ impl JobBook {
 
     /// A job recorded before a restart that will not run (see
     /// [`crate::persist::restore_pending`]): shown `failed` with `reason`,
-    /// forgotten like any finished job.
+    /// forgotten like any finished job. A job [`JobBook::restore`] already
+    /// took back is left as it is.
     pub fn restore_aborted(&self, id: JobId, labels: LabelSet, argv: Vec<String>, reason: String) {
-        let argv = if argv.is_empty() {
-            vec!["?".to_owned()]
-        } else {
-            argv
+        if self.books.lock().jobs.contains_key(&id) {
+            return;
+        }
+        let Some(spec) = recorded_spec(&id, argv) else {
+            return;
         };
-        let spec = match JobSpec::new(id.clone(), argv, Default::default(), None) {
-            Ok(spec) => spec,
-            // A recorded command that no longer passes the checks.
-            Err(_) => {
-                match JobSpec::new(id.clone(), vec!["?".to_owned()], Default::default(), None) {
-                    Ok(spec) => spec,
-                    Err(_) => return,
+        let _ = self.insert(spec, labels);
+        self.abort(&id, reason);
+    }
+
+    /// Takes back the jobs recorded before a restart (before the API
+    /// serves and before any event about them is followed): a job that had
+    /// ended is shown as it ended; one that had not is ended now — `failed`,
+    /// `end: aborted`, with why — and its record rewritten. Its output so
+    /// far is read back from its file; a job that had output but whose
+    /// file cannot be read is marked [`JobView::output_lost`]. Output files
+    /// of no recorded job are removed. Finished jobs beyond the limit are
+    /// forgotten, oldest first.
+    pub fn restore(&self, records: Vec<JobRecord>) -> JobsRestored {
+        let mut done = JobsRestored::default();
+        let mut b = self.books.lock();
+        let mut records = records;
+        // Eviction order: the oldest end first.
+        records.sort_by_key(|r| (r.updated_at, r.created_at));
+        let mut known = HashSet::new();
+        for r in records {
+            let id = r.job_id.clone();
+            known.insert(id.as_str().to_owned());
+            let Some(state) = from_wire_name::<JobState>(&r.state) else {
+                done.unreadable
+                    .push((id.clone(), format!("unknown state {:?}", r.state)));
+                self.forget(&id);
+                continue;
+            };
+            let labels = match LabelSet::parse(r.labels.iter()) {
+                Ok(l) => l,
+                Err(e) => {
+                    done.unreadable.push((id.clone(), format!("labels: {e}")));
+                    self.forget(&id);
+                    continue;
+                }
+            };
+            let Some(spec) = recorded_spec(&id, r.command.clone()) else {
+                done.unreadable
+                    .push((id.clone(), "unusable job id".to_owned()));
+                self.forget(&id);
+                continue;
+            };
+            let recovered = match self.spool().map(|s| s.recover(&id)) {
+                Some(Ok(found)) => found,
+                Some(Err(e)) => {
+                    tracing::warn!(job_id = %id, error = %e, "the job's output file is unreadable");
+                    None
+                }
+                None => None,
+            };
+            // The output file is created when the job starts: a record
+            // still saying `spawning` is only behind.
+            let ran =
+                state == JobState::Running || (state == JobState::Spawning && recovered.is_some());
+            let mut output = Output::default();
+            let mut lost = false;
+            match recovered {
+                Some(found) => {
+                    output.next_index = found.first_index;
+                    output.total_bytes = found.dropped_bytes;
+                    output.dropped_bytes = found.dropped_bytes;
+                    for (stream, data) in found.chunks {
+                        output.push(stream, data, self.output_cap);
+                    }
+                    if output.total_bytes < r.output_bytes {
+                        // The file lost its tail (torn, or gone and an
+                        // older copy found): say so rather than show less.
+                        lost = true;
+                    }
+                }
+                None => lost = ran || r.output_bytes > 0,
+            }
+            if lost {
+                done.output_lost.push(id.clone());
+                if output.total_bytes < r.output_bytes {
+                    output.dropped_bytes += r.output_bytes - output.total_bytes;
+                    output.total_bytes = r.output_bytes;
                 }
             }
-        };
-        self.insert(spec, labels);
-        self.abort(&id, reason);
+            let ending = if state.is_terminal() {
+                done.finished += 1;
+                Some(Ending {
+                    kind: r
+                        .end
+                        .as_deref()
+                        .and_then(from_wire_name)
+                        .unwrap_or(EndKind::Aborted),
+                    exit_code: r.exit_code,
+                    signal: r.signal,
+                    reason: r.reason.clone(),
+                })
+            } else {
+                let reason = if ran {
+                    done.aborted_running.push(id.clone());
+                    RESTARTED_WHILE_RUNNING
+                } else {
+                    done.aborted_unstarted.push(id.clone());
+                    match state {
+                        JobState::Spawning => RESTARTED_BEFORE_START,
+                        _ => crate::persist::STANDALONE_LOST,
+                    }
+                };
+                Some(Ending {
+                    kind: EndKind::Aborted,
+                    exit_code: None,
+                    signal: None,
+                    reason: Some(reason.to_owned()),
+                })
+            };
+            let job = Job {
+                spec,
+                labels,
+                state: if state.is_terminal() {
+                    state
+                } else {
+                    JobState::Failed
+                },
+                agent: r.agent_id,
+                ending,
+                output,
+                changed: watch::channel(0).0,
+                created_at: r.created_at,
+                spool: None,
+                output_lost: lost,
+            };
+            if !state.is_terminal() {
+                let _ = self.save(&job);
+            }
+            if !state.is_terminal() {
+                tracing::info!(job_id = %id, was = state.as_str(), reason = job.ending.as_ref().and_then(|e| e.reason.as_deref()), output_lost = lost, "job ended by the restart");
+            }
+            b.jobs.insert(id.clone(), job);
+            b.finished.push_back(id);
+        }
+        if let Some(spool) = self.spool() {
+            done.stray_files = spool.remove_others(|job| known.contains(job));
+        }
+        self.evict(&mut b);
+        done
     }
 
     /// kici-scaler gives up on the job (`reason` says why).
@@ -590,12 +941,12 @@ impl JobBook {
                     | AgentState::Registered
                         if job_id.as_ref() == Some(&id) =>
                     {
-                        Self::bind(&mut b, &id, *agent_id);
+                        self.bind(&mut b, &id, *agent_id);
                     }
                     AgentState::Busy if *from == AgentState::Idle => {
                         // A warm agent took the job: nobody else will send
                         // it the job.
-                        Self::bind(&mut b, &id, *agent_id);
+                        self.bind(&mut b, &id, *agent_id);
                         if let Some(job) = b.jobs.get(&id) {
                             actions.push(Action::Dispatch {
                                 agent: *agent_id,
@@ -672,6 +1023,26 @@ impl JobBook {
     }
 }
 
+/// Rewrites a job's output file from what memory keeps (the newest
+/// [`OUTPUT_CAP_BYTES`]).
+fn rewrite_spool(file: &mut SpoolFile, output: &Output) -> std::io::Result<()> {
+    let chunks = output.chunks.iter().map(|c| (c.stream, &c.data));
+    file.rewrite(output.first_index(), output.dropped_bytes, chunks)
+}
+
+/// A recorded job's spec: its command as recorded (a placeholder if that
+/// no longer passes the checks), no environment, no timeout.
+fn recorded_spec(id: &JobId, argv: Vec<String>) -> Option<JobSpec> {
+    let argv = if argv.is_empty() {
+        vec!["?".to_owned()]
+    } else {
+        argv
+    };
+    JobSpec::new(id.clone(), argv, Default::default(), None)
+        .or_else(|_| JobSpec::new(id.clone(), vec!["?".to_owned()], Default::default(), None))
+        .ok()
+}
+
 fn lost_agent_reason(
     agent: AgentId,
     failure: Option<&str>,
@@ -714,15 +1085,18 @@ pub enum SubmitError {
     TooLarge { cap: String, detail: String },
     #[error("{0}")]
     Scale(#[from] ScaleError),
-    /// The job had to wait and the state store could not record it: it
-    /// was withdrawn.
+    /// The state store could not record the job (or, when it had to
+    /// wait, its pending request): it was withdrawn.
     #[error("state store: {0}")]
     Store(String),
 }
 
 /// Records the job and asks the engine for an agent. On `Err` nothing is
-/// kept. With a `recorder` (the daemon's state store), a job that has to
-/// wait is recorded before it is acknowledged (see [`crate::persist`]).
+/// kept. A durable book's record of the job is committed before the
+/// engine is asked (a job the store cannot record is not run: a crash
+/// would forget it); with a `recorder` (the daemon's state store), a job
+/// that has to wait has its pending request recorded before it is
+/// acknowledged (see [`crate::persist`]).
 pub async fn submit_recorded(
     runtime: &Runtime,
     jobs: &JobBook,
@@ -730,6 +1104,15 @@ pub async fn submit_recorded(
     request: JobRequest,
 ) -> Result<JobView, SubmitError> {
     let id = request.spec.job_id().clone();
+    if let Some(ack) = jobs.insert(request.spec.clone(), request.labels.clone()) {
+        if let Err(e) = JobRecorder::committed(ack).await {
+            // A record that lands late is deleted by this (ordered after
+            // it).
+            jobs.remove(&id);
+            tracing::warn!(job_id = %id, error = %e, "job not recorded; refused");
+            return Err(SubmitError::Store(e.to_string()));
+        }
+    }
     let view = submit_with(runtime, jobs, recorder, request)?;
     if let Some((view, ack)) = view {
         if let Err(e) = PendingRecorder::committed(runtime, &id, Some(ack)).await {
@@ -750,12 +1133,17 @@ pub fn submit(
     request: JobRequest,
 ) -> Result<JobView, SubmitError> {
     let id = request.spec.job_id().clone();
+    // No store to wait for here (`run`): a durable book still writes the
+    // record, unawaited.
+    let _ = jobs.insert(request.spec.clone(), request.labels.clone());
     submit_with(runtime, jobs, None, request)?;
     jobs.view(&id)
         .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))
 }
 
-/// `Some((view, ack))` when a record was sent and must be awaited.
+/// Asks the engine for an agent for a job [`JobBook::insert`] recorded;
+/// on `Err` the job is removed. `Some((view, ack))` when a pending
+/// request's record was sent and must be awaited.
 fn submit_with(
     runtime: &Runtime,
     jobs: &JobBook,
@@ -772,9 +1160,8 @@ fn submit_with(
         mode: Mode::Standalone,
     };
     let argv = request.spec.argv().to_vec();
-    // Recorded first: the engine's events about it may be followed before
-    // `request_scale` returns.
-    jobs.insert(request.spec, request.labels);
+    // The job is in the book already: the engine's events about it may be
+    // followed before `request_scale` returns.
     let (outcome, ack) = match recorder {
         Some(r) => r.record_if_queued(runtime, scale, Some(&argv)),
         None => (runtime.request_scale(scale), None),
@@ -789,7 +1176,7 @@ fn submit_with(
     match outcome {
         ScaleOutcome::Spawning { agent_id, .. } => {
             let mut b = jobs.books.lock();
-            JobBook::bind(&mut b, &id, agent_id);
+            jobs.bind(&mut b, &id, agent_id);
         }
         ScaleOutcome::Pending { .. } => {}
         ScaleOutcome::NoBackend { explanation } => {
@@ -1026,6 +1413,319 @@ mod tests {
         assert!(book.view(&"j0".parse().unwrap()).is_none());
     }
 
+    // ----- durability ----------------------------------------------------
+
+    use crate::events::EventLog;
+    use crate::persist::Persister;
+    use kici_store::StateStore;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    struct Stored {
+        dir: tempfile::TempDir,
+        store: Arc<dyn StateStore>,
+    }
+
+    impl Stored {
+        async fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let url = kici_store::StoreUrl::default_in(dir.path());
+            let store = kici_store::open(
+                &url,
+                kici_model::InstanceId::random(),
+                kici_store::StoreOptions::default(),
+            )
+            .await
+            .unwrap();
+            Self { dir, store }
+        }
+
+        /// A durable book (output files in the dir unless `no_files`) and
+        /// its writer.
+        fn book(&self, cap: usize, no_files: bool) -> (JobBook, Persister) {
+            let p = Persister::start(Arc::clone(&self.store), Arc::new(EventLog::new(4)), 4);
+            let dir = self.dir.path().join(OUTPUT_DIR);
+            let book = JobBook::with_limits(cap, 8)
+                .recorded(p.job_recorder(), (!no_files).then_some(dir.as_path()));
+            (book, p)
+        }
+
+        fn files(&self) -> Vec<String> {
+            let mut names: Vec<String> = std::fs::read_dir(self.dir.path().join(OUTPUT_DIR))
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+            names.sort();
+            names
+        }
+    }
+
+    /// Every chunk of the job's output now readable, as text.
+    fn all_output(book: &JobBook, id: &JobId) -> String {
+        let mut text = String::new();
+        let mut next = 0;
+        while let Some(Read::Chunks { chunks, .. }) = book.read(id, next) {
+            for c in chunks {
+                text.push_str(std::str::from_utf8(c.data.as_bytes()).unwrap());
+                next = c.index + 1;
+            }
+        }
+        text
+    }
+
+    fn id(s: &str) -> JobId {
+        s.parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_restart_ends_what_had_not_ended_and_keeps_the_output() {
+        let s = Stored::new().await;
+        let (book, writer) = s.book(1024, false);
+        let labels = LabelSet::parse(["linux"]).unwrap();
+        // Running, with output.
+        let ran = id("job-a");
+        let ack = book.insert(spec("job-a"), labels.clone()).unwrap();
+        crate::persist::JobRecorder::committed(ack).await.unwrap();
+        book.started(&ran, agent(1));
+        book.output(
+            &ran,
+            OutputStream::Stdout,
+            data(
+                "one
+",
+            ),
+        );
+        book.output(
+            &ran,
+            OutputStream::Stderr,
+            data(
+                "two
+",
+            ),
+        );
+        // Its agent provisioned, not started.
+        let spawning = id("job-b");
+        let _ = book.insert(spec("job-b"), labels.clone());
+        book.bind(&mut book.books.lock(), &spawning, agent(2));
+        // Waiting for capacity.
+        let pending = id("job-c");
+        let _ = book.insert(spec("job-c"), labels.clone());
+        // Ended on its own.
+        let done = id("job-d");
+        let _ = book.insert(spec("job-d"), labels.clone());
+        book.started(&done, agent(4));
+        book.output(
+            &done,
+            OutputStream::Stdout,
+            data(
+                "bye
+",
+            ),
+        );
+        book.ended(&done, &JobEnd::Completed(JobResult::exited(3)));
+        // Started, but its record never caught up: its output file says
+        // it ran.
+        let behind = id("job-e");
+        let _ = book.insert(spec("job-e"), labels.clone());
+        book.bind(&mut book.books.lock(), &behind, agent(5));
+        {
+            let spool = book.spool().unwrap();
+            let mut f = spool.create(&behind).unwrap();
+            f.append(
+                0,
+                OutputStream::Stdout,
+                &data(
+                    "e
+",
+                ),
+            )
+            .unwrap();
+        }
+        // A file of a job nobody recorded.
+        let _ = book.spool().unwrap().create(&id("job-zz")).unwrap();
+        assert!(writer.finish(Duration::from_secs(5)).await);
+        drop(book); // the crash
+
+        let records = s.store.jobs().await.unwrap();
+        assert_eq!(records.len(), 5);
+        assert!(records
+            .iter()
+            .all(|r| !r.command.is_empty() && r.labels == ["linux"]));
+        let (book, writer) = s.book(1024, false);
+        let restored = book.restore(records);
+        assert_eq!(restored.finished, 1);
+        assert_eq!(restored.aborted_running, [ran.clone(), behind.clone()]);
+        assert_eq!(
+            restored.aborted_unstarted,
+            [spawning.clone(), pending.clone()]
+        );
+        assert!(restored.output_lost.is_empty(), "{restored:?}");
+        assert_eq!(restored.stray_files, 1);
+
+        let view = book.view(&ran).unwrap();
+        assert_eq!(view.state, JobState::Failed);
+        assert_eq!(view.end, Some(EndKind::Aborted));
+        assert_eq!(view.reason.as_deref(), Some(RESTARTED_WHILE_RUNNING));
+        assert_eq!(view.agent_id, Some(agent(1).to_string()));
+        assert_eq!((view.output_bytes, view.output_lost), (8, false));
+        assert_eq!(view.run_exit_code(), Some(125));
+        assert_eq!(
+            all_output(&book, &ran),
+            "one
+two
+"
+        );
+        assert!(matches!(book.read(&ran, 2), Some(Read::End(_))));
+        let view = book.view(&behind).unwrap();
+        assert_eq!(view.reason.as_deref(), Some(RESTARTED_WHILE_RUNNING));
+        assert_eq!(
+            all_output(&book, &behind),
+            "e
+"
+        );
+        let view = book.view(&spawning).unwrap();
+        assert_eq!(view.reason.as_deref(), Some(RESTARTED_BEFORE_START));
+        assert_eq!(view.end, Some(EndKind::Aborted));
+        let view = book.view(&pending).unwrap();
+        assert_eq!(
+            view.reason.as_deref(),
+            Some(crate::persist::STANDALONE_LOST)
+        );
+        let view = book.view(&done).unwrap();
+        assert_eq!(
+            (view.state, view.end, view.exit_code),
+            (JobState::Failed, Some(EndKind::Exited), Some(3))
+        );
+        assert_eq!(
+            all_output(&book, &done),
+            "bye
+"
+        );
+        // Nothing new happens to a restored job.
+        book.started(&ran, agent(1));
+        book.output(
+            &ran,
+            OutputStream::Stdout,
+            data(
+                "late
+",
+            ),
+        );
+        assert_eq!(
+            all_output(&book, &ran),
+            "one
+two
+"
+        );
+        assert_eq!(
+            s.files(),
+            ["job-a.out", "job-d.out", "job-e.out"],
+            "the stray file went"
+        );
+
+        // The ends are recorded: a second restart shows the same.
+        assert!(writer.finish(Duration::from_secs(5)).await);
+        let records = s.store.jobs().await.unwrap();
+        let a = records.iter().find(|r| r.job_id == ran).unwrap();
+        assert_eq!(
+            (a.state.as_str(), a.end.as_deref()),
+            ("failed", Some("aborted"))
+        );
+        assert_eq!(a.output_bytes, 8);
+        let (again, _writer) = s.book(1024, false);
+        let restored = again.restore(records);
+        assert_eq!(restored.finished, 5);
+        assert_eq!(again.view(&ran), book.view(&ran));
+        assert_eq!(
+            all_output(&again, &ran),
+            "one
+two
+"
+        );
+    }
+
+    #[tokio::test]
+    async fn output_kept_in_memory_only_is_reported_lost() {
+        let s = Stored::new().await;
+        let (book, writer) = s.book(1024, true);
+        let ran = id("job-a");
+        let _ = book.insert(spec("job-a"), LabelSet::default());
+        book.started(&ran, agent(1));
+        book.output(
+            &ran,
+            OutputStream::Stdout,
+            data(
+                "gone
+",
+            ),
+        );
+        let quiet = id("job-b");
+        let _ = book.insert(spec("job-b"), LabelSet::default());
+        assert!(writer.finish(Duration::from_secs(5)).await);
+        drop(book);
+        let (book, _writer) = s.book(1024, true);
+        let restored = book.restore(s.store.jobs().await.unwrap());
+        assert_eq!(restored.output_lost, std::slice::from_ref(&ran));
+        let view = book.view(&ran).unwrap();
+        assert!(view.output_lost);
+        assert_eq!(view.reason.as_deref(), Some(RESTARTED_WHILE_RUNNING));
+        assert!(!book.view(&quiet).unwrap().output_lost);
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["outputLost"], true);
+        let json = serde_json::to_value(book.view(&quiet).unwrap()).unwrap();
+        assert!(json.get("outputLost").is_none());
+    }
+
+    #[tokio::test]
+    async fn the_output_file_stays_bounded_and_forgotten_jobs_leave_nothing() {
+        let s = Stored::new().await;
+        let cap = 1024;
+        let (book, writer) = s.book(cap, false);
+        let big = id("job-big");
+        let _ = book.insert(spec("job-big"), LabelSet::default());
+        book.started(&big, agent(1));
+        let line = "x".repeat(999)
+            + "
+";
+        for _ in 0..300 {
+            book.output(&big, OutputStream::Stdout, data(&line));
+        }
+        let file = s.dir.path().join(OUTPUT_DIR).join("job-big.out");
+        let len = std::fs::metadata(&file).unwrap().len();
+        assert!(len < 3 * cap as u64 + 70_000, "{len} bytes");
+        book.ended(&big, &JobEnd::Completed(JobResult::exited(0)));
+        let len = std::fs::metadata(&file).unwrap().len();
+        assert!(len < cap as u64 + 70_000, "{len} bytes after the end");
+        assert!(writer.finish(Duration::from_secs(5)).await);
+        let (again, writer) = s.book(cap, false);
+        again.restore(s.store.jobs().await.unwrap());
+        let view = again.view(&big).unwrap();
+        assert_eq!(view, book.view(&big).unwrap());
+        assert_eq!((view.output_bytes, view.dropped_bytes), (300_000, 299_000));
+        assert_eq!(all_output(&again, &big), line);
+        let Some(Read::Chunks { missed, .. }) = again.read(&big, 0) else {
+            panic!("chunks expected");
+        };
+        assert_eq!(missed, Some((0, 298)));
+
+        // Finished jobs beyond the limit (8) take their record and file.
+        for n in 0..8 {
+            let j = id(&format!("job-{n}"));
+            let _ = again.insert(spec(j.as_str()), LabelSet::default());
+            again.started(&j, agent(2));
+            again.abort(&j, "test".into());
+        }
+        assert!(again.view(&big).is_none());
+        assert!(!file.exists());
+        assert!(writer.finish(Duration::from_secs(5)).await);
+        let left = s.store.jobs().await.unwrap();
+        assert_eq!(left.len(), 8);
+        assert!(left.iter().all(|r| r.job_id != big));
+    }
+
     #[test]
     fn exit_codes_for_run() {
         let view = |end, exit_code, signal, reason: Option<&str>| JobView {
@@ -1040,6 +1740,7 @@ mod tests {
             reason: reason.map(str::to_owned),
             output_bytes: 0,
             dropped_bytes: 0,
+            output_lost: false,
         };
         assert_eq!(
             view(EndKind::Exited, Some(0), None, None).run_exit_code(),

@@ -1,7 +1,7 @@
-//! Pending scale requests and the SSE event stream in the state store: what
-//! lets both survive a daemon restart.
+//! Pending scale requests, standalone jobs and the SSE event stream in the
+//! state store: what lets them survive a daemon restart.
 //!
-//! [`Persister`] is the one writer of both tables. Everything it writes
+//! [`Persister`] is the one writer of these tables. Everything it writes
 //! arrives on one channel in the order it happened:
 //!
 //! - a scale request that entered the pending queue is recorded
@@ -19,20 +19,30 @@
 //!   While the store is down events wait (up to [`MAX_BACKLOG`]; beyond,
 //!   the oldest are dropped and readers see a `reset` for them). The newest
 //!   `keep` events are kept (bounded retention; never fewer than one, the
-//!   highest id is what numbering continues from).
+//!   highest id is what numbering continues from);
+//! - a standalone job's record ([`JobRecorder`], sent by the
+//!   [`JobBook`](crate::jobs::JobBook) under its lock at every change, so in
+//!   the order the changes happened): written before the job is
+//!   acknowledged (a job the store could not record is withdrawn and
+//!   answered 503, like a pending request), rewritten when it gets an
+//!   agent, starts and ends, deleted when the job is forgotten. A write
+//!   that fails because the store is down is retried (a newer write of the
+//!   same job supersedes it).
 //!
-//! After a restart, [`restore_pending`] re-queues the recorded requests with
-//! their original arrival time (so their place and their TTL), see its docs
-//! for which ones.
+//! After a restart, [`restore`] takes the recorded jobs back first (a job
+//! that had not ended is shown ended, aborted, with why: see
+//! [`crate::jobs::JobBook::restore`]), then re-queues the recorded requests
+//! with their original arrival time (so their place and their TTL), see
+//! [`restore_pending`] for which ones.
 
 use crate::events::{EventLog, LoggedEvent};
-use crate::jobs::JobBook;
+use crate::jobs::{JobBook, JobsRestored};
 use kici_engine::runtime::Runtime;
 use kici_engine::{Mode, ScaleError, ScaleOutcome, ScaleRequest};
 use kici_model::{JobId, LabelSet, MemoryBytes, MilliCpu, ResourceRequest, ResourceSpec};
-use kici_store::{PendingRecord, StateStore, StoreError, UnixMillis};
+use kici_store::{JobRecord, PendingRecord, StateStore, StoreError, UnixMillis};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, oneshot};
@@ -55,6 +65,10 @@ enum Op {
     /// Pending-ended events may have been missed (the pump fell behind):
     /// delete every record whose job no longer waits.
     Resync(Runtime),
+    /// A standalone job's record, as of now; the sender (if any) is told
+    /// how the first attempt went.
+    PutJob(JobRecord, Option<oneshot::Sender<Result<(), StoreError>>>),
+    DeleteJob(JobId),
 }
 
 /// The writer task (owned by the event pump, which feeds it events).
@@ -72,6 +86,18 @@ pub struct PendingRecorder {
     tx: mpsc::UnboundedSender<Op>,
 }
 
+/// Records standalone jobs (held by the [`JobBook`]).
+#[derive(Clone)]
+pub struct JobRecorder {
+    tx: mpsc::UnboundedSender<Op>,
+}
+
+impl std::fmt::Debug for JobRecorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobRecorder")
+    }
+}
+
 impl Persister {
     /// Starts the writer: recorded events go to `log` once committed; the
     /// newest `keep` are kept in the store.
@@ -83,6 +109,7 @@ impl Persister {
             keep: keep.max(1),
             backlog: VecDeque::new(),
             failed_deletes: BTreeSet::new(),
+            failed_jobs: BTreeMap::new(),
             since_trim: 0,
             down: false,
         };
@@ -92,6 +119,12 @@ impl Persister {
 
     pub fn recorder(&self) -> PendingRecorder {
         PendingRecorder {
+            tx: self.tx.clone(),
+        }
+    }
+
+    pub fn job_recorder(&self) -> JobRecorder {
+        JobRecorder {
             tx: self.tx.clone(),
         }
     }
@@ -183,12 +216,43 @@ impl PendingRecorder {
     }
 }
 
+impl JobRecorder {
+    /// Writes `record` (ordered after every record sent before); the
+    /// answer says whether the first attempt was committed. Dropping it is
+    /// fine: a write that failed because the store is down is retried
+    /// either way, until a newer record of the job replaces it.
+    pub fn save(&self, record: JobRecord) -> RecordAck {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.tx.send(Op::PutJob(record, Some(tx)));
+        rx
+    }
+
+    /// Deletes a job's record (ordered after every record sent before).
+    pub fn forget(&self, job: JobId) {
+        let _ = self.tx.send(Op::DeleteJob(job));
+    }
+
+    /// Waits (up to [`RECORD_LIMIT`]) for the answer of [`JobRecorder::save`].
+    pub async fn committed(ack: RecordAck) -> Result<(), StoreError> {
+        match tokio::time::timeout(RECORD_LIMIT, ack).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the state writer stopped".into())),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "recording the job took longer than {RECORD_LIMIT:?}"
+            ))),
+        }
+    }
+}
+
 struct Writer {
     store: Arc<dyn StateStore>,
     log: Arc<EventLog>,
     keep: u64,
     backlog: VecDeque<(Arc<LoggedEvent>, UnixMillis)>,
     failed_deletes: BTreeSet<JobId>,
+    /// Job records the store was down for: the newest of each job (`None`:
+    /// its delete), retried.
+    failed_jobs: BTreeMap<JobId, Option<JobRecord>>,
     since_trim: u64,
     /// The last write failed (log once per outage).
     down: bool,
@@ -215,15 +279,17 @@ impl Writer {
                 _ = retry.tick(), if self.behind() => {
                     self.write_events().await;
                     self.retry_deletes().await;
+                    self.retry_jobs().await;
                 }
             }
         }
         self.write_events().await;
         self.retry_deletes().await;
+        self.retry_jobs().await;
     }
 
     fn behind(&self) -> bool {
-        !self.backlog.is_empty() || !self.failed_deletes.is_empty()
+        !self.backlog.is_empty() || !self.failed_deletes.is_empty() || !self.failed_jobs.is_empty()
     }
 
     async fn apply(&mut self, op: Op) {
@@ -245,10 +311,60 @@ impl Writer {
                 self.backlog.push_back((event, at));
             }
             Op::Resync(runtime) => self.resync(&runtime).await,
+            Op::PutJob(record, ack) => {
+                self.failed_jobs.remove(&record.job_id);
+                let result = self.write_job(&record.job_id, Some(&record)).await;
+                if let Some(ack) = ack {
+                    let _ = ack.send(result);
+                }
+            }
+            Op::DeleteJob(job) => {
+                self.failed_jobs.remove(&job);
+                let _ = self.write_job(&job, None).await;
+            }
             Op::Flush(done) => {
                 self.write_events().await;
                 self.retry_deletes().await;
+                self.retry_jobs().await;
                 let _ = done.send(!self.behind());
+            }
+        }
+    }
+
+    /// Writes (`Some`) or deletes (`None`) a job's record; kept for a retry
+    /// if the store is down.
+    async fn write_job(
+        &mut self,
+        job: &JobId,
+        record: Option<&JobRecord>,
+    ) -> Result<(), StoreError> {
+        let result = match record {
+            Some(r) => self.store.put_job(r).await,
+            None => self.store.delete_job(job).await.map(|_| ()),
+        };
+        match &result {
+            Ok(()) => {}
+            Err(e) if e.is_unavailable() => {
+                tracing::warn!(job_id = %job, error = %e, "recording a job failed; retrying");
+                self.failed_jobs.insert(job.clone(), record.cloned());
+            }
+            // Not an outage: a retry would fail the same way.
+            Err(e) => {
+                tracing::error!(job_id = %job, error = %e, "a job's record could not be written")
+            }
+        }
+        result
+    }
+
+    async fn retry_jobs(&mut self) {
+        let jobs = std::mem::take(&mut self.failed_jobs);
+        let mut left = jobs.into_iter();
+        while let Some((job, record)) = left.next() {
+            let _ = self.write_job(&job, record.as_ref()).await;
+            if self.failed_jobs.contains_key(&job) {
+                // Still down: keep the rest for the next tick.
+                self.failed_jobs.extend(left);
+                return;
             }
         }
     }
@@ -464,6 +580,46 @@ pub struct PendingRestored {
     pub dropped: Vec<(JobId, String)>,
 }
 
+/// Takes back what was recorded before a restart besides agents: the
+/// standalone jobs first ([`JobBook::restore`]: every one shown again, one
+/// that had not ended ended now, with why), then the pending requests
+/// ([`restore_pending`]). Must run where [`restore_pending`] must.
+pub fn restore(
+    runtime: &Runtime,
+    recorder: &PendingRecorder,
+    jobs: &JobBook,
+    job_records: Vec<JobRecord>,
+    pending: Vec<PendingRecord>,
+    jobs_of_recorded_agents: &HashSet<JobId>,
+    now: SystemTime,
+) -> PendingRestored {
+    let restored = jobs.restore(job_records);
+    log_jobs_restored(&restored);
+    restore_pending(
+        runtime,
+        recorder,
+        jobs,
+        pending,
+        jobs_of_recorded_agents,
+        now,
+    )
+}
+
+fn log_jobs_restored(r: &JobsRestored) {
+    tracing::info!(
+        finished = r.finished,
+        aborted_running = r.aborted_running.len(),
+        aborted_unstarted = r.aborted_unstarted.len(),
+        output_lost = r.output_lost.len(),
+        unreadable = r.unreadable.len(),
+        stray_output_files = r.stray_files,
+        "recorded jobs restored"
+    );
+    for (job, why) in &r.unreadable {
+        tracing::warn!(job_id = %job, reason = %why, "recorded job unreadable; its record is deleted");
+    }
+}
+
 /// Why a restored standalone job failed.
 pub const STANDALONE_LOST: &str =
     "kici-scaler restarted before the job got an agent; it was not run (its submitter's connection ended with the old daemon)";
@@ -513,6 +669,8 @@ pub fn restore_pending(
             }
         };
         if request.mode == Mode::Standalone {
+            // Usually [`JobBook::restore`] already showed it from its own
+            // record; this covers a request recorded without one.
             jobs.restore_aborted(
                 job.clone(),
                 request.labels.clone(),

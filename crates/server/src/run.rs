@@ -411,6 +411,7 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
             // process's descriptors.
             gateway_limits: crate::serving::ConnectionLimits::gateway()
                 .within_descriptors(crate::serving::raise_open_file_limit(), 4),
+            job_output: None,
         },
         // `run` lives in a temporary state dir with a fresh identity:
         // nothing of it is left to recover, so nothing is recorded.

@@ -16,7 +16,7 @@ use crate::events::{EventLog, LoggedEvent};
 use crate::gateway::{EngineFollower, Gateway, GatewaySettings};
 use crate::jobs::JobBook;
 use crate::metrics::Metrics;
-use crate::persist::{restore_pending, PendingRecorder, PendingRestored, Persister};
+use crate::persist::{self, PendingRecorder, PendingRestored, Persister};
 use crate::pump::Pump;
 use crate::serving::{ConnectionLimits, Listener, ListenerName, Server};
 use crate::state::{durable_from_record, RecordedToken, StoreJournal};
@@ -32,7 +32,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use std::time::SystemTime;
@@ -122,6 +122,9 @@ pub struct StackOptions {
     pub gateway: GatewaySettings,
     /// Each gateway listener's connection bounds.
     pub gateway_limits: ConnectionLimits,
+    /// Where standalone jobs' output is kept on disk (with a state store:
+    /// readable again after a crash); `None`: in memory only.
+    pub job_output: Option<PathBuf>,
 }
 
 /// Why a stack did not start.
@@ -211,10 +214,10 @@ impl Stack {
         ));
         let metrics = Arc::new(Metrics::new(&config));
         let events = Arc::new(EventLog::new(options.event_replay.max(1)));
-        let jobs = Arc::new(JobBook::new());
         let mut recovery = Recovery::default();
         let mut recorded = Vec::new();
         let mut pending_records = Vec::new();
+        let mut job_records = Vec::new();
         let mut persister = None;
         let runtime = match &store {
             None => Runtime::start(engine, backends.backends, bootstrapper),
@@ -227,6 +230,7 @@ impl Stack {
                     }
                 }
                 pending_records = store.pending().await?;
+                job_records = store.jobs().await?;
                 // Event ids continue after the highest recorded one; the
                 // newest recorded events are replayable at once.
                 let last = store.last_event_seq().await?.unwrap_or(0);
@@ -249,6 +253,11 @@ impl Stack {
             }
         };
         let pending = persister.as_ref().map(|(p, _)| p.recorder());
+        // With a store, every job is recorded as it changes.
+        let jobs = Arc::new(match &persister {
+            Some((p, _)) => JobBook::durable(p.job_recorder(), options.job_output.as_deref()),
+            None => JobBook::new(),
+        });
         // Subscribed before anything yields: the runtime's first tick runs
         // only then.
         let gateway = Gateway::new(
@@ -274,10 +283,11 @@ impl Stack {
             let mut restored = PendingRestored::default();
             recovery.report = runtime
                 .recover_then_start(records, |rt| {
-                    restored = restore_pending(
+                    restored = persist::restore(
                         rt,
                         recorder,
                         &jobs,
+                        job_records,
                         pending_records,
                         &held,
                         SystemTime::now(),

@@ -1,8 +1,9 @@
 //! What the daemon keeps across a `kill -9` besides its agents: pending
 //! scale requests (re-queued with their arrival time and TTL, dedupe by job
-//! id intact; standalone jobs failed, not run) and the SSE event ids
+//! id intact; standalone jobs failed, not run), the SSE event ids
 //! (numbering continues, `Last-Event-ID` replays across the restart,
-//! retention bounded). On SQLite and on PostgreSQL.
+//! retention bounded) and standalone jobs (a started one ends aborted, its
+//! output readable, its agent destroyed). On SQLite and on PostgreSQL.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,6 +14,8 @@ use common::{take_sse_events, SseEvent};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// The first `n` SSE events of `GET /v1/events` after `last_event_id`.
@@ -251,4 +254,236 @@ fn serial_pending_requests_and_event_ids_survive_kill_9_on_postgres() {
     let dir = Dir::bare_metal(1);
     let url = fresh_database(54329);
     pending_and_event_ids_survive_kill_9(&dir, &["--state", &url], &url);
+}
+
+// ----- standalone jobs across a crash --------------------------------------
+
+/// The directory holding `kici-agent-lite`: beside `kici-scaler` after a
+/// workspace build, else built once into a target dir of its own (the
+/// build's own lock may be held by the test run).
+fn agent_lite() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let beside = Path::new(common::daemon::BIN)
+            .parent()
+            .unwrap()
+            .to_path_buf();
+        if beside.join("kici-agent-lite").is_file() {
+            return beside;
+        }
+        let target = beside.parent().unwrap().join("kici-agent-lite-for-tests");
+        let status = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "kici-agent-lite"])
+            .env("CARGO_TARGET_DIR", &target)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "cannot build kici-agent-lite");
+        target.join("debug")
+    })
+    .join("kici-agent-lite")
+}
+
+/// `GET /v1/jobs/{id}/logs` read until the job's stdout contains `until`
+/// (`Some`) or to the stream's end (`None`): the stdout read, and the `end`
+/// event's job if the stream ended.
+fn job_logs(d: &Daemon, id: &str, until: Option<&str>) -> (String, Option<Value>) {
+    let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(s, "GET /v1/jobs/{id}/logs HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut raw = String::new();
+    let mut body_started = false;
+    let mut stdout = String::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let k = s.read(&mut buf).unwrap();
+        if k == 0 {
+            assert!(
+                until.is_none(),
+                "the stream ended before {until:?}: {stdout:?}"
+            );
+            return (stdout, None);
+        }
+        raw.push_str(&String::from_utf8_lossy(&buf[..k]));
+        if !body_started {
+            let Some(at) = raw.find("\r\n\r\n") else {
+                continue;
+            };
+            assert!(
+                raw.starts_with("HTTP/1.0 200") || raw.starts_with("HTTP/1.1 200"),
+                "{raw}"
+            );
+            raw.drain(..at + 4);
+            body_started = true;
+        }
+        for e in take_sse_events(&mut raw) {
+            match e.event.as_str() {
+                "output" if e.data["stream"] == "stdout" => {
+                    let chunk: kici_protocol::ChunkData =
+                        serde_json::from_value(e.data["data"].clone()).unwrap();
+                    stdout.push_str(&String::from_utf8(chunk.into_bytes()).unwrap());
+                }
+                "end" => return (stdout, Some(e.data)),
+                _ => {}
+            }
+        }
+        if until.is_some_and(|u| stdout.contains(u)) {
+            return (stdout, None);
+        }
+    }
+}
+
+fn job(d: &Daemon, id: &str) -> Value {
+    let (status, body) = d.http("GET", &format!("/v1/jobs/{id}"), None);
+    assert_eq!(status, 200, "GET /v1/jobs/{id}: {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn process_gone(pid: i32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    matches!(
+        stat.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next(),
+        None | Some("Z")
+    )
+}
+
+/// Three started standalone jobs and a waiting one when the daemon is
+/// killed: after the restart each started job is still there, ended
+/// (`failed`, `end: aborted`, "kici-scaler restarted while the job ran"),
+/// with the output it wrote before the crash readable; the waiting one is
+/// failed as before; the recovery destroyed the started jobs' agents — no
+/// process, no cgroup left.
+fn started_jobs_survive_kill_9(state: &[&str]) {
+    let dir = Dir::with_config(&format!(
+        "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 3\n    labelSets:\n      - labels: [local]\n        binaryPath: {}\n",
+        agent_lite().display()
+    ));
+    let mut args = vec!["--listen", "127.0.0.1:0"];
+    args.extend(state);
+    let mut a = Daemon::start(&dir, &args, &[]);
+    let mut started = Vec::new();
+    for n in 0..3 {
+        let pidfile = dir.path(&format!("job-{n}.pid"));
+        let script = format!(
+            "echo $$ > {}; echo line-{n}; exec sleep 1000",
+            pidfile.display()
+        );
+        let body = serde_json::json!({"labels": ["local"], "command": ["sh", "-c", script]});
+        let (status, answer) = a.http("POST", "/v1/jobs", Some(&body.to_string()));
+        assert_eq!(status, 202, "{answer}");
+        let answer: Value = serde_json::from_str(&answer).unwrap();
+        started.push((answer["jobId"].as_str().unwrap().to_owned(), pidfile, n));
+    }
+    let body = r#"{"labels":["local"],"command":["sh","-c","echo never"]}"#;
+    let (status, answer) = a.http("POST", "/v1/jobs", Some(body));
+    assert_eq!(status, 202, "{answer}");
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(answer["state"], "pending", "{answer}");
+    let waiting = answer["jobId"].as_str().unwrap().to_owned();
+
+    let cgroups = Path::new(common::daemon::CGROUP_V2)
+        .join("kici-scaler")
+        .join(dir.instance())
+        .join("local");
+    let procs = |agent: &str| -> Vec<i32> {
+        std::fs::read_to_string(cgroups.join(agent).join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    };
+    let mut before = Vec::new();
+    for (id, pidfile, n) in &started {
+        let line = format!("line-{n}\n");
+        let (stdout, end) = job_logs(&a, id, Some(&line));
+        assert_eq!((stdout.as_str(), end), (line.as_str(), None));
+        let view = job(&a, id);
+        assert_eq!(view["state"], "running", "{view}");
+        let pid: i32 = std::fs::read_to_string(pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let agent = view["agentId"].as_str().unwrap().to_owned();
+        assert!(
+            procs(&agent).contains(&pid),
+            "{pid} not in {agent}'s cgroup"
+        );
+        before.push((agent, pid));
+    }
+    a.kill9();
+    // Bare-metal agents outlive the daemon (their job dies with its
+    // connection): the recovery must end them.
+    let mut agent_pids = Vec::new();
+    for (agent, _) in &before {
+        let left = procs(agent);
+        assert!(!left.is_empty(), "{agent} died with the daemon");
+        agent_pids.extend(left);
+    }
+
+    let b = Daemon::start(&dir, &args, &[]);
+    assert_eq!(
+        b.pending_restored["standalone_failed"], 1,
+        "{}",
+        b.pending_restored
+    );
+    for ((id, _, n), (agent, _)) in started.iter().zip(&before) {
+        let view = job(&b, id);
+        assert_eq!(view["state"], "failed", "{view}");
+        assert_eq!(view["end"], "aborted", "{view}");
+        assert_eq!(
+            view["reason"], "kici-scaler restarted while the job ran",
+            "{view}"
+        );
+        assert_eq!(view["agentId"], agent.as_str(), "{view}");
+        assert!(view.get("exitCode").is_none(), "{view}");
+        assert!(view.get("outputLost").is_none(), "{view}");
+        let line = format!("line-{n}\n");
+        assert_eq!(view["outputBytes"], line.len(), "{view}");
+        let (stdout, end) = job_logs(&b, id, None);
+        assert_eq!(stdout, line, "the output before the crash");
+        assert_eq!(end.as_ref(), Some(&view), "the logs' end is the job");
+    }
+    let view = job(&b, &waiting);
+    assert_eq!(
+        (&view["state"], &view["end"]),
+        (&Value::from("failed"), &Value::from("aborted"))
+    );
+    assert!(
+        view["reason"]
+            .as_str()
+            .unwrap()
+            .contains("before the job got an agent"),
+        "{view}"
+    );
+    assert!(view.get("agentId").is_none(), "{view}");
+
+    // Nothing of the started jobs' agents is left.
+    for pid in &agent_pids {
+        wait_until(&format!("agent process {pid} ends"), || process_gone(*pid));
+    }
+    for (agent, pid) in &before {
+        wait_until(&format!("{agent} is destroyed"), || {
+            process_gone(*pid)
+                && !cgroups.join(agent).exists()
+                && matches!(b.state_of(agent).as_str(), "" | "gone")
+        });
+    }
+    assert!(b.agents().is_empty(), "{:?}", b.agents());
+    b.terminate();
+}
+
+#[test]
+fn serial_started_jobs_survive_kill_9_aborted_with_their_output_on_sqlite() {
+    started_jobs_survive_kill_9(&[]);
+}
+
+#[test]
+fn serial_started_jobs_survive_kill_9_aborted_with_their_output_on_postgres() {
+    let url = fresh_database(54329);
+    started_jobs_survive_kill_9(&["--state", &url]);
 }

@@ -91,6 +91,7 @@ impl Setup {
                 event_replay: 100,
                 gateway: settings,
                 gateway_limits: kici_scaler::serving::ConnectionLimits::gateway(),
+                job_output: None,
             },
             None,
         )

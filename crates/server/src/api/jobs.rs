@@ -150,7 +150,9 @@ fn job_not_found(id: &JobId) -> ApiError {
 /// Routes the labels, admits against every cap and provisions an agent;
 /// the agent receives the command over the agent gateway, streams its
 /// output and reports its exit, and is destroyed when the job ends. A job
-/// that does not fit now waits (`pending`) until capacity frees.
+/// that does not fit now waits (`pending`) until capacity frees. The job is
+/// recorded in the state store before the answer: if kici-scaler crashes,
+/// it is still shown after the restart (ended, with why).
 #[utoipa::path(
     post,
     path = "/v1/jobs",
@@ -170,7 +172,11 @@ pub async fn submit_job(
     ApiJson(body): ApiJson<JobBody>,
 ) -> Result<(StatusCode, Json<JobAccepted>), ApiError> {
     let request = body.into_request(JobBook::mint_id())?;
-    state.store_reachable().await?;
+    // A durable book commits the job's record before anything starts: that
+    // write is the store's check.
+    if !state.jobs.is_durable() {
+        state.store_reachable().await?;
+    }
     let recorder = state.pending_recorder();
     let view = jobs::submit_recorded(&state.runtime, &state.jobs, recorder.as_ref(), request)
         .await
@@ -185,6 +191,11 @@ pub async fn submit_job(
 }
 
 /// One job: its state, agent, and how it ended.
+///
+/// A job that had not ended when kici-scaler crashed is shown after the
+/// restart as `failed`, `end: aborted`, with the reason (`kici-scaler
+/// restarted while the job ran`, or before it started); its agent was
+/// destroyed by the recovery.
 #[utoipa::path(
     get,
     path = "/v1/jobs/{id}",
@@ -271,7 +282,8 @@ struct Truncated {
 /// `truncated` (`{"missedFrom","missedTo","reason"}`: chunks this reader
 /// asked for that the per-job buffer, 4 MiB, no longer holds); `end`
 /// (`data:` the job, as `GET /v1/jobs/{id}`). `Last-Event-ID` resumes after
-/// that chunk.
+/// that chunk. After a restart of kici-scaler, a job's output from before
+/// it is read back from the state dir, unless the job says `outputLost`.
 #[utoipa::path(
     get,
     path = "/v1/jobs/{id}/logs",
