@@ -34,6 +34,7 @@
 //! released (the engine's job). Frames above [`MAX_FRAME_BYTES`] are refused
 //! by the WebSocket layer and end the connection (close 1009).
 
+use crate::enrolment::{Enrolment, Refusal, Via};
 use crate::jobs::{Action, JobBook};
 use crate::token::{TokenGrant, TokenRejection, TokenStore};
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
@@ -125,7 +126,7 @@ struct SessionHandle {
 /// The gateway: shared by every connection. Cheap to share (`Arc`).
 pub struct Gateway {
     runtime: Runtime,
-    tokens: Arc<TokenStore>,
+    enrolment: Enrolment,
     jobs: Arc<JobBook>,
     settings: GatewaySettings,
     sessions: Mutex<HashMap<AgentId, SessionHandle>>,
@@ -143,8 +144,8 @@ impl Gateway {
         settings: GatewaySettings,
     ) -> Arc<Self> {
         Arc::new(Self {
+            enrolment: Enrolment::new(runtime.clone(), tokens),
             runtime,
-            tokens,
             jobs,
             settings,
             sessions: Mutex::new(HashMap::new()),
@@ -252,11 +253,10 @@ impl Gateway {
                 sessions.remove(&agent);
             }
         }
-        match self.runtime.agent_disconnected(agent) {
-            Ok(()) | Err(AgentError::Gone(_) | AgentError::NotOurs(_)) => {}
+        match self.enrolment.disconnected(agent, Via::Gateway) {
+            Ok(()) | Err(AgentError::NotOurs(_)) => {}
             Err(e) => tracing::warn!(agent_id = %agent, error = %e, "disconnect not applied"),
         }
-        tracing::info!(agent_id = %agent, "agent disconnected from the gateway");
     }
 
     async fn authenticate(&self, conn: &mut Conn) -> Result<TokenGrant, Closed> {
@@ -296,23 +296,14 @@ impl Gateway {
                 return Err(conn.refuse("first message must be auth.request").await);
             }
         };
-        match self.tokens.identify(auth.token.expose()) {
+        match self.enrolment.identify(auth.token.expose()) {
             Ok(grant) => {
                 let connection_id = format!("conn-{}", hex::encode(rand_bytes()));
                 conn.send(&GatewayMessage::AuthSuccess(AuthSuccess { connection_id }))
                     .await?;
                 Ok(grant)
             }
-            Err(why) => {
-                tracing::warn!(reason = %why, "agent token refused");
-                let reason = match why {
-                    TokenRejection::Expired => "token expired",
-                    TokenRejection::NoToken | TokenRejection::Mismatch => {
-                        "invalid or expired token"
-                    }
-                };
-                Err(conn.refuse(reason).await)
-            }
+            Err(refusal) => Err(conn.refuse(&close_reason(&refusal)).await),
         }
     }
 
@@ -337,26 +328,11 @@ impl Gateway {
         };
         let agent = register.agent_id;
         conn.agent = Some(agent);
-        if agent != grant.agent {
-            tracing::warn!(agent_id = %agent, token_agent = %grant.agent, "registration with another agent's token");
-            return Err(conn
-                .refuse(&format!("the token is not bound to agent {agent}"))
-                .await);
-        }
-        let outside: Vec<&str> = register
-            .labels
-            .iter()
-            .filter(|l| !is_host_label(l) && !grant.scope.contains(l))
-            .map(Label::as_str)
-            .collect();
-        if !outside.is_empty() {
-            tracing::warn!(agent_id = %agent, labels = %outside.join(","), "registration with labels outside the token's scope");
-            return Err(conn
-                .refuse(&format!(
-                    "labels outside the token's scope: {}",
-                    outside.join(", ")
-                ))
-                .await);
+        if let Err(refusal) =
+            self.enrolment
+                .check_claim(grant, agent, register.labels.iter().cloned())
+        {
+            return Err(conn.refuse(&close_reason(&refusal)).await);
         }
         // In the map before the engine hears of the registration, so a
         // dispatch it triggers finds the session.
@@ -378,26 +354,16 @@ impl Gateway {
                 .close(CloseCode::InvalidMessage, "this agent is already connected")
                 .await);
         }
-        let registration = match self.runtime.agent_registered(agent) {
+        let registration = match self.enrolment.register(agent, Via::Gateway) {
             Ok(r) => r,
-            Err(e) => {
+            Err(refusal) => {
                 self.sessions.lock().remove(&agent);
-                tracing::warn!(agent_id = %agent, error = %e, "registration refused by the engine");
-                let reason = match e {
-                    AgentError::NotOurs(_) | AgentError::Gone(_) => {
-                        format!("agent {agent} is not managed by this kici-scaler")
-                    }
-                    other => format!("agent {agent} cannot register: {other}"),
-                };
-                return Err(conn.refuse(&reason).await);
+                return Err(conn.refuse(&close_reason(&refusal)).await);
             }
         };
-        tracing::info!(
-            agent_id = %agent,
-            job_id = registration.bound_job_id.as_ref().map(|j| j.as_str()),
-            version = register.version.as_deref(),
-            "agent registered through the gateway"
-        );
+        if let Some(version) = register.version.as_deref() {
+            tracing::debug!(agent_id = %agent, version, "agent version");
+        }
         conn.send(&GatewayMessage::RegisterAck(RegisterAck {
             agent_id: agent,
             labels: register.labels.clone(),
@@ -438,9 +404,12 @@ impl Gateway {
         }
         // Bootstrap secrets handed over a side channel (Firecracker's MMDS)
         // are gone, verified, before the agent gets any job.
-        if let Err(e) = self.runtime.agent_configured(agent).await {
-            tracing::error!(agent_id = %agent, error = %e, "clearing the agent's bootstrap data failed; the agent is destroyed");
-            let _ = self.runtime.destroy_agent(agent);
+        if self
+            .enrolment
+            .configured(agent, Via::Gateway)
+            .await
+            .is_err()
+        {
             return Err(conn
                 .close(CloseCode::GoingAway, "bootstrap data could not be cleared")
                 .await);
@@ -670,11 +639,16 @@ struct JobTrack {
     next_seq: u64,
 }
 
-/// Host labels an agent adds on its own, outside its token's scope.
-fn is_host_label(label: &Label) -> bool {
-    ["kici:os:", "kici:arch:", "kici:host:"]
-        .iter()
-        .any(|p| label.as_str().starts_with(p))
+/// The reason an `auth.failure` gives for a refusal: what the agent must
+/// know to stop retrying, nothing about which tokens exist.
+fn close_reason(refusal: &Refusal) -> String {
+    match refusal {
+        Refusal::Token(TokenRejection::Expired) => "token expired".to_owned(),
+        Refusal::Token(TokenRejection::NoToken | TokenRejection::Mismatch) => {
+            "invalid or expired token".to_owned()
+        }
+        other => other.to_string(),
+    }
 }
 
 /// The `type` of a JSON message that did not parse as a whole.

@@ -11,6 +11,7 @@ use super::wire::{
     RegistrationAnswer,
 };
 use super::{parse_agent, AppState};
+use crate::enrolment::{Refusal, Via};
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
@@ -53,20 +54,11 @@ pub async fn registered(
     ApiJson(body): ApiJson<RegisteredBody>,
 ) -> Result<Json<RegistrationAnswer>, ApiError> {
     let agent = parse_agent(&id)?;
-    if state.runtime.agent(agent).is_none() {
-        return Err(ApiError::agent_not_found(agent));
-    }
-    if let Err(why) = state.tokens.verify(agent, &body.token) {
-        tracing::warn!(agent_id = %agent, reason = %why, "agent token refused");
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid-agent-token",
-            "the agent token is not valid for this agent (wrong, expired or revoked)",
-        )
-        .field("token"));
-    }
-    let registration = state.runtime.agent_registered(agent).map_err(agent_error)?;
-    tracing::info!(agent_id = %agent, job_id = registration.bound_job_id.as_ref().map(|j| j.as_str()), "agent registered");
+    let enrolment = state.enrolment();
+    let registration = enrolment
+        .verify(agent, &body.token)
+        .and_then(|()| enrolment.register(agent, Via::Orchestrator))
+        .map_err(refusal_error)?;
     Ok(Json(RegistrationAnswer {
         bound_job_id: registration.bound_job_id.map(|j| j.to_string()),
         mandatory_labels: registration
@@ -96,27 +88,39 @@ pub async fn config_ack(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    let Some(view) = state.runtime.agent(agent) else {
+    if state.runtime.agent(agent).is_none() {
         return Err(ApiError::agent_not_found(agent));
-    };
+    }
     // Firecracker clears (and verifies) the MMDS here: the orchestrator
-    // must not dispatch before this answers 204. A leaving agent has
-    // nothing left to clear (and the report stays idempotent).
-    let leaving = matches!(view.state, AgentState::Destroying | AgentState::Gone);
-    if leaving {
-        return Ok(StatusCode::NO_CONTENT);
-    }
-    if let Err(e) = state.runtime.agent_configured(agent).await {
-        tracing::error!(agent_id = %agent, error = %e, "clearing the agent's bootstrap data failed; the agent is destroyed");
-        let _ = state.runtime.destroy_agent(agent);
-        return Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "bootstrap-not-cleared",
-            e.to_string(),
-        ));
-    }
-    tracing::info!(agent_id = %agent, "agent config acknowledged");
+    // must not dispatch before this answers 204.
+    state
+        .enrolment()
+        .configured(agent, Via::Orchestrator)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "bootstrap-not-cleared",
+                e.source.to_string(),
+            )
+        })?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The control API's answer to a refused registration.
+fn refusal_error(refusal: Refusal) -> ApiError {
+    match refusal {
+        Refusal::NotOurs(agent) => ApiError::agent_not_found(agent),
+        Refusal::Token(_) | Refusal::ForeignToken { .. } | Refusal::LabelsOutOfScope(_) => {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid-agent-token",
+                "the agent token is not valid for this agent (wrong, expired or revoked)",
+            )
+            .field("token")
+        }
+        Refusal::Engine { source, .. } => agent_error(source),
+    }
 }
 
 /// The orchestrator dispatched a job to the agent.
@@ -212,13 +216,11 @@ pub async fn disconnected(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    match state.runtime.agent_disconnected(agent) {
-        Ok(()) | Err(AgentError::Gone(_)) => {
-            tracing::info!(agent_id = %agent, "agent disconnected");
-            Ok(StatusCode::NO_CONTENT)
-        }
-        Err(e) => Err(agent_error(e)),
-    }
+    state
+        .enrolment()
+        .disconnected(agent, Via::Orchestrator)
+        .map_err(agent_error)?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Every live agent (`?all=true`: also the recently gone ones).

@@ -74,6 +74,11 @@ pub struct Shared {
 }
 
 impl AppState {
+    /// The agent lifecycle policy the agent reports go through.
+    pub fn enrolment(&self) -> crate::enrolment::Enrolment {
+        crate::enrolment::Enrolment::new(self.runtime.clone(), Arc::clone(&self.tokens))
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         runtime: Runtime,
