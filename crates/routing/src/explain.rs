@@ -4,6 +4,7 @@
 //! [`Reason`] renders as a short code (`selected`, `not-superset:gpu`, ...)
 //! so operators and tests can match on it.
 
+use crate::platform::TaintSource;
 use crate::router::Route;
 use kici_model::{Label, ScalerName};
 use serde::{Serialize, Serializer};
@@ -39,8 +40,8 @@ pub struct Candidate {
 }
 
 /// The verdict for one label set. When several apply, the first in this
-/// order is reported: `Cordoned`, `GatedMissing`, `NotSuperset`, `Excluded`,
-/// then `Selected` / `LargerThanWinner`.
+/// order is reported: `Cordoned`, `GatedMissing`, `Tainted`, `NotSuperset`,
+/// `Excluded`, then `Selected` / `LargerThanWinner`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// The winner.
@@ -50,10 +51,16 @@ pub enum Reason {
     /// The scaler is gated and the job lacks this mandatory label (the first
     /// missing one, in sorted order).
     GatedMissing(Label),
+    /// The label set is tainted by a platform label the job does not ask for
+    /// (the first missing one, in sorted order), and where the taint comes
+    /// from: the scaler's `platform`, the host (a bare-metal scaler takes
+    /// the host's platform), or the label set naming the label itself.
+    Tainted { label: Label, source: TaintSource },
     /// The job excludes this label, which the enriched set carries (the first
     /// such one, in sorted order).
     Excluded(Label),
-    /// Matched, but another set has fewer user labels or comes earlier.
+    /// Matched, but another set has fewer labels (its own plus role labels)
+    /// or comes earlier; for a job without labels, one comes earlier.
     LargerThanWinner,
     /// The scaler is cordoned.
     Cordoned,
@@ -81,6 +88,7 @@ impl fmt::Display for Reason {
                 Ok(())
             }
             Reason::GatedMissing(label) => write!(f, "gated-missing:{label}"),
+            Reason::Tainted { label, source } => write!(f, "tainted:{label}:{source}"),
             Reason::Excluded(label) => write!(f, "excluded:{label}"),
             Reason::LargerThanWinner => f.write_str("larger-than-winner"),
             Reason::Cordoned => f.write_str("cordoned"),

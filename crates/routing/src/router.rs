@@ -10,7 +10,7 @@
 
 use crate::cordon::CordonSet;
 use crate::explain::{Candidate, Explanation, Reason};
-use crate::platform::HostPlatform;
+use crate::platform::{self, HostPlatform, TaintSource};
 use crate::vocabulary::Vocabulary;
 use kici_model::{Config, Label, LabelSet, ScalerEntry, ScalerName};
 use serde::Serialize;
@@ -36,6 +36,8 @@ pub struct Router {
     /// Indexed by label id.
     postings: Vec<Posting>,
     posting_words: Vec<u64>,
+    /// The gate of every slot, label ids, back to back (see `SlotKey::gate`).
+    gate_ids: Vec<u32>,
     /// `ceil(slots / 64)`.
     slot_words: usize,
     by_name: HashMap<ScalerName, usize>,
@@ -46,22 +48,29 @@ struct ScalerRow {
     name: ScalerName,
     first_slot: usize,
     label_sets: usize,
-    gate: LabelSet,
-    gate_ids: Box<[u32]>,
+    /// `mandatoryLabels`.
+    mandatory: LabelSet,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct SlotKey {
     scaler: u32,
     label_set: u32,
-    /// Distinct configured labels: the tie-break measure.
-    user_labels: u32,
+    /// The tie-break measure: distinct configured labels plus role labels.
+    rank: u32,
+    /// `gate_ids[gate.0 .. gate.0 + gate.1]`: the ids of every label a job
+    /// must carry to land here.
+    gate: (u32, u32),
 }
 
 #[derive(Debug, Clone)]
 struct SlotDetail {
     enriched: LabelSet,
     agent_labels: Vec<String>,
+    /// `mandatoryLabels` plus the platform taints of this label set.
+    gate: LabelSet,
+    /// The platform taints, sorted by label, each with its source.
+    taints: Vec<(Label, TaintSource)>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -76,6 +85,7 @@ impl Router {
         let mut scalers = Vec::with_capacity(config.scalers.len());
         let mut slot_keys = Vec::new();
         let mut slot_details = Vec::new();
+        let mut gate_ids = Vec::new();
         let mut vocabulary = Vocabulary::default();
         // Label id → slots carrying it, ascending.
         let mut slots_of: Vec<Vec<usize>> = Vec::new();
@@ -83,18 +93,20 @@ impl Router {
 
         for (scaler_index, scaler) in config.scalers.iter().enumerate() {
             by_name.entry(scaler.name.clone()).or_insert(scaler_index);
-            let auto = auto_labels(scaler, host);
-            let gate_ids = scaler
-                .mandatory_labels
-                .iter()
-                .map(|l| intern(&mut vocabulary, &mut slots_of, l))
-                .collect();
+            let platform_taints: Vec<(Label, TaintSource)> = platform::resolve(scaler, host)
+                .map(|(p, source)| p.taints().into_iter().map(|t| (t, source)).collect())
+                .unwrap_or_default();
+            let mut auto = auto_labels(scaler, host);
+            auto.extend(platform_taints.iter().map(|(t, _)| t.clone()));
+            // Role labels count in the tie-break (so a plain job lands on the
+            // least-privileged pool, as upstream); os/arch labels never do:
+            // they differ between host platforms and would skew the choice.
+            let roles = to_u32(scaler.roles.labels().len());
             scalers.push(ScalerRow {
                 name: scaler.name.clone(),
                 first_slot: slot_keys.len(),
                 label_sets: scaler.label_sets.len(),
-                gate: scaler.mandatory_labels.clone(),
-                gate_ids,
+                mandatory: scaler.mandatory_labels.clone(),
             });
             for (set_index, set) in scaler.label_sets.iter().enumerate() {
                 let slot = slot_keys.len();
@@ -103,14 +115,32 @@ impl Router {
                     let id = intern(&mut vocabulary, &mut slots_of, label);
                     slots_of[id as usize].push(slot);
                 }
+                let mut taints = platform_taints.clone();
+                for legacy in platform::legacy_taints(&set.labels) {
+                    if !taints.iter().any(|(t, _)| t == legacy) {
+                        taints.push((legacy.clone(), TaintSource::Label));
+                    }
+                }
+                taints.sort();
+                let gate = scaler.mandatory_labels.union(&LabelSet::from_labels(
+                    taints.iter().map(|(t, _)| t.clone()),
+                ));
+                let gate_start = to_u32(gate_ids.len());
+                gate_ids.extend(
+                    gate.iter()
+                        .map(|l| intern(&mut vocabulary, &mut slots_of, l)),
+                );
                 slot_keys.push(SlotKey {
                     scaler: to_u32(scaler_index),
                     label_set: to_u32(set_index),
-                    user_labels: to_u32(set.labels.len()),
+                    rank: to_u32(set.labels.len()).saturating_add(roles),
+                    gate: (gate_start, to_u32(gate.len())),
                 });
                 slot_details.push(SlotDetail {
                     enriched,
-                    agent_labels: agent_labels(scaler, set),
+                    agent_labels: agent_labels(scaler, set, &platform_taints),
+                    gate,
+                    taints,
                 });
             }
         }
@@ -143,12 +173,18 @@ impl Router {
             vocabulary,
             postings,
             posting_words,
+            gate_ids,
             by_name,
         }
     }
 
     /// The label set `job` lands on, or `None`. Allocation-free unless the
     /// job or its exclusions name more than eight labels each.
+    ///
+    /// A job with no labels lands, as upstream routes it, on the first label
+    /// set (in config order) without a gate, that is, with no mandatory
+    /// labels and no platform taint; unlike upstream, its excluded labels
+    /// and cordons still apply.
     pub fn route(&self, job: &LabelSet, exclude: &LabelSet, cordoned: &CordonSet) -> Option<Route> {
         let mut job_ids = SmallBuf::<u32>::new();
         // Per job label, `word + base` indexes its posting word: inside the
@@ -179,7 +215,9 @@ impl Router {
             excluded.as_slice(),
         );
 
-        // (user labels, slot) of the best match so far.
+        // An empty job takes the first match: every rank is the same.
+        let ranked = !job.is_empty();
+        // (rank, slot) of the best match so far.
         let mut best: Option<(u32, usize)> = None;
         for word in lo..hi {
             let mut bits = self.live_bits(word);
@@ -193,16 +231,16 @@ impl Router {
                 let slot = word * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let key = self.slot_keys[slot];
-                // Slots come in config order, so only strictly fewer user
-                // labels can displace the current best.
-                if best.is_some_and(|(fewest, _)| fewest <= key.user_labels) {
+                let rank = if ranked { key.rank } else { 0 };
+                // Slots come in config order, so only a strictly lower rank
+                // can displace the current best.
+                if best.is_some_and(|(fewest, _)| fewest <= rank) {
                     continue;
                 }
-                let scaler = key.scaler as usize;
-                if cordoned.contains(scaler) || !self.gate_open(scaler, job_ids) {
+                if cordoned.contains(key.scaler as usize) || !self.gate_open(key, job_ids) {
                     continue;
                 }
-                best = Some((key.user_labels, slot));
+                best = Some((rank, slot));
             }
         }
         best.map(|(_, slot)| self.route_of(slot))
@@ -213,13 +251,22 @@ impl Router {
     /// `no-backend` answers and operators.
     pub fn explain(&self, job: &LabelSet, exclude: &LabelSet, cordoned: &CordonSet) -> Explanation {
         let mut candidates = Vec::with_capacity(self.slot_keys.len());
+        let ranked = !job.is_empty();
         let mut best: Option<(u32, usize)> = None;
         for (slot, (key, detail)) in self.slot_keys.iter().zip(&self.slot_details).enumerate() {
             let scaler = &self.scalers[key.scaler as usize];
+            let rank = if ranked { key.rank } else { 0 };
             let reason = if cordoned.contains(key.scaler as usize) {
                 Reason::Cordoned
-            } else if let Some(missing) = scaler.gate.missing_from(job).next() {
+            } else if let Some(missing) = scaler.mandatory.missing_from(job).next() {
                 Reason::GatedMissing(missing.clone())
+            } else if let Some((label, source)) =
+                detail.taints.iter().find(|(t, _)| !job.contains(t))
+            {
+                Reason::Tainted {
+                    label: label.clone(),
+                    source: *source,
+                }
             } else {
                 let missing: Vec<Label> = job.missing_from(&detail.enriched).cloned().collect();
                 if !missing.is_empty() {
@@ -227,8 +274,8 @@ impl Router {
                 } else if let Some(veto) = exclude.iter().find(|l| detail.enriched.contains(l)) {
                     Reason::Excluded(veto.clone())
                 } else {
-                    if best.is_none_or(|(fewest, _)| key.user_labels < fewest) {
-                        best = Some((key.user_labels, slot));
+                    if best.is_none_or(|(fewest, _)| rank < fewest) {
+                        best = Some((rank, slot));
                     }
                     Reason::LargerThanWinner
                 }
@@ -257,10 +304,32 @@ impl Router {
         &self.slot_details[self.slot_of(scaler, label_set)].enriched
     }
 
+    /// Every label a job must carry to land on one label set: the scaler's
+    /// `mandatoryLabels` plus the label set's platform taints. This is the
+    /// gate an agent of that label set is registered under (`mandatoryLabels`
+    /// in the registration answer), so that later jobs are held to it too.
+    ///
+    /// # Panics
+    /// When the indices do not name a label set of the configuration.
+    pub fn gate(&self, scaler: usize, label_set: usize) -> &LabelSet {
+        &self.slot_details[self.slot_of(scaler, label_set)].gate
+    }
+
+    /// The platform taints of one label set, sorted by label, with where
+    /// each comes from.
+    ///
+    /// # Panics
+    /// When the indices do not name a label set of the configuration.
+    pub fn taints(&self, scaler: usize, label_set: usize) -> &[(Label, TaintSource)] {
+        &self.slot_details[self.slot_of(scaler, label_set)].taints
+    }
+
     /// The agent's `KICI_LABELS`: the configured labels as written, then
-    /// `kici:agent:<type>`, `kici:scaler:<name>` and the role labels, without
-    /// duplicates (compared case-insensitively, first spelling kept). No
-    /// os/arch labels: the agent adds those from its own host.
+    /// `kici:agent:<type>`, `kici:scaler:<name>`, the role labels and the
+    /// scaler's platform taint tokens (so that the agent carries every label
+    /// its gate demands), without duplicates (compared case-insensitively,
+    /// first spelling kept). No os/arch labels: the agent adds those from its
+    /// own host.
     ///
     /// # Panics
     /// When the indices do not name a label set of the configuration.
@@ -326,9 +395,9 @@ impl Router {
     }
 
     #[inline]
-    fn gate_open(&self, scaler: usize, job_ids: &[u32]) -> bool {
-        self.scalers[scaler]
-            .gate_ids
+    fn gate_open(&self, key: SlotKey, job_ids: &[u32]) -> bool {
+        let (start, len) = (key.gate.0 as usize, key.gate.1 as usize);
+        self.gate_ids[start..start + len]
             .iter()
             .all(|id| job_ids.contains(id))
     }
@@ -342,17 +411,21 @@ fn intern(vocabulary: &mut Vocabulary, slots_of: &mut Vec<Vec<usize>>, label: &L
     id
 }
 
-/// The auto labels every label set of `scaler` is enriched with.
+/// The auto labels every label set of `scaler` is enriched with (its
+/// platform taint tokens are added by the caller).
 fn auto_labels(scaler: &ScalerEntry, host: &HostPlatform) -> Vec<Label> {
-    let mut labels = host.os_labels(scaler.kind);
-    labels.extend(host.arch_labels());
+    let mut labels = platform::os_arch_labels(scaler, host);
     labels.push(Label::auto("agent", scaler.kind.as_str()));
     labels.push(Label::auto("scaler", scaler.name.as_str()));
     labels.extend(scaler.roles.labels());
     labels
 }
 
-fn agent_labels(scaler: &ScalerEntry, set: &kici_model::LabelSetConfig) -> Vec<String> {
+fn agent_labels(
+    scaler: &ScalerEntry,
+    set: &kici_model::LabelSetConfig,
+    platform_taints: &[(Label, TaintSource)],
+) -> Vec<String> {
     // Configs built in code may leave `raw_labels` empty; the normalised
     // labels are then the best spelling there is.
     let configured: Vec<String> = if set.raw_labels.is_empty() {
@@ -365,7 +438,8 @@ fn agent_labels(scaler: &ScalerEntry, set: &kici_model::LabelSetConfig) -> Vec<S
         format!("kici:scaler:{}", scaler.name),
     ]
     .into_iter()
-    .chain(scaler.roles.labels().into_iter().map(|l| l.to_string()));
+    .chain(scaler.roles.labels().into_iter().map(|l| l.to_string()))
+    .chain(platform_taints.iter().map(|(t, _)| t.to_string()));
     let mut seen = HashSet::new();
     configured
         .into_iter()

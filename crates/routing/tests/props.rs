@@ -1,20 +1,26 @@
 //! Property tests: route ≡ explain().chosen, route ≡ a straightforward
-//! string-based reference of our rules, and invariance to label order, case
-//! and repetition.
+//! string-based reference of our rules (gates, platform taints, the
+//! tie-break, jobs without labels), and invariance to label order, case and
+//! repetition.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use common::{scaler, ScalerBuilder};
-use kici_model::{Config, LabelSet, Role, Roles, ScalerType};
+use kici_model::{
+    Config, LabelSet, PlatformArch, PlatformOs, Role, Roles, ScalerPlatform, ScalerType,
+};
 use kici_routing::{CordonSet, HostPlatform, Route, Router};
 use proptest::prelude::*;
 use std::collections::HashSet;
 
-const USER_VOCAB: [&str; 8] = ["l0", "l1", "l2", "l3", "l4", "l5", "l6", "l7"];
-/// Labels jobs and exclusions draw from: user labels, auto labels, and one
-/// label no configuration carries.
-const JOB_VOCAB: [&str; 17] = [
+/// Configured labels, the plain platform labels (legacy taints) among them.
+const USER_VOCAB: [&str; 10] = [
+    "l0", "l1", "l2", "l3", "l4", "l5", "l6", "l7", "macos", "arm64",
+];
+/// Labels jobs and exclusions draw from: user labels, platform labels, auto
+/// labels, and one label no configuration carries.
+const JOB_VOCAB: [&str; 20] = [
     "l0",
     "l1",
     "l2",
@@ -23,6 +29,9 @@ const JOB_VOCAB: [&str; 17] = [
     "l5",
     "l6",
     "l7",
+    "macos",
+    "arm64",
+    "windows",
     "kici:agent:container",
     "kici:agent:firecracker",
     "kici:os:linux",
@@ -40,7 +49,19 @@ struct ScalerSpec {
     name_upper: bool,
     mandatory: Vec<usize>,
     roles: Roles,
+    platform: Option<ScalerPlatform>,
     sets: Vec<Vec<usize>>,
+}
+
+fn platform() -> impl Strategy<Value = Option<ScalerPlatform>> {
+    let p = |os, arch| Some(ScalerPlatform { os, arch });
+    prop_oneof![
+        4 => Just(None),
+        1 => Just(p(PlatformOs::Linux, PlatformArch::X64)),
+        1 => Just(p(PlatformOs::Macos, PlatformArch::Arm64)),
+        1 => Just(p(PlatformOs::Windows, PlatformArch::X64)),
+        1 => Just(p(PlatformOs::Linux, PlatformArch::Arm64)),
+    ]
 }
 
 fn kind() -> impl Strategy<Value = ScalerType> {
@@ -67,15 +88,19 @@ fn scaler_spec() -> impl Strategy<Value = ScalerSpec> {
         any::<bool>(),
         prop_oneof![3 => Just(vec![]), 1 => proptest::collection::vec(0..USER_VOCAB.len(), 1..3)],
         roles(),
+        platform(),
         proptest::collection::vec(set, 1..5),
     )
-        .prop_map(|(kind, name_upper, mandatory, roles, sets)| ScalerSpec {
-            kind,
-            name_upper,
-            mandatory,
-            roles,
-            sets,
-        })
+        .prop_map(
+            |(kind, name_upper, mandatory, roles, platform, sets)| ScalerSpec {
+                kind,
+                name_upper,
+                mandatory,
+                roles,
+                platform,
+                sets,
+            },
+        )
 }
 
 fn host() -> impl Strategy<Value = HostPlatform> {
@@ -97,7 +122,8 @@ fn build(specs: &[ScalerSpec]) -> Config {
         let mandatory: Vec<&str> = spec.mandatory.iter().map(|&l| USER_VOCAB[l]).collect();
         let mut b: ScalerBuilder = scaler(&name, spec.kind)
             .mandatory(&mandatory)
-            .roles(spec.roles.clone());
+            .roles(spec.roles.clone())
+            .platform(spec.platform);
         for set in &spec.sets {
             let raw: Vec<&str> = set.iter().map(|&l| USER_VOCAB[l]).collect();
             b = b.set(&raw);
@@ -125,6 +151,27 @@ fn reference(
 ) -> Option<Route> {
     let lower = |v: &[String]| -> HashSet<String> { v.iter().map(|s| s.to_lowercase()).collect() };
     let (job, exclude) = (lower(job), lower(exclude));
+    let os_names = |os: &str| -> Vec<String> {
+        match os {
+            "linux" => vec!["kici:os:linux".into()],
+            "macos" => vec!["kici:os:macos".into(), "kici:os:darwin".into()],
+            "windows" => vec!["kici:os:windows".into(), "kici:os:win32".into()],
+            other => vec![format!("kici:os:{other}")],
+        }
+    };
+    let arch_names = |arch: &str| -> Vec<String> {
+        match arch {
+            "x86_64" | "x64" => vec!["kici:arch:x64".into(), "kici:arch:amd64".into()],
+            "aarch64" | "arm64" => vec!["kici:arch:arm64".into()],
+            other => vec![format!("kici:arch:{other}")],
+        }
+    };
+    // The host as a platform, when it is one of upstream's.
+    let host_platform = match (host.os.as_str(), host.arch.as_str()) {
+        ("linux" | "macos" | "windows", "x86_64") => Some((host.os.clone(), "x64".to_owned())),
+        ("linux" | "macos" | "windows", "aarch64") => Some((host.os.clone(), "arm64".to_owned())),
+        _ => None,
+    };
     let mut best: Option<(usize, Route)> = None;
     for (si, s) in cfg.scalers.iter().enumerate() {
         if cordoned.contains(&si) {
@@ -137,23 +184,35 @@ fn reference(
         {
             continue;
         }
-        let mut auto: Vec<String> = Vec::new();
-        let os = if s.kind == ScalerType::BareMetal {
-            host.os.as_str()
-        } else {
-            "linux"
+        let declared = s
+            .platform
+            .map(|p| (p.os.as_str().to_owned(), p.arch.as_str().to_owned()));
+        let resolved = match (&declared, s.kind) {
+            (Some(p), _) => Some(p.clone()),
+            (None, ScalerType::BareMetal) => host_platform.clone(),
+            (None, _) => None,
         };
-        match os {
-            "linux" => auto.push("kici:os:linux".into()),
-            "macos" => auto.extend(["kici:os:macos".into(), "kici:os:darwin".into()]),
-            "windows" => auto.extend(["kici:os:windows".into(), "kici:os:win32".into()]),
-            other => auto.push(format!("kici:os:{other}")),
+        let mut taints: Vec<String> = Vec::new();
+        if let Some((os, arch)) = &resolved {
+            if os != "linux" {
+                taints.push(os.clone());
+            }
+            if arch != "x64" {
+                taints.push(arch.clone());
+            }
         }
-        match host.arch.as_str() {
-            "x86_64" => auto.extend(["kici:arch:x64".into(), "kici:arch:amd64".into()]),
-            "aarch64" => auto.push("kici:arch:arm64".into()),
-            other => auto.push(format!("kici:arch:{other}")),
-        }
+        let mut auto: Vec<String> = match &declared {
+            Some((os, arch)) => [os_names(os), arch_names(arch)].concat(),
+            None => {
+                let os = if s.kind == ScalerType::BareMetal {
+                    host.os.as_str()
+                } else {
+                    "linux"
+                };
+                [os_names(os), arch_names(&host.arch)].concat()
+            }
+        };
+        auto.extend(taints.iter().cloned());
         let kind = match s.kind {
             ScalerType::Container => "container",
             ScalerType::BareMetal => "bare-metal",
@@ -161,20 +220,37 @@ fn reference(
         };
         auto.push(format!("kici:agent:{kind}"));
         auto.push(format!("kici:scaler:{}", s.name.as_str().to_lowercase()));
-        match &s.roles {
-            Roles::All => auto.extend(["kici:role:builder".into(), "kici:role:init-runner".into()]),
-            Roles::Only(rs) => auto.extend(rs.iter().map(|r| format!("kici:role:{}", r.as_str()))),
-        }
+        let roles: Vec<String> = match &s.roles {
+            Roles::All => vec!["kici:role:builder".into(), "kici:role:init-runner".into()],
+            Roles::Only(rs) => rs
+                .iter()
+                .map(|r| format!("kici:role:{}", r.as_str()))
+                .collect(),
+        };
+        auto.extend(roles.iter().cloned());
         for (li, set) in s.label_sets.iter().enumerate() {
             let user: HashSet<String> = set.raw_labels.iter().map(|l| l.to_lowercase()).collect();
+            let legacy = user
+                .iter()
+                .filter(|l| ["macos", "windows", "arm64"].contains(&l.as_str()));
+            if !taints.iter().chain(legacy).all(|t| job.contains(t)) {
+                continue;
+            }
             let enriched: HashSet<String> =
                 user.iter().cloned().chain(auto.iter().cloned()).collect();
             if !job.is_subset(&enriched) || exclude.iter().any(|e| enriched.contains(e)) {
                 continue;
             }
-            if best.as_ref().is_none_or(|(n, _)| user.len() < *n) {
+            // Configured plus role labels; a job without labels takes the
+            // first match.
+            let rank = if job.is_empty() {
+                0
+            } else {
+                user.len() + roles.len()
+            };
+            if best.as_ref().is_none_or(|(n, _)| rank < *n) {
                 best = Some((
-                    user.len(),
+                    rank,
                     Route {
                         scaler: si,
                         label_set: li,

@@ -304,9 +304,10 @@ fn gate_empty_runs_on_skips_gated_and_picks_the_smallest_ungated() {
             .set(&["linux", "docker"]),
         container("small").set(&["linux"]),
     ]));
-    // Upstream returned label set 0 of the first ungated scaler; we rank
-    // an empty runsOn like any other job: fewest user labels.
-    assert_eq!(route(&r, &[]), Some((2, 0)));
+    // As upstream routes a job without labels: the first label set without
+    // a gate, in config order, not the smallest one (this used to rank it
+    // like any other job and pick "small").
+    assert_eq!(route(&r, &[]), Some((1, 0)));
 }
 
 #[test]
@@ -343,19 +344,50 @@ fn gate_and_exclude_stack() {
 // ---- deviations ------------------------------------------------------------------
 
 #[test]
-fn tie_break_counts_user_labels_not_auto_labels() {
-    // Upstream compared enriched sizes: "mac" gets 2 os + 2 arch + 2 role
-    // labels, "lean" 1 os + 2 arch and no roles, so upstream picked "lean"
-    // despite its extra user label.
+fn tie_break_counts_role_labels_as_upstream() {
+    // A plain job lands on the least-privileged pool: the exec-only pool's
+    // two labels beat the all-roles pool's one label plus two role labels,
+    // as upstream ranks them. (This used to count configured labels only and
+    // pick the all-roles pool.)
+    let r = router(&config([
+        container("all-roles").set(&["linux"]),
+        container("exec-only")
+            .roles(Roles::Only(vec![]))
+            .set(&["linux", "docker"]),
+        container("builder")
+            .roles(Roles::Only(vec![Role::Builder]))
+            .set(&["linux"]),
+    ]));
+    assert_eq!(route(&r, &["linux"]), Some((1, 0)));
+    // builder: 1 + 1 = 2 ties exec-only's 2 + 0 and loses on config order.
+    assert_eq!(
+        r.explain(&labels(&["linux"]), &labels(&[]), &CordonSet::none())
+            .candidates[2]
+            .reason
+            .to_string(),
+        "larger-than-winner"
+    );
+    // An internal job still needs its role label.
+    assert_eq!(route(&r, &["linux", "kici:role:builder"]), Some((2, 0)));
+}
+
+#[test]
+fn tie_break_never_counts_host_derived_labels() {
+    // Upstream compared enriched sizes: "mac" (bare metal on a macOS host)
+    // gets 2 os labels and its platform taint where "lean" (a container) gets
+    // 1 os label, so upstream picked "lean" despite its extra configured
+    // label. os/arch labels differ between host platforms: they never count.
     let cfg = config([
         container("lean")
             .roles(Roles::Only(vec![]))
-            .set(&["docker", "fast", "extra"]),
-        bare_metal("mac").set(&["docker", "fast"]),
+            .set(&["docker", "macos", "extra"]),
+        bare_metal("mac")
+            .roles(Roles::Only(vec![]))
+            .set(&["docker", "fast"]),
     ]);
     let r = Router::new(&cfg, &HostPlatform::new("macos", "x86_64"));
     assert!(r.enriched(0, 0).len() < r.enriched(1, 0).len());
-    assert_eq!(route(&r, &["docker"]), Some((1, 0)));
+    assert_eq!(route(&r, &["docker", "macos"]), Some((1, 0)));
 }
 
 #[test]
@@ -410,10 +442,18 @@ fn unknown_job_label_matches_nothing() {
         &labels(&[]),
         &CordonSet::none(),
     );
-    assert!(e
-        .candidates
-        .iter()
-        .all(|c| c.reason.to_string() == "not-superset:no-such-label"));
+    // The label sets naming `arm64` and `macos` are tainted by them, which
+    // is reported first (a taint is part of the gate).
+    let codes: Vec<String> = e.candidates.iter().map(|c| c.reason.to_string()).collect();
+    assert_eq!(
+        codes,
+        [
+            "not-superset:no-such-label",
+            "tainted:arm64:label",
+            "tainted:macos:label",
+            "not-superset:no-such-label"
+        ]
+    );
 }
 
 #[test]
@@ -461,7 +501,7 @@ fn explanation_reason_codes() {
             .mandatory(&["gpu", "cuda"])
             .set(&["linux", "gpu", "cuda"])
             .set(&["gpu", "cuda"]),
-        container("narrow").set(&["windows"]),
+        container("narrow").set(&["plan9"]),
         container("vetoed").set(&["linux", "slow"]),
         container("loser").set(&["linux", "docker", "big"]),
         container("winner").set(&["linux", "docker"]),
@@ -623,12 +663,18 @@ fn os_labels_follow_the_backend() {
     );
     assert_eq!(os_arch(1), ["kici:arch:arm64", "kici:os:linux"]);
     assert_eq!(os_arch(2), ["kici:arch:arm64", "kici:os:linux"]);
-    assert_eq!(route(&r, &["a", "kici:os:darwin"]), Some((0, 0)));
+    // The bare-metal pool runs on this macOS/arm64 host, so it is tainted
+    // with the host's platform: a job must name `macos` and `arm64` too.
+    assert_eq!(route(&r, &["a", "kici:os:darwin"]), None);
+    assert_eq!(
+        route(&r, &["a", "kici:os:darwin", "macos", "arm64"]),
+        Some((0, 0))
+    );
     assert_eq!(route(&r, &["a", "kici:os:linux"]), Some((1, 0)));
     assert_eq!(route(&r, &["kici:arch:x64"]), None);
     let win = Router::new(&cfg, &HostPlatform::new("windows", "x86_64"));
     assert_eq!(
-        route(&win, &["kici:os:win32", "kici:arch:amd64"]),
+        route(&win, &["kici:os:win32", "kici:arch:amd64", "windows"]),
         Some((0, 0))
     );
 }

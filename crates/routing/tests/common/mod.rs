@@ -7,7 +7,7 @@ use kici_model::{
     BackendSettings, BareMetalSettings, Config, ContainerRuntime, ContainerSettings,
     FirecrackerLabelSet, FirecrackerNetwork, FirecrackerSettings, ImagePullPolicy, LabelSet,
     LabelSetBackend, LabelSetConfig, LabelSetExtension, Origin, Roles, ScalerEntry,
-    ScalerExtension, ScalerName, ScalerType,
+    ScalerExtension, ScalerName, ScalerPlatform, ScalerType,
 };
 use std::collections::BTreeMap;
 
@@ -114,6 +114,11 @@ impl ScalerBuilder {
 
     pub fn mandatory(mut self, raw: &[&str]) -> Self {
         self.entry.mandatory_labels = labels(raw);
+        self
+    }
+
+    pub fn platform(mut self, platform: Option<ScalerPlatform>) -> Self {
+        self.entry.platform = platform;
         self
     }
 
