@@ -30,6 +30,27 @@ use std::time::{Duration, Instant};
 mod recovery;
 pub use recovery::{DurableAgent, JournalEntry, RecoverError, Recovered};
 
+/// A gone agent as last seen, kept for `GET /v1/agents?all=true`.
+#[derive(Debug, Clone)]
+struct GoneAgent {
+    view: AgentView,
+    /// When it reached `gone`.
+    since: Instant,
+}
+
+impl GoneAgent {
+    /// Its view with the clocks still running: its age counts from its
+    /// creation, its time in `gone` from its release.
+    fn view_at(&self, now: Instant) -> AgentView {
+        let in_state = now.saturating_duration_since(self.since).as_secs_f64();
+        AgentView {
+            age_seconds: self.view.age_seconds + in_state,
+            state_seconds: in_state,
+            ..self.view.clone()
+        }
+    }
+}
+
 /// Daemon-wide engine settings (not per scaler).
 #[derive(Debug, Clone)]
 pub struct EngineSettings {
@@ -375,7 +396,7 @@ pub struct Engine {
     admission: Admission,
     settings: EngineSettings,
     agents: HashMap<AgentId, Agent>,
-    gone: VecDeque<AgentView>,
+    gone: VecDeque<GoneAgent>,
     jobs: HashMap<JobId, JobRecord>,
     pending: PendingQueue,
     /// Keyed by (scaler name, normalised label set) so history survives reload.
@@ -692,7 +713,7 @@ impl Engine {
         loop {
             let id = AgentId::random(kind);
             let taken = self.agents.contains_key(&id)
-                || self.gone.iter().any(|g| g.agent_id == id)
+                || self.gone.iter().any(|g| g.view.agent_id == id)
                 || also.contains(&id);
             if !taken {
                 return id;
@@ -1090,6 +1111,9 @@ impl Engine {
         }
         self.step(agent, AgentEvent::Released, now);
         if let Some(mut a) = self.agents.remove(&agent) {
+            // Its last view keeps what it had (job, resources) for
+            // `GET /v1/agents?all=true`: taken before they are released.
+            let view = self.view(&a, now);
             // The single release of this agent's capacity.
             drop(a.reservation.take());
             if let Some(job) = a.job.take() {
@@ -1097,8 +1121,7 @@ impl Engine {
                     self.jobs.remove(&job);
                 }
             }
-            let view = self.view(&a, now);
-            self.gone.push_back(view);
+            self.gone.push_back(GoneAgent { view, since: now });
             while self.gone.len() > self.settings.gone_history {
                 self.gone.pop_front();
             }
@@ -1140,7 +1163,7 @@ impl Engine {
     }
 
     fn unknown(&self, agent: AgentId) -> AgentError {
-        if self.gone.iter().any(|g| g.agent_id == agent) {
+        if self.gone.iter().any(|g| g.view.agent_id == agent) {
             AgentError::Gone(agent)
         } else {
             AgentError::NotOurs(agent)
@@ -1678,16 +1701,18 @@ impl Engine {
         let mut v: Vec<AgentView> = self.agents.values().map(|a| self.view(a, now)).collect();
         v.sort_by(|a, b| b.age_seconds.total_cmp(&a.age_seconds));
         if all {
-            v.extend(self.gone.iter().cloned());
+            v.extend(self.gone.iter().map(|g| g.view_at(now)));
         }
         v
     }
 
     pub fn agent(&self, id: AgentId, now: Instant) -> Option<AgentView> {
-        self.agents
-            .get(&id)
-            .map(|a| self.view(a, now))
-            .or_else(|| self.gone.iter().find(|g| g.agent_id == id).cloned())
+        self.agents.get(&id).map(|a| self.view(a, now)).or_else(|| {
+            self.gone
+                .iter()
+                .find(|g| g.view.agent_id == id)
+                .map(|g| g.view_at(now))
+        })
     }
 
     /// The backend handle of a live agent (for the runtime).

@@ -659,9 +659,14 @@ impl Runtime {
         let mut errors = Vec::new();
         for scaler in &config.scalers {
             match self.inner.backends.get(&scaler.kind) {
+                // Backends start with the daemon, for the types its
+                // configuration used then; a reload only swaps the
+                // configuration.
                 None => errors.push(format!(
-                    "scalers[name={}]: no {} backend is available on this host",
-                    scaler.name, scaler.kind
+                    "{}: scalers[name={}]: the {} backend was not started: the daemon started \
+                     without a {} scaler, and a reload cannot start a backend; restart the \
+                     daemon to add it",
+                    scaler.origin, scaler.name, scaler.kind, scaler.kind
                 )),
                 Some(b) => {
                     if let Err(errs) = b.validate(scaler).await {
