@@ -267,6 +267,25 @@ fn run_fails_125_when_the_agent_never_registers_and_destroys_it() {
     assert_run_left_nothing(&dir);
 }
 
+/// `run --labels local -- sh -c CMD`, returned once the job printed its
+/// first line, `started` (stdout read, stderr piped).
+fn run_until_started(dir: &Dir, config: &Path, cmd: &str) -> Child {
+    let mut child = command(dir)
+        .args(["run", "--config"])
+        .arg(config)
+        .args(["--labels", "local", "--", "sh", "-c", cmd])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line, "started\n");
+    child
+}
+
 /// Ctrl-C (SIGINT) cancels the job, destroys its agent and exits 130.
 #[test]
 fn run_interrupted_destroys_the_agent_and_exits_130() {
@@ -277,19 +296,7 @@ fn run_interrupted_destroys_the_agent_and_exits_130() {
         "echo $$ > {}; echo started; exec sleep 1000",
         pidfile.display()
     );
-    let mut child = command(&dir)
-        .args(["run", "--config"])
-        .arg(&config)
-        .args(["--labels", "local", "--", "sh", "-c", &cmd])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    assert_eq!(line, "started\n");
+    let mut child = run_until_started(&dir, &config, &cmd);
     let job_pid: i32 = std::fs::read_to_string(&pidfile)
         .unwrap()
         .trim()
@@ -338,19 +345,7 @@ impl EscapingRun {
             job = job_pid.display(),
             esc = escaped_pid.display(),
         );
-        let mut child = command(dir)
-            .args(["run", "--config"])
-            .arg(&config)
-            .args(["--labels", "local", "--", "sh", "-c", &cmd])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert_eq!(line, "started\n");
+        let child = run_until_started(dir, &config, &cmd);
         let pid = |p: &Path| -> i32 { std::fs::read_to_string(p).unwrap().trim().parse().unwrap() };
         let job = pid(&job_pid);
         let escaped = pid(&escaped_pid);
