@@ -696,3 +696,36 @@ fn memory_strings_checked_at_load() {
         ],
     );
 }
+
+#[test]
+fn upstream_0_9_fixture_reads_as_written() {
+    use kici_model::{HostAccess, PlatformArch, PlatformOs, ScalerPlatform};
+    let l = ok(include_str!("fixtures/valid/upstream-0.9.yaml"));
+    let c = &l.config;
+    assert_eq!(c.global_max_agents, 12);
+    assert!(!c.firecracker.auto_provision_host);
+    let linux = &c.scalers[0];
+    assert_eq!(linux.max_concurrent_spawns, 4);
+    assert_eq!(linux.platform, None);
+    assert_eq!(linux.label_sets[0].labels.key(), "linux,x64");
+    // What agents get: the spelling as written, minus the blank.
+    assert_eq!(linux.label_sets[0].raw_labels, ["Linux", "x64"]);
+    let policy = linux.label_sets[0].network_policy.as_ref().unwrap();
+    let access: Vec<String> = policy
+        .host_access
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(HostAccess::to_string)
+        .collect();
+    assert_eq!(access, ["10.30.0.1:53", "*:7879"]);
+    let mac = &c.scalers[1];
+    assert_eq!(mac.max_concurrent_spawns, 8);
+    assert_eq!(
+        mac.platform,
+        Some(ScalerPlatform {
+            os: PlatformOs::Macos,
+            arch: PlatformArch::Arm64
+        })
+    );
+}

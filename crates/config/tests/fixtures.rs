@@ -43,3 +43,22 @@ fn invalid_fixtures_fail_with_positions() {
         }
     }
 }
+
+#[test]
+fn the_repository_examples_load() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    for (main, dir) in [
+        ("scalers.yaml", Some("scalers.d")),
+        ("quickstart.yaml", None),
+    ] {
+        let dir = dir.map(|d| root.join(d));
+        match kici_config::load(&root.join(main), dir.as_deref()) {
+            Ok(l) => {
+                for w in &l.warnings {
+                    println!("{w}");
+                }
+            }
+            Err(e) => panic!("examples/{main}:\n{e}"),
+        }
+    }
+}

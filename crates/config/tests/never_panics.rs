@@ -5,15 +5,16 @@
 use kici_config::load_documents;
 use proptest::prelude::*;
 
-const FIXTURES: [&str; 5] = [
+const FIXTURES: [&str; 6] = [
     include_str!("fixtures/valid/minimal.yaml"),
+    include_str!("fixtures/valid/upstream-0.9.yaml"),
     include_str!("fixtures/valid/mixed.yaml"),
     include_str!("fixtures/valid/firecracker.yaml"),
     include_str!("fixtures/valid/caps.yaml"),
     include_str!("fixtures/invalid/deviations.yaml"),
 ];
 
-const TOKENS: [&str; 48] = [
+const TOKENS: [&str; 63] = [
     "version: 1\n",
     "scalers:\n",
     "  - ",
@@ -62,6 +63,23 @@ const TOKENS: [&str; 48] = [
     "1.5",
     "-1",
     "? ",
+    // What upstream 0.9 reads differently or newly: tags on any scalar,
+    // `<<` as a plain key, the new fields, labels with blanks.
+    "!!int ",
+    "!!float ",
+    "!!null ",
+    "!custom ",
+    "!!set ",
+    "<<: ",
+    "%YAML 1.1\n",
+    "platform: {os: macos, arch: arm64}\n",
+    "maxConcurrentSpawns: 3\n",
+    "networkPolicy: {hostAccess: ['*:53', '10.0.0.0/8:*']}\n",
+    "type: event\n",
+    "\" Linux\"",
+    "firecracker: {autoProvisionHost: ~}\n",
+    "claimTtlSeconds: 1\n",
+    "\"3\"",
 ];
 
 fn check(docs: &[(&str, &str)]) {
@@ -125,9 +143,10 @@ proptest! {
     }
 
     #[test]
-    fn scalar_values_anywhere(value in "\\PC{0,12}") {
-        let quoted = format!("{value:?}");
-        for v in [value.as_str(), quoted.as_str()] {
+    fn scalar_values_anywhere(value in "\\PC{0,12}", tag in proptest::sample::select(vec!["", "!!int ", "!!float ", "!!bool ", "!!null ", "!!str ", "! ", "!x "])) {
+        let quoted = format!("{tag}{value:?}");
+        let plain = format!("{tag}{value}");
+        for v in [plain.as_str(), quoted.as_str()] {
             let text = format!(
                 "version: 1\nglobalMaxAgents: {v}\nscalers:\n  - name: {v}\n    type: container\n    maxAgents: {v}\n    labelSets:\n      - labels: [{v}]\n        image: {v}\n        resources: {{cpus: {v}, memory: {v}}}\n"
             );

@@ -839,3 +839,45 @@ fn enriched_and_agent_labels_address_the_right_label_set_of_later_scalers() {
         );
     }
 }
+
+// ---- platform taints -------------------------------------------------------------
+
+#[test]
+fn taints_name_their_source_once_each() {
+    use kici_model::{PlatformArch, PlatformOs, ScalerPlatform};
+    use kici_routing::TaintSource;
+    let mac = ScalerPlatform {
+        os: PlatformOs::Macos,
+        arch: PlatformArch::X64,
+    };
+    let r = router(&config([
+        // Declared `macos` and a label set naming it too: one taint, from
+        // the declaration; `arm64` from the label.
+        bare_metal("mac")
+            .platform(Some(mac))
+            .set(&["macos", "arm64", "xcode"]),
+        container("plain").set(&["linux"]),
+    ]));
+    let taints: Vec<(String, TaintSource)> = r
+        .taints(0, 0)
+        .iter()
+        .map(|(l, s)| (l.to_string(), *s))
+        .collect();
+    assert_eq!(
+        taints,
+        [
+            ("arm64".to_owned(), TaintSource::Label),
+            ("macos".to_owned(), TaintSource::Platform)
+        ]
+    );
+    assert!(r.taints(1, 0).is_empty());
+    assert_eq!(r.gate(0, 0).key(), "arm64,macos");
+    // The agent labels name the token once, in the configured spelling.
+    let agent = r.agent_labels(0, 0);
+    assert_eq!(agent.iter().filter(|l| l.as_str() == "macos").count(), 1);
+    assert_eq!(
+        reasons(&r, &["xcode"], &[], &CordonSet::none())[0],
+        "tainted:arm64:label"
+    );
+    assert_eq!(route(&r, &["xcode", "arm64", "macos"]), Some((0, 0)));
+}
