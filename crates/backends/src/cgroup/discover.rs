@@ -490,6 +490,34 @@ pub fn delegation_mark(dir: &Path) -> bool {
     })
 }
 
+/// Is this unit cgroup inside a user's service manager
+/// (`…/user@<uid>.service/…`)?
+fn is_user_manager_unit(dir: &Path) -> bool {
+    dir.components().any(|c| {
+        c.as_os_str()
+            .to_str()
+            .is_some_and(|name| name.starts_with("user@") && name.ends_with(".service"))
+    })
+}
+
+/// Asks the service manager whether `unit` is delegated. The mark on the
+/// cgroup is the quick answer, but a user's manager cannot set `trusted.`
+/// attributes, and systemd before 254 sets no `user.` one: there the
+/// manager's own word is the only one (`systemctl [--user] show
+/// -p Delegate`).
+fn manager_says_delegated(unit: &str, user_manager: bool) -> bool {
+    let mut cmd = std::process::Command::new("systemctl");
+    if user_manager {
+        cmd.arg("--user");
+    }
+    cmd.args(["show", "--property=Delegate", "--value", unit])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    cmd.output().is_ok_and(|out| {
+        out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "yes"
+    })
+}
+
 /// The placement of the process whose `/proc` directory is `proc_dir`
 /// (`/proc/self`, or a running daemon's `/proc/<pid>`).
 pub fn placement_of(
@@ -502,9 +530,16 @@ pub fn placement_of(
     let uid = fs::metadata(proc_dir)
         .map(|m| m.uid())
         .unwrap_or_else(|_| rustix::process::geteuid().as_raw());
+    let systemd = Path::new(SYSTEMD_RUNTIME_DIR).is_dir();
+    let delegated = match (&hierarchy.unit_dir, &hierarchy.unit) {
+        (Some(dir), Some(unit)) if systemd => {
+            delegation_mark(dir) || manager_says_delegated(unit, is_user_manager_unit(dir))
+        }
+        _ => false,
+    };
     let facts = Facts {
-        systemd: Path::new(SYSTEMD_RUNTIME_DIR).is_dir(),
-        delegated: hierarchy.unit_dir.as_deref().is_some_and(delegation_mark),
+        systemd,
+        delegated,
         uid,
     };
     let placement = decide(&hierarchy, facts, override_root, &mountinfo_path)?;
@@ -809,6 +844,16 @@ mod tests {
             parse(mountinfo, "0::/\n").v2_mount.as_deref(),
             Some(Path::new("/srv/cg v2"))
         );
+    }
+
+    #[test]
+    fn units_of_a_users_manager_are_told_apart() {
+        assert!(is_user_manager_unit(Path::new(
+            "/sys/fs/cgroup/user.slice/user-1000.slice/user@1000.service/app.slice/run-r1.scope"
+        )));
+        assert!(!is_user_manager_unit(Path::new(
+            "/sys/fs/cgroup/system.slice/kici-scaler.service"
+        )));
     }
 
     #[test]
