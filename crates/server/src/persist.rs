@@ -313,14 +313,14 @@ impl Writer {
             Op::Resync(runtime) => self.resync(&runtime).await,
             Op::PutJob(record, ack) => {
                 self.failed_jobs.remove(&record.job_id);
-                let result = self.write_job(&record.job_id, Some(&record)).await;
+                let result = self.write_job(&record.job_id, Some(&record), true).await;
                 if let Some(ack) = ack {
                     let _ = ack.send(result);
                 }
             }
             Op::DeleteJob(job) => {
                 self.failed_jobs.remove(&job);
-                let _ = self.write_job(&job, None).await;
+                let _ = self.write_job(&job, None, true).await;
             }
             Op::Flush(done) => {
                 self.write_events().await;
@@ -332,11 +332,12 @@ impl Writer {
     }
 
     /// Writes (`Some`) or deletes (`None`) a job's record; kept for a retry
-    /// if the store is down.
+    /// if the store is down (said once per write, not at every retry).
     async fn write_job(
         &mut self,
         job: &JobId,
         record: Option<&JobRecord>,
+        first: bool,
     ) -> Result<(), StoreError> {
         let result = match record {
             Some(r) => self.store.put_job(r).await,
@@ -345,7 +346,9 @@ impl Writer {
         match &result {
             Ok(()) => {}
             Err(e) if e.is_unavailable() => {
-                tracing::warn!(job_id = %job, error = %e, "recording a job failed; retrying");
+                if first {
+                    tracing::warn!(job_id = %job, error = %e, "recording a job failed; retrying");
+                }
                 self.failed_jobs.insert(job.clone(), record.cloned());
             }
             // Not an outage: a retry would fail the same way.
@@ -360,7 +363,7 @@ impl Writer {
         let jobs = std::mem::take(&mut self.failed_jobs);
         let mut left = jobs.into_iter();
         while let Some((job, record)) = left.next() {
-            let _ = self.write_job(&job, record.as_ref()).await;
+            let _ = self.write_job(&job, record.as_ref(), false).await;
             if self.failed_jobs.contains_key(&job) {
                 // Still down: keep the rest for the next tick.
                 self.failed_jobs.extend(left);
