@@ -190,6 +190,7 @@ api_port=$(free_port)
 cmd_port=$(free_port)
 mkdir -p "$work/share"
 cp "$deb" "$work/share/kici-scaler.deb"
+cp examples/quickstart.yaml "$work/share/quickstart.yaml"
 qemu-img create -q -f qcow2 -b "$image_dir/rootfs.img" -F raw "$work/disk.qcow2"
 log "booting the guest (TCG, 2 vCPUs, 2 GiB; control API on 127.0.0.1:$api_port)"
 qemu-system-x86_64 -machine q35 -accel tcg,thread=multi -cpu max -smp 2 -m 2048 \
@@ -258,7 +259,8 @@ echo "kernel $(uname -r); $(systemctl --version | head -n 1)"
 echo "cmdline: $(cat /proc/cmdline)"
 test "$(stat -fc %T /sys/fs/cgroup)" = cgroup2fs
 none grep -q " - cgroup " /proc/self/mountinfo
-echo "/sys/fs/cgroup is cgroup2 (no v1 hierarchy); root controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"'
+echo "/sys/fs/cgroup is cgroup2 (no v1 hierarchy); root controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"
+grep " - cgroup2 " /proc/self/mountinfo'
 
 check "dpkg -i" '
 set -e
@@ -406,14 +408,23 @@ out=$(host_run --labels linux -- echo "jobs run again") || die "no job after the
 grep -qx "jobs run again" <<<"$out" || die "no job after the recovery: $out"
 log "after the recovery: jobs run again"
 
+check "the README's quickstart as root: kici-scaler run --config quickstart.yaml" '
+set -e
+cd /root
+kici-scaler run --config /mnt/kici/quickstart.yaml --labels linux -- sh -c "echo hello from a kici agent"
+rc=0; kici-scaler run --config /mnt/kici/quickstart.yaml --labels linux -- sh -c "exit 3" || rc=$?
+echo "sh -c \"exit 3\": run exited $rc"
+test "$rc" -eq 3' 300
+
 check "an unprivileged user: kici-scaler run (it enters a delegated user scope itself)" '
 set -e
 uid=$(id -u kici)
 printf "version: 1\nscalers:\n  - name: mine\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [linux]\n        binaryPath: /usr/bin/kici-agent-lite\n" >/home/kici/quickstart.yaml
 for i in $(seq 60); do systemctl is-active -q user@$uid.service && break; sleep 1; done
 cd /home/kici
-out=$(runuser -u kici -- env XDG_RUNTIME_DIR=/run/user/$uid DBUS_SESSION_BUS_ADDRESS=unix:path=/run/user/$uid/bus \
-    kici-scaler run --config /home/kici/quickstart.yaml --labels linux -- sh -c "echo hello from \$(id -un); cat /proc/self/cgroup")
+as_kici() { runuser -u kici -- env XDG_RUNTIME_DIR=/run/user/$uid DBUS_SESSION_BUS_ADDRESS=unix:path=/run/user/$uid/bus "$@"; }
+as_kici kici-scaler run --config /mnt/kici/quickstart.yaml --labels linux -- sh -c "echo hello from a kici agent"
+out=$(as_kici kici-scaler run --config /home/kici/quickstart.yaml --labels linux -- sh -c "echo hello from \$(id -un); cat /proc/self/cgroup")
 echo "$out"
 echo "$out" | grep -qx "hello from kici"
 echo "$out" | grep -Eq "^0::/user.slice/user-$uid.slice/user@$uid.service/.*[.]scope/agents/[0-9a-f]+/mine/scaler-bare-metal-"' 300

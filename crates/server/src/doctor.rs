@@ -1069,6 +1069,40 @@ scalers:
     }
 
     #[test]
+    fn cgroup_root_names_the_case_and_the_probe_runs_there() {
+        // This project's hosts: a real cgroup v2 directory of our own.
+        let Some(v2) = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+            .into_iter()
+            .map(Path::new)
+            .find(|p| p.join("cgroup.procs").is_file())
+        else {
+            return;
+        };
+        let root = v2.join(format!("kici-doctor-test-{:08x}", rand::random::<u32>()));
+        fs::create_dir(&root).unwrap();
+        let host = HostPaths::discover(Some(&root));
+        let row = host.placement.clone().unwrap();
+        assert_eq!(row.status, Status::Ok);
+        assert!(
+            row.detail.starts_with("override (--cgroup-root): "),
+            "{}",
+            row.detail
+        );
+        let tracking = cgroup_tracking_check(&host, true);
+        let removed = fs::remove_dir(&root);
+        assert_ne!(tracking.status, Status::Fail, "{}", tracking.detail);
+        assert!(
+            tracking
+                .detail
+                .starts_with(&root.join("kici-scaler").display().to_string()),
+            "{}",
+            tracking.detail
+        );
+        // The probe left nothing behind: the directory it was given empties.
+        removed.unwrap();
+    }
+
+    #[test]
     fn a_missing_v2_mount_fails_only_when_bare_metal_needs_it() {
         let host = HostPaths {
             cgroup_v2_root: PathBuf::from("/nonexistent/cgroup"),
