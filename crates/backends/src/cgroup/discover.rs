@@ -606,7 +606,8 @@ mod tests {
     /// /sys/fs/cgroup, controller-less cgroup2 at /sys/fs/cgroup/unified.
     const HYBRID_MOUNTINFO: &str = include_str!("samples/hybrid-nosystemd.mountinfo");
     const HYBRID_CGROUP: &str = include_str!("samples/hybrid-nosystemd.cgroup");
-    /// Debian 12 under systemd 252, pure v2, inside kici-scaler.service.
+    /// Debian 12 (kernel 6.1, systemd 252) booted pure v2: the cgroup2 line
+    /// as the guest of scripts/vm-test.sh shows it.
     const DEBIAN12_MOUNTINFO: &str = include_str!("samples/debian12-systemd.mountinfo");
     const DEBIAN12_SERVICE: &str = "0::/system.slice/kici-scaler.service\n";
     const DEBIAN12_MOVED: &str = "0::/system.slice/kici-scaler.service/daemon\n";
