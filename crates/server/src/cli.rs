@@ -273,7 +273,8 @@ where
         // Not root on a systemd host: into a delegated user scope first.
         if crate::user_scope::wanted(args) {
             let why = crate::user_scope::reexec(&std::env::args_os().collect::<Vec<_>>());
-            tracing::warn!(reason = %why, "staying outside a delegated user scope");
+            // `run` logs errors only, and it is about to fail for this.
+            tracing::error!(reason = %why, "cannot enter a delegated user scope");
         }
         return ExitCode::from(crate::run::run(args));
     }

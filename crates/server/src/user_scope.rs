@@ -16,9 +16,9 @@
 //! ([`DiscoveryError::NotDelegated`]), `--cgroup-root` is not given, and the
 //! marker variable is unset (it is set for the re-executed `run`, so a scope
 //! that still is not delegated is reported, not re-entered forever). When
-//! `systemd-run` is missing or cannot be executed, `run` goes on and its
-//! bare-metal backend refuses with the discovery's message, which says what
-//! to do.
+//! `systemd-run` is missing or cannot be executed, or no user manager is
+//! reachable, `run` says why and goes on, and its bare-metal backend refuses
+//! with the discovery's message, which says what to do.
 
 use crate::run::RunArgs;
 use kici_backends::cgroup::discover::{self, DiscoveryError};
@@ -43,6 +43,15 @@ pub fn wanted(args: &RunArgs) -> bool {
 /// Replaces this process with `systemd-run --user --scope -p Delegate=yes
 /// -- <argv>`. Returns only when that could not be done, with the reason.
 pub fn reexec(argv: &[OsString]) -> String {
+    // systemd-run would only fail with its own terse error: say why first.
+    if !user_bus_reachable() {
+        return format!(
+            "no user service manager to ask (neither $DBUS_SESSION_BUS_ADDRESS nor \
+             $XDG_RUNTIME_DIR/bus): log in through a session, or start your manager \
+             without one with `loginctl enable-linger {}`",
+            std::env::var("USER").unwrap_or_else(|_| "$USER".to_owned())
+        );
+    }
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
         Err(e) => return format!("cannot find this executable: {e}"),
@@ -62,6 +71,16 @@ pub fn reexec(argv: &[OsString]) -> String {
     .env(IN_SCOPE_ENV, "1");
     let err = cmd.exec();
     format!("cannot run systemd-run --user --scope -p Delegate=yes: {err}")
+}
+
+/// Is the user's service manager reachable over its bus?
+fn user_bus_reachable() -> bool {
+    if std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_some_and(|v| !v.is_empty()) {
+        return true;
+    }
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map(std::path::PathBuf::from)
+        .is_some_and(|dir| dir.join("bus").exists())
 }
 
 #[cfg(test)]
