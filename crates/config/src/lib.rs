@@ -2,10 +2,11 @@
 //! immutable [`kici_model::Config`], or reports every error at once.
 //!
 //! This crate owns the configuration *format*: upstream's schema (field
-//! names, defaults, strictness), the deliberate deviations of DESIGN.md
-//! (duplicate names, memory strings, requests above limits, gateway and
-//! netmask, POSIX and reserved env names, ...), the cross-scaler rules
-//! (label-set overlaps, machine-pool references) and the reload [`diff`].
+//! names, defaults, strictness), the configurations upstream accepts and we
+//! deliberately reject (duplicate names, memory strings, requests above
+//! limits, gateway and netmask, POSIX and reserved env names, ...; see
+//! docs/deviations.md, D-strict-config), the cross-scaler rules (label-set
+//! overlaps, machine-pool references) and the reload [`diff`].
 //!
 //! Every finding carries `file:line:col` and a field path. The YAML is parsed
 //! (from `saphyr_parser` events) into a node tree of our own that keeps
@@ -19,11 +20,32 @@
 //! does; any other tag gets a clear, positioned error. Each file holds
 //! exactly one YAML document.
 //!
+//! It reads only the configuration files: whether an agent binary, an image
+//! or a kernel exists is for each backend's `validate`.
+//!
 //! ```
-//! let main = "version: 1\nscalers:\n  - name: linux\n    type: container\n    maxAgents: 4\n    labelSets:\n      - labels: [linux]\n        image: kici/agent:1\n";
+//! let main = r#"
+//! version: 1
+//! scalers:
+//!   - name: linux
+//!     type: container
+//!     maxAgents: 4
+//!     labelSets:
+//!       - labels: [linux, Docker]
+//!         image: kici/agent:1
+//! "#;
 //! let loaded = kici_config::load_documents(&[("scalers.yaml", main)]).unwrap();
-//! assert_eq!(loaded.config.scalers[0].max_agents, 4);
-//! assert_eq!(loaded.config.global_max_agents, 50);
+//! let scaler = &loaded.config.scalers[0];
+//! assert_eq!(scaler.max_agents, 4);
+//! assert_eq!(scaler.label_sets[0].labels.key(), "docker,linux");
+//! assert_eq!(loaded.config.global_max_agents, 50); // upstream's default
+//!
+//! // Every finding at once, each with its file, line, column and field path.
+//! let bad = "version: 1\nscalers:\n  - name: a\n    type: container\n    maxAgents: -1\n    labelSets: []\n";
+//! let errors = kici_config::load_documents(&[("scalers.yaml", bad)]).unwrap_err();
+//! let first = errors.iter().next().unwrap().to_string();
+//! assert!(first.starts_with("scalers.yaml:5:16: scalers[0].maxAgents: "), "{first}");
+//! assert_eq!(errors.iter().count(), 2, "{errors}"); // labelSets: [] is the other
 //! ```
 
 mod cross;

@@ -8,12 +8,38 @@
 //!   `podman`, `unix://`, `tcp://` with TLS), API version negotiation;
 //! - [`network`]: `kici-scaler-net`, created or checked;
 //! - [`create`]: the create body (limits, hardening, labels, address);
-//! - [`reference`]: image references, validated as the Engine parses them;
+//! - [`reference`](mod@reference): image references, validated as the Engine parses them;
 //! - [`auth`]: registry credentials from `config.json` (`X-Registry-Auth`);
 //! - [`egress`]: the hook that installs egress rules before start;
 //! - [`logs`]: the Engine log stream forwarded like bare-metal output;
 //! - [`states`]: inspect and list answers with Podman's own container
 //!   states (`stopped`) read as their Docker equivalents.
+//!
+//! This crate owns agents as containers: their names and owner labels (never
+//! upstream's `kici-managed`, see docs/deviations.md, D-owner-labels), the
+//! agent network, pulls with registry credentials, hardening, the per-agent
+//! egress rules installed before start, and clean-up that leaves nothing. It
+//! builds the agent's environment with `kici-backends` and leases addresses
+//! with `kici-store`'s IP allocator.
+//!
+//! ```
+//! use kici_container::{container_name, ImageReference};
+//! use kici_model::{AgentId, ScalerType};
+//!
+//! // Image references are read as the Engine reads them, before any pull.
+//! let image = ImageReference::parse("registry.local:5000/kici/agent:1.2").unwrap();
+//! assert_eq!(image.registry(), "registry.local:5000"); // whose credentials
+//! assert_eq!(image.repository(), "registry.local:5000/kici/agent");
+//! assert_eq!(image.pull_tag(), "1.2");
+//! assert!(ImageReference::parse("Kici/Agent").is_err()); // upper case
+//!
+//! // Every container is named after its agent.
+//! let agent: AgentId = "scaler-container-0a1b2c3d".parse().unwrap();
+//! assert_eq!(container_name(&agent), "kici-scaler-container-0a1b2c3d");
+//! ```
+//!
+//! Starting agents needs a Docker Engine or a Podman API socket:
+//! [`ContainerBackend::check_host`] says what is missing.
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 

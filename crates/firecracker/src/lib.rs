@@ -1,4 +1,4 @@
-//! The Firecracker backend: agents as jailed microVMs (issue 6).
+//! The Firecracker backend: agents as jailed microVMs.
 //!
 //! - [`backend`]: [`FirecrackerBackend`] — spawn (transactional: every
 //!   failure releases what was taken), destroy, adopt, list_owned, the MMDS
@@ -16,6 +16,31 @@
 //! - [`sweep`]: the orphan sweep;
 //! - [`host`]: the host bridge ([`HostNetwork`]) and, with the host's
 //!   forwarding for it, `firecracker provision|verify|teardown` ([`HostSetup`]).
+//!
+//! This crate owns everything a microVM agent holds on the host — the jail
+//! and its chroot, the TAP and its bridge port, the per-VM egress rules, the
+//! MMDS document with the agent's bootstrap (version 2 sessions, cleared and
+//! verified before the first job: see docs/deviations.md, D-mmds-v2) — and
+//! the sweep that finds what a crashed daemon left. Each name is derived from
+//! the agent id in one place ([`names`]), so spawn, destroy and the sweep
+//! cannot disagree:
+//!
+//! ```
+//! use kici_firecracker::names;
+//! use kici_model::{AgentId, InstanceId};
+//!
+//! let agent: AgentId = "scaler-firecracker-0a1b2c3d".parse().unwrap();
+//! let instance: InstanceId = "5e6f7a8b".parse().unwrap();
+//! assert_eq!(names::tap_name(&agent), "kici-0a1b2c3d"); // fits IFNAMSIZ
+//! let tag = names::owner_tag(instance, &agent); // the TAP's ifalias
+//! assert_eq!(tag, "kici-scaler:5e6f7a8b:scaler-firecracker-0a1b2c3d");
+//! assert_eq!(names::parse_owner_tag(&tag), Some((instance, agent)));
+//! assert!(names::parse_owner_tag("kici-scaler:someone-else").is_none());
+//! ```
+//!
+//! Running VMs needs the `firecracker` and `jailer` binaries, a kernel, a
+//! root filesystem and `/dev/kvm`; `kici-testkit` simulates the first two
+//! for tests.
 
 pub mod api;
 pub mod backend;

@@ -8,6 +8,27 @@
 //! lifecycle) never re-validate strings or floats.
 //!
 //! It does no I/O. Parsing YAML into a [`Config`] belongs to `kici-config`.
+//!
+//! ```
+//! use kici_model::{AgentId, LabelSet, MemoryBytes, MilliCpu, ScalerType};
+//!
+//! // Labels are normalised once, on the way in: lower-cased, deduplicated.
+//! let job = LabelSet::parse(["Linux", "x64", "linux"]).unwrap();
+//! assert_eq!(job.len(), 2);
+//! let offered = LabelSet::parse(["linux", "x64", "docker"]).unwrap();
+//! assert!(job.is_subset_of(&offered));
+//!
+//! // Resource amounts are integers: milli-CPUs and bytes.
+//! assert_eq!(MilliCpu::from_cores(0.5).unwrap().millis(), 500);
+//! let memory: MemoryBytes = "1.5g".parse().unwrap();
+//! assert_eq!(memory.mib_floor(), 1536);
+//! assert!("1.5 gigabytes".parse::<MemoryBytes>().is_err());
+//!
+//! // Agent ids have KiCI's format, `scaler-<type>-<8 hex>`.
+//! let id = AgentId::random(ScalerType::BareMetal);
+//! assert!(id.to_string().starts_with("scaler-bare-metal-"));
+//! assert_eq!(id.to_string().parse::<AgentId>().unwrap(), id);
+//! ```
 
 pub mod config;
 pub mod contract;

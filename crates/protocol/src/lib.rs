@@ -11,24 +11,24 @@
 //!
 //! # Names and shapes
 //!
-//! The handshake follows the KiCI agent protocol (upstream-contract.md §2):
-//! message names are KiCI's dotted names in a `type` field, fields are
+//! The handshake follows the KiCI agent protocol as KiCI's own agent speaks
+//! it: message names are KiCI's dotted names in a `type` field, fields are
 //! camelCase, and every message rejects unknown fields (each direction is
 //! received by someone). Timestamps are milliseconds since the Unix epoch.
 //!
-//! | direction | `type` | Rust | contract |
+//! | direction | `type` | Rust | shape |
 //! |---|---|---|---|
-//! | agent → gateway | `auth.request` | [`AuthRequest`] | §2.2 |
-//! | gateway → agent | `auth.success` / `auth.failure` | [`AuthSuccess`] / [`AuthFailure`] | §2.2 |
-//! | agent → gateway | `agent.register` | [`Register`] | §2.3 |
-//! | gateway → agent | `register.ack` | [`RegisterAck`] | §2.4 |
-//! | agent → gateway | `config.ack` | [`ConfigAck`] | §2.5 |
-//! | agent → gateway | `heartbeat` | [`Heartbeat`] | §2.8 |
-//! | gateway → agent | `job.dispatch` | [`JobDispatch`] | §2.6, **standalone shape** |
-//! | agent → gateway | `job.ack` / `job.reject` | [`JobAck`] / [`JobReject`] | §2.6 |
-//! | agent → gateway | `job.status` | [`JobStatus`] | §2.7, **standalone fields added** |
-//! | agent → gateway | `log.chunk` | [`OutputChunk`] | §2.7 names it; **shape is ours** |
-//! | gateway → agent | `job.cancel` | [`JobCancel`] | §2.6 names it |
+//! | agent → gateway | `auth.request` | [`AuthRequest`] | KiCI's |
+//! | gateway → agent | `auth.success` / `auth.failure` | [`AuthSuccess`] / [`AuthFailure`] | KiCI's |
+//! | agent → gateway | `agent.register` | [`Register`] | KiCI's |
+//! | gateway → agent | `register.ack` | [`RegisterAck`] | KiCI's |
+//! | agent → gateway | `config.ack` | [`ConfigAck`] | KiCI's |
+//! | agent → gateway | `heartbeat` | [`Heartbeat`] | KiCI's |
+//! | gateway → agent | `job.dispatch` | [`JobDispatch`] | KiCI's name, **standalone shape** |
+//! | agent → gateway | `job.ack` / `job.reject` | [`JobAck`] / [`JobReject`] | KiCI's |
+//! | agent → gateway | `job.status` | [`JobStatus`] | KiCI's, **standalone fields added** |
+//! | agent → gateway | `log.chunk` | [`OutputChunk`] | KiCI's name, **shape is ours** |
+//! | gateway → agent | `job.cancel` | [`JobCancel`] | KiCI's name |
 //!
 //! What we add for standalone mode (KiCI's job messages carry a repository,
 //! a ref and a job config; ours carry a command):
@@ -47,6 +47,50 @@
 //! KiCI's `job.heartbeat`, `step.status`, `agent.status`, `agent.log`,
 //! `agent.metrics` and `rate.limit.warning` are not part of this protocol:
 //! the connection heartbeat covers liveness and a standalone job has no steps.
+//! Why kici-scaler dispatches jobs at all: see docs/deviations.md,
+//! D-standalone-mode.
+//!
+//! ```
+//! use kici_protocol::bootstrap::Bootstrap;
+//! use kici_protocol::{AgentMessage, GatewayMessage, JobDispatch, JobSpec, UnixMillis};
+//! use std::collections::BTreeMap;
+//!
+//! // The agent's side: its bootstrap environment, checked against the contract.
+//! let token = format!("kat_{}", "ab".repeat(32));
+//! let env: BTreeMap<String, String> = [
+//!     ("KICI_ORCHESTRATOR_URL", "ws://127.0.0.1:7879/ws"),
+//!     ("KICI_AGENT_ID", "scaler-bare-metal-0a1b2c3d"),
+//!     ("KICI_LABELS", "linux,kici:agent:bare-metal"),
+//!     ("KICI_SCALER_MANAGED", "1"),
+//!     ("KICI_AGENT_TOKEN", token.as_str()),
+//! ]
+//! .into_iter()
+//! .map(|(k, v)| (k.to_owned(), v.to_owned()))
+//! .collect();
+//! let bootstrap = Bootstrap::from_env(&env).unwrap();
+//! assert_eq!(bootstrap.agent_id.to_string(), "scaler-bare-metal-0a1b2c3d");
+//! assert!(format!("{bootstrap:?}").contains("<redacted>")); // never in a log
+//!
+//! // Its first frame, as the gateway reads it; unknown fields are refused.
+//! let frame = format!(r#"{{"type":"auth.request","token":"{token}","protocolVersion":1}}"#);
+//! let AgentMessage::AuthRequest(auth) = AgentMessage::from_json(&frame).unwrap() else {
+//!     panic!("not an auth.request");
+//! };
+//! assert_eq!(auth.token.expose(), token);
+//! let extra = frame.replace(r#""protocolVersion":1"#, r#""protocolVersion":1,"x":0"#);
+//! assert!(AgentMessage::from_json(&extra).is_err());
+//!
+//! // The gateway's side: a standalone job, sent as one text frame.
+//! let job = JobSpec::new("job-1".parse().unwrap(), vec!["make".into(), "test".into()], BTreeMap::new(), Some(600)).unwrap();
+//! let dispatch = GatewayMessage::JobDispatch(JobDispatch {
+//!     message_id: "dispatch-1".into(),
+//!     job,
+//!     timestamp: UnixMillis(0),
+//! });
+//! let text = dispatch.to_json();
+//! assert!(text.starts_with(r#"{"type":"job.dispatch""#));
+//! assert_eq!(GatewayMessage::from_json(&text).unwrap(), dispatch);
+//! ```
 
 mod close;
 mod job;

@@ -12,14 +12,31 @@
 //! (`migrations/sqlite`, `migrations/postgres`), embedded in the binary and
 //! applied by [`open`]; a test migrates both and compares the schemas.
 //!
-//! ```no_run
-//! # async fn demo() -> Result<(), kici_store::StoreError> {
-//! use kici_store::{open, StoreOptions, StoreUrl};
-//! let url: StoreUrl = "sqlite:/var/lib/kici-scaler/state.db".parse()?;
-//! let owner = "0a1b2c3d".parse().expect("instance id");
-//! let store = open(&url, owner, StoreOptions::default()).await?;
-//! let recorded = store.agents().await?;
-//! # let _ = recorded; Ok(()) }
+//! The daemon backs the engine's journal (`kici_engine::Journal`) with this
+//! store and reads it back on start-up to take its agents back (see
+//! docs/deviations.md, D-owner-scoped-state; for the IP allocator,
+//! D-ip-allocation).
+//!
+//! ```
+//! use kici_store::{open, StoreKind, StoreOptions, StoreUrl, UnixMillis};
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = tempfile::tempdir()?;
+//! let url: StoreUrl = format!("sqlite:{}/state.db", dir.path().display()).parse()?;
+//! let owner = "0a1b2c3d".parse()?; // the instance id of this daemon
+//! let store = open(&url, owner, StoreOptions::default()).await?; // migrated
+//! assert_eq!(store.kind(), StoreKind::Sqlite);
+//! assert!(store.agents().await?.is_empty());
+//!
+//! // The event stream: strictly increasing sequence numbers, JSON bodies.
+//! store.append_event(1, UnixMillis::now(), r#"{"type":"reloaded"}"#).await?;
+//! store.append_event(2, UnixMillis::now(), r#"{"type":"reloaded"}"#).await?;
+//! assert_eq!(store.last_event_seq().await?, Some(2));
+//! let after_first = store.events_after(1, 100).await?;
+//! assert_eq!(after_first.len(), 1);
+//! assert_eq!(after_first[0].seq, 2);
+//! store.close().await;
+//! # Ok(()) }
 //! ```
 
 #![warn(missing_docs)]
