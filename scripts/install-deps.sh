@@ -83,6 +83,20 @@ install_rust_components() {
     fi
 }
 
+# The static agent, the Firecracker simulator and fake jailer, and the guest
+# binaries are built for this target by the tests themselves
+# (kici_testkit::fc::build_binaries, scripts/build-*-musl.sh): a fresh machine
+# has only the host target.
+MUSL_TARGET=x86_64-unknown-linux-musl
+install_rust_targets() {
+    if rustup target list --installed | grep -qx "$MUSL_TARGET"; then
+        log "rust target $MUSL_TARGET: present"
+        return
+    fi
+    log "rust target $MUSL_TARGET: adding"
+    rustup target add "$MUSL_TARGET"
+}
+
 install_nextest() {
     if cargo nextest --version >/dev/null 2>&1; then
         log "cargo-nextest: present ($(cargo nextest --version 2>/dev/null | head -n1))"
@@ -111,6 +125,7 @@ require_rustup
 if [ "$want_base" -eq 1 ]; then
     install_debian_packages
     install_rust_components
+    install_rust_targets
     install_nextest
 fi
 if [ "$want_fuzz" -eq 1 ]; then
