@@ -14,6 +14,9 @@ pub(crate) struct Cx {
     files: Vec<Arc<str>>,
     pub errors: Vec<Diagnostic>,
     pub warnings: Vec<Diagnostic>,
+    /// Where the value of the required field being read starts: leaving
+    /// that key out is no way to a default, so a null there gets no hint.
+    required_at: Option<Marker>,
 }
 
 /// One step of a field path.
@@ -121,6 +124,7 @@ impl Cx {
             files,
             errors: Vec::new(),
             warnings: Vec::new(),
+            required_at: None,
         }
     }
 
@@ -248,7 +252,8 @@ impl Cx {
         // Upstream refuses an explicit null for every field it types (`~`,
         // `null`, or a key with no value): leaving a field out is the only
         // way to get its default. Say so, where a key could be left out.
-        let hint = if matches!(v.seg, Seg::Key(_)) && Self::is_null(v) {
+        let optional = self.required_at != Some(v.mark);
+        let hint = if optional && matches!(v.seg, Seg::Key(_)) && Self::is_null(v) {
             " (an explicit null is not \"unset\": remove the key to use the default)"
         } else {
             ""
@@ -456,7 +461,12 @@ impl Cx {
         read: impl FnOnce(&mut Self, &Val<'b>) -> Option<T>,
     ) -> Option<T> {
         match self.field(obj, key) {
-            Some(v) => read(self, &v),
+            Some(v) => {
+                let outer = self.required_at.replace(v.mark);
+                let got = read(self, &v);
+                self.required_at = outer;
+                got
+            }
             None => {
                 self.err_key(obj, key, format!("missing required key `{key}`"));
                 None

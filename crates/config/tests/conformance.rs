@@ -9,6 +9,7 @@
 //!   deviations, which the `upstream:` prose names);
 //! - `# error: <text>` / `# warning: <text>`: some error / warning line must
 //!   contain the text (as displayed: `file:line:col: path: message`);
+//! - `# no-error: <text>`: no error line contains the text;
 //! - `# json: <pointer> = <json>`: the loaded configuration, serialised,
 //!   holds that value at that JSON pointer (accepted configurations only);
 //! - `#--- <file name>`: the lines below are another file, a drop-in named
@@ -23,6 +24,7 @@ struct Case {
     upstream_verdict: Option<bool>,
     verdict: Option<bool>,
     errors: Vec<String>,
+    no_errors: Vec<String>,
     warnings: Vec<String>,
     json: Vec<(String, serde_json::Value)>,
     files: Vec<(String, String)>,
@@ -60,6 +62,7 @@ fn parse_case(text: &str) -> Case {
             Some(("upstream-verdict", v)) => case.upstream_verdict = Some(verdict(v)),
             Some(("verdict", v)) => case.verdict = Some(verdict(v)),
             Some(("error", v)) => case.errors.push(v.to_owned()),
+            Some(("no-error", v)) => case.no_errors.push(v.to_owned()),
             Some(("warning", v)) => case.warnings.push(v.to_owned()),
             Some(("json", v)) => {
                 let (pointer, value) = v.split_once(" = ").expect("json: <pointer> = <value>");
@@ -153,6 +156,14 @@ fn check(path: &Path) -> Result<(), String> {
         let got = config.as_ref().and_then(|c| c.pointer(pointer));
         if got != Some(want) {
             return Err(format!("{name}: {pointer} is {got:?}, expected {want}"));
+        }
+    }
+    for unwanted in &case.no_errors {
+        if errors.iter().any(|e| e.contains(unwanted.as_str())) {
+            return Err(format!(
+                "{name}: an error contains {unwanted:?}\n{}",
+                shown()
+            ));
         }
     }
     // Every error is positioned (the whole point of our errors).

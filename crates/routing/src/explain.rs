@@ -40,8 +40,8 @@ pub struct Candidate {
 }
 
 /// The verdict for one label set. When several apply, the first in this
-/// order is reported: `Cordoned`, `GatedMissing`, `Tainted`, `NotSuperset`,
-/// `Excluded`, then `Selected` / `LargerThanWinner`.
+/// order is reported: `Cordoned`, `GatedMissing`, `NotSuperset`, `Excluded`,
+/// `Tainted`, then `Selected` / `LargerThanWinner`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// The winner.

@@ -260,19 +260,21 @@ impl Router {
                 Reason::Cordoned
             } else if let Some(missing) = scaler.mandatory.missing_from(job).next() {
                 Reason::GatedMissing(missing.clone())
-            } else if let Some((label, source)) =
-                detail.taints.iter().find(|(t, _)| !job.contains(t))
-            {
-                Reason::Tainted {
-                    label: label.clone(),
-                    source: *source,
-                }
             } else {
                 let missing: Vec<Label> = job.missing_from(&detail.enriched).cloned().collect();
+                // A taint is reported last: it is the one thing left between
+                // the job and a label set that otherwise takes it, so naming
+                // it tells the operator exactly which label to add.
+                let taint = detail.taints.iter().find(|(t, _)| !job.contains(t));
                 if !missing.is_empty() {
                     Reason::NotSuperset(missing)
                 } else if let Some(veto) = exclude.iter().find(|l| detail.enriched.contains(l)) {
                     Reason::Excluded(veto.clone())
+                } else if let Some((label, source)) = taint {
+                    Reason::Tainted {
+                        label: label.clone(),
+                        source: *source,
+                    }
                 } else {
                     if best.is_none_or(|(fewest, _)| rank < fewest) {
                         best = Some((rank, slot));

@@ -442,18 +442,10 @@ fn unknown_job_label_matches_nothing() {
         &labels(&[]),
         &CordonSet::none(),
     );
-    // The label sets naming `arm64` and `macos` are tainted by them, which
-    // is reported first (a taint is part of the gate).
-    let codes: Vec<String> = e.candidates.iter().map(|c| c.reason.to_string()).collect();
-    assert_eq!(
-        codes,
-        [
-            "not-superset:no-such-label",
-            "tainted:arm64:label",
-            "tainted:macos:label",
-            "not-superset:no-such-label"
-        ]
-    );
+    assert!(e
+        .candidates
+        .iter()
+        .all(|c| c.reason.to_string() == "not-superset:no-such-label"));
 }
 
 #[test]
@@ -501,7 +493,7 @@ fn explanation_reason_codes() {
             .mandatory(&["gpu", "cuda"])
             .set(&["linux", "gpu", "cuda"])
             .set(&["gpu", "cuda"]),
-        container("narrow").set(&["plan9"]),
+        container("narrow").set(&["windows"]),
         container("vetoed").set(&["linux", "slow"]),
         container("loser").set(&["linux", "docker", "big"]),
         container("winner").set(&["linux", "docker"]),
