@@ -305,10 +305,13 @@ impl Cx {
             Some(Scalar::Str(s)) => Some(s.to_owned()),
             Some(Scalar::Number(_) | Scalar::Bool(_)) => {
                 let got = describe(v.node);
-                self.err(
-                    v,
-                    format!("expected a string, got {got} (quote it to use it as a string)"),
-                );
+                let tagged = matches!(v.node, Node::Scalar(s) if s.tag().is_some());
+                let hint = if tagged {
+                    "its explicit tag makes it one; drop the tag"
+                } else {
+                    "quote it to use it as a string"
+                };
+                self.err(v, format!("expected a string, got {got} ({hint})"));
                 None
             }
             _ => {
@@ -522,6 +525,13 @@ mod tests {
         assert_eq!(
             with_value("'12'", |cx, v| cx.string(v)).0.as_deref(),
             Some("12")
+        );
+        let (_, e) = with_value("!!int '12'", |cx, v| cx.string(v));
+        assert!(
+            e[0].ends_with(
+                "expected a string, got 12 (its explicit tag makes it one; drop the tag)"
+            ),
+            "{e:?}"
         );
         let (_, e) = with_value("", |cx, v| cx.string(v));
         assert_eq!(e, ["f.yaml:1:1: k: expected a string, got null (an explicit null is not \"unset\": remove the key to use the default)"]);
