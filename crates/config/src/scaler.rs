@@ -8,10 +8,9 @@ use crate::resources::{self, NamedCap};
 use crate::yaml::{classify, quote, Scalar};
 use kici_model::{
     BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime, ContainerSettings,
-    FirecrackerSettings, Label, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs,
-    ResourceCap, ResourceRequest, Role, Roles, ScalerEntry, ScalerExtension, ScalerName,
-    ScalerPlatform, ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
-    LEGACY_PLATFORM_TAINT_LABELS,
+    FirecrackerSettings, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs, ResourceCap,
+    ResourceRequest, Role, Roles, ScalerEntry, ScalerExtension, ScalerName, ScalerPlatform,
+    ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -701,30 +700,12 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
         }
     }
 
-    // Plain platform labels taint a label set even without `platform`
-    // (upstream's legacy rule); say so, as upstream does, since a generic
-    // job then never lands there.
-    if platform.is_none() {
-        for ls in &out.label_sets {
-            let Some(labels) = &ls.labels else { continue };
-            let plain: Vec<&str> = labels
-                .iter()
-                .map(Label::as_str)
-                .filter(|l| LEGACY_PLATFORM_TAINT_LABELS.contains(l))
-                .collect();
-            if !plain.is_empty() {
-                cx.warn(
-                    ls.origin.clone(),
-                    field_path(&ls.path, "labels"),
-                    format!(
-                        "the platform label(s) {} taint this label set: only jobs whose labels include {} land on it; declare `platform: {{os, arch}}` on the scaler to make the taint explicit",
-                        plain.join(", "),
-                        if plain.len() == 1 { "it" } else { "all of them" }
-                    ),
-                );
-            }
-        }
-    }
+    // Plain platform labels (`macos`, `windows`, `arm64`) taint a label set
+    // even without `platform` (upstream's legacy rule). Upstream also logs a
+    // hint at load; we do not warn: `route` explains the taint
+    // (`tainted:<label>:label`), and every configuration written before
+    // `platform` existed would otherwise carry a warning it cannot act on
+    // (see docs/deviations.md, D-legacy-taint-quiet).
     if let (Some(p), Some(ScalerType::Firecracker)) = (platform, kind) {
         if p.os != PlatformOs::Linux {
             if let Some(v) = cx.field(&obj, "platform") {
