@@ -30,6 +30,10 @@ use std::time::Duration;
 /// are recognisable in `pg_locks` and do not collide with other users of
 /// single-key advisory locks.
 const LOCK_NAMESPACE: i32 = 0x6b69_6369;
+/// How long an instance lock held by a session that may have just died is
+/// waited for before the instance is reported in use.
+const DEAD_SESSION_WAIT: Duration = Duration::from_secs(3);
+const LOCK_RETRY: Duration = Duration::from_millis(50);
 
 /// [`crate::StateStore`] on PostgreSQL.
 pub(crate) struct PgStore {
@@ -109,6 +113,9 @@ impl PgStore {
         (LOCK_NAMESPACE, i32::from_ne_bytes(bits.to_ne_bytes()))
     }
 
+    /// The session holding `owner`'s advisory lock for the store's life. A
+    /// lock already held is waited for up to [`DEAD_SESSION_WAIT`] (its
+    /// holder may have just died).
     async fn take_lock(
         connect: &PgConnectOptions,
         owner: InstanceId,
@@ -121,12 +128,24 @@ impl PgStore {
             })?
             .map_err(classify)?;
         let (ns, key) = Self::lock_keys(owner);
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
-            .bind(ns)
-            .bind(key)
-            .fetch_one(&mut conn)
-            .await
-            .map_err(classify)?;
+        // A daemon killed a moment ago holds the lock until PostgreSQL
+        // notices its session is gone (its backend reads the closed socket):
+        // that takes a moment, not a restart's worth of refusals. A live
+        // holder still holds it after the wait.
+        let mut waited = Duration::ZERO;
+        let got = loop {
+            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+                .bind(ns)
+                .bind(key)
+                .fetch_one(&mut conn)
+                .await
+                .map_err(classify)?;
+            if got || waited >= DEAD_SESSION_WAIT {
+                break got;
+            }
+            tokio::time::sleep(LOCK_RETRY).await;
+            waited += LOCK_RETRY;
+        };
         if !got {
             // Best effort: the session ends either way.
             let _ = conn.close().await;
