@@ -23,6 +23,7 @@ use crate::settings::BackendTuning;
 use kici_model::InstanceId;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The prefix of `run`'s temporary state dirs.
@@ -165,15 +166,23 @@ async fn destroy_owned(state: &StateDir, tuning: &BackendTuning) -> Result<usize
         config: None,
         instance: state.instance_id(),
         state_dir: state.path().to_path_buf(),
-        store: Some(store),
+        store: Some(Arc::clone(&store)),
         tuning: tuning.clone(),
         // The dead instance never comes back: what it kept for itself goes.
         ephemeral: true,
         gateway_port: 0,
     };
-    let built = BackendRegistry::builtin()
-        .build(&loaded.config, &ctx)
-        .await?;
+    let result = destroy_with(&loaded.config, &ctx).await;
+    // Closed before the dir (its database file with it) is removed.
+    store.close().await;
+    result
+}
+
+async fn destroy_with(
+    config: &kici_model::Config,
+    ctx: &BackendContext,
+) -> Result<usize, Vec<String>> {
+    let built = BackendRegistry::builtin().build(config, ctx).await?;
     let mut destroyed = 0;
     let mut errors = Vec::new();
     for backend in &built.backends {

@@ -175,6 +175,22 @@ pub struct ListenerMetrics {
     pub limit_reached: Counter,
 }
 
+/// One connection in the `open` gauge, for as long as this lives.
+struct OpenConnection(Gauge);
+
+impl OpenConnection {
+    fn count(open: &Gauge) -> Self {
+        open.inc();
+        Self(open.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// How a [`Server`] is asked to stop.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Stop {
@@ -291,13 +307,14 @@ async fn accept_loop(
             }
             Err(e) => break Err(e),
         };
-        metrics.open.inc();
-        let open = metrics.open.clone();
+        let open = OpenConnection::count(&metrics.open);
         let router = router.clone();
         let tls = tls.clone();
         let watcher = drain_signal.clone();
         connections.spawn(async move {
+            // Both released however the task ends, aborted at shutdown too.
             let _permit = permit;
+            let _open = open;
             match stream {
                 Stream::Tcp(tcp) => match tls {
                     Some(acceptor) => {
@@ -313,7 +330,6 @@ async fn accept_loop(
                 },
                 Stream::Unix(unix) => serve_connection(unix, router, limits, watcher).await,
             }
-            open.dec();
         });
     };
     drop(listener);

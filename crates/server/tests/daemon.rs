@@ -867,6 +867,14 @@ fn stalled_connections_cannot_take_the_daemon_down() {
 
     let text = d.metrics();
     for listener in ["api", "gateway"] {
+        // Every closed connection left the gauge: at most the scrape itself
+        // is open.
+        let open = common::daemon::metric(
+            &text,
+            "kici_orch_scaler_connections",
+            &format!("listener=\"{listener}\""),
+        );
+        assert!(open <= 1.0, "{listener}: {open} open\n{text}");
         let reached = common::daemon::metric(
             &text,
             "kici_orch_scaler_connection_limit_reached_total",
