@@ -14,8 +14,7 @@ use common::{take_sse_events, SseEvent};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::path::Path;
 use std::time::Duration;
 
 /// The first `n` SSE events of `GET /v1/events` after `last_event_id`.
@@ -258,32 +257,6 @@ fn serial_pending_requests_and_event_ids_survive_kill_9_on_postgres() {
 
 // ----- standalone jobs across a crash --------------------------------------
 
-/// The directory holding `kici-agent-lite`: beside `kici-scaler` after a
-/// workspace build, else built once into a target dir of its own (the
-/// build's own lock may be held by the test run).
-fn agent_lite() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let beside = Path::new(common::daemon::BIN)
-            .parent()
-            .unwrap()
-            .to_path_buf();
-        if beside.join("kici-agent-lite").is_file() {
-            return beside;
-        }
-        let target = beside.parent().unwrap().join("kici-agent-lite-for-tests");
-        let status = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "kici-agent-lite"])
-            .env("CARGO_TARGET_DIR", &target)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap();
-        assert!(status.success(), "cannot build kici-agent-lite");
-        target.join("debug")
-    })
-    .join("kici-agent-lite")
-}
-
 /// `GET /v1/jobs/{id}/logs` read until the job's stdout contains `until`
 /// (`Some`) or to the stream's end (`None`): the stdout read, and the `end`
 /// event's job if the stream ended.
@@ -360,7 +333,7 @@ fn process_gone(pid: i32) -> bool {
 fn started_jobs_survive_kill_9(state: &[&str]) {
     let dir = Dir::with_config(&format!(
         "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 3\n    labelSets:\n      - labels: [local]\n        binaryPath: {}\n",
-        agent_lite().display()
+        common::daemon::agent_lite_dir().join("kici-agent-lite").display()
     ));
     let mut args = vec!["--listen", "127.0.0.1:0"];
     args.extend(state);

@@ -11,36 +11,20 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::{mpsc, OnceLock};
+use std::sync::mpsc;
 use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kici-scaler");
 const PATIENCE: Duration = Duration::from_secs(60);
 
-/// The directory holding `kici-agent-lite`.
 fn agent_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let beside = Path::new(BIN).parent().unwrap().to_path_buf();
-        if beside.join("kici-agent-lite").is_file() {
-            return beside;
-        }
-        // Only this package was built: build the agent into a target dir of
-        // its own (the build's own lock may be held by `cargo test`).
-        let target = beside.parent().unwrap().join("kici-agent-lite-for-tests");
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "kici-agent-lite"])
-            .env("CARGO_TARGET_DIR", &target)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap();
-        assert!(status.success(), "cannot build kici-agent-lite");
-        target.join("debug")
-    })
+    common::daemon::agent_lite_dir()
 }
 
 fn agent_binary() -> PathBuf {

@@ -636,3 +636,25 @@ pub fn agents_with_rules(instance: kici_model::InstanceId) -> BTreeSet<String> {
         })
         .collect()
 }
+
+/// The directory holding `kici-agent-lite`: beside `kici-scaler` after a
+/// workspace build, else built once into a target dir of its own (the
+/// build's own lock may be held by the test run).
+pub fn agent_lite_dir() -> &'static Path {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let beside = Path::new(BIN).parent().unwrap().to_path_buf();
+        if beside.join("kici-agent-lite").is_file() {
+            return beside;
+        }
+        let target = beside.parent().unwrap().join("kici-agent-lite-for-tests");
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "kici-agent-lite"])
+            .env("CARGO_TARGET_DIR", &target)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "cannot build kici-agent-lite");
+        target.join("debug")
+    })
+}
