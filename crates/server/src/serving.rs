@@ -121,6 +121,9 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// How long open connections may finish after the listener failed.
+const FAILED_LISTENER_DRAIN: Duration = Duration::from_secs(5);
+
 /// However few descriptors there are, a listener serves this many.
 const MIN_CONNECTIONS: usize = 16;
 
@@ -347,8 +350,9 @@ async fn drain(connections: &mut JoinSet<()>, stopped: &mut watch::Receiver<Stop
     let limit_of = |stop: Stop| match stop {
         Stop::Graceful(limit) => limit,
         Stop::Now => Some(Duration::ZERO),
-        // The listener failed on its own: what is open finishes.
-        Stop::Running => None,
+        // The listener failed on its own: its owner must hear of it soon,
+        // not after the last open stream (an SSE reader may never leave).
+        Stop::Running => Some(FAILED_LISTENER_DRAIN),
     };
     let mut deadline = limit_of(*stopped.borrow_and_update()).map(|l| Instant::now() + l);
     loop {
