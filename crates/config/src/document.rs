@@ -276,6 +276,15 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
         .opt(&obj, "table", nonempty)
         .value()
         .unwrap_or(defaults.table);
+    if let Some(t) = cx.field(&obj, "table") {
+        // Read for upstream compatibility, but our rules live in tables the
+        // daemon names itself (one per concern, each tagged with the owning
+        // instance), so an operator's name would silently do nothing.
+        cx.warn_at(
+            &t,
+            "firecracker.table is not used: kici-scaler keeps its nftables rules in its own tables (`inet kici_scaler`, `bridge kici_scaler`; see docs/deviations.md, D-nftables)",
+        );
+    }
     let auto_provision_host = cx
         .opt(&obj, "autoProvisionHost", |cx, v| cx.bool(v))
         .value()
@@ -285,14 +294,26 @@ fn firecracker(cx: &mut Cx, v: &Val<'_>) -> Option<FirecrackerNetwork> {
     let first_host = u32::from(net.network()).checked_add(1).map(Ipv4Addr::from);
     let gateway = match gateway {
         Got::Value(g) => {
+            let at = cidr_val
+                .map(|c| format!(" (cidr at {})", cx.origin(&c)))
+                .unwrap_or_default();
             if !net.contains(&g) || g == net.network() || g == net.broadcast() {
-                let at = cidr_val
-                    .map(|c| format!(" (cidr at {})", cx.origin(&c)))
-                    .unwrap_or_default();
                 cx.err_field(
                     &obj,
                     "gateway",
                     format!("gateway {g} is not a usable host address of cidr {cidr}{at}"),
+                );
+            } else if Some(g) != first_host {
+                // The address allocator reserves exactly the first host
+                // address for the bridge; any other gateway would be handed
+                // to an agent as well. `serve` refuses it; so does the file.
+                let expected = first_host.map(|a| a.to_string()).unwrap_or_default();
+                cx.err_field(
+                    &obj,
+                    "gateway",
+                    format!(
+                        "gateway {g} must be the first host address of cidr {cidr} (expected {expected}){at}: the bridge takes that address and the allocator never hands it out"
+                    ),
                 );
             }
             g

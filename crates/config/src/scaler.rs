@@ -518,6 +518,27 @@ fn backend(cx: &mut Cx, obj: &Obj<'_>, kind: Option<ScalerType>) -> Option<Backe
         .opt(obj, "requireSudo", |cx, v| cx.bool(v))
         .value()
         .unwrap_or(false);
+    if require_sudo {
+        if let Some(v) = cx.field(obj, "requireSudo") {
+            cx.warn_at(
+                &v,
+                "requireSudo is not used: kici-scaler never runs its privileged steps through sudo; run the daemon as root or as the packaged systemd service (see docs/deviations.md, D-require-sudo)",
+            );
+        }
+    }
+    if network_isolation && kind == Some(ScalerType::Container) {
+        if let Some(h) = host.as_deref().filter(|h| is_remote_engine(h)) {
+            if let Some(v) = cx.field(obj, "host") {
+                cx.err(
+                    &v,
+                    format!(
+                        "networkIsolation is on (the default) but the runtime {} is remote: egress rules are installed on this host and would not apply there; set networkIsolation: false for this scaler (and isolate that host yourself)",
+                        quote(h)
+                    ),
+                );
+            }
+        }
+    }
     let chroot_base_dir = match cx.opt(obj, "chrootBaseDir", |cx, v| {
         let s = cx.string(v)?;
         if s.is_empty() {
@@ -845,4 +866,23 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
         });
     }
     out
+}
+
+/// A container `host` that names an Engine on another machine: TCP or HTTPS
+/// to anything but loopback. (A malformed `host` is the backend's to refuse
+/// with its own message.)
+fn is_remote_engine(host: &str) -> bool {
+    let Some(rest) = host
+        .strip_prefix("tcp://")
+        .or_else(|| host.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    let address = rest.trim_end_matches('/');
+    let name = address.rsplit_once(':').map_or(address, |(n, _)| n);
+    let name = name.trim_matches(['[', ']']);
+    !(name == "localhost"
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback()))
 }

@@ -308,12 +308,14 @@ fn firecracker_network_defaults_and_custom_values() {
     assert_eq!(n.netmask, Ipv4Addr::new(255, 255, 255, 0));
     assert_eq!(n.table, "kici");
     let l = ok(&format!(
-        "version: 1\nfirecracker: {{cidr: 172.16.4.0/22, bridgeName: br9, gateway: 172.16.4.9, netmask: 255.255.252.0, table: t9}}\nscalers:\n{FC_ENTRY}"
+        "version: 1\nfirecracker: {{cidr: 172.16.4.0/22, bridgeName: br9, gateway: 172.16.4.1, netmask: 255.255.252.0, table: t9}}\nscalers:\n{FC_ENTRY}"
     ));
     let n = &l.config.firecracker;
     assert_eq!(n.cidr.to_string(), "172.16.4.0/22");
     assert_eq!(n.bridge_name, "br9");
-    assert_eq!(n.gateway, Ipv4Addr::new(172, 16, 4, 9));
+    // The gateway must be the first host address: the bridge's, which the
+    // allocator never hands out (corpus 48 shows the refusal).
+    assert_eq!(n.gateway, Ipv4Addr::new(172, 16, 4, 1));
     assert_eq!(n.netmask, Ipv4Addr::new(255, 255, 252, 0));
     assert_eq!(n.table, "t9");
     // Adapted: with only a CIDR, gateway and netmask follow it (upstream's
