@@ -9,6 +9,7 @@ use std::fmt;
 /// | 2 | bad bootstrap or command line (nothing was attempted) |
 /// | 3 | rejected for good: `auth.failure`, or close 4010 / 4005 / 4003 (retrying cannot help) |
 /// | 4 | gave up reconnecting (attempt or time budget spent, see `backoff`) |
+/// | 5 | claim failed: the claim code was refused (`unknown`, `consumed`, `expired`) or could not be redeemed in time (nothing was connected) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AgentExit {
     Done(DoneReason),
@@ -16,6 +17,7 @@ pub enum AgentExit {
     BadBootstrap,
     Rejected,
     GaveUp,
+    ClaimFailed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +36,7 @@ impl AgentExit {
             Self::BadBootstrap => 2,
             Self::Rejected => 3,
             Self::GaveUp => 4,
+            Self::ClaimFailed => 5,
         }
     }
 }
@@ -49,6 +52,7 @@ impl fmt::Display for AgentExit {
             Self::BadBootstrap => "bad-bootstrap",
             Self::Rejected => "rejected",
             Self::GaveUp => "gave-up-reconnecting",
+            Self::ClaimFailed => "claim-failed",
         })
     }
 }

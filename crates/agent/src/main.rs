@@ -11,6 +11,12 @@
 //! (or pending-dispatch) window passes. See `session` for the connection
 //! and its timers, `job` for running a job, `backoff` for reconnecting.
 //!
+//! On an instance a `type: event` scaler's provisioner booted, the agent
+//! starts with `--claim CODE --claim-url URL` (or `KICI_CLAIM_CODE` +
+//! `KICI_CLAIM_URL`): it first redeems the single-use code for its token,
+//! agent id, gateway URL and labels (`kici_agent_lite::claim`), which become
+//! its bootstrap.
+//!
 //! Exit codes: see [`exit::AgentExit`].
 //!
 //! Logs are JSON lines on stderr; stdout stays empty. The token is never
@@ -23,6 +29,7 @@ mod job;
 mod session;
 
 use exit::AgentExit;
+use kici_agent_lite::claim::{self, Claim, ClaimError, RedeemPolicy};
 use kici_agent_lite::mmds;
 use kici_protocol::bootstrap::{Bootstrap, WsScheme, LOG_LEVEL};
 use std::collections::BTreeMap;
@@ -51,13 +58,22 @@ enum BootstrapSource {
 struct CommandLine {
     flags: Flags,
     source: BootstrapSource,
+    /// `--claim`, `--claim-url` (the environment is the fallback).
+    claim_code: Option<String>,
+    claim_url: Option<String>,
+    redeem: RedeemPolicy,
 }
 
 const USAGE: &str = "usage: kici-agent-lite [--heartbeat-interval-ms MS]
        [--bootstrap env|mmds] [--mmds-address IP:PORT] [--mmds-timeout-secs S]
+       [--claim CODE --claim-url URL] [--claim-timeout-secs S]
 Configuration comes from the KICI_* environment (KICI_ORCHESTRATOR_URL, KICI_AGENT_ID, ...),
 or with --bootstrap mmds from Firecracker's MMDS V2 (default address 169.254.169.254:80,
-waiting up to 60 s for the host to populate it).";
+waiting up to 60 s for the host to populate it).
+With --claim (or KICI_CLAIM_CODE + KICI_CLAIM_URL) the agent first redeems a type: event
+scaler's single-use claim code at the claim URL (http://; retried up to 60 s) for its token,
+agent id, gateway URL and labels. Prefer the environment: arguments are visible to every
+local user.";
 
 fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<CommandLine>, String> {
     let mut flags = Flags {
@@ -66,6 +82,8 @@ fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<CommandLine>
     let mut use_mmds = false;
     let mut policy = mmds::FetchPolicy::default();
     let mut mmds_tuned = false;
+    let (mut claim_code, mut claim_url) = (None, None);
+    let mut redeem = RedeemPolicy::default();
     let mut args = args.skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -89,6 +107,23 @@ fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<CommandLine>
                     .ok_or("--mmds-timeout-secs needs a positive number of seconds")?;
                 policy.deadline = Duration::from_secs(secs);
                 mmds_tuned = true;
+            }
+            "--claim" => {
+                claim_code = Some(args.next().ok_or("--claim needs the claim code")?);
+            }
+            "--claim-url" => {
+                claim_url = Some(
+                    args.next()
+                        .ok_or("--claim-url needs the URL to redeem at")?,
+                );
+            }
+            "--claim-timeout-secs" => {
+                let secs = args
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .filter(|s| *s > 0)
+                    .ok_or("--claim-timeout-secs needs a positive number of seconds")?;
+                redeem.deadline = Duration::from_secs(secs);
             }
             "--heartbeat-interval-ms" => {
                 let ms = args
@@ -117,7 +152,13 @@ fn parse_flags(args: impl Iterator<Item = String>) -> Result<Option<CommandLine>
     } else {
         BootstrapSource::Env
     };
-    Ok(Some(CommandLine { flags, source }))
+    Ok(Some(CommandLine {
+        flags,
+        source,
+        claim_code,
+        claim_url,
+        redeem,
+    }))
 }
 
 /// Lays the MMDS bootstrap over the process environment.
@@ -179,7 +220,13 @@ fn init_logging(level: Option<&str>) {
 }
 
 fn main() -> std::process::ExitCode {
-    let CommandLine { flags, source } = match parse_flags(std::env::args()) {
+    let CommandLine {
+        flags,
+        source,
+        claim_code,
+        claim_url,
+        redeem,
+    } = match parse_flags(std::env::args()) {
         Ok(Some(cmd)) => cmd,
         Ok(None) => return std::process::ExitCode::SUCCESS,
         Err(msg) => {
@@ -211,6 +258,34 @@ fn main() -> std::process::ExitCode {
         if let Err(msg) = apply_mmds(&mut env, &runtime, policy) {
             tracing::error!(error = %msg, "no bootstrap from MMDS; not connecting");
             return AgentExit::BadBootstrap.into();
+        }
+    }
+    let claim = match Claim::from_flags_or_env(claim_code, claim_url, &mut env) {
+        Ok(c) => c,
+        Err(msg) => {
+            tracing::error!(error = %msg, "invalid claim; not connecting");
+            return AgentExit::BadBootstrap.into();
+        }
+    };
+    if let Some(claim) = claim {
+        tracing::info!(url = %claim.url, "redeeming the claim code");
+        match runtime.block_on(claim::redeem(&claim, &redeem)) {
+            Ok(creds) => {
+                tracing::info!(agent_id = %creds.agent_id, gateway = %creds.gateway_url, "claim redeemed");
+                claim::apply(&mut env, &creds);
+            }
+            Err(e) => {
+                let reason = match &e {
+                    ClaimError::Refused { reason, .. } => reason.clone(),
+                    _ => None,
+                };
+                tracing::error!(
+                    reason = reason.as_deref().unwrap_or("none"),
+                    error = %e,
+                    "claim failed; not connecting"
+                );
+                return AgentExit::ClaimFailed.into();
+            }
         }
     }
     let bootstrap = match Bootstrap::from_env(&env) {

@@ -734,3 +734,200 @@ async fn sigterm_kills_the_running_job_and_the_agent_exits() {
 fn agent_id_constant_is_valid() {
     AGENT_ID.parse::<AgentId>().unwrap();
 }
+
+/// A loopback claim endpoint: answers `POST /v1/claims` with `answers` in
+/// order (the last one repeated) and records each request body.
+struct ClaimServer {
+    url: String,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+}
+
+impl ClaimServer {
+    async fn start(answers: Vec<(u16, serde_json::Value)>) -> Self {
+        use http_body_util::BodyExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/claims", listener.local_addr().unwrap());
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = bodies.clone();
+        let answers = std::sync::Arc::new(answers);
+        tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let (seen, answers) = (seen.clone(), answers.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            let (seen, answers) = (seen.clone(), answers.clone());
+                            async move {
+                                assert_eq!(req.method(), hyper::Method::POST);
+                                assert_eq!(req.uri().path(), "/v1/claims");
+                                let body = req.into_body().collect().await.unwrap().to_bytes();
+                                let n = {
+                                    let mut s = seen.lock().unwrap();
+                                    s.push(serde_json::from_slice(&body).unwrap());
+                                    s.len()
+                                };
+                                let (status, answer) = &answers[(n - 1).min(answers.len() - 1)];
+                                Ok::<_, std::convert::Infallible>(
+                                    hyper::Response::builder()
+                                        .status(*status)
+                                        .header("content-type", "application/json")
+                                        .body(http_body_util::Full::new(bytes::Bytes::from(
+                                            answer.to_string(),
+                                        )))
+                                        .unwrap(),
+                                )
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                        .await;
+                });
+            }
+        });
+        Self { url, bodies }
+    }
+
+    fn bodies(&self) -> Vec<serde_json::Value> {
+        self.bodies.lock().unwrap().clone()
+    }
+}
+
+const CLAIM_CODE: &str = "kcc_00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+fn credentials(gateway_url: &str) -> serde_json::Value {
+    serde_json::json!({
+        "agentToken": TOKEN,
+        "agentId": AGENT_ID,
+        "gatewayUrl": gateway_url,
+        "labels": ["linux", "kici:scaler:cloud"],
+    })
+}
+
+#[tokio::test]
+async fn a_claim_code_is_redeemed_then_the_agent_registers_with_its_credentials() {
+    let gw = Gateway::bind().await;
+    let claims = ClaimServer::start(vec![(200, credentials(&gw.url()))]).await;
+    // Nothing but the claim: everything else comes from redeeming it.
+    let child = agent(
+        &[("KICI_SCALER_PENDING_DISPATCH_TIMEOUT", "50")],
+        &["--claim", CLAIM_CODE, "--claim-url", &claims.url],
+    );
+    let mut conn = gw.accept().await;
+    // Checks the token and the agent id from the claim.
+    let labels = conn.handshake(true, true).await;
+    assert!(labels.iter().any(|l| l.as_str() == "kici:scaler:cloud"));
+    assert!(labels.iter().any(|l| l.as_str() == "linux"));
+    let (code, _) = conn.expect_close().await;
+    assert_eq!(code, Some(1000));
+    let ex = exited(child).await;
+    assert_eq!(ex.status.code(), Some(0), "{}", ex.stderr);
+    assert_eq!(
+        claims.bodies(),
+        [serde_json::json!({"claimCode": CLAIM_CODE})]
+    );
+    assert!(
+        !ex.stderr.contains(&CLAIM_CODE[4..]),
+        "claim code in the log"
+    );
+}
+
+#[tokio::test]
+async fn the_claim_can_come_from_the_environment_and_unreachable_is_retried() {
+    let gw = Gateway::bind().await;
+    // 503 twice (the daemon restarting), then the credentials.
+    let claims = ClaimServer::start(vec![
+        (
+            503,
+            serde_json::json!({"error": {"code": "store-unavailable", "message": "later"}}),
+        ),
+        (
+            503,
+            serde_json::json!({"error": {"code": "store-unavailable", "message": "later"}}),
+        ),
+        (200, credentials(&gw.url())),
+    ])
+    .await;
+    let child = agent(
+        &[
+            ("KICI_CLAIM_CODE", CLAIM_CODE),
+            ("KICI_CLAIM_URL", &claims.url),
+            ("KICI_SCALER_PENDING_DISPATCH_TIMEOUT", "50"),
+        ],
+        &[],
+    );
+    let mut conn = gw.accept().await;
+    conn.handshake(true, true).await;
+    conn.expect_close().await;
+    let ex = exited(child).await;
+    assert_eq!(ex.status.code(), Some(0), "{}", ex.stderr);
+    assert_eq!(claims.bodies().len(), 3);
+}
+
+#[tokio::test]
+async fn a_refused_claim_prints_the_servers_reason_and_exits_5() {
+    for reason in ["consumed", "expired", "unknown"] {
+        let claims = ClaimServer::start(vec![(
+            403,
+            serde_json::json!({"error": {"code": "claim-refused", "message": "no", "reason": reason}}),
+        )])
+        .await;
+        let child = agent(&[], &["--claim", CLAIM_CODE, "--claim-url", &claims.url]);
+        let ex = exited(child).await;
+        assert_eq!(ex.status.code(), Some(5), "{}", ex.stderr);
+        assert!(log_has(&ex.stderr, "reason", reason), "{}", ex.stderr);
+        assert!(
+            log_has(&ex.stderr, "message", "claim failed"),
+            "{}",
+            ex.stderr
+        );
+        // Refusals are final: one request, no retry.
+        assert_eq!(claims.bodies().len(), 1);
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_claim_url_gives_up_at_its_deadline_with_exit_5() {
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1/claims", closed.local_addr().unwrap());
+    drop(closed);
+    let child = agent(
+        &[],
+        &[
+            "--claim",
+            CLAIM_CODE,
+            "--claim-url",
+            &url,
+            "--claim-timeout-secs",
+            "1",
+        ],
+    );
+    let ex = exited(child).await;
+    assert_eq!(ex.status.code(), Some(5), "{}", ex.stderr);
+    assert!(ex.stderr.contains("no answer from"), "{}", ex.stderr);
+}
+
+#[tokio::test]
+async fn half_a_claim_or_an_https_url_is_a_bad_bootstrap() {
+    for args in [
+        vec!["--claim", CLAIM_CODE],
+        vec!["--claim-url", "http://127.0.0.1:9/v1/claims"],
+        vec![
+            "--claim",
+            CLAIM_CODE,
+            "--claim-url",
+            "https://127.0.0.1:9/v1/claims",
+        ],
+    ] {
+        let ex = exited(agent(&[], &args)).await;
+        assert_eq!(ex.status.code(), Some(2), "{args:?}: {}", ex.stderr);
+    }
+    // The environment form is accepted (not an unknown KICI_* name) and
+    // checked the same way.
+    let ex = exited(agent(&[("KICI_CLAIM_CODE", CLAIM_CODE)], &[])).await;
+    assert_eq!(ex.status.code(), Some(2));
+    assert!(ex.stderr.contains("KICI_CLAIM_URL"), "{}", ex.stderr);
+}
