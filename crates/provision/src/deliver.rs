@@ -13,7 +13,7 @@ use crate::command::{self, CommandEnd, EventEnv, DEFAULT_CAPTURE_LIMIT};
 use crate::config::{CommandTarget, ProvisionerConfig, WebhookTarget};
 use crate::event::ProvisionEvent;
 use crate::retry::RetryPolicy;
-use crate::webhook::{self, EventHeaders, WebhookEnd};
+use crate::webhook::{self, EventHeaders, TlsSetupError, WebhookEnd, WebhookTls};
 use kici_model::Secret;
 use std::fmt;
 use std::time::Duration;
@@ -82,6 +82,8 @@ impl DeliveryOutcome {
 pub enum DelivererError {
     #[error("webhook secret: environment variable {0} is not set or empty")]
     MissingSecret(String),
+    #[error("webhook over https: {0}")]
+    Tls(#[from] TlsSetupError),
 }
 
 /// Delivers events to one scaler's provisioner.
@@ -89,6 +91,8 @@ pub enum DelivererError {
 pub struct Deliverer {
     command: Option<CommandTarget>,
     webhook: Option<(WebhookTarget, Secret)>,
+    /// Set when the webhook URL is https.
+    tls: Option<WebhookTls>,
     timeout: Duration,
     retry: RetryPolicy,
     capture_limit: usize,
@@ -97,7 +101,8 @@ pub struct Deliverer {
 impl Deliverer {
     /// Resolves the webhook secret through `lookup_env` (the daemon passes
     /// the process environment; tests a map). An unset or empty variable is
-    /// an error: an unsigned webhook is never sent.
+    /// an error: an unsigned webhook is never sent. An `https` webhook
+    /// trusts the system's root certificates, loaded here.
     pub fn new(
         config: &ProvisionerConfig,
         lookup_env: impl Fn(&str) -> Option<String>,
@@ -111,13 +116,24 @@ impl Deliverer {
                 Some((w.clone(), Secret::new(secret)))
             }
         };
+        let tls = match &config.webhook {
+            Some(w) if w.url.scheme() == "https" => Some(WebhookTls::system_roots()?),
+            _ => None,
+        };
         Ok(Self {
             command: config.command.clone(),
             webhook,
+            tls,
             timeout: config.timeout,
             retry: config.retry,
             capture_limit: DEFAULT_CAPTURE_LIMIT,
         })
+    }
+
+    /// Verify an `https` webhook against these roots instead (a private CA).
+    pub fn with_webhook_tls(mut self, tls: WebhookTls) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     /// Bytes of each output stream kept per command attempt.
@@ -246,7 +262,15 @@ impl Deliverer {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let end = webhook::post_once(&target.url, secret, body, headers, self.timeout).await;
+            let end = webhook::post_once(
+                &target.url,
+                self.tls.as_ref(),
+                secret,
+                body,
+                headers,
+                self.timeout,
+            )
+            .await;
             if end.delivered() {
                 tracing::info!(request_id = %event.request_id(), event = %event.kind(), attempt = attempts, url = %target.url, "provisioner webhook took the event");
                 return TargetReport {

@@ -11,6 +11,7 @@ use hyper_util::rt::TokioIo;
 use kici_provision::command::{self, EventEnv};
 use kici_provision::config::{CommandTarget, WebhookTarget};
 use kici_provision::signature::{verify_signature, SignatureError, REPLAY_WINDOW};
+use kici_provision::webhook::WebhookTls;
 use kici_provision::{
     ClaimCode, Deliverer, EventKind, EventResources, ProvisionEvent, ProvisionerConfig, RequestId,
     RetryPolicy, ScaleDown, ScaleDownReason, ScaleUp, TargetKind, Timestamp,
@@ -353,9 +354,20 @@ struct Receiver {
 
 impl Receiver {
     async fn start(secret: &'static str, fail_first: usize, hang: bool) -> Self {
+        Self::start_with(secret, fail_first, hang, None).await
+    }
+
+    /// With `tls`, an https receiver.
+    async fn start_with(
+        secret: &'static str,
+        fail_first: usize,
+        hang: bool,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!(
-            "http://{}/hooks/kici?src=test",
+            "{}://{}/hooks/kici?src=test",
+            if tls.is_some() { "https" } else { "http" },
             listener.local_addr().unwrap()
         );
         let seen: Shared<Vec<Received>> = Arc::default();
@@ -366,6 +378,7 @@ impl Receiver {
                     return;
                 };
                 let seen = seen2.clone();
+                let tls = tls.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                         let seen = seen.clone();
@@ -425,9 +438,19 @@ impl Receiver {
                             )
                         }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(tcp), service)
-                        .await;
+                    let http = hyper::server::conn::http1::Builder::new();
+                    match tls {
+                        None => {
+                            let _ = http.serve_connection(TokioIo::new(tcp), service).await;
+                        }
+                        Some(acceptor) => {
+                            // A client that refuses our certificate ends here.
+                            let Ok(stream) = acceptor.accept(tcp).await else {
+                                return;
+                            };
+                            let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                        }
+                    }
                 });
             }
         });
@@ -649,4 +672,55 @@ async fn both_targets_get_the_event_and_both_must_take_it() {
     let outcome = d.deliver(&event).await;
     assert!(!outcome.delivered());
     assert!(outcome.reports[1].failure.is_none());
+}
+
+/// A self-signed certificate for 127.0.0.1 and a TLS acceptor serving it.
+fn self_signed() -> (
+    rustls::pki_types::CertificateDer<'static>,
+    tokio_rustls::TlsAcceptor,
+) {
+    let ck = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+    let cert = ck.cert.der().clone();
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+        ck.key_pair.serialize_der(),
+    ));
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.clone()], key)
+    .unwrap();
+    (cert, tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+#[tokio::test]
+async fn an_https_webhook_is_verified_against_its_roots() {
+    let (cert, acceptor) = self_signed();
+    let rx = Receiver::start_with(SECRET, 0, false, Some(acceptor)).await;
+    assert!(rx.url.starts_with("https://127.0.0.1:"));
+    let config = webhook_config(&rx.url, Duration::from_secs(5), fast_retry(1));
+
+    let trusting = Deliverer::new(&config, secret_env(SECRET))
+        .unwrap()
+        .with_webhook_tls(WebhookTls::with_roots([cert]).unwrap());
+    let event = scale_up("scaler-event-0000000a");
+    let outcome = trusting.deliver(&event).await;
+    assert!(outcome.delivered(), "{outcome:?}");
+    assert_eq!(rx.seen()[0].body, event.to_json().unwrap());
+
+    // Roots without its certificate refuse it before anything is sent.
+    let (other_cert, _) = self_signed();
+    let distrusting = Deliverer::new(&config, secret_env(SECRET))
+        .unwrap()
+        .with_webhook_tls(WebhookTls::with_roots([other_cert]).unwrap());
+    let outcome = distrusting.deliver(&event).await;
+    assert!(!outcome.delivered());
+    let failure = outcome.reports[0].failure.clone().unwrap();
+    assert!(
+        failure.starts_with("no answer: TLS with 127.0.0.1"),
+        "{failure}"
+    );
+    assert_eq!(rx.seen().len(), 1, "nothing reached the receiver");
 }
