@@ -19,6 +19,7 @@
 //! | [`webhook`], [`signature`] | one signed `POST`; [`signature::verify_signature`] for receivers |
 //! | [`retry`] | exponential backoff with jitter, bounded attempts |
 //! | [`claim`], [`claim_store`] | claim codes, the redemption rule, the [`ClaimStore`] trait and an in-memory store |
+//! | [`redeem`](mod@redeem) | one redemption end to end: consume atomically, then mint; the HTTP status and body of each failure |
 //! | [`rate_limit`] | a per-source-address token bucket for redemptions |
 //! | [`time`] | RFC 3339 timestamps (`expiresAt`) |
 //!
@@ -66,7 +67,8 @@
 //! and for unknown or expired codes, 403 with
 //! `{"error": {"code": "claim-refused", "message", "reason": "unknown" | "consumed" | "expired"}}`.
 //! The decision is [`claim::decide`]; a [`ClaimStore`] applies it
-//! atomically (consumption committed before a token is minted).
+//! atomically, and [`redeem()`] mints the token only after the consumption
+//! is committed.
 
 pub mod claim;
 pub mod claim_store;
@@ -75,6 +77,7 @@ pub mod config;
 pub mod deliver;
 pub mod event;
 pub mod rate_limit;
+pub mod redeem;
 pub mod retry;
 pub mod signature;
 pub mod time;
@@ -92,5 +95,6 @@ pub use event::{
     ScaleDownReason, ScaleUp,
 };
 pub use rate_limit::{RateLimit, RateLimiter};
+pub use redeem::{redeem, RedeemError};
 pub use retry::RetryPolicy;
 pub use time::Timestamp;

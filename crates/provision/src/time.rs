@@ -43,7 +43,7 @@ impl Timestamp {
         Duration::from_millis(self.0.saturating_sub(earlier.0))
     }
 
-    /// Parses exactly `YYYY-MM-DDTHH:MM:SS.mmmZ` (the shape [`Display`]
+    /// Parses exactly `YYYY-MM-DDTHH:MM:SS.mmmZ` (the shape [`Display`](std::fmt::Display)
     /// writes; years 1970..=9999).
     pub fn parse_rfc3339(s: &str) -> Result<Self, TimestampError> {
         let bad = || TimestampError(s.to_owned());
