@@ -9,6 +9,12 @@
 //! [`DEFAULT_CLAIM_TTL`] after issue), and not at all once its agent is
 //! destroyed (the record is invalidated).
 //!
+//! A code can also be **derived** ([`ClaimCode::derive`]) from a per-daemon
+//! [`ClaimKey`] (itself 256 bits from the OS), the agent id and the issue
+//! time. That is how a crash-safe outbox keeps a scale-up redeliverable
+//! without ever storing its code: it stores the agent id and issue time,
+//! and re-derives the same code when it delivers again.
+//!
 //! [`decide`] is the redemption rule as a pure function of a record and
 //! `now`; a [`crate::claim_store::ClaimStore`] applies it atomically. The
 //! HTTP exchange (`POST {"claimCode": …}` → [`ClaimedCredentials`], or a
@@ -88,6 +94,60 @@ impl<'de> Deserialize<'de> for ClaimCode {
     }
 }
 
+impl ClaimCode {
+    /// `kcc_` + hex HMAC-SHA256(`key`, `"kici-claim-v1\0" agent_id "\0" issued_at`):
+    /// the same inputs give the same code, unguessable without the key.
+    pub fn derive(key: &ClaimKey, agent_id: &str, issued_at: Timestamp) -> Self {
+        use hmac::{Hmac, Mac};
+        // HMAC accepts keys of any length; a 32-byte key always fits.
+        #[allow(clippy::expect_used)]
+        let mut mac = Hmac::<Sha256>::new_from_slice(&key.0).expect("HMAC accepts any key length");
+        mac.update(b"kici-claim-v1\0");
+        mac.update(agent_id.as_bytes());
+        mac.update(b"\0");
+        mac.update(issued_at.unix_millis().to_string().as_bytes());
+        Self(format!(
+            "{CODE_PREFIX}{}",
+            hex::encode(mac.finalize().into_bytes())
+        ))
+    }
+}
+
+/// A daemon's secret for [`ClaimCode::derive`]: 32 bytes from the OS,
+/// persisted by the daemon (e.g. a 0600 file in its state dir, never in the
+/// store that holds the claim hashes). `Debug` redacts it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClaimKey([u8; 32]);
+
+impl ClaimKey {
+    pub fn generate() -> Self {
+        let mut b = [0u8; 32];
+        OsRng.fill_bytes(&mut b);
+        Self(b)
+    }
+
+    pub fn from_bytes(b: [u8; 32]) -> Self {
+        Self(b)
+    }
+
+    /// For persisting; keep it secret.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let mut b = [0u8; 32];
+        hex::decode_to_slice(s.trim(), &mut b).ok()?;
+        Some(Self(b))
+    }
+}
+
+impl fmt::Debug for ClaimKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ClaimKey(<redacted>)")
+    }
+}
+
 /// A claim code that is empty, too long or not printable ASCII.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("a claim code is 1 to 256 printable ASCII characters")]
@@ -160,7 +220,21 @@ impl ClaimRecord {
     /// scale-up event and nowhere else.
     pub fn issue(spec: ClaimSpec, now: Timestamp) -> (ClaimCode, Self) {
         let code = ClaimCode::generate();
-        let record = Self {
+        let record = Self::for_code(&code, spec, now);
+        (code, record)
+    }
+
+    /// Like [`Self::issue`] with a derived code ([`ClaimCode::derive`]), so
+    /// the code can be re-derived for a redelivery from `key`, the agent id
+    /// and `now` (the record's `issued_at`).
+    pub fn issue_derived(spec: ClaimSpec, key: &ClaimKey, now: Timestamp) -> (ClaimCode, Self) {
+        let code = ClaimCode::derive(key, &spec.agent_id, now);
+        let record = Self::for_code(&code, spec, now);
+        (code, record)
+    }
+
+    fn for_code(code: &ClaimCode, spec: ClaimSpec, now: Timestamp) -> Self {
+        Self {
             code_hash: code.hash(),
             agent_id: spec.agent_id,
             scaler: spec.scaler,
@@ -170,8 +244,7 @@ impl ClaimRecord {
             issued_at: now,
             expires_at: now.saturating_add(spec.claim_ttl),
             consumed_at: None,
-        };
-        (code, record)
+        }
     }
 }
 
@@ -332,6 +405,40 @@ mod tests {
             Some(rec.code_hash)
         );
         assert!(!format!("{rec:?}").contains(code.expose()));
+    }
+
+    #[test]
+    fn derived_codes_are_stable_per_inputs_and_keyed() {
+        let key = ClaimKey::generate();
+        let t = Timestamp::from_unix_millis(42);
+        let spec = || ClaimSpec {
+            agent_id: "scaler-event-4e5f6a7b".into(),
+            scaler: "cloud".into(),
+            labels: vec![],
+            gateway_url: "ws://h/ws".into(),
+            agent_token_ttl: Duration::from_secs(60),
+            claim_ttl: DEFAULT_CLAIM_TTL,
+        };
+        let (code, rec) = ClaimRecord::issue_derived(spec(), &key, t);
+        assert_eq!(rec.code_hash, code.hash());
+        assert_eq!(ClaimCode::derive(&key, "scaler-event-4e5f6a7b", t), code);
+        assert_eq!(code.expose().len(), CODE_PREFIX.len() + 64);
+        assert_ne!(ClaimCode::derive(&key, "scaler-event-4e5f6a7c", t), code);
+        assert_ne!(
+            ClaimCode::derive(
+                &key,
+                "scaler-event-4e5f6a7b",
+                Timestamp::from_unix_millis(43)
+            ),
+            code
+        );
+        assert_ne!(
+            ClaimCode::derive(&ClaimKey::generate(), "scaler-event-4e5f6a7b", t),
+            code
+        );
+        let again = ClaimKey::from_hex(&key.to_hex()).unwrap();
+        assert_eq!(ClaimCode::derive(&again, "scaler-event-4e5f6a7b", t), code);
+        assert_eq!(format!("{key:?}"), "ClaimKey(<redacted>)");
     }
 
     #[test]

@@ -84,8 +84,8 @@ pub mod time;
 pub mod webhook;
 
 pub use claim::{
-    decide, ClaimCode, ClaimErrorBody, ClaimFailure, ClaimHash, ClaimRecord, ClaimRequest,
-    ClaimSpec, ClaimedCredentials, DEFAULT_CLAIM_TTL,
+    decide, ClaimCode, ClaimErrorBody, ClaimFailure, ClaimHash, ClaimKey, ClaimRecord,
+    ClaimRequest, ClaimSpec, ClaimedCredentials, DEFAULT_CLAIM_TTL,
 };
 pub use claim_store::{ClaimStore, ClaimStoreError, MemoryClaimStore, Redemption};
 pub use config::{parse_provisioner, ProvisionerConfig, ProvisionerConfigError};
@@ -94,7 +94,7 @@ pub use event::{
     EventKind, EventResources, ProvisionEvent, RequestId, ResourceAmount, ScaleDown,
     ScaleDownReason, ScaleUp,
 };
-pub use rate_limit::{RateLimit, RateLimiter};
+pub use rate_limit::{source_key, RateLimit, RateLimiter};
 pub use redeem::{redeem, RedeemError};
 pub use retry::RetryPolicy;
 pub use time::Timestamp;

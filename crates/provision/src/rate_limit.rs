@@ -13,7 +13,24 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::net::{IpAddr, Ipv6Addr};
 use std::time::{Duration, Instant};
+
+/// The key a source address is limited under: an IPv4 address as is (an
+/// IPv4-mapped IPv6 one as its IPv4), an IPv6 address by its /64 — one host
+/// usually has a whole /64 to pick addresses from.
+pub fn source_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+    }
+}
 
 /// The limiter's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,6 +232,15 @@ mod tests {
         // Much later every bucket is full again: all are dropped for room.
         rl.check(&5, t0 + Duration::from_secs(100)).unwrap();
         assert_eq!(rl.tracked(), 1);
+    }
+
+    #[test]
+    fn source_keys_group_an_ipv6_host_and_unmap_ipv4() {
+        let k = |s: &str| source_key(s.parse().unwrap()).to_string();
+        assert_eq!(k("192.0.2.7"), "192.0.2.7");
+        assert_eq!(k("::ffff:192.0.2.7"), "192.0.2.7");
+        assert_eq!(k("2001:db8:1:2:aaaa::1"), "2001:db8:1:2::");
+        assert_eq!(k("2001:db8:1:2:ffff::9"), "2001:db8:1:2::");
     }
 
     #[test]
