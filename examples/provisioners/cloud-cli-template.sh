@@ -25,7 +25,7 @@
 #
 # Needs: bash, jq, the cloud CLI with credentials in this process's
 # environment (kici-scaler passes its own environment through, minus its
-# KICI_SCALER_* settings).
+# KICI_SCALER_* settings and the webhook secret).
 
 set -euo pipefail
 

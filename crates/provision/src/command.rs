@@ -14,7 +14,8 @@
 //!   [`PIPE_DRAIN_GRACE`]: a detached grandchild still holding them does not
 //!   hold up the delivery.
 //! - The environment is the daemon's, minus every `KICI_SCALER_*` variable
-//!   (the daemon's own settings, which include its API token), plus
+//!   (the daemon's own settings, which include its API token) and the
+//!   webhook's secret variable, plus
 //!   `KICI_PROVISION_EVENT` (`scale-up`/`scale-down`), `KICI_PROVISION_REQUEST_ID`
 //!   and `KICI_PROVISION_AGENT_ID`, so a script can branch without parsing
 //!   JSON first.
@@ -47,6 +48,9 @@ pub struct EventEnv<'a> {
     pub event: &'a str,
     pub request_id: &'a str,
     pub agent_id: &'a str,
+    /// Further variables left out of its environment (the webhook's
+    /// `secretEnv`: the command has no business with the signing key).
+    pub remove: &'a [String],
 }
 
 /// Up to a bound of a stream's bytes, and how many more there were.
@@ -172,6 +176,9 @@ pub async fn run_once(
         {
             cmd.env_remove(name);
         }
+    }
+    for name in env.remove {
+        cmd.env_remove(name);
     }
     cmd.env(ENV_EVENT, env.event)
         .env(ENV_REQUEST_ID, env.request_id)

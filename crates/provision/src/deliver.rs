@@ -194,10 +194,16 @@ impl Deliverer {
         event: &ProvisionEvent,
         body: &[u8],
     ) -> TargetReport {
+        let secret_env: Vec<String> = self
+            .webhook
+            .iter()
+            .map(|(w, _)| w.secret_env.clone())
+            .collect();
         let env = EventEnv {
             event: event.kind().as_str(),
             request_id: event.request_id().as_str(),
             agent_id: event.agent_id(),
+            remove: &secret_env,
         };
         let mut attempts = 0;
         loop {
