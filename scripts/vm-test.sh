@@ -22,7 +22,11 @@
 #   7. systemctl kill -s KILL with an agent running, then start: the new
 #      daemon recovers (the dead agent recorded gone, nothing left over) and
 #      runs jobs again;
-#   8. an unprivileged user's `kici-scaler run` in a delegated user scope.
+#   8. an unprivileged user's `kici-scaler run` in a delegated user scope;
+#   9. an unprivileged user in the `docker` group runs a job in a container
+#      (the system dockerd, the test image loaded from this host; no
+#      registry): network isolation on is refused with the reason, off runs
+#      the job and leaves no container.
 #
 # The guest's root filesystem is built with mmdebstrap from Debian's
 # packages and cached in $KICI_VM_CACHE (default /var/cache/kici-scaler-vm),
@@ -88,7 +92,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-GUEST_PACKAGES=systemd-sysv,udev,linux-image-amd64,dbus,dbus-user-session,libpam-systemd,procps,kmod,iproute2,attr
+GUEST_PACKAGES=systemd-sysv,udev,linux-image-amd64,dbus,dbus-user-session,libpam-systemd,procps,kmod,iproute2,attr,docker.io,apparmor
 
 # Runs inside mmdebstrap's customize hook with the root directory as $1.
 cat >"$work/customize.sh" <<'CUSTOMIZE'
@@ -131,6 +135,11 @@ chroot "$root" systemctl enable systemd-networkd kici-vm-runner.service
 chroot "$root" systemctl mask apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer man-db.timer
 # An unprivileged user whose systemd --user runs from boot (lingering).
 chroot "$root" useradd --create-home --uid 1000 --shell /bin/bash kici
+# Docker's group: what an unprivileged user needs for container scalers.
+# dockerd starts only for the check that uses it (under emulation it would
+# slow every boot).
+chroot "$root" usermod -aG docker kici
+chroot "$root" systemctl disable docker.service docker.socket containerd.service
 mkdir -p "$root/var/lib/systemd/linger"
 touch "$root/var/lib/systemd/linger/kici"
 rm -rf "$root/var/cache/apt/archives/"*.deb "$root/var/lib/apt/lists/"*
@@ -191,6 +200,12 @@ cmd_port=$(free_port)
 mkdir -p "$work/share"
 cp "$deb" "$work/share/kici-scaler.deb"
 cp examples/quickstart.yaml "$work/share/quickstart.yaml"
+# The container test image (static agent + busybox, FROM scratch), built by
+# this host's dockerd and loaded into the guest's: nothing is pulled.
+log "building the container test image"
+scripts/dockerd.sh start >&2
+test_image=$(scripts/build-test-image.sh kici-agent-lite:vm-test | tail -n 1)
+docker save -o "$work/share/agent-image.tar" "$test_image"
 qemu-img create -q -f qcow2 -b "$image_dir/rootfs.img" -F raw "$work/disk.qcow2"
 log "booting the guest (TCG, 2 vCPUs, 2 GiB; control API on 127.0.0.1:$api_port)"
 qemu-system-x86_64 -machine q35 -accel tcg,thread=multi -cpu max -smp 2 -m 2048 \
@@ -428,6 +443,33 @@ out=$(as_kici kici-scaler run --config /home/kici/quickstart.yaml --labels linux
 echo "$out"
 echo "$out" | grep -qx "hello from kici"
 echo "$out" | grep -Eq "^0::/user.slice/user-$uid.slice/user@$uid.service/.*[.]scope/agents/[0-9a-f]+/mine/scaler-bare-metal-"' 300
+
+check "an unprivileged user in the docker group: a container job (kici-scaler run)" '
+set -e
+uid=$(id -u kici)
+id -nG kici | grep -qw docker
+timeout 240 systemctl start docker
+docker load -q -i /mnt/kici/agent-image.tar
+as_kici() { runuser -u kici -- env XDG_RUNTIME_DIR=/run/user/$uid DBUS_SESSION_BUS_ADDRESS=unix:path=/run/user/$uid/bus "$@"; }
+cd /home/kici
+scaler() {
+    printf "version: 1\nscalers:\n  - name: boxes\n    type: container\n    maxAgents: 1\n    networkIsolation: %s\n    labelSets:\n      - labels: [linux]\n        image: kici-agent-lite:vm-test\n        imagePullPolicy: Never\n" "$1"
+}
+# Egress rules need nftables, which needs root: refused, with the reason,
+# before any container exists.
+scaler true >/home/kici/isolated.yaml
+rc=0; out=$(as_kici kici-scaler run --config /home/kici/isolated.yaml --labels linux -- sh -c "echo should not run" 2>&1) || rc=$?
+echo "$out" | tail -n 3
+test "$rc" -ne 0
+echo "$out" | grep -qi "networkIsolation"
+none grep -q "should not run" <<<"$out"
+scaler false >/home/kici/boxes.yaml
+out=$(as_kici kici-scaler run --config /home/kici/boxes.yaml --labels linux -- sh -c "echo hello from a container as \$(id -u)")
+echo "$out"
+echo "$out" | grep -qx "hello from a container as [0-9]*"
+left=$(docker ps -aq --filter label=dev.kici.scaler.instance | wc -l)
+echo "containers left: $left"
+test "$left" -eq 0' 600
 
 log "PASSED in $(elapsed)"
 vm 'systemctl poweroff' 30 >/dev/null 2>&1 || true

@@ -365,6 +365,9 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
     options.ulimits = ctx.tuning.container_ulimits.clone();
     options.network = ctx.tuning.container_network.clone();
     let network = options.network.clone();
+    if !rustix::process::geteuid().is_root() {
+        return start_container_unprivileged(ctx, options, network);
+    }
     // dockerd's FORWARD policy is DROP: our subnet needs its accept in
     // DOCKER-USER (our own drops still apply: a drop in any table is final).
     let table = egress_table(
@@ -389,6 +392,84 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         rule_sweep: Some(Arc::new(backend)),
         orphan_reports: None,
     })
+}
+
+/// Containers for a daemon that is not root (a user in the `docker` group,
+/// a user's Podman socket). Egress rules live in nftables, which only root
+/// may change: a scaler with `networkIsolation` on is refused at start with
+/// the reason, and one a reload adds fails its spawns closed
+/// ([`NoNftablesEgress`]) — never runs unisolated.
+fn start_container_unprivileged(
+    ctx: BackendContext,
+    mut options: kici_container::ContainerOptions,
+    network: kici_container::NetworkSettings,
+) -> Result<Started, String> {
+    let uid = rustix::process::geteuid().as_raw();
+    let isolated: Vec<String> = ctx
+        .config
+        .iter()
+        .flat_map(|c| c.scalers.iter())
+        .filter(|s| s.kind == kici_model::ScalerType::Container)
+        .filter(|s| match &s.backend {
+            kici_model::BackendSettings::Container(c) => c.network_isolation,
+            _ => false,
+        })
+        .map(|s| s.name.to_string())
+        .collect();
+    if !isolated.is_empty() {
+        return Err(format!(
+            "{}: {}",
+            isolated.join(", "),
+            NoNftablesEgress { uid }.reason()
+        ));
+    }
+    options.egress = Arc::new(NoNftablesEgress { uid });
+    let backend = kici_container::ContainerBackend::new(options).map_err(|e| e.to_string())?;
+    Ok(Started {
+        backend: Arc::new(backend.clone()),
+        after_shutdown: None,
+        agent_gateway: Some(IpAddr::V4(network.pool.gateway())),
+        rule_sweep: Some(Arc::new(backend)),
+        orphan_reports: None,
+    })
+}
+
+/// The egress hook of an unprivileged daemon: there are no rules to remove
+/// or sweep, and installing one is refused, so isolation fails closed.
+struct NoNftablesEgress {
+    uid: u32,
+}
+
+impl NoNftablesEgress {
+    fn reason(&self) -> String {
+        format!(
+            "networkIsolation needs nftables, which only root may change, and this daemon runs as uid {}; \
+             set networkIsolation: false for the scaler (and isolate its network yourself) or run kici-scaler as root",
+            self.uid
+        )
+    }
+}
+
+#[async_trait::async_trait]
+impl kici_container::EgressRules for NoNftablesEgress {
+    async fn install(
+        &self,
+        _target: &kici_container::EgressTarget,
+        _policy: Option<&kici_model::NetworkPolicy>,
+    ) -> Result<(), kici_container::EgressError> {
+        Err(kici_container::EgressError(self.reason()))
+    }
+
+    async fn remove(&self, _agent: &AgentId) -> Result<(), kici_container::EgressError> {
+        Ok(())
+    }
+
+    async fn sweep_stale(
+        &self,
+        _live: &[AgentId],
+    ) -> Result<Vec<AgentId>, kici_container::EgressError> {
+        Ok(Vec::new())
+    }
 }
 
 /// Removes the instance's subnet-level egress rules (default drops,
