@@ -13,7 +13,7 @@
 //! against a newer schema is refused.
 
 use crate::error::FleetError;
-use sqlx::PgPool;
+use sqlx::{Executor, PgPool};
 
 /// One embedded migration.
 struct Migration {
@@ -44,14 +44,16 @@ pub async fn migrate(pool: &PgPool) -> Result<i64, FleetError> {
         .bind(MIGRATE_LOCK)
         .execute(&mut *tx)
         .await?;
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS fleet_schema_versions ( \
-            version BIGINT NOT NULL PRIMARY KEY, \
-            description TEXT NOT NULL, \
-            applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
-    )
-    .execute(&mut *tx)
-    .await?;
+    // A string without arguments runs as a simple query (several
+    // statements allowed), like the migration files below.
+    (&mut *tx)
+        .execute(
+            "CREATE TABLE IF NOT EXISTS fleet_schema_versions ( \
+                version BIGINT NOT NULL PRIMARY KEY, \
+                description TEXT NOT NULL, \
+                applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+        )
+        .await?;
     let current: Option<i64> = sqlx::query_scalar("SELECT max(version) FROM fleet_schema_versions")
         .fetch_one(&mut *tx)
         .await?;
@@ -62,9 +64,15 @@ pub async fn migrate(pool: &PgPool) -> Result<i64, FleetError> {
             binary: SCHEMA_VERSION,
         });
     }
-    for m in MIGRATIONS.iter().filter(|m| m.version > current) {
-        sqlx::raw_sql(m.sql)
-            .execute(&mut *tx)
+    // A plain loop, not an iterator adapter: a closure held across the
+    // awaits below would make this future not `Send` for every lifetime
+    // (and so not spawnable).
+    for m in MIGRATIONS {
+        if m.version <= current {
+            continue;
+        }
+        (&mut *tx)
+            .execute(m.sql)
             .await
             .map_err(|e| FleetError::Migrate(format!("version {}: {e}", m.version)))?;
         sqlx::query("INSERT INTO fleet_schema_versions (version, description) VALUES ($1, $2)")
