@@ -151,7 +151,7 @@ async fn concurrent_claimers_never_exceed_fleet_caps() {
                 k += 1;
                 // Most claims start an agent; some finish straight from the
                 // claim (an agent that failed to start, say).
-                if k % 5 != 0 {
+                if !k.is_multiple_of(5) {
                     q.start(m.guard(), &c, &format!("agent-{n}-{k}"))
                         .await
                         .unwrap();
