@@ -216,6 +216,17 @@ impl Leader {
         .await?;
         let (jobs, pools) = jobs_and_pools(&requeued)?;
         report.requeued = jobs;
+        // Requests before agents: the order `complete` and `requeue` lock
+        // them in, so the chores cannot deadlock with a host finishing.
+        sqlx::query(
+            "UPDATE fleet_requests r SET state = 'lost' \
+             WHERE r.fleet = $1 AND r.state = 'started' AND EXISTS ( \
+                 SELECT 1 FROM fleet_hosts h WHERE h.fleet = r.fleet AND h.instance_id = r.claimed_by \
+                     AND h.state = 'lost')",
+        )
+        .bind(name)
+        .execute(&mut *tx)
+        .await?;
         let agents = sqlx::query(
             "UPDATE fleet_agents a SET state = 'lost', updated_at = fleet_now_ms() \
              WHERE a.fleet = $1 AND a.state = 'live' AND EXISTS ( \
@@ -227,24 +238,12 @@ impl Leader {
         .fetch_all(&mut *tx)
         .await?;
         for r in &agents {
-            let agent = LostAgent {
+            report.lost_agents.push(LostAgent {
                 agent_id: r.try_get("agent_id")?,
                 instance_id: r.try_get("instance_id")?,
                 job_id: r.try_get("job_id")?,
                 pool: r.try_get("pool")?,
-            };
-            if let Some(job) = &agent.job_id {
-                sqlx::query(
-                    "UPDATE fleet_requests SET state = 'lost' \
-                     WHERE fleet = $1 AND job_id = $2 AND state = 'started' AND claimed_by = $3",
-                )
-                .bind(name)
-                .bind(job)
-                .bind(&agent.instance_id)
-                .execute(&mut *tx)
-                .await?;
-            }
-            report.lost_agents.push(agent);
+            });
         }
         for pool in &pools {
             notify(&mut tx, name, pool).await?;

@@ -1,5 +1,100 @@
-//! The fleet: many kici-scaler hosts sharing one PostgreSQL act as one
-//! scaler (membership with fenced leases, one queue, fleet caps, a leader).
+//! The coordination layer of a kici-scaler **fleet**: many hosts (daemons)
+//! sharing one PostgreSQL database act as one scaler — one queue,
+//! fleet-wide caps, leases with fencing epochs, a leader doing the chores,
+//! failover without losing or duplicating a request. Everything goes
+//! through the database (row locks, advisory locks, `LISTEN/NOTIFY`); there
+//! is no protocol between hosts.
+//!
+//! # What it owns
+//!
+//! - [`Membership`]: a host's row, its lease (timed on the database's
+//!   clock) and epoch (incremented at every join), renewal, the local fence
+//!   [`LeaseGuard`] (monotonic clock), handover and leave, and the check
+//!   that a pool means the same on every live host ([`FleetError::PoolMismatch`]).
+//! - [`Queue`]: enqueue with fleet-wide dedupe by job id, claim under the
+//!   fleet caps, start (bind an agent), release, complete, requeue; the
+//!   [`Waker`] (`LISTEN` with a ≤ 1 s fallback poll).
+//! - [`Leader`]: election by a session advisory lock on a dedicated
+//!   connection, and the chores (declare expired hosts lost, return their
+//!   unstarted claims, mark their agents lost, purge old rows).
+//! - [`should_claim`]: placement (`spread` | `pack`), a pure function.
+//! - [`schema`]: its own migrations under a lock; a database newer than the
+//!   binary is refused ([`FleetError::SchemaTooNew`]).
+//!
+//! It does not route, admit locally, start agents or serve HTTP: the daemon
+//! does, calling this crate at the points listed in `docs/fleet.md`.
+//!
+//! # Tables (all prefixed `fleet_`, keyed by fleet name first)
+//!
+//! | table | one row per | holds |
+//! |---|---|---|
+//! | `fleet_schema_versions` | applied migration | version, description |
+//! | `fleet_fleets` | fleet | global caps; the row claims lock when a global cap is set; the last leader |
+//! | `fleet_hosts` | host (instance id) | hostname, URL, version, state (`up`, `leaving`, `left`, `lost`), epoch, lease length and expiry, caps, free capacity |
+//! | `fleet_host_pools` | host × pool | the host's definition of the pool and its fingerprint, its own capacity there |
+//! | `fleet_pools` | pool | the agreed definition and fingerprint, the pool's fleet caps; the row every claim in the pool locks |
+//! | `fleet_requests` | request (job id) | kind, pool, body, answer, resources, `seq` (arrival order), state (`queued`, `claimed`, `started`, `lost`, `finished`), claiming host, claim epoch, `claim_seq`, agent id |
+//! | `fleet_agents` | agent started for a claim | host, epoch, pool, job id, resources, state (`live`, `gone`, `lost`) |
+//!
+//! Times are unix milliseconds on the database's clock (`fleet_now_ms()`).
+//!
+//! # Invariants, and why they hold
+//!
+//! - **Caps are never exceeded.** Usage of a pool = its claimed requests +
+//!   its live agents; starting moves one unit from the first to the second
+//!   in one transaction. Only a claim increases usage, and a claim locks the
+//!   pool row (and the fleet row when a global cap is set) `FOR UPDATE`
+//!   *before* reading the usage and commits the increase before releasing
+//!   it. Two claims that could add to one sum queue on one row, and the
+//!   second's usage query (a later statement under READ COMMITTED) sees the
+//!   first one's claim. Releases only decrease usage, so they need no lock.
+//! - **A request never has two claims.** Claiming is an `UPDATE` from
+//!   `queued` on a row locked `FOR UPDATE SKIP LOCKED`; a row someone else
+//!   claimed is no longer `queued` when re-checked. A claim returns to the
+//!   queue only when it is provably void: released or handed back by its
+//!   host, or its host is no longer `up` under the claim's epoch.
+//! - **Work from a lapsed lease cannot start.** [`Queue::start`] binds an
+//!   agent only if the request is still claimed by this host under this
+//!   epoch and the host row — share-locked for the transaction, so the
+//!   leader's "declare lost" waits for it — is `up` under that epoch with an
+//!   unexpired lease. The local [`LeaseGuard`] closes even earlier (last
+//!   renewal's send time + lease − margin), so a partitioned host stops
+//!   before the database could hand its work to another.
+//! - **FIFO within a pool.** Claims in a pool are serialised by the pool
+//!   row and take the lowest `seq`; a returned claim keeps its `seq`.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use kici_fleet::{Caps, Fleet, FleetOptions, HostSpec, PoolDefinition, Placement};
+//! # async fn daemon() -> Result<(), kici_fleet::FleetError> {
+//! let fleet = Fleet::connect("postgres://db/kici", "default", FleetOptions::default()).await?;
+//! let me = "0a1b2c3d".parse().expect("an instance id");
+//! let mut spec = HostSpec::new(me, "host-a", env!("CARGO_PKG_VERSION"));
+//! spec.pools.push(PoolDefinition {
+//!     name: "fc-small".into(),
+//!     label_sets: serde_json::json!([{"labels": ["linux", "x64"]}]),
+//!     fleet_caps: Caps { max_agents: Some(20), ..Caps::default() },
+//!     host_max_agents: Some(8),
+//! });
+//! let membership = fleet.join(spec).await?;
+//! let queue = fleet.queue();
+//! let pools = vec!["fc-small".to_owned()];
+//! let mut waker = fleet.waker(&pools).await?;
+//! loop {
+//!     let loads = queue.pool_loads("fc-small").await?;
+//!     if kici_fleet::should_claim(Placement::Spread, me, &loads) {
+//!         if let Some(claim) = queue.claim(membership.guard(), &pools).await? {
+//!             queue.start(membership.guard(), &claim, "agent-id").await?;
+//!             // … create the agent; when it is done:
+//!             queue.complete(membership.instance(), &claim.job_id, "succeeded").await?;
+//!             continue;
+//!         }
+//!     }
+//!     waker.wait().await;
+//! }
+//! # }
+//! ```
 
 #![warn(missing_docs)]
 

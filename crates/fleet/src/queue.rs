@@ -806,8 +806,12 @@ impl Waker {
     pub async fn wait(&mut self) -> bool {
         let deadline = tokio::time::Instant::now() + self.poll;
         if self.listener.is_none() {
-            if let Err(e) = self.connect().await {
-                tracing::debug!(error = %e, "fleet listener not connected; polling");
+            // Bounded by the poll deadline: with the database down, waiting
+            // on a connect must not stretch the poll past 1 s.
+            match tokio::time::timeout_at(deadline, self.connect()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(error = %e, "fleet listener not connected; polling"),
+                Err(_) => return false,
             }
         }
         let Some(listener) = self.listener.as_mut() else {
