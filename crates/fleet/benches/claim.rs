@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 
 const REQUESTS: i64 = 2000;
 
+/// Measured time and rounds per (pools, claimers).
+type Rates = BTreeMap<(usize, u32), (Duration, u64)>;
+
 fn admin_url() -> String {
     if let Ok(u) = std::env::var("KICI_SCALER_TEST_POSTGRES") {
         if !u.is_empty() {
@@ -179,7 +182,7 @@ fn claim(c: &mut Criterion) {
     let url = with_database(&admin, &db);
 
     // Requests/s per (layout, claimers), over every measured round.
-    let rates: Arc<Mutex<BTreeMap<(usize, u32), (Duration, u64)>>> = Arc::default();
+    let rates: Arc<Mutex<Rates>> = Arc::default();
     let mut group = c.benchmark_group("fleet_claim_2000");
     group.sample_size(10);
     group.warm_up_time(Duration::from_secs(1));
