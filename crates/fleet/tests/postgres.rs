@@ -131,6 +131,25 @@ async fn concurrent_claimers_never_exceed_fleet_caps() {
         })
     };
 
+    // The leader's chores run all along: with every host alive they must
+    // change nothing (and not deadlock with claims).
+    let chores = {
+        let done = done.clone();
+        let mut leader = entry.leader(id(1));
+        tokio::spawn(async move {
+            assert!(leader.try_lead().await.unwrap());
+            let mut rounds = 0;
+            while !done.load(Ordering::SeqCst) {
+                let r = leader.run_chores(LONG).await.unwrap();
+                assert!(r.lost_hosts.is_empty() && r.requeued.is_empty(), "{r:?}");
+                rounds += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            leader.step_down().await;
+            rounds
+        })
+    };
+
     let mut tasks = Vec::new();
     for (n, (fleet, m)) in hosts.into_iter().enumerate() {
         let finished = finished.clone();
@@ -170,6 +189,7 @@ async fn concurrent_claimers_never_exceed_fleet_caps() {
     }
     done.store(true, Ordering::SeqCst);
     let (samples, peak, peak_total) = sampler.await.unwrap();
+    assert!(chores.await.unwrap() > 0);
     eprintln!("samples {samples}, peak per pool {peak:?}, peak total {peak_total}");
     assert!(samples > 10, "the sampler ran only {samples} times");
     assert_eq!(peak.get("a"), Some(&3), "pool a never reached its cap");
@@ -714,4 +734,35 @@ async fn chores_purge_old_rows() {
     assert_eq!(b.hosts().await.unwrap().len(), 1);
     fleet.close().await;
     db.drop_db().await;
+}
+
+/// What the daemon spawns must be `Send` futures (checked at compile
+/// time; never called).
+#[allow(dead_code)]
+fn futures_are_spawnable(
+    fleet: Fleet,
+    mut m: kici_fleet::Membership,
+    claim: kici_fleet::Claim,
+    mut w: kici_fleet::Waker,
+) {
+    fn send<T: Send>(_: T) {}
+    let q = fleet.queue();
+    let mut leader = fleet.leader(id(1));
+    send(Fleet::connect("", "", FleetOptions::default()));
+    send(fleet.join(spec(1, vec![], LONG)));
+    send(fleet.waker(&[]));
+    send(m.renew());
+    send(m.rejoin());
+    send(m.hand_back());
+    send(q.enqueue(&request("j", "p", 1)));
+    send(q.claim(m.guard(), &[]));
+    send(q.start(m.guard(), &claim, "a"));
+    send(q.release(&claim));
+    send(q.complete("", "", ""));
+    send(q.requeue("", ""));
+    send(q.pool_loads(""));
+    send(leader.try_lead());
+    send(leader.run_chores(LONG));
+    send(w.wait());
+    send(m.leave());
 }
