@@ -193,6 +193,18 @@ impl Usage {
     }
 }
 
+/// The outcome of [`Queue::adopt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adopted {
+    /// The agent is this host's again, under the current epoch: keep it.
+    Live,
+    /// Its request is no longer this host's (another host may serve it),
+    /// or the agent is unknown or gone: destroy it.
+    NotOurs,
+    /// It was marked lost and the caps no longer have room for it.
+    OverCap,
+}
+
 /// The fleet's queue. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Queue {
@@ -490,6 +502,127 @@ impl Queue {
         .await?;
         tx.commit().await?;
         Ok(())
+    }
+
+    /// Takes one of this host's agents back under its current epoch (after
+    /// a rejoin, while reconciling): the agent's request must still be this
+    /// host's (`started`, or `lost` if the leader declared the host lost
+    /// meanwhile). An agent marked lost had left the caps, so taking it
+    /// back is checked against them like a claim. Returns what the daemon
+    /// does with the agent: keep it ([`Adopted::Live`]) or destroy it.
+    pub async fn adopt(&self, guard: &LeaseGuard, agent_id: &str) -> Result<Adopted, FleetError> {
+        let epoch = guard.check()?;
+        let name = self.fleet.name();
+        let instance = guard.instance();
+        let Some(agent) = sqlx::query(
+            "SELECT pool, job_id, state, milli_cpu, memory_bytes FROM fleet_agents \
+             WHERE fleet = $1 AND agent_id = $2 AND instance_id = $3",
+        )
+        .bind(name)
+        .bind(agent_id)
+        .bind(instance)
+        .fetch_optional(self.fleet.pool())
+        .await?
+        else {
+            return Ok(Adopted::NotOurs);
+        };
+        let pool: String = agent.try_get("pool")?;
+        let job_id: Option<String> = agent.try_get("job_id")?;
+        let cpu = non_negative("fleet_agents", "milli_cpu", agent.try_get("milli_cpu")?)?;
+        let memory = non_negative(
+            "fleet_agents",
+            "memory_bytes",
+            agent.try_get("memory_bytes")?,
+        )?;
+        let Some(job_id) = job_id else {
+            return Ok(Adopted::NotOurs);
+        };
+        // The claim's lock order: fleet, pool, host, request, agent.
+        let mut tx = self.fleet.pool().begin().await?;
+        let global = fleet_caps(&mut tx, name, false).await?;
+        let global = if global.any() {
+            fleet_caps(&mut tx, name, true).await?
+        } else {
+            global
+        };
+        let pool_caps = match sqlx::query(
+            "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
+        )
+        .bind(name)
+        .bind(&pool)
+        .fetch_optional(&mut *tx)
+        .await?
+        {
+            Some(row) => Caps::from_db(
+                "fleet_pools",
+                row.try_get("max_agents")?,
+                row.try_get("max_cpu")?,
+                row.try_get("max_memory")?,
+            )?,
+            None => Caps::default(),
+        };
+        fence(&mut tx, name, instance, epoch).await?;
+        let request_state: Option<String> = sqlx::query_scalar(
+            "SELECT state FROM fleet_requests WHERE fleet = $1 AND job_id = $2 AND claimed_by = $3 \
+                 AND agent_id = $4 AND state IN ('started', 'lost') FOR UPDATE",
+        )
+        .bind(name)
+        .bind(&job_id)
+        .bind(instance)
+        .bind(agent_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let agent_state: String = sqlx::query_scalar(
+            "SELECT state FROM fleet_agents WHERE fleet = $1 AND agent_id = $2 FOR UPDATE",
+        )
+        .bind(name)
+        .bind(agent_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if request_state.is_none() || agent_state == "gone" {
+            return Ok(Adopted::NotOurs);
+        }
+        if agent_state != "live" {
+            let used = usage_row(
+                &sqlx::query(USAGE_POOL)
+                    .bind(name)
+                    .bind(&pool)
+                    .fetch_one(&mut *tx)
+                    .await?,
+            )?;
+            let fleet_used = if global.any() {
+                usage_row(
+                    &sqlx::query(USAGE_FLEET)
+                        .bind(name)
+                        .fetch_one(&mut *tx)
+                        .await?,
+                )?
+            } else {
+                Usage::default()
+            };
+            if !used.admits(&pool_caps, cpu, memory) || !fleet_used.admits(&global, cpu, memory) {
+                return Ok(Adopted::OverCap);
+            }
+        }
+        sqlx::query(
+            "UPDATE fleet_requests SET state = 'started', claim_epoch = $3 WHERE fleet = $1 AND job_id = $2",
+        )
+        .bind(name)
+        .bind(&job_id)
+        .bind(epoch)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE fleet_agents SET state = 'live', epoch = $3, updated_at = fleet_now_ms() \
+             WHERE fleet = $1 AND agent_id = $2",
+        )
+        .bind(name)
+        .bind(agent_id)
+        .bind(epoch)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Adopted::Live)
     }
 
     /// Returns an unstarted claim to the queue at its original place (local

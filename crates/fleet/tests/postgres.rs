@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use kici_fleet::{Caps, Enqueued, Fleet, FleetError, FleetOptions, RequestState};
+use kici_fleet::{Adopted, Caps, Enqueued, Fleet, FleetError, FleetOptions, RequestState};
 use kici_model::MilliCpu;
 use sqlx::Row;
 use std::collections::{BTreeMap, HashSet};
@@ -229,7 +229,7 @@ async fn lapsed_lease_returns_claims_in_order_to_another_host() {
     let db = TestDb::new().await;
     let fleet = db.fleet("lapse").await;
     let p = vec![pool("p", Caps::default())];
-    let short = Duration::from_millis(1500);
+    let short = Duration::from_secs(3);
     let a = join(&fleet, 1, p.clone(), short).await;
     let b = join(&fleet, 2, p.clone(), LONG).await;
     let q = fleet.queue();
@@ -255,9 +255,16 @@ async fn lapsed_lease_returns_claims_in_order_to_another_host() {
         "j4"
     );
 
-    // A's fence closes at lease − margin (1 s), before the database lease
-    // (1.5 s) ends.
-    tokio::time::sleep(Duration::from_millis(1050)).await;
+    // A stops renewing. Its fence closes at lease − margin (2 s after its
+    // join was sent), a margin before the database's lease (3 s) ends.
+    let t = Instant::now();
+    while a.guard().is_valid() {
+        assert!(
+            t.elapsed() < Duration::from_secs(4),
+            "the fence never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(matches!(
         q.claim(a.guard(), &pools).await,
         Err(FleetError::LeaseLapsed { .. })
@@ -271,8 +278,17 @@ async fn lapsed_lease_returns_claims_in_order_to_another_host() {
     // Not yet expired in the database: nothing to do.
     let early = leader.run_chores(LONG).await.unwrap();
     assert!(early.lost_hosts.is_empty(), "{early:?}");
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    let report = leader.run_chores(LONG).await.unwrap();
+    let report = loop {
+        let r = leader.run_chores(LONG).await.unwrap();
+        if !r.lost_hosts.is_empty() {
+            break r;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(6),
+            "A was never declared lost"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(report.lost_hosts.len(), 1);
     assert_eq!(report.lost_hosts[0].instance_id, id(1).to_string());
     let mut requeued = report.requeued.clone();
@@ -303,12 +319,28 @@ async fn lapsed_lease_returns_claims_in_order_to_another_host() {
         q.start(a.guard(), &held[0], "agent-a-1").await,
         Err(FleetError::StaleEpoch { .. })
     ));
-    // The lost agent's request: its host may still finish it (a registered
-    // agent kept its job), or put it back to be served again.
+    // The lost agent: its host, back, takes it over under the new epoch
+    // (say it had registered and kept its job)...
+    assert_eq!(
+        q.adopt(a.guard(), "agent-a-0").await.unwrap(),
+        Adopted::Live
+    );
+    assert_eq!(
+        q.state("j0").await.unwrap(),
+        Some((RequestState::Started, Some(id(1).to_string())))
+    );
+    // B's five claims and the adopted agent.
+    assert_eq!(q.pool_usage("p").await.unwrap().agents, 6);
+    // ...or puts its request back to be served again (it had not).
     assert!(q.requeue(&id(1).to_string(), "j0").await.unwrap());
     assert_eq!(
         q.claim(b.guard(), &pools).await.unwrap().unwrap().job_id,
         "j0"
+    );
+    // The request moved: the agent is not A's to keep.
+    assert_eq!(
+        q.adopt(a.guard(), "agent-a-0").await.unwrap(),
+        Adopted::NotOurs
     );
     fleet.close().await;
     db.drop_db().await;
@@ -758,6 +790,7 @@ fn futures_are_spawnable(
     send(q.claim(m.guard(), &[]));
     send(q.start(m.guard(), &claim, "a"));
     send(q.release(&claim));
+    send(q.adopt(m.guard(), "a"));
     send(q.complete("", "", ""));
     send(q.requeue("", ""));
     send(q.pool_loads(""));
