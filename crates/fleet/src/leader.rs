@@ -58,6 +58,10 @@ pub struct ChoreReport {
     pub requeued: Vec<String>,
     /// Agents marked lost.
     pub lost_agents: Vec<LostAgent>,
+    /// Requests that stayed `lost` (nobody requeued or finished them) for
+    /// `retain` after their host was lost: finished with outcome
+    /// `host lost` (the daemon reports standalone jobs among them aborted).
+    pub abandoned: Vec<String>,
     /// Old rows deleted (finished requests, gone agents, departed hosts).
     pub purged: u64,
 }
@@ -177,7 +181,9 @@ impl Leader {
     /// 2. claims whose host is not `up` under the claim's epoch → back to
     ///    the queue, keeping their arrival order;
     /// 3. live agents of lost hosts → `lost`, and their requests `lost`;
-    /// 4. finished requests, gone or lost agents and departed hosts older
+    /// 4. requests still `lost` `retain` after their host was lost →
+    ///    finished, outcome `host lost`;
+    /// 5. finished requests, gone or lost agents and departed hosts older
     ///    than `retain` → deleted.
     ///
     /// Listeners of every pool that got a request back are notified.
@@ -250,6 +256,17 @@ impl Leader {
         }
         tx.commit().await?;
 
+        report.abandoned = sqlx::query_scalar(
+            "UPDATE fleet_requests r SET state = 'finished', finished_at = fleet_now_ms(), outcome = 'host lost' \
+             WHERE r.fleet = $1 AND r.state = 'lost' AND EXISTS ( \
+                 SELECT 1 FROM fleet_hosts h WHERE h.fleet = r.fleet AND h.instance_id = r.claimed_by \
+                     AND h.state = 'lost' AND h.left_at < fleet_now_ms() - $2) \
+             RETURNING r.job_id",
+        )
+        .bind(name)
+        .bind(retain_ms)
+        .fetch_all(self.fleet.pool())
+        .await?;
         let mut purged = sqlx::query(
             "DELETE FROM fleet_requests WHERE fleet = $1 AND state = 'finished' \
                  AND finished_at < fleet_now_ms() - $2",

@@ -12,7 +12,8 @@
 //!   [`LeaseGuard`] (monotonic clock), handover and leave, and the check
 //!   that a pool means the same on every live host ([`FleetError::PoolMismatch`]).
 //! - [`Queue`]: enqueue with fleet-wide dedupe by job id, claim under the
-//!   fleet caps, start (bind an agent), release, complete, requeue; the
+//!   fleet caps, start (bind an agent), release, complete, requeue, adopt
+//!   (take an agent back after a rejoin); the
 //!   [`Waker`] (`LISTEN` with a ≤ 1 s fallback poll).
 //! - [`Leader`]: election by a session advisory lock on a dedicated
 //!   connection, and the chores (declare expired hosts lost, return their

@@ -768,6 +768,45 @@ async fn chores_purge_old_rows() {
     db.drop_db().await;
 }
 
+/// A request whose host was lost and that nobody requeued or finished is
+/// finished `host lost` once the retention has passed.
+#[tokio::test]
+async fn lost_requests_are_abandoned_after_the_retention() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("abandon").await;
+    let p = vec![pool("p", Caps::default())];
+    let a = join(&fleet, 1, p.clone(), Duration::from_millis(600)).await;
+    let q = fleet.queue();
+    q.enqueue(&request("gone", "p", 1)).await.unwrap();
+    let c = q
+        .claim(a.guard(), &["p".to_owned()])
+        .await
+        .unwrap()
+        .unwrap();
+    q.start(a.guard(), &c, "agent-gone").await.unwrap();
+    let mut leader = fleet.leader(id(2));
+    assert!(leader.try_lead().await.unwrap());
+    let t = Instant::now();
+    let mut lost = Vec::new();
+    let abandoned = loop {
+        let r = leader.run_chores(Duration::from_millis(100)).await.unwrap();
+        lost.extend(r.lost_agents);
+        if !r.abandoned.is_empty() {
+            break r.abandoned;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "never abandoned");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(abandoned, ["gone"]);
+    assert_eq!(lost.len(), 1);
+    assert_eq!(
+        q.state("gone").await.unwrap(),
+        Some((RequestState::Finished, Some(id(1).to_string())))
+    );
+    fleet.close().await;
+    db.drop_db().await;
+}
+
 /// What the daemon spawns must be `Send` futures (checked at compile
 /// time; never called).
 #[allow(dead_code)]
