@@ -1,0 +1,978 @@
+//! The fleet's one queue (`fleet_requests`) and the agents started for it
+//! (`fleet_agents`): enqueue with fleet-wide dedupe, claim under the fleet
+//! caps, start, release, complete, and the [`Waker`] that tells a host when
+//! to try claiming.
+//!
+//! A request's life: `queued` → `claimed` (by a host under an epoch) →
+//! `started` (an agent bound; an agent row `live`) → `finished`. A claim
+//! goes back to `queued` — keeping its `seq`, so its original place — when
+//! the host releases it, hands it back, rejoins, or is declared lost. A
+//! started request whose host was declared lost is `lost` (its agent too)
+//! until its host finishes it or the daemon [`Queue::requeue`]s it.
+//!
+//! **Caps cannot be exceeded.** Usage of a pool is the claimed requests
+//! plus the live agents in it (starting turns one into the other in one
+//! transaction, so the sum does not move). A claim locks the pool's
+//! `fleet_pools` row (and the fleet's `fleet_fleets` row when a global cap
+//! is set) `FOR UPDATE` before it reads the usage, and adds to it before
+//! committing; any other claim that could add to the same sums waits on the
+//! same row, and under READ COMMITTED its usage query, a later statement,
+//! sees the first claim committed. Nothing else increases usage. So the
+//! check and the increase are atomic with respect to every other increase.
+//!
+//! **A request never has two claims.** The claim is an UPDATE of the
+//! request row from `queued` to `claimed`, on a row locked `FOR UPDATE SKIP
+//! LOCKED`; PostgreSQL re-checks the row after the lock and a row another
+//! claim took is no longer `queued`. A started agent is bound only if the
+//! request is still claimed by this host under this host's current epoch
+//! (checked under a share lock on the host row, which the leader's
+//! "declare lost" must wait for), so work from a lapsed lease cannot start.
+
+use crate::error::FleetError;
+use crate::membership::{Caps, LeaseGuard};
+use crate::placement::HostLoad;
+use crate::{non_negative, notify, to_db, Fleet, CHANNEL};
+use kici_model::{InstanceId, MemoryBytes, MilliCpu};
+use sqlx::postgres::{PgListener, PgRow};
+use sqlx::{PgConnection, Row};
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// What kind of work a request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RequestKind {
+    /// An orchestrator's scale request.
+    Scale,
+    /// A standalone job.
+    Job,
+}
+
+impl RequestKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Scale => "scale",
+            Self::Job => "job",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, FleetError> {
+        match s {
+            "scale" => Ok(Self::Scale),
+            "job" => Ok(Self::Job),
+            other => Err(FleetError::Corrupt {
+                table: "fleet_requests",
+                reason: format!("unknown kind `{other}`"),
+            }),
+        }
+    }
+}
+
+/// Where a request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RequestState {
+    /// Waiting to be claimed.
+    Queued,
+    /// Claimed by a host, no agent yet.
+    Claimed,
+    /// An agent was started for it.
+    Started,
+    /// Its host was declared lost while its agent ran.
+    Lost,
+    /// Done.
+    Finished,
+}
+
+impl RequestState {
+    fn parse(s: &str) -> Result<Self, FleetError> {
+        Ok(match s {
+            "queued" => Self::Queued,
+            "claimed" => Self::Claimed,
+            "started" => Self::Started,
+            "lost" => Self::Lost,
+            "finished" => Self::Finished,
+            other => {
+                return Err(FleetError::Corrupt {
+                    table: "fleet_requests",
+                    reason: format!("unknown state `{other}`"),
+                })
+            }
+        })
+    }
+}
+
+/// A request as the entry host writes it, routed to its pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewRequest {
+    /// The job id: the fleet-wide dedupe key.
+    pub job_id: String,
+    /// Scale request or standalone job.
+    pub kind: RequestKind,
+    /// The pool it was routed to.
+    pub pool: String,
+    /// The request body (canonical JSON as the daemon renders it): a second
+    /// request with this job id is the same request iff its body is equal.
+    pub body: String,
+    /// The answer the entry host gives (and any host gives again to a
+    /// duplicate).
+    pub answer: String,
+    /// CPU the agent will reserve (for the fleet resource caps).
+    pub cpu: MilliCpu,
+    /// Memory the agent will reserve.
+    pub memory: MemoryBytes,
+    /// The instance id of the entry host.
+    pub entry_host: String,
+}
+
+/// The outcome of [`Queue::enqueue`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Enqueued {
+    /// Written; `seq` is its place in arrival order.
+    New {
+        /// Arrival order.
+        seq: i64,
+    },
+    /// The same request (same job id, same body) was already in the fleet:
+    /// answer as it was answered.
+    Existing {
+        /// The answer recorded with the first.
+        answer: String,
+        /// Where it is now.
+        state: RequestState,
+    },
+}
+
+/// A request claimed by this host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// Job id.
+    pub job_id: String,
+    /// Pool.
+    pub pool: String,
+    /// Kind.
+    pub kind: RequestKind,
+    /// Body as enqueued.
+    pub body: String,
+    /// Arrival order (kept across returns to the queue).
+    pub seq: i64,
+    /// Claim order (within a pool it follows arrival order).
+    pub claim_seq: i64,
+    /// The claiming host.
+    pub instance: String,
+    /// The epoch the claim was made under.
+    pub epoch: i64,
+    /// CPU reserved against the fleet caps.
+    pub cpu: MilliCpu,
+    /// Memory reserved against the fleet caps.
+    pub memory: MemoryBytes,
+    /// Arrival time (database clock, unix ms).
+    pub arrived_at: i64,
+}
+
+/// Usage of a pool or of the whole fleet: claimed requests plus live agents.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Count.
+    pub agents: u64,
+    /// Summed CPU.
+    pub cpu: u64,
+    /// Summed memory.
+    pub memory: u64,
+}
+
+impl Usage {
+    /// Whether one more of (`cpu`, `memory`) fits under `caps`.
+    pub fn admits(&self, caps: &Caps, cpu: u64, memory: u64) -> bool {
+        caps.max_agents
+            .is_none_or(|m| self.agents.saturating_add(1) <= u64::from(m))
+            && caps
+                .max_cpu
+                .is_none_or(|m| self.cpu.saturating_add(cpu) <= m.millis())
+            && caps
+                .max_memory
+                .is_none_or(|m| self.memory.saturating_add(memory) <= m.bytes())
+    }
+}
+
+/// The outcome of [`Queue::adopt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adopted {
+    /// The agent is this host's again, under the current epoch: keep it.
+    Live,
+    /// Its request is no longer this host's (another host may serve it),
+    /// or the agent is unknown or gone: destroy it.
+    NotOurs,
+    /// It was marked lost and the caps no longer have room for it.
+    OverCap,
+}
+
+/// The fleet's queue. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Queue {
+    fleet: Fleet,
+}
+
+const USAGE_POOL: &str = "SELECT count(*) AS n, COALESCE(sum(milli_cpu), 0)::BIGINT AS cpu, \
+        COALESCE(sum(memory_bytes), 0)::BIGINT AS mem FROM ( \
+      SELECT milli_cpu, memory_bytes FROM fleet_requests WHERE fleet = $1 AND pool = $2 AND state = 'claimed' \
+      UNION ALL \
+      SELECT milli_cpu, memory_bytes FROM fleet_agents WHERE fleet = $1 AND pool = $2 AND state = 'live') u";
+
+const USAGE_FLEET: &str = "SELECT count(*) AS n, COALESCE(sum(milli_cpu), 0)::BIGINT AS cpu, \
+        COALESCE(sum(memory_bytes), 0)::BIGINT AS mem FROM ( \
+      SELECT milli_cpu, memory_bytes FROM fleet_requests WHERE fleet = $1 AND state = 'claimed' \
+      UNION ALL \
+      SELECT milli_cpu, memory_bytes FROM fleet_agents WHERE fleet = $1 AND state = 'live') u";
+
+fn usage_row(r: &PgRow) -> Result<Usage, FleetError> {
+    Ok(Usage {
+        agents: non_negative("fleet_requests", "count", r.try_get("n")?)?,
+        cpu: non_negative("fleet_requests", "milli_cpu", r.try_get("cpu")?)?,
+        memory: non_negative("fleet_requests", "memory_bytes", r.try_get("mem")?)?,
+    })
+}
+
+/// Why one pool gave no claim.
+enum PoolAttempt {
+    Claimed(Claim),
+    Empty,
+    AtCap,
+}
+
+impl Queue {
+    pub(crate) fn new(fleet: Fleet) -> Self {
+        Self { fleet }
+    }
+
+    /// Writes a request to the queue (committed before this returns, so the
+    /// entry host may answer). A request whose job id is already in the
+    /// fleet is not written again: same body → [`Enqueued::Existing`] with
+    /// the first answer; different body → [`FleetError::Conflict`]. The
+    /// pool's listeners are notified at commit.
+    pub async fn enqueue(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
+        let name = self.fleet.name();
+        let mut tx = self.fleet.pool().begin().await?;
+        let seq: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO fleet_requests (fleet, job_id, kind, pool, body, answer, milli_cpu, memory_bytes, \
+                 entry_host, state, arrived_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'queued', fleet_now_ms()) \
+             ON CONFLICT (fleet, job_id) DO NOTHING RETURNING seq",
+        )
+        .bind(name)
+        .bind(&req.job_id)
+        .bind(req.kind.as_str())
+        .bind(&req.pool)
+        .bind(&req.body)
+        .bind(&req.answer)
+        .bind(to_db(req.cpu.millis()))
+        .bind(to_db(req.memory.bytes()))
+        .bind(&req.entry_host)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(seq) = seq {
+            notify(&mut tx, name, &req.pool).await?;
+            tx.commit().await?;
+            return Ok(Enqueued::New { seq });
+        }
+        // ON CONFLICT DO NOTHING waited for any concurrent insert of the same
+        // id to commit, so the existing row is visible to this statement.
+        let row = sqlx::query(
+            "SELECT body, answer, state FROM fleet_requests WHERE fleet = $1 AND job_id = $2",
+        )
+        .bind(name)
+        .bind(&req.job_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let Some(row) = row else {
+            // Purged between the two statements: rare; the caller retries.
+            return Err(FleetError::Unavailable(format!(
+                "request {} changed while being enqueued; retry",
+                req.job_id
+            )));
+        };
+        let body: String = row.try_get("body")?;
+        if body != req.body {
+            return Err(FleetError::Conflict {
+                job_id: req.job_id.clone(),
+            });
+        }
+        Ok(Enqueued::Existing {
+            answer: row.try_get("answer")?,
+            state: RequestState::parse(&row.try_get::<String, _>("state")?)?,
+        })
+    }
+
+    /// Claims the oldest queued request, among `pools`, that the fleet caps
+    /// admit now. Pools are tried oldest head first; in each, only the head
+    /// is considered (FIFO: a later, smaller request does not overtake a
+    /// head that does not fit). `None`: nothing to claim now (empty, or at
+    /// a cap). Refused with [`FleetError::LeaseLapsed`] when the local fence
+    /// is closed, and with [`FleetError::StaleEpoch`] when the database has
+    /// this host under another epoch or not `up`.
+    pub async fn claim(
+        &self,
+        guard: &LeaseGuard,
+        pools: &[String],
+    ) -> Result<Option<Claim>, FleetError> {
+        let epoch = guard.check()?;
+        if pools.is_empty() {
+            return Ok(None);
+        }
+        let heads: Vec<String> = sqlx::query_scalar(
+            "SELECT pool FROM fleet_requests WHERE fleet = $1 AND state = 'queued' AND pool = ANY($2) \
+             GROUP BY pool ORDER BY min(seq)",
+        )
+        .bind(self.fleet.name())
+        .bind(pools)
+        .fetch_all(self.fleet.pool())
+        .await?;
+        for pool in heads {
+            // Re-check the fence per attempt: an attempt may wait on a lock.
+            guard.check()?;
+            match self.claim_in(guard.instance(), epoch, &pool).await? {
+                PoolAttempt::Claimed(c) => return Ok(Some(c)),
+                PoolAttempt::AtCap => {
+                    tracing::debug!(pool = %pool, "fleet cap reached; not claiming in this pool")
+                }
+                PoolAttempt::Empty => {}
+            }
+        }
+        Ok(None)
+    }
+
+    /// One claim attempt in one pool, one transaction. Lock order: fleet
+    /// row (if a global cap is set), pool row, host row (shared), request row.
+    async fn claim_in(
+        &self,
+        instance: &str,
+        epoch: i64,
+        pool: &str,
+    ) -> Result<PoolAttempt, FleetError> {
+        let name = self.fleet.name();
+        let mut tx = self.fleet.pool().begin().await?;
+        let global = fleet_caps(&mut tx, name, false).await?;
+        let global = if global.any() {
+            fleet_caps(&mut tx, name, true).await?
+        } else {
+            global
+        };
+        let Some(row) = sqlx::query(
+            "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
+        )
+        .bind(name)
+        .bind(pool)
+        .fetch_optional(&mut *tx)
+        .await?
+        else {
+            // No host ever defined the pool: nobody may claim in it.
+            return Ok(PoolAttempt::Empty);
+        };
+        let pool_caps = Caps::from_db(
+            "fleet_pools",
+            row.try_get("max_agents")?,
+            row.try_get("max_cpu")?,
+            row.try_get("max_memory")?,
+        )?;
+        fence(&mut tx, name, instance, epoch).await?;
+        let Some(head) = sqlx::query(
+            "SELECT job_id, seq, kind, body, milli_cpu, memory_bytes, arrived_at FROM fleet_requests \
+             WHERE fleet = $1 AND pool = $2 AND state = 'queued' ORDER BY seq LIMIT 1 \
+             FOR UPDATE SKIP LOCKED",
+        )
+        .bind(name)
+        .bind(pool)
+        .fetch_optional(&mut *tx)
+        .await?
+        else {
+            return Ok(PoolAttempt::Empty);
+        };
+        let cpu = non_negative("fleet_requests", "milli_cpu", head.try_get("milli_cpu")?)?;
+        let memory = non_negative(
+            "fleet_requests",
+            "memory_bytes",
+            head.try_get("memory_bytes")?,
+        )?;
+        if pool_caps.any() {
+            let used = usage_row(
+                &sqlx::query(USAGE_POOL)
+                    .bind(name)
+                    .bind(pool)
+                    .fetch_one(&mut *tx)
+                    .await?,
+            )?;
+            if !used.admits(&pool_caps, cpu, memory) {
+                return Ok(PoolAttempt::AtCap);
+            }
+        }
+        if global.any() {
+            let used = usage_row(
+                &sqlx::query(USAGE_FLEET)
+                    .bind(name)
+                    .fetch_one(&mut *tx)
+                    .await?,
+            )?;
+            if !used.admits(&global, cpu, memory) {
+                return Ok(PoolAttempt::AtCap);
+            }
+        }
+        let job_id: String = head.try_get("job_id")?;
+        let claim_seq: i64 = sqlx::query_scalar(
+            "UPDATE fleet_requests SET state = 'claimed', claimed_by = $3, claim_epoch = $4, \
+                 claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1 \
+             WHERE fleet = $1 AND job_id = $2 RETURNING claim_seq",
+        )
+        .bind(name)
+        .bind(&job_id)
+        .bind(instance)
+        .bind(epoch)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(PoolAttempt::Claimed(Claim {
+            job_id,
+            pool: pool.to_owned(),
+            kind: RequestKind::parse(&head.try_get::<String, _>("kind")?)?,
+            body: head.try_get("body")?,
+            seq: head.try_get("seq")?,
+            claim_seq,
+            instance: instance.to_owned(),
+            epoch,
+            cpu: MilliCpu::from_millis(cpu),
+            memory: MemoryBytes::from_bytes(memory),
+            arrived_at: head.try_get("arrived_at")?,
+        }))
+    }
+
+    /// Binds the agent started for `claim` (records it `live` under the
+    /// claim's epoch) — before the backend is asked to create it. Refused,
+    /// changing nothing, when the local fence is closed
+    /// ([`FleetError::LeaseLapsed`]), the host's epoch moved
+    /// ([`FleetError::StaleEpoch`]), or the request is no longer this
+    /// claim's ([`FleetError::NotClaimed`]): then the agent must not be
+    /// started (or must be destroyed).
+    pub async fn start(
+        &self,
+        guard: &LeaseGuard,
+        claim: &Claim,
+        agent_id: &str,
+    ) -> Result<(), FleetError> {
+        let epoch = guard.check()?;
+        if epoch != claim.epoch {
+            return Err(FleetError::StaleEpoch {
+                instance: claim.instance.clone(),
+                held: claim.epoch,
+                current: Some(epoch),
+            });
+        }
+        let name = self.fleet.name();
+        let mut tx = self.fleet.pool().begin().await?;
+        fence(&mut tx, name, &claim.instance, claim.epoch).await?;
+        let started = sqlx::query(
+            "UPDATE fleet_requests SET state = 'started', agent_id = $5, started_at = fleet_now_ms() \
+             WHERE fleet = $1 AND job_id = $2 AND state = 'claimed' AND claimed_by = $3 AND claim_epoch = $4",
+        )
+        .bind(name)
+        .bind(&claim.job_id)
+        .bind(&claim.instance)
+        .bind(claim.epoch)
+        .bind(agent_id)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if started == 0 {
+            return Err(FleetError::NotClaimed {
+                job_id: claim.job_id.clone(),
+                epoch: claim.epoch,
+            });
+        }
+        sqlx::query(
+            "INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes, \
+                 state, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'live', fleet_now_ms(), fleet_now_ms())",
+        )
+        .bind(name)
+        .bind(agent_id)
+        .bind(&claim.instance)
+        .bind(claim.epoch)
+        .bind(&claim.pool)
+        .bind(&claim.job_id)
+        .bind(to_db(claim.cpu.millis()))
+        .bind(to_db(claim.memory.bytes()))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Takes one of this host's agents back under its current epoch (after
+    /// a rejoin, while reconciling): the agent's request must still be this
+    /// host's (`started`, or `lost` if the leader declared the host lost
+    /// meanwhile). An agent marked lost had left the caps, so taking it
+    /// back is checked against them like a claim. Returns what the daemon
+    /// does with the agent: keep it ([`Adopted::Live`]) or destroy it.
+    pub async fn adopt(&self, guard: &LeaseGuard, agent_id: &str) -> Result<Adopted, FleetError> {
+        let epoch = guard.check()?;
+        let name = self.fleet.name();
+        let instance = guard.instance();
+        let Some(agent) = sqlx::query(
+            "SELECT pool, job_id, state, milli_cpu, memory_bytes FROM fleet_agents \
+             WHERE fleet = $1 AND agent_id = $2 AND instance_id = $3",
+        )
+        .bind(name)
+        .bind(agent_id)
+        .bind(instance)
+        .fetch_optional(self.fleet.pool())
+        .await?
+        else {
+            return Ok(Adopted::NotOurs);
+        };
+        let pool: String = agent.try_get("pool")?;
+        let job_id: Option<String> = agent.try_get("job_id")?;
+        let cpu = non_negative("fleet_agents", "milli_cpu", agent.try_get("milli_cpu")?)?;
+        let memory = non_negative(
+            "fleet_agents",
+            "memory_bytes",
+            agent.try_get("memory_bytes")?,
+        )?;
+        let Some(job_id) = job_id else {
+            return Ok(Adopted::NotOurs);
+        };
+        // The claim's lock order: fleet, pool, host, request, agent.
+        let mut tx = self.fleet.pool().begin().await?;
+        let global = fleet_caps(&mut tx, name, false).await?;
+        let global = if global.any() {
+            fleet_caps(&mut tx, name, true).await?
+        } else {
+            global
+        };
+        let pool_caps = match sqlx::query(
+            "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
+        )
+        .bind(name)
+        .bind(&pool)
+        .fetch_optional(&mut *tx)
+        .await?
+        {
+            Some(row) => Caps::from_db(
+                "fleet_pools",
+                row.try_get("max_agents")?,
+                row.try_get("max_cpu")?,
+                row.try_get("max_memory")?,
+            )?,
+            None => Caps::default(),
+        };
+        fence(&mut tx, name, instance, epoch).await?;
+        let request_state: Option<String> = sqlx::query_scalar(
+            "SELECT state FROM fleet_requests WHERE fleet = $1 AND job_id = $2 AND claimed_by = $3 \
+                 AND agent_id = $4 AND state IN ('started', 'lost') FOR UPDATE",
+        )
+        .bind(name)
+        .bind(&job_id)
+        .bind(instance)
+        .bind(agent_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let agent_state: String = sqlx::query_scalar(
+            "SELECT state FROM fleet_agents WHERE fleet = $1 AND agent_id = $2 FOR UPDATE",
+        )
+        .bind(name)
+        .bind(agent_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if request_state.is_none() || agent_state == "gone" {
+            return Ok(Adopted::NotOurs);
+        }
+        if agent_state != "live" {
+            let used = usage_row(
+                &sqlx::query(USAGE_POOL)
+                    .bind(name)
+                    .bind(&pool)
+                    .fetch_one(&mut *tx)
+                    .await?,
+            )?;
+            let fleet_used = if global.any() {
+                usage_row(
+                    &sqlx::query(USAGE_FLEET)
+                        .bind(name)
+                        .fetch_one(&mut *tx)
+                        .await?,
+                )?
+            } else {
+                Usage::default()
+            };
+            if !used.admits(&pool_caps, cpu, memory) || !fleet_used.admits(&global, cpu, memory) {
+                return Ok(Adopted::OverCap);
+            }
+        }
+        sqlx::query(
+            "UPDATE fleet_requests SET state = 'started', claim_epoch = $3 WHERE fleet = $1 AND job_id = $2",
+        )
+        .bind(name)
+        .bind(&job_id)
+        .bind(epoch)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE fleet_agents SET state = 'live', epoch = $3, updated_at = fleet_now_ms() \
+             WHERE fleet = $1 AND agent_id = $2",
+        )
+        .bind(name)
+        .bind(agent_id)
+        .bind(epoch)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Adopted::Live)
+    }
+
+    /// Returns an unstarted claim to the queue at its original place (local
+    /// admission refused it, or the host gives it up). Returns whether it
+    /// was still this claim's. Not fenced: giving work back is always safe.
+    pub async fn release(&self, claim: &Claim) -> Result<bool, FleetError> {
+        let name = self.fleet.name();
+        let mut tx = self.fleet.pool().begin().await?;
+        let n = sqlx::query(
+            "UPDATE fleet_requests SET state = 'queued', claimed_by = NULL, claim_epoch = NULL, \
+                 claim_seq = NULL, claimed_at = NULL \
+             WHERE fleet = $1 AND job_id = $2 AND state = 'claimed' AND claimed_by = $3 AND claim_epoch = $4",
+        )
+        .bind(name)
+        .bind(&claim.job_id)
+        .bind(&claim.instance)
+        .bind(claim.epoch)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n > 0 {
+            notify(&mut tx, name, &claim.pool).await?;
+        }
+        tx.commit().await?;
+        Ok(n > 0)
+    }
+
+    /// Finishes a request this host (`instance`) holds — claimed, started,
+    /// or lost while its agent ran — with `outcome`, and marks its agent
+    /// gone, freeing its share of the caps. Returns whether it was this
+    /// host's to finish (false: another host has it now; destroy any agent
+    /// still running for it). Listeners of the pool are notified.
+    pub async fn complete(
+        &self,
+        instance: &str,
+        job_id: &str,
+        outcome: &str,
+    ) -> Result<bool, FleetError> {
+        let name = self.fleet.name();
+        let mut tx = self.fleet.pool().begin().await?;
+        let pool: Option<String> = sqlx::query_scalar(
+            "UPDATE fleet_requests SET state = 'finished', finished_at = fleet_now_ms(), outcome = $4 \
+             WHERE fleet = $1 AND job_id = $2 AND claimed_by = $3 AND state IN ('claimed', 'started', 'lost') \
+             RETURNING pool",
+        )
+        .bind(name)
+        .bind(job_id)
+        .bind(instance)
+        .bind(outcome)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(pool) = pool else {
+            tx.commit().await?;
+            return Ok(false);
+        };
+        sqlx::query(
+            "UPDATE fleet_agents SET state = 'gone', updated_at = fleet_now_ms() \
+             WHERE fleet = $1 AND job_id = $2 AND instance_id = $3 AND state IN ('live', 'lost')",
+        )
+        .bind(name)
+        .bind(job_id)
+        .bind(instance)
+        .execute(&mut *tx)
+        .await?;
+        notify(&mut tx, name, &pool).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Puts a started (by `instance`) or lost request back in the queue at
+    /// its original place, its agent marked gone (the agent died before it
+    /// registered, or the leader reported it lost and it had not registered:
+    /// the request is to be served again). Returns whether it was requeued.
+    pub async fn requeue(&self, instance: &str, job_id: &str) -> Result<bool, FleetError> {
+        let name = self.fleet.name();
+        let mut tx = self.fleet.pool().begin().await?;
+        let pool: Option<String> = sqlx::query_scalar(
+            "UPDATE fleet_requests SET state = 'queued', claimed_by = NULL, claim_epoch = NULL, \
+                 claim_seq = NULL, claimed_at = NULL, agent_id = NULL, started_at = NULL \
+             WHERE fleet = $1 AND job_id = $2 AND claimed_by = $3 AND state IN ('started', 'lost') \
+             RETURNING pool",
+        )
+        .bind(name)
+        .bind(job_id)
+        .bind(instance)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(pool) = pool else {
+            tx.commit().await?;
+            return Ok(false);
+        };
+        sqlx::query(
+            "UPDATE fleet_agents SET state = 'gone', updated_at = fleet_now_ms() \
+             WHERE fleet = $1 AND job_id = $2 AND instance_id = $3 AND state IN ('live', 'lost')",
+        )
+        .bind(name)
+        .bind(job_id)
+        .bind(instance)
+        .execute(&mut *tx)
+        .await?;
+        notify(&mut tx, name, &pool).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Where a request is, and who holds it (None: unknown or purged).
+    pub async fn state(
+        &self,
+        job_id: &str,
+    ) -> Result<Option<(RequestState, Option<String>)>, FleetError> {
+        let row = sqlx::query(
+            "SELECT state, claimed_by FROM fleet_requests WHERE fleet = $1 AND job_id = $2",
+        )
+        .bind(self.fleet.name())
+        .bind(job_id)
+        .fetch_optional(self.fleet.pool())
+        .await?;
+        row.map(|r| {
+            Ok((
+                RequestState::parse(&r.try_get::<String, _>("state")?)?,
+                r.try_get("claimed_by")?,
+            ))
+        })
+        .transpose()
+    }
+
+    /// Queued requests in `pool`.
+    pub async fn depth(&self, pool: &str) -> Result<u64, FleetError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM fleet_requests WHERE fleet = $1 AND pool = $2 AND state = 'queued'",
+        )
+        .bind(self.fleet.name())
+        .bind(pool)
+        .fetch_one(self.fleet.pool())
+        .await?;
+        non_negative("fleet_requests", "count", n)
+    }
+
+    /// Usage of `pool` (claimed requests + live agents), one statement.
+    pub async fn pool_usage(&self, pool: &str) -> Result<Usage, FleetError> {
+        usage_row(
+            &sqlx::query(USAGE_POOL)
+                .bind(self.fleet.name())
+                .bind(pool)
+                .fetch_one(self.fleet.pool())
+                .await?,
+        )
+    }
+
+    /// Usage of the whole fleet, one statement.
+    pub async fn fleet_usage(&self) -> Result<Usage, FleetError> {
+        usage_row(
+            &sqlx::query(USAGE_FLEET)
+                .bind(self.fleet.name())
+                .fetch_one(self.fleet.pool())
+                .await?,
+        )
+    }
+
+    /// The load of every live host serving `pool`: its claimed requests and
+    /// live agents there, and its own capacity — the input of
+    /// [`crate::should_claim`].
+    pub async fn pool_loads(&self, pool: &str) -> Result<Vec<HostLoad>, FleetError> {
+        let rows = sqlx::query(
+            "SELECT hp.instance_id, hp.host_max_agents, \
+                 (SELECT count(*) FROM fleet_requests r WHERE r.fleet = hp.fleet AND r.pool = hp.pool \
+                     AND r.state = 'claimed' AND r.claimed_by = hp.instance_id) \
+               + (SELECT count(*) FROM fleet_agents a WHERE a.fleet = hp.fleet AND a.pool = hp.pool \
+                     AND a.state = 'live' AND a.instance_id = hp.instance_id) AS agents \
+             FROM fleet_host_pools hp JOIN fleet_hosts h ON h.fleet = hp.fleet AND h.instance_id = hp.instance_id \
+             WHERE hp.fleet = $1 AND hp.pool = $2 AND h.state = 'up' AND h.lease_expires_at > fleet_now_ms() \
+             ORDER BY hp.instance_id",
+        )
+        .bind(self.fleet.name())
+        .bind(pool)
+        .fetch_all(self.fleet.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let id: String = r.try_get("instance_id")?;
+                let host = id.parse::<InstanceId>().map_err(|e| FleetError::Corrupt {
+                    table: "fleet_host_pools",
+                    reason: e.to_string(),
+                })?;
+                let cap: Option<i64> = r.try_get("host_max_agents")?;
+                let agents: i64 = r.try_get("agents")?;
+                Ok(HostLoad {
+                    host,
+                    agents: u32::try_from(non_negative("fleet_requests", "count", agents)?)
+                        .unwrap_or(u32::MAX),
+                    capacity: cap
+                        .map(|c| {
+                            non_negative("fleet_host_pools", "host_max_agents", c)
+                                .map(|c| u32::try_from(c).unwrap_or(u32::MAX))
+                        })
+                        .transpose()?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The fleet's global caps, optionally locking the fleet row.
+async fn fleet_caps(conn: &mut PgConnection, fleet: &str, lock: bool) -> Result<Caps, FleetError> {
+    let sql = if lock {
+        "SELECT max_agents, max_cpu, max_memory FROM fleet_fleets WHERE fleet = $1 FOR UPDATE"
+    } else {
+        "SELECT max_agents, max_cpu, max_memory FROM fleet_fleets WHERE fleet = $1"
+    };
+    let Some(row) = sqlx::query(sql).bind(fleet).fetch_optional(conn).await? else {
+        return Ok(Caps::default());
+    };
+    Caps::from_db(
+        "fleet_fleets",
+        row.try_get("max_agents")?,
+        row.try_get("max_cpu")?,
+        row.try_get("max_memory")?,
+    )
+}
+
+/// The database-side fence: the host row, share-locked for the rest of the
+/// transaction (the leader's "declare lost" waits for it), must be `up`
+/// under `epoch` with an unexpired lease.
+async fn fence(
+    conn: &mut PgConnection,
+    fleet: &str,
+    instance: &str,
+    epoch: i64,
+) -> Result<(), FleetError> {
+    let row = sqlx::query(
+        "SELECT epoch, state = 'up' AND lease_expires_at > fleet_now_ms() AS valid FROM fleet_hosts \
+         WHERE fleet = $1 AND instance_id = $2 FOR SHARE",
+    )
+    .bind(fleet)
+    .bind(instance)
+    .fetch_optional(conn)
+    .await?;
+    let current = match row {
+        Some(r) => {
+            let current: i64 = r.try_get("epoch")?;
+            let valid: bool = r.try_get("valid")?;
+            if valid && current == epoch {
+                return Ok(());
+            }
+            valid.then_some(current)
+        }
+        None => None,
+    };
+    Err(FleetError::StaleEpoch {
+        instance: instance.to_owned(),
+        held: epoch,
+        current,
+    })
+}
+
+/// Tells a host when to try claiming: woken by NOTIFYs of arrivals and
+/// releases in its pools, with a fallback poll (at most 1 s) so a lost
+/// notification (listener reconnecting, database restart) delays a claim
+/// by at most that.
+pub struct Waker {
+    fleet: Fleet,
+    pools: HashSet<String>,
+    listener: Option<PgListener>,
+    poll: Duration,
+}
+
+impl std::fmt::Debug for Waker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waker")
+            .field("fleet", &self.fleet.name())
+            .field("pools", &self.pools)
+            .field("listening", &self.listener.is_some())
+            .finish()
+    }
+}
+
+/// The longest a [`Waker`] sleeps without a notification.
+pub const FALLBACK_POLL: Duration = Duration::from_secs(1);
+
+impl Waker {
+    pub(crate) async fn listen(fleet: &Fleet, pools: &[String]) -> Result<Self, FleetError> {
+        let mut w = Self {
+            fleet: fleet.clone(),
+            pools: pools.iter().cloned().collect(),
+            listener: None,
+            poll: FALLBACK_POLL,
+        };
+        w.connect().await?;
+        Ok(w)
+    }
+
+    /// Shortens the fallback poll (never lengthens it past 1 s).
+    pub fn with_poll(mut self, poll: Duration) -> Self {
+        self.poll = poll.min(FALLBACK_POLL);
+        self
+    }
+
+    async fn connect(&mut self) -> Result<(), FleetError> {
+        let mut l = tokio::time::timeout(
+            self.fleet.acquire_timeout(),
+            PgListener::connect_with(self.fleet.pool()),
+        )
+        .await
+        .map_err(|_| FleetError::Unavailable("connecting the fleet listener timed out".into()))??;
+        l.listen(CHANNEL).await?;
+        self.listener = Some(l);
+        Ok(())
+    }
+
+    /// Waits until a request arrives or is released in one of the pools
+    /// (true), or the fallback poll interval passes (false). Never fails: a
+    /// broken listener is dropped and reconnected on a later call, and
+    /// meanwhile this is a plain poll.
+    pub async fn wait(&mut self) -> bool {
+        let deadline = tokio::time::Instant::now() + self.poll;
+        if self.listener.is_none() {
+            // Bounded by the poll deadline: with the database down, waiting
+            // on a connect must not stretch the poll past 1 s.
+            match tokio::time::timeout_at(deadline, self.connect()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(error = %e, "fleet listener not connected; polling"),
+                Err(_) => return false,
+            }
+        }
+        let Some(listener) = self.listener.as_mut() else {
+            tokio::time::sleep_until(deadline).await;
+            return false;
+        };
+        loop {
+            match tokio::time::timeout_at(deadline, listener.try_recv()).await {
+                Err(_) => return false,
+                Ok(Ok(Some(n))) => {
+                    let Ok([fleet, pool]) = serde_json::from_str::<[String; 2]>(n.payload()) else {
+                        continue;
+                    };
+                    if fleet == self.fleet.name() && self.pools.contains(&pool) {
+                        return true;
+                    }
+                }
+                // Connection lost (None) or failed: notifications sent
+                // meanwhile are gone, so report a wake-up and let the caller
+                // look at the queue.
+                Ok(Ok(None)) => return true,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "fleet listener failed; reconnecting later");
+                    self.listener = None;
+                    tokio::time::sleep_until(deadline).await;
+                    return true;
+                }
+            }
+        }
+    }
+}

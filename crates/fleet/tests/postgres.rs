@@ -1,0 +1,840 @@
+//! The fleet layer against a real PostgreSQL (`KICI_SCALER_TEST_POSTGRES`,
+//! or the server `scripts/postgres.sh start` runs; never skipped). Each test
+//! has a database of its own, so they run in parallel.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use kici_fleet::{Adopted, Caps, Enqueued, Fleet, FleetError, FleetOptions, RequestState};
+use kici_model::MilliCpu;
+use sqlx::Row;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// 8 hosts, each with its own connection pool, claim 300 requests of three
+/// pools under tight caps (per pool and global) while a sampler checks the
+/// usage inside the database, in one statement, all along: no cap is ever
+/// exceeded, each request is claimed exactly once, and claims within a pool
+/// follow arrival order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claimers_never_exceed_fleet_caps() {
+    const REQUESTS: usize = 300;
+    const GLOBAL_MAX: i64 = 8;
+    let db = TestDb::new().await;
+    let fleet_name = "caps";
+    let pool_a = pool("a", max_agents(3));
+    let pool_b = pool(
+        "b",
+        Caps {
+            max_agents: Some(4),
+            max_cpu: Some(MilliCpu::from_millis(2000)),
+            max_memory: None,
+        },
+    );
+    let pool_c = pool("c", Caps::default());
+    let caps: BTreeMap<&str, (i64, Option<i64>)> = BTreeMap::from([
+        ("a", (3, None)),
+        ("b", (4, Some(2000))),
+        ("c", (i64::MAX, None)),
+    ]);
+
+    let mut hosts = Vec::new();
+    for n in 0..8u32 {
+        let fleet = Fleet::connect(
+            &db.url,
+            fleet_name,
+            FleetOptions {
+                max_connections: 1,
+                ..FleetOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        let pools = if n < 4 {
+            vec![pool_a.clone(), pool_b.clone(), pool_c.clone()]
+        } else {
+            vec![pool_b.clone(), pool_a.clone()]
+        };
+        let mut s = spec(n + 1, pools, LONG);
+        s.global_caps = Caps {
+            max_agents: Some(u32::try_from(GLOBAL_MAX).unwrap()),
+            ..Caps::default()
+        };
+        let m = fleet.join(s).await.unwrap();
+        hosts.push((fleet, m));
+    }
+
+    let entry = db.fleet(fleet_name).await;
+    let q = entry.queue();
+    for i in 0..REQUESTS {
+        let pool = ["a", "b", "c"][i % 3];
+        let cpu = if i % 2 == 0 { 500 } else { 1000 };
+        let r = q
+            .enqueue(&request(&format!("job-{i:04}"), pool, cpu))
+            .await
+            .unwrap();
+        assert!(matches!(r, Enqueued::New { .. }));
+    }
+
+    let done = Arc::new(AtomicBool::new(false));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let claims = Arc::new(Mutex::new(Vec::<(String, i64, i64, String)>::new()));
+
+    // The sampler: one statement, so one snapshot, per sample.
+    let sampler = {
+        let done = done.clone();
+        let mut conn = db.conn().await;
+        let caps = caps.clone();
+        tokio::spawn(async move {
+            let mut samples = 0u64;
+            let mut peak: BTreeMap<String, i64> = BTreeMap::new();
+            let mut peak_total = 0i64;
+            while !done.load(Ordering::SeqCst) {
+                let rows = sqlx::query(
+                    "SELECT pool, count(*) AS n, COALESCE(sum(milli_cpu), 0)::BIGINT AS cpu FROM ( \
+                       SELECT pool, milli_cpu FROM fleet_requests WHERE fleet = $1 AND state = 'claimed' \
+                       UNION ALL \
+                       SELECT pool, milli_cpu FROM fleet_agents WHERE fleet = $1 AND state = 'live') u \
+                     GROUP BY pool",
+                )
+                .bind("caps")
+                .fetch_all(&mut conn)
+                .await
+                .unwrap();
+                let mut total = 0;
+                for r in rows {
+                    let pool: String = r.get("pool");
+                    let n: i64 = r.get("n");
+                    let cpu: i64 = r.get("cpu");
+                    let (max_n, max_cpu) = caps[pool.as_str()];
+                    assert!(n <= max_n, "pool {pool}: {n} agents > cap {max_n}");
+                    if let Some(m) = max_cpu {
+                        assert!(cpu <= m, "pool {pool}: {cpu}m cpu > cap {m}m");
+                    }
+                    let p = peak.entry(pool).or_default();
+                    *p = (*p).max(n);
+                    total += n;
+                }
+                assert!(
+                    total <= GLOBAL_MAX,
+                    "fleet: {total} agents > global cap {GLOBAL_MAX}"
+                );
+                peak_total = peak_total.max(total);
+                samples += 1;
+            }
+            (samples, peak, peak_total)
+        })
+    };
+
+    // The leader's chores run all along: with every host alive they must
+    // change nothing (and not deadlock with claims).
+    let chores = {
+        let done = done.clone();
+        let mut leader = entry.leader(id(1));
+        tokio::spawn(async move {
+            assert!(leader.try_lead().await.unwrap());
+            let mut rounds = 0;
+            while !done.load(Ordering::SeqCst) {
+                let r = leader.run_chores(LONG).await.unwrap();
+                assert!(r.lost_hosts.is_empty() && r.requeued.is_empty(), "{r:?}");
+                rounds += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            leader.step_down().await;
+            rounds
+        })
+    };
+
+    let mut tasks = Vec::new();
+    for (n, (fleet, m)) in hosts.into_iter().enumerate() {
+        let finished = finished.clone();
+        let claims = claims.clone();
+        tasks.push(tokio::spawn(async move {
+            let q = fleet.queue();
+            let pools: Vec<String> = m.spec().pools.iter().map(|p| p.name.clone()).collect();
+            let mut k = 0u64;
+            while finished.load(Ordering::SeqCst) < REQUESTS {
+                let Some(c) = q.claim(m.guard(), &pools).await.unwrap() else {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    continue;
+                };
+                claims
+                    .lock()
+                    .unwrap()
+                    .push((c.pool.clone(), c.seq, c.claim_seq, c.job_id.clone()));
+                k += 1;
+                // Most claims start an agent; some finish straight from the
+                // claim (an agent that failed to start, say).
+                if !k.is_multiple_of(5) {
+                    q.start(m.guard(), &c, &format!("agent-{n}-{k}"))
+                        .await
+                        .unwrap();
+                }
+                // Agents live a while, so the caps bind.
+                tokio::time::sleep(Duration::from_millis(10 + k % 10)).await;
+                assert!(q.complete(m.instance(), &c.job_id, "ok").await.unwrap());
+                finished.fetch_add(1, Ordering::SeqCst);
+            }
+            m.leave().await.unwrap();
+            fleet.close().await;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    done.store(true, Ordering::SeqCst);
+    let (samples, peak, peak_total) = sampler.await.unwrap();
+    assert!(chores.await.unwrap() > 0);
+    eprintln!("samples {samples}, peak per pool {peak:?}, peak total {peak_total}");
+    assert!(samples > 10, "the sampler ran only {samples} times");
+    assert_eq!(peak.get("a"), Some(&3), "pool a never reached its cap");
+    assert_eq!(peak_total, GLOBAL_MAX, "the global cap was never reached");
+
+    let claims = claims.lock().unwrap().clone();
+    assert_eq!(claims.len(), REQUESTS);
+    let unique: HashSet<&String> = claims.iter().map(|c| &c.3).collect();
+    assert_eq!(unique.len(), REQUESTS, "a request was claimed twice");
+    for p in ["a", "b", "c"] {
+        let mut in_pool: Vec<_> = claims.iter().filter(|c| c.0 == p).collect();
+        in_pool.sort_by_key(|c| c.2);
+        for w in in_pool.windows(2) {
+            assert!(
+                w[0].1 < w[1].1,
+                "pool {p}: claimed out of arrival order: {w:?}"
+            );
+        }
+    }
+    let not_once: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM fleet_requests WHERE fleet = 'caps' AND (claims <> 1 OR state <> 'finished')",
+    )
+    .fetch_one(entry.pool())
+    .await
+    .unwrap();
+    assert_eq!(not_once, 0);
+    entry.close().await;
+    db.drop_db().await;
+}
+
+/// A host stops renewing: its own fence closes before its lease ends; the
+/// leader declares it lost and returns its unstarted claims in their
+/// original order; another host claims them, in that order, before the
+/// later arrivals; the lost host's agent is reported lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lapsed_lease_returns_claims_in_order_to_another_host() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("lapse").await;
+    let p = vec![pool("p", Caps::default())];
+    let short = Duration::from_secs(3);
+    let a = join(&fleet, 1, p.clone(), short).await;
+    let b = join(&fleet, 2, p.clone(), LONG).await;
+    let q = fleet.queue();
+    for i in 0..6 {
+        q.enqueue(&request(&format!("j{i}"), "p", 100))
+            .await
+            .unwrap();
+    }
+    let pools = vec!["p".to_owned()];
+    let first = q.claim(a.guard(), &pools).await.unwrap().unwrap();
+    q.start(a.guard(), &first, "agent-a-0").await.unwrap();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(q.claim(a.guard(), &pools).await.unwrap().unwrap());
+    }
+    assert_eq!(
+        held.iter().map(|c| c.job_id.as_str()).collect::<Vec<_>>(),
+        ["j1", "j2", "j3"]
+    );
+    // B takes j4 meanwhile; j5 stays queued.
+    assert_eq!(
+        q.claim(b.guard(), &pools).await.unwrap().unwrap().job_id,
+        "j4"
+    );
+
+    // A stops renewing. Its fence closes at lease − margin (2 s after its
+    // join was sent), a margin before the database's lease (3 s) ends.
+    let t = Instant::now();
+    while a.guard().is_valid() {
+        assert!(
+            t.elapsed() < Duration::from_secs(4),
+            "the fence never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(matches!(
+        q.claim(a.guard(), &pools).await,
+        Err(FleetError::LeaseLapsed { .. })
+    ));
+    assert!(matches!(
+        q.start(a.guard(), &held[0], "agent-a-1").await,
+        Err(FleetError::LeaseLapsed { .. })
+    ));
+    let mut leader = fleet.leader(id(2));
+    assert!(leader.try_lead().await.unwrap());
+    // Not yet expired in the database: nothing to do.
+    let early = leader.run_chores(LONG).await.unwrap();
+    assert!(early.lost_hosts.is_empty(), "{early:?}");
+    let report = loop {
+        let r = leader.run_chores(LONG).await.unwrap();
+        if !r.lost_hosts.is_empty() {
+            break r;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(6),
+            "A was never declared lost"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(report.lost_hosts.len(), 1);
+    assert_eq!(report.lost_hosts[0].instance_id, id(1).to_string());
+    let mut requeued = report.requeued.clone();
+    requeued.sort();
+    assert_eq!(requeued, ["j1", "j2", "j3"]);
+    assert_eq!(report.lost_agents.len(), 1);
+    assert_eq!(report.lost_agents[0].agent_id, "agent-a-0");
+    assert_eq!(report.lost_agents[0].job_id.as_deref(), Some("j0"));
+    assert_eq!(
+        q.state("j0").await.unwrap(),
+        Some((RequestState::Lost, Some(id(1).to_string())))
+    );
+
+    // B gets A's claims back in their original order, then the later arrival.
+    let mut order = Vec::new();
+    while let Some(c) = q.claim(b.guard(), &pools).await.unwrap() {
+        order.push(c.job_id);
+    }
+    assert_eq!(order, ["j1", "j2", "j3", "j5"]);
+
+    // A notices: its renewal fails; it rejoins under a new epoch, and its
+    // old claim cannot be started.
+    assert!(matches!(a.renew().await, Err(FleetError::LeaseLost { .. })));
+    let mut a = a;
+    let old_epoch = held[0].epoch;
+    assert!(a.rejoin().await.unwrap() > old_epoch);
+    assert!(matches!(
+        q.start(a.guard(), &held[0], "agent-a-1").await,
+        Err(FleetError::StaleEpoch { .. })
+    ));
+    // The lost agent: its host, back, takes it over under the new epoch
+    // (say it had registered and kept its job)...
+    assert_eq!(
+        q.adopt(a.guard(), "agent-a-0").await.unwrap(),
+        Adopted::Live
+    );
+    assert_eq!(
+        q.state("j0").await.unwrap(),
+        Some((RequestState::Started, Some(id(1).to_string())))
+    );
+    // B's five claims and the adopted agent.
+    assert_eq!(q.pool_usage("p").await.unwrap().agents, 6);
+    // ...or puts its request back to be served again (it had not).
+    assert!(q.requeue(&id(1).to_string(), "j0").await.unwrap());
+    assert_eq!(
+        q.claim(b.guard(), &pools).await.unwrap().unwrap().job_id,
+        "j0"
+    );
+    // The request moved: the agent is not A's to keep.
+    assert_eq!(
+        q.adopt(a.guard(), "agent-a-0").await.unwrap(),
+        Adopted::NotOurs
+    );
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// Two memberships with one instance id (the host rejoined from a second
+/// process): the older epoch's claims are returned at the new join, and
+/// every claim, start or renewal under the older epoch is refused by the
+/// database.
+#[tokio::test]
+async fn stale_epoch_claim_is_refused() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("epochs").await;
+    let p = vec![pool("p", Caps::default())];
+    let q = fleet.queue();
+    let pools = vec!["p".to_owned()];
+    q.enqueue(&request("j0", "p", 100)).await.unwrap();
+    q.enqueue(&request("j1", "p", 100)).await.unwrap();
+    let old = join(&fleet, 7, p.clone(), LONG).await;
+    let claim = q.claim(old.guard(), &pools).await.unwrap().unwrap();
+    assert_eq!(claim.job_id, "j0");
+    let new = join(&fleet, 7, p.clone(), LONG).await;
+    assert_eq!(new.epoch(), old.epoch() + 1);
+    assert_eq!(
+        q.state("j0").await.unwrap(),
+        Some((RequestState::Queued, None))
+    );
+
+    match q.claim(old.guard(), &pools).await {
+        Err(FleetError::StaleEpoch { held, current, .. }) => {
+            assert_eq!(held, old.epoch());
+            assert_eq!(current, Some(new.epoch()));
+        }
+        other => panic!("expected StaleEpoch, got {other:?}"),
+    }
+    assert!(matches!(
+        q.start(old.guard(), &claim, "agent-x").await,
+        Err(FleetError::StaleEpoch { .. })
+    ));
+    assert!(matches!(
+        old.renew().await,
+        Err(FleetError::LeaseLost { .. })
+    ));
+    assert!(!old.guard().is_valid());
+    // The current epoch claims j0 again, first.
+    let again = q.claim(new.guard(), &pools).await.unwrap().unwrap();
+    assert_eq!((again.job_id.as_str(), again.epoch), ("j0", new.epoch()));
+    new.renew().await.unwrap();
+    q.start(new.guard(), &again, "agent-y").await.unwrap();
+    // A release of the stale claim changes nothing.
+    assert!(!q.release(&claim).await.unwrap());
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// The leader's session dies (terminated by the server): another candidate
+/// takes leadership; the old leader finds it lost and cannot take it back
+/// while the new one holds it; a clean step-down hands it over at once.
+#[tokio::test]
+async fn leadership_moves_when_the_leaders_session_dies() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("lead").await;
+    let _a = join(&fleet, 1, vec![], LONG).await;
+    let _b = join(&fleet, 2, vec![], LONG).await;
+    let mut la = fleet.leader(id(1));
+    let mut lb = fleet.leader(id(2));
+    assert!(la.try_lead().await.unwrap());
+    assert!(!lb.try_lead().await.unwrap());
+    assert!(la.try_lead().await.unwrap(), "a leader keeps leading");
+    let leaders = |hosts: Vec<kici_fleet::HostStatus>| {
+        hosts
+            .into_iter()
+            .filter(|h| h.leader)
+            .map(|h| h.instance_id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(leaders(_a.hosts().await.unwrap()), [id(1).to_string()]);
+
+    let pid = la.session_pid().await.unwrap();
+    let mut admin = db.conn().await;
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+    assert!(killed);
+    let start = Instant::now();
+    while !lb.try_lead().await.unwrap() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "leadership did not move"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !la.try_lead().await.unwrap(),
+        "the old leader took leadership back"
+    );
+    assert!(!la.is_leader());
+    assert_eq!(leaders(_a.hosts().await.unwrap()), [id(2).to_string()]);
+
+    lb.step_down().await;
+    let start = Instant::now();
+    while !la.try_lead().await.unwrap() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "step-down did not free leadership"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// A database migrated by a newer binary is refused with a clear error.
+#[tokio::test]
+async fn schema_newer_than_binary_is_refused() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("schema").await;
+    // Connecting again is a no-op migration.
+    db.fleet("schema").await.close().await;
+    sqlx::query(
+        "INSERT INTO fleet_schema_versions (version, description) VALUES (999, 'from the future')",
+    )
+    .execute(fleet.pool())
+    .await
+    .unwrap();
+    match Fleet::connect(&db.url, "schema", FleetOptions::default()).await {
+        Err(
+            e @ FleetError::SchemaTooNew {
+                database: 999,
+                binary,
+            },
+        ) => {
+            assert_eq!(binary, kici_fleet::SCHEMA_VERSION);
+            assert!(e.to_string().contains("newer than this binary"), "{e}");
+        }
+        other => panic!("expected SchemaTooNew, got {other:?}"),
+    }
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// Concurrent first connections migrate once (the lock), and agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrations_apply_once() {
+    let db = TestDb::new().await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let url = db.url.clone();
+        tasks.push(tokio::spawn(async move {
+            Fleet::connect(&url, "m", FleetOptions::default())
+                .await
+                .unwrap()
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().close().await;
+    }
+    let mut c = db.conn().await;
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM fleet_schema_versions")
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(n, kici_fleet::SCHEMA_VERSION);
+    drop(c);
+    db.drop_db().await;
+}
+
+/// A pool defined differently from the live hosts' definition is refused,
+/// naming the pool, the hosts and what differs; so are different global
+/// caps. Once the other host is gone, the new definition is accepted.
+#[tokio::test]
+async fn pool_definition_mismatch_is_refused() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("defs").await;
+    let a = join(
+        &fleet,
+        1,
+        vec![pool("fc", Caps::default()), pool("ct", Caps::default())],
+        LONG,
+    )
+    .await;
+
+    let mut other_labels = pool("fc", Caps::default());
+    other_labels.label_sets = serde_json::json!([{"labels": ["linux", "arm64"]}]);
+    match fleet
+        .join(spec(
+            2,
+            vec![other_labels.clone(), pool("ct", Caps::default())],
+            LONG,
+        ))
+        .await
+    {
+        Err(e @ FleetError::PoolMismatch(_)) => {
+            let FleetError::PoolMismatch(m) = &e else {
+                unreachable!()
+            };
+            assert_eq!(m.len(), 1);
+            assert_eq!(m[0].pool, "fc");
+            assert_eq!(m[0].hosts, [format!("{} (host-1)", id(1))]);
+            assert!(
+                m[0].difference.contains("label sets differ"),
+                "{}",
+                m[0].difference
+            );
+            assert!(m[0].difference.contains("arm64"), "{}", m[0].difference);
+            let text = e.to_string();
+            assert!(
+                text.contains("pool `fc`") && text.contains("host-1"),
+                "{text}"
+            );
+        }
+        other => panic!("expected PoolMismatch, got {other:?}"),
+    }
+    match fleet
+        .join(spec(2, vec![pool("fc", max_agents(4))], LONG))
+        .await
+    {
+        Err(FleetError::PoolMismatch(m)) => {
+            assert!(
+                m[0].difference.contains("fleet caps differ"),
+                "{}",
+                m[0].difference
+            );
+            assert!(
+                !m[0].difference.contains("label sets"),
+                "{}",
+                m[0].difference
+            );
+        }
+        other => panic!("expected PoolMismatch, got {other:?}"),
+    }
+    let mut capped = spec(2, vec![pool("fc", Caps::default())], LONG);
+    capped.global_caps = max_agents(10);
+    assert!(matches!(
+        fleet.join(capped).await,
+        Err(FleetError::GlobalCapsMismatch { .. })
+    ));
+    // The refused host left nothing behind.
+    assert_eq!(a.hosts().await.unwrap().len(), 1);
+    // The same definition joins fine, in another order of keys.
+    let b = join(&fleet, 3, vec![pool("fc", Caps::default())], LONG).await;
+    b.leave().await.unwrap();
+
+    a.leave().await.unwrap();
+    let c = join(&fleet, 2, vec![other_labels], LONG).await;
+    let fp: String = sqlx::query_scalar(
+        "SELECT fingerprint FROM fleet_pools WHERE fleet = 'defs' AND pool = 'fc'",
+    )
+    .fetch_one(fleet.pool())
+    .await
+    .unwrap();
+    assert_eq!(fp, c.spec().pools[0].fingerprint());
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// Dedupe by job id, fleet-wide: the same body gets the first answer, a
+/// different body a conflict; concurrent duplicates write one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dedupe_by_job_id() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("dedupe").await;
+    let other_fleet = db.fleet("dedupe-2").await;
+    let q = fleet.queue();
+    let r = request("job-1", "p", 100);
+    assert!(matches!(q.enqueue(&r).await.unwrap(), Enqueued::New { .. }));
+    match q.enqueue(&r).await.unwrap() {
+        Enqueued::Existing { answer, state } => {
+            assert_eq!(answer, r.answer);
+            assert_eq!(state, RequestState::Queued);
+        }
+        other => panic!("expected Existing, got {other:?}"),
+    }
+    let mut changed = r.clone();
+    changed.body = r#"{"jobId":"job-1","labels":["other"]}"#.into();
+    changed.answer = "ignored".into();
+    assert!(matches!(
+        q.enqueue(&changed).await,
+        Err(FleetError::Conflict { job_id }) if job_id == "job-1"
+    ));
+    // Another fleet in the same database has its own job ids.
+    assert!(matches!(
+        other_fleet.queue().enqueue(&changed).await.unwrap(),
+        Enqueued::New { .. }
+    ));
+
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let q = q.clone();
+        tasks.push(tokio::spawn(async move {
+            q.enqueue(&request("job-2", "p", 100)).await.unwrap()
+        }));
+    }
+    let mut new = 0;
+    for t in tasks {
+        if matches!(t.await.unwrap(), Enqueued::New { .. }) {
+            new += 1;
+        }
+    }
+    assert_eq!(new, 1);
+    fleet.close().await;
+    other_fleet.close().await;
+    db.drop_db().await;
+}
+
+/// Handover: a leaving host's unstarted claims are back in the queue at
+/// once, in order, and it claims nothing more; its renewals keep its lease
+/// (its agents still run) without reopening the fence.
+#[tokio::test]
+async fn hand_back_returns_claims_at_once() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("handover").await;
+    let p = vec![pool("p", Caps::default())];
+    let a = join(&fleet, 1, p.clone(), LONG).await;
+    let b = join(&fleet, 2, p.clone(), LONG).await;
+    let q = fleet.queue();
+    let pools = vec!["p".to_owned()];
+    for i in 0..4 {
+        q.enqueue(&request(&format!("h{i}"), "p", 100))
+            .await
+            .unwrap();
+    }
+    let started = q.claim(a.guard(), &pools).await.unwrap().unwrap();
+    q.start(a.guard(), &started, "agent-a").await.unwrap();
+    q.claim(a.guard(), &pools).await.unwrap().unwrap();
+    q.claim(a.guard(), &pools).await.unwrap().unwrap();
+    let mut back = a.hand_back().await.unwrap();
+    back.sort();
+    assert_eq!(back, ["h1", "h2"]);
+    assert!(matches!(
+        q.claim(a.guard(), &pools).await,
+        Err(FleetError::LeaseLapsed { .. })
+    ));
+    a.renew().await.unwrap();
+    assert!(!a.guard().is_valid());
+    let mut order = Vec::new();
+    while let Some(c) = q.claim(b.guard(), &pools).await.unwrap() {
+        order.push(c.job_id);
+    }
+    assert_eq!(order, ["h1", "h2", "h3"]);
+    // The leaving host finishes its running agent's request.
+    assert!(q.complete(a.instance(), "h0", "ok").await.unwrap());
+    a.leave().await.unwrap();
+    let states: Vec<String> = b
+        .hosts()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| h.state)
+        .collect();
+    assert!(states.contains(&"left".to_owned()), "{states:?}");
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// The waker returns at once on an arrival in its pools, ignores other
+/// pools and fleets, and otherwise returns within the fallback poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waker_wakes_on_arrival_and_polls_otherwise() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("wake").await;
+    let other = db.fleet("wake-other").await;
+    let mut waker = fleet.waker(&["p".to_owned()]).await.unwrap();
+
+    let t = Instant::now();
+    assert!(!waker.wait().await, "woken with nothing sent");
+    let idle = t.elapsed();
+    assert!(
+        idle >= Duration::from_millis(900) && idle < Duration::from_millis(1500),
+        "{idle:?}"
+    );
+
+    let q = fleet.queue();
+    let oq = other.queue();
+    let send = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        q.enqueue(&request("w-other-pool", "z", 1)).await.unwrap();
+        oq.enqueue(&request("w-other-fleet", "p", 1)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        q.enqueue(&request("w1", "p", 1)).await.unwrap();
+    });
+    let t = Instant::now();
+    assert!(waker.wait().await);
+    let woke = t.elapsed();
+    assert!(
+        woke >= Duration::from_millis(180) && woke < Duration::from_millis(800),
+        "{woke:?}"
+    );
+    send.await.unwrap();
+    fleet.close().await;
+    other.close().await;
+    db.drop_db().await;
+}
+
+/// Purge: finished requests and departed hosts older than the retention go.
+#[tokio::test]
+async fn chores_purge_old_rows() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("purge").await;
+    let p = vec![pool("p", Caps::default())];
+    let a = join(&fleet, 1, p.clone(), LONG).await;
+    let q = fleet.queue();
+    q.enqueue(&request("old", "p", 1)).await.unwrap();
+    let c = q
+        .claim(a.guard(), &["p".to_owned()])
+        .await
+        .unwrap()
+        .unwrap();
+    q.start(a.guard(), &c, "agent-old").await.unwrap();
+    assert!(q.complete(a.instance(), "old", "ok").await.unwrap());
+    let b = join(&fleet, 2, p.clone(), LONG).await;
+    a.leave().await.unwrap();
+    let mut leader = fleet.leader(id(2));
+    assert!(leader.try_lead().await.unwrap());
+    let kept = leader.run_chores(LONG).await.unwrap();
+    assert_eq!(kept.purged, 0);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let report = leader.run_chores(Duration::from_millis(1)).await.unwrap();
+    assert_eq!(report.purged, 3, "{report:?}"); // request, agent, host
+    assert_eq!(q.state("old").await.unwrap(), None);
+    assert_eq!(b.hosts().await.unwrap().len(), 1);
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// A request whose host was lost and that nobody requeued or finished is
+/// finished `host lost` once the retention has passed.
+#[tokio::test]
+async fn lost_requests_are_abandoned_after_the_retention() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("abandon").await;
+    let p = vec![pool("p", Caps::default())];
+    let a = join(&fleet, 1, p.clone(), Duration::from_millis(600)).await;
+    let q = fleet.queue();
+    q.enqueue(&request("gone", "p", 1)).await.unwrap();
+    let c = q
+        .claim(a.guard(), &["p".to_owned()])
+        .await
+        .unwrap()
+        .unwrap();
+    q.start(a.guard(), &c, "agent-gone").await.unwrap();
+    let mut leader = fleet.leader(id(2));
+    assert!(leader.try_lead().await.unwrap());
+    let t = Instant::now();
+    let mut lost = Vec::new();
+    let abandoned = loop {
+        let r = leader.run_chores(Duration::from_millis(100)).await.unwrap();
+        lost.extend(r.lost_agents);
+        if !r.abandoned.is_empty() {
+            break r.abandoned;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "never abandoned");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(abandoned, ["gone"]);
+    assert_eq!(lost.len(), 1);
+    assert_eq!(
+        q.state("gone").await.unwrap(),
+        Some((RequestState::Finished, Some(id(1).to_string())))
+    );
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// What the daemon spawns must be `Send` futures (checked at compile
+/// time; never called).
+#[allow(dead_code)]
+fn futures_are_spawnable(
+    fleet: Fleet,
+    mut m: kici_fleet::Membership,
+    claim: kici_fleet::Claim,
+    mut w: kici_fleet::Waker,
+) {
+    fn send<T: Send>(_: T) {}
+    let q = fleet.queue();
+    let mut leader = fleet.leader(id(1));
+    send(Fleet::connect("", "", FleetOptions::default()));
+    send(fleet.join(spec(1, vec![], LONG)));
+    send(fleet.waker(&[]));
+    send(m.renew());
+    send(m.rejoin());
+    send(m.hand_back());
+    send(q.enqueue(&request("j", "p", 1)));
+    send(q.claim(m.guard(), &[]));
+    send(q.start(m.guard(), &claim, "a"));
+    send(q.release(&claim));
+    send(q.adopt(m.guard(), "a"));
+    send(q.complete("", "", ""));
+    send(q.requeue("", ""));
+    send(q.pool_loads(""));
+    send(leader.try_lead());
+    send(leader.run_chores(LONG));
+    send(w.wait());
+    send(m.leave());
+}
