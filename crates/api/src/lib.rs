@@ -76,7 +76,7 @@ pub use agents::{
 #[cfg(feature = "client")]
 pub use client::{ApiError, Client, ErrorAnswer, Events, JobLogs, RawReply};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, ReloadErrorBody};
-pub use events::{Event, Reset, StampedEvent, StreamEvent};
+pub use events::{Event, Reset, StampedEvent, StreamEvent, RESET_EVENT};
 pub use jobs::{JobAccepted, JobBody, JobLogEvent, JobView, OutputData, Truncated};
 pub use kici_protocol::{ChunkData, OutputStream};
 pub use names::{

@@ -16,7 +16,7 @@ macro_rules! wire_names {
     ($(
         $(#[$meta:meta])*
         pub enum $name:ident {
-            $( $(#[$vmeta:meta])* $variant:ident = $wire:literal, )*
+            $( $(#[$vmeta:meta])* $variant:ident = $wire:tt, )*
         }
     )*) => {$(
         $(#[$meta])*

@@ -56,7 +56,7 @@ impl ResourcesBody {
     /// Requests of `cpus` cores and `memory` (either may be unset); `None`
     /// when both are.
     pub fn requests(cpus: Option<f64>, memory: Option<String>) -> Option<Self> {
-        (cpus.is_some() || memory.is_some()).then(|| Self {
+        (cpus.is_some() || memory.is_some()).then_some(Self {
             requests: Some(ResourceSpecBody { cpus, memory }),
             limits: None,
         })
