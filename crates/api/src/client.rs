@@ -53,6 +53,10 @@ pub enum ApiError {
     /// The daemon answered with an error.
     #[error("{0}")]
     Api(Box<ErrorAnswer>),
+    /// A request body could not be encoded as JSON (a map with non-string
+    /// keys, a NaN).
+    #[error("cannot encode the request body: {0}")]
+    Encode(#[source] serde_json::Error),
     /// The daemon answered something this client cannot read.
     #[error("unexpected answer (HTTP {status}): {body}")]
     Unexpected { status: u16, body: String },
@@ -569,10 +573,7 @@ fn encode<B: Serialize + ?Sized>(body: Option<&B>) -> Result<Option<Bytes>, ApiE
     body.map(|b| {
         serde_json::to_vec(b)
             .map(Bytes::from)
-            .map_err(|e| ApiError::Unexpected {
-                status: 0,
-                body: format!("cannot encode the request body: {e}"),
-            })
+            .map_err(ApiError::Encode)
     })
     .transpose()
 }

@@ -32,9 +32,16 @@ pub struct ApiError {
 impl ApiError {
     /// `code` is an [`ErrorCode`] (a `&str` names one by its wire name).
     pub fn new(status: StatusCode, code: impl Into<ErrorCode>, message: impl Into<String>) -> Self {
+        let code = code.into();
+        // Every code the daemon answers is one clients can match on: a
+        // misspelt name would reach them as `Other`.
+        debug_assert!(
+            !matches!(code, ErrorCode::Other(_)),
+            "unknown error code {code}"
+        );
         Self {
             status,
-            code: code.into(),
+            code,
             message: message.into(),
             field: None,
             errors: None,
