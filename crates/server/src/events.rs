@@ -31,18 +31,16 @@ pub struct LoggedEvent {
 impl LoggedEvent {
     /// `event` under stream id `id`.
     pub fn render(id: u64, event: &SequencedEvent) -> Self {
-        let renumbered = SequencedEvent {
-            id,
-            at: event.at,
-            event: event.event.clone(),
-        };
-        // Engine events are plain data (strings, numbers, enums): encoding
-        // cannot fail; should it, the event still takes its place.
-        let json = serde_json::to_string(&renumbered)
+        // Converted to the API's event type: the engine's own types are
+        // not the wire format.
+        let stamped = crate::api::stream::stamped(id, event);
+        // Events are plain data (strings, numbers, enums): encoding cannot
+        // fail; should it, the event still takes its place.
+        let json = serde_json::to_string(&stamped)
             .unwrap_or_else(|e| format!(r#"{{"id":{id},"error":"not encodable: {e}"}}"#));
         Self {
             id,
-            name: crate::api::stream::event_name(&event.event).to_owned(),
+            name: stamped.event.name().to_owned(),
             json,
         }
     }

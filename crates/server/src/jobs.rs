@@ -47,12 +47,11 @@ use kici_store::{JobRecord, UnixMillis};
 use parking_lot::Mutex;
 use rand::RngCore;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use spool::{Spool, SpoolFile};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
 use tokio::sync::watch;
-use utoipa::ToSchema;
 
 /// Most output bytes kept in memory per job (4 MiB); beyond, the oldest
 /// chunks are dropped.
@@ -72,124 +71,9 @@ pub const RESTARTED_WHILE_RUNNING: &str = "kici-scaler restarted while the job r
 pub const RESTARTED_BEFORE_START: &str =
     "kici-scaler restarted before the job's agent reported it started; the agent was destroyed";
 
-/// Where a job is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum JobState {
-    /// Waiting for capacity (the engine's pending queue).
-    Pending,
-    /// An agent is being provisioned for it, or has registered and is
-    /// about to receive it.
-    Spawning,
-    /// The agent acknowledged it and runs the command.
-    Running,
-    /// The command exited 0.
-    Succeeded,
-    /// The command failed, timed out, could not start, or kici-scaler could
-    /// not run it to its end (`end`, `reason` say which).
-    Failed,
-    /// Cancelled through the API, or by the agent on request.
-    Cancelled,
-}
-
-impl JobState {
-    pub fn is_terminal(self) -> bool {
-        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Spawning => "spawning",
-            Self::Running => "running",
-            Self::Succeeded => "succeeded",
-            Self::Failed => "failed",
-            Self::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// How a finished job ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "kebab-case")]
-pub enum EndKind {
-    /// The command ended on its own (`exitCode` or `signal`).
-    Exited,
-    /// The agent killed it at `timeoutSeconds` (`exitCode` or `signal` say
-    /// how the killed process ended).
-    TimedOut,
-    /// Cancelled (through the API, or by the agent on request).
-    Cancelled,
-    /// The command could not be started (not found, not executable).
-    StartFailed,
-    /// kici-scaler could not run the job to its end: no capacity in time,
-    /// the agent failed, never registered, disconnected or was destroyed.
-    Aborted,
-}
-
-/// A job as the API shows it (`GET /v1/jobs/{id}`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct JobView {
-    pub job_id: String,
-    pub state: JobState,
-    /// The job's labels (its runsOn), normalised.
-    pub labels: Vec<String>,
-    /// The command (argv).
-    pub command: Vec<String>,
-    /// The agent provisioned for it, once admitted.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub agent_id: Option<String>,
-    /// Set once the job ended.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub end: Option<EndKind>,
-    /// The command's exit code, when it exited.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub exit_code: Option<i32>,
-    /// The signal that killed the command, when one did.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub signal: Option<i32>,
-    /// Why the job ended other than by its command's own exit.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-    /// Output bytes received so far (all of them, dropped ones included).
-    pub output_bytes: u64,
-    /// Output bytes no longer kept (the per-job buffer's cap).
-    pub dropped_bytes: u64,
-    /// The job's output from before a restart of kici-scaler could not be
-    /// read back (its output file was missing or unreadable): the logs
-    /// hold only what came after, if anything.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub output_lost: bool,
-}
-
-impl JobView {
-    /// `kici-scaler run`'s exit code for a finished job: the command's exit
-    /// code; 128 + n if signal n killed it; 127 / 126 if it could not be
-    /// started (not found / not executable); 125 if kici-scaler could not
-    /// run it. `None` while the job has not ended.
-    pub fn run_exit_code(&self) -> Option<i32> {
-        let end = self.end?;
-        if let Some(code) = self.exit_code {
-            return Some(code);
-        }
-        if let Some(signal) = self.signal {
-            return Some(128 + signal);
-        }
-        Some(match end {
-            EndKind::StartFailed
-                if self
-                    .reason
-                    .as_deref()
-                    .is_some_and(|r| r.contains("(os error 2)")) =>
-            {
-                127
-            }
-            EndKind::StartFailed => 126,
-            _ => 125,
-        })
-    }
-}
+// A job's state, end and view are the control API's types: their names
+// are spelled once, in `kici-api` (also what the store records).
+pub use kici_api::{EndKind, JobState, JobView};
 
 /// One chunk of a job's output, numbered from 0 in arrival order.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,19 +1,21 @@
 //! The commands that talk to a running daemon: `status`, `agents`,
-//! `request`, `destroy`, `cordon`, `uncordon`, `drain`.
+//! `request`, `destroy`, `cordon`, `uncordon`, `drain`, through
+//! [`kici_api::Client`].
 //!
-//! Text goes to stdout for a person; with `--json`, stdout is exactly the
-//! daemon's JSON document (for an answer without a body, a small document
-//! saying what was done). API errors are printed as `error: <code>:
-//! <message> (field: <path>)` on stderr (with `--json`, the error document
-//! on stdout) and exit 1.
+//! Text goes to stdout for a person; with `--json`, stdout is the daemon's
+//! answer as a JSON document (for an answer without a body, a small
+//! document saying what was done). API errors are printed as `error:
+//! <code>: <message> (field: <path>)` on stderr (with `--json`, the error
+//! document on stdout) and exit 1.
 
 use crate::cli::{CliError, ClientArgs, Command, Outcome};
-use crate::client::{Client, Reply};
-use crate::settings::API_TOKEN_ENV;
-use crate::token::Secret;
-use hyper::Method;
+use crate::client::{self, ClientError};
+use kici_api::{
+    AgentList, ApiError, BreakerName, Client, ErrorAnswer, ResourcesBody, ScaleAnswer, ScaleBody,
+    StatusObject, UsageObject,
+};
 use rand::RngCore;
-use serde_json::{json, Value};
+use serde::Serialize;
 use std::io::Write;
 
 /// Runs one remote command (anything but `validate`, `route`, `serve`).
@@ -30,11 +32,11 @@ pub fn execute(
 }
 
 fn client(args: &ClientArgs) -> Result<Client, CliError> {
-    let token = std::env::var(API_TOKEN_ENV)
-        .ok()
-        .filter(|t| !t.trim().is_empty())
-        .map(|t| Secret::new(t.trim().to_owned()));
-    Ok(Client::new(&args.server, args.ca_cert.as_deref(), token)?)
+    Ok(client::connect(
+        &args.server,
+        args.ca_cert.as_deref(),
+        client::token_from_env(),
+    )?)
 }
 
 /// Job ids the CLI makes up: `cli-` + 16 hex.
@@ -44,6 +46,21 @@ fn random_job_id() -> String {
     format!("cli-{}", hex::encode(bytes))
 }
 
+/// `destroy --json`: what was done.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct AgentDone<'a> {
+    agent_id: &'a str,
+    result: &'static str,
+}
+
+/// `cordon|uncordon|drain --json`: what was done.
+#[derive(Serialize)]
+struct ScalerDone<'a> {
+    scaler: &'a str,
+    result: &'static str,
+}
+
 async fn run(
     command: &Command,
     out: &mut dyn Write,
@@ -51,79 +68,56 @@ async fn run(
 ) -> Result<Outcome, CliError> {
     match command {
         Command::Status(args) => {
-            let reply = client(args)?
-                .request(Method::GET, "/v1/status", None)
-                .await?;
-            finish(args, &reply, out, err, |doc, out| write_status(doc, out))
+            let answer = client(args)?.status().await;
+            finish(args, answer, out, err, write_status)
         }
         Command::Agents(a) => {
-            let path = if a.all {
-                "/v1/agents?all=true"
-            } else {
-                "/v1/agents"
-            };
-            let reply = client(&a.client)?.request(Method::GET, path, None).await?;
-            finish(&a.client, &reply, out, err, |doc, out| {
-                write_agents(doc, out)
-            })
+            let answer = client(&a.client)?.agents(a.all).await;
+            finish(&a.client, answer, out, err, write_agents)
         }
         Command::Request(r) => {
-            let mut body = json!({
-                "jobId": r.job_id.clone().unwrap_or_else(random_job_id),
-                "labels": r.labels,
-            });
-            if !r.exclude.is_empty() {
-                body["excludeLabels"] = json!(r.exclude);
-            }
-            if r.cpus.is_some() || r.memory.is_some() {
-                let mut spec = serde_json::Map::new();
-                if let Some(c) = r.cpus {
-                    spec.insert("cpus".into(), json!(c));
-                }
-                if let Some(m) = &r.memory {
-                    spec.insert("memory".into(), json!(m));
-                }
-                body["resources"] = json!({ "requests": spec });
-            }
-            let reply = client(&r.client)?
-                .request(Method::POST, "/v1/scale", Some(&body))
-                .await?;
-            let outcome = finish(&r.client, &reply, out, err, |doc, out| {
-                write_scale(doc, out)
-            })?;
-            if outcome != Outcome::Ok {
-                return Ok(outcome);
-            }
-            Ok(
-                match reply.json().as_ref().and_then(|d| d["result"].as_str()) {
-                    Some("no-backend") => Outcome::NoBackend,
-                    Some("too-large") => Outcome::TooLarge,
-                    _ => Outcome::Ok,
-                },
-            )
+            let body = ScaleBody {
+                job_id: r.job_id.clone().unwrap_or_else(random_job_id),
+                run_id: None,
+                labels: r.labels.clone(),
+                exclude_labels: (!r.exclude.is_empty()).then(|| r.exclude.clone()),
+                resources: ResourcesBody::requests(r.cpus, r.memory.clone()),
+            };
+            let answer = client(&r.client)?.scale(&body).await;
+            let outcome = match &answer {
+                Ok(ScaleAnswer::NoBackend { .. }) => Outcome::NoBackend,
+                Ok(ScaleAnswer::TooLarge { .. }) => Outcome::TooLarge,
+                _ => Outcome::Ok,
+            };
+            let printed = finish(&r.client, answer, out, err, write_scale)?;
+            Ok(if printed == Outcome::Ok {
+                outcome
+            } else {
+                printed
+            })
         }
         Command::Destroy(d) => {
-            let path = format!("/v1/agents/{}", path_segment(&d.agent));
-            let reply = client(&d.client)?
-                .request(Method::DELETE, &path, None)
-                .await?;
-            let done = json!({ "agentId": d.agent, "result": "destroying" });
-            finish_empty(&d.client, &reply, &done, out, err, |out| {
+            let answer = client(&d.client)?.destroy_agent(&d.agent).await;
+            let done = AgentDone {
+                agent_id: &d.agent,
+                result: "destroying",
+            };
+            finish(&d.client, answer.map(|()| done), out, err, |_, out| {
                 writeln!(out, "destroying {}", d.agent)
             })
         }
         Command::Cordon(s) | Command::Uncordon(s) | Command::Drain(s) => {
-            let (verb, done) = match command {
-                Command::Cordon(_) => ("cordon", "cordoned"),
-                Command::Uncordon(_) => ("uncordon", "uncordoned"),
-                _ => ("drain", "draining"),
+            let client = client(&s.client)?;
+            let (answer, done) = match command {
+                Command::Cordon(_) => (client.cordon(&s.scaler).await, "cordoned"),
+                Command::Uncordon(_) => (client.uncordon(&s.scaler).await, "uncordoned"),
+                _ => (client.drain(&s.scaler).await, "draining"),
             };
-            let path = format!("/v1/scalers/{}/{verb}", path_segment(&s.scaler));
-            let reply = client(&s.client)?
-                .request(Method::POST, &path, None)
-                .await?;
-            let doc = json!({ "scaler": s.scaler, "result": done });
-            finish_empty(&s.client, &reply, &doc, out, err, |out| {
+            let doc = ScalerDone {
+                scaler: &s.scaler,
+                result: done,
+            };
+            finish(&s.client, answer.map(|()| doc), out, err, |_, out| {
                 writeln!(out, "scaler {} {done}", s.scaler)
             })
         }
@@ -139,192 +133,133 @@ async fn run(
     }
 }
 
-/// Percent-encodes a path segment (ids and names are plain, but a typo
-/// must not turn into another route).
-fn path_segment(raw: &str) -> String {
-    let mut s = String::with_capacity(raw.len());
-    for b in raw.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            s.push(char::from(b));
-        } else {
-            s.push_str(&format!("%{b:02X}"));
+/// An answer: print it (`--json`) or render it; an error answer is
+/// reported (exit 1), a failure to talk to the daemon is the command's
+/// error.
+fn finish<T: Serialize>(
+    args: &ClientArgs,
+    answer: Result<T, ApiError>,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    render: impl FnOnce(&T, &mut dyn Write) -> std::io::Result<()>,
+) -> Result<Outcome, CliError> {
+    match answer {
+        Ok(doc) => {
+            if args.json {
+                serde_json::to_writer(&mut *out, &doc)?;
+                writeln!(out)?;
+            } else {
+                render(&doc, out)?;
+            }
+            Ok(Outcome::Ok)
         }
+        Err(ApiError::Api(answer)) => report_error(args, &answer, out, err),
+        Err(ApiError::Unexpected { status, body }) => {
+            writeln!(err, "error: the daemon answered HTTP {status}: {body}")?;
+            Ok(Outcome::Failed)
+        }
+        Err(other) => Err(ClientError::Api(other).into()),
     }
-    s
-}
-
-/// A reply with a JSON document: print it (`--json`) or render it.
-fn finish(
-    args: &ClientArgs,
-    reply: &Reply,
-    out: &mut dyn Write,
-    err: &mut dyn Write,
-    render: impl FnOnce(&Value, &mut dyn Write) -> std::io::Result<()>,
-) -> Result<Outcome, CliError> {
-    let doc = reply.json();
-    if !(200..300).contains(&reply.status) {
-        return report_error(args, reply, doc.as_ref(), out, err);
-    }
-    let Some(doc) = doc else {
-        writeln!(
-            err,
-            "error: the daemon answered {} with a body that is not JSON",
-            reply.status
-        )?;
-        return Ok(Outcome::Failed);
-    };
-    if args.json {
-        serde_json::to_writer(&mut *out, &doc)?;
-        writeln!(out)?;
-    } else {
-        render(&doc, out)?;
-    }
-    Ok(Outcome::Ok)
-}
-
-/// A reply without a body (204/202): print `done` (`--json`) or a line.
-fn finish_empty(
-    args: &ClientArgs,
-    reply: &Reply,
-    done: &Value,
-    out: &mut dyn Write,
-    err: &mut dyn Write,
-    render: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
-) -> Result<Outcome, CliError> {
-    if !(200..300).contains(&reply.status) {
-        return report_error(args, reply, reply.json().as_ref(), out, err);
-    }
-    if args.json {
-        serde_json::to_writer(&mut *out, done)?;
-        writeln!(out)?;
-    } else {
-        render(out)?;
-    }
-    Ok(Outcome::Ok)
 }
 
 fn report_error(
     args: &ClientArgs,
-    reply: &Reply,
-    doc: Option<&Value>,
+    answer: &ErrorAnswer,
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<Outcome, CliError> {
-    if let (true, Some(doc)) = (args.json, doc) {
-        serde_json::to_writer(&mut *out, doc)?;
+    if args.json {
+        serde_json::to_writer(&mut *out, &answer.document)?;
         writeln!(out)?;
     }
-    let e = doc.map(|d| &d["error"]);
-    match e.and_then(|e| e["code"].as_str()) {
-        Some(code) => {
-            let e = e.unwrap_or(&Value::Null);
-            let message = e["message"].as_str().unwrap_or("");
-            write!(err, "error: {code}: {message}")?;
-            if let Some(field) = e["field"].as_str() {
-                write!(err, " (field: {field})")?;
-            }
-            writeln!(err, " [HTTP {}]", reply.status)?;
-            if let Some(lines) = doc.and_then(|d| d["errors"].as_array()) {
-                for l in lines {
-                    writeln!(err, "  {}", l.as_str().unwrap_or_default())?;
-                }
-            }
-        }
-        None => writeln!(
-            err,
-            "error: the daemon answered HTTP {}: {}",
-            reply.status,
-            String::from_utf8_lossy(&reply.body)
-        )?,
+    writeln!(err, "error: {answer} [HTTP {}]", answer.status)?;
+    for line in &answer.errors {
+        writeln!(err, "  {line}")?;
     }
     Ok(Outcome::Failed)
 }
 
-fn s(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".to_owned(),
-        other => other.to_string(),
+/// A number as the daemon's JSON spells it (`0.0`, `1.5`, `4`), so the
+/// text output shows what `--json` shows.
+fn num(v: impl Into<serde_json::Value>) -> String {
+    match v.into() {
+        serde_json::Value::Null => "-".to_owned(),
+        v => v.to_string(),
     }
 }
 
-fn write_scale(doc: &Value, out: &mut dyn Write) -> std::io::Result<()> {
-    match doc["result"].as_str().unwrap_or("") {
-        "spawning" => writeln!(
+fn write_scale(answer: &ScaleAnswer, out: &mut dyn Write) -> std::io::Result<()> {
+    match answer {
+        ScaleAnswer::Spawning {
+            agent_id,
+            scaler,
+            backend,
+            warm,
+        } => writeln!(
             out,
-            "spawning {} on scaler {} ({}){}",
-            s(&doc["agentId"]),
-            s(&doc["scaler"]),
-            s(&doc["backend"]),
-            if doc["warm"].as_bool() == Some(true) {
-                ", from the warm pool"
-            } else {
-                ""
-            }
+            "spawning {agent_id} on scaler {scaler} ({backend}){}",
+            if *warm { ", from the warm pool" } else { "" }
         ),
-        "pending" => writeln!(out, "pending at position {}", s(&doc["position"])),
-        "too-large" => writeln!(out, "too-large ({}): {}", s(&doc["cap"]), s(&doc["detail"])),
-        "no-backend" => writeln!(out, "no-backend: {}", s(&doc["explanation"])),
-        other => writeln!(out, "{other}: {doc}"),
+        ScaleAnswer::Pending { position } => writeln!(out, "pending at position {position}"),
+        ScaleAnswer::TooLarge { cap, detail } => writeln!(out, "too-large ({cap}): {detail}"),
+        ScaleAnswer::NoBackend { explanation } => writeln!(out, "no-backend: {explanation}"),
     }
 }
 
-fn usage_text(u: &Value) -> String {
-    let amount = |used: &Value, max: &Value, unit: &str| match max {
-        Value::Null => format!("{}{unit}", s(used)),
-        m => format!("{}/{}{unit}", s(used), s(m)),
+fn usage_text(u: &UsageObject) -> String {
+    let amount = |used: String, max: Option<String>, unit: &str| match max {
+        None => format!("{used}{unit}"),
+        Some(m) => format!("{used}/{m}{unit}"),
     };
     format!(
         "agents {}, cpus {}, memory {}",
-        amount(&u["agents"], &u["maxAgents"], ""),
-        amount(&u["used"]["cpus"], &u["maxCpus"], ""),
-        amount(&u["used"]["memoryBytes"], &u["maxMemoryBytes"], " B"),
+        amount(num(u.agents), u.max_agents.map(num), ""),
+        amount(num(u.used.cpus), u.max_cpus.map(num), ""),
+        amount(num(u.used.memory_bytes), u.max_memory_bytes.map(num), " B"),
     )
 }
 
-fn write_status(doc: &Value, out: &mut dyn Write) -> std::io::Result<()> {
+fn write_status(doc: &StatusObject, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(
         out,
         "instance {}: {} (global max {}), {} pending",
-        s(&doc["instanceId"]),
-        usage_text(&doc["global"]),
-        s(&doc["globalMaxAgents"]),
-        s(&doc["pending"])
+        doc.instance_id,
+        usage_text(&doc.global),
+        doc.global_max_agents,
+        doc.pending
     )?;
-    for sc in doc["scalers"].as_array().into_iter().flatten() {
-        let a = &sc["agents"];
+    for sc in &doc.scalers {
+        let a = &sc.agents;
         let mut flags = String::new();
-        if sc["cordoned"].as_bool() == Some(true) {
+        if sc.cordoned {
             flags.push_str(", cordoned");
         }
-        if sc["draining"].as_bool() == Some(true) {
+        if sc.draining {
             flags.push_str(", draining");
         }
         writeln!(
             out,
             "{} ({}): {} active ({} spawning, {} registered, {} idle, {} busy, {} draining, {} destroying); {}; warm {}/{}; {} pending{flags}",
-            s(&sc["name"]),
-            s(&sc["backend"]),
-            s(&a["active"]),
-            s(&a["spawning"]),
-            s(&a["registered"]),
-            s(&a["idle"]),
-            s(&a["busy"]),
-            s(&a["draining"]),
-            s(&a["destroying"]),
-            if sc["usage"].is_null() { "usage unknown".to_owned() } else { usage_text(&sc["usage"]) },
-            s(&sc["warmIdle"]),
-            s(&sc["warmTarget"]),
-            s(&sc["pending"]),
+            sc.name,
+            sc.backend,
+            a.active,
+            a.spawning,
+            a.registered,
+            a.idle,
+            a.busy,
+            a.draining,
+            a.destroying,
+            sc.usage.as_ref().map_or_else(|| "usage unknown".to_owned(), usage_text),
+            sc.warm_idle,
+            sc.warm_target,
+            sc.pending,
         )?;
-        for ls in sc["labelSets"].as_array().into_iter().flatten() {
-            if ls["breaker"].as_str() != Some("closed") {
+        for ls in &sc.label_sets {
+            if ls.breaker != BreakerName::Closed {
                 writeln!(
                     out,
                     "  label set {}: breaker {} after {} failures",
-                    s(&ls["index"]),
-                    s(&ls["breaker"]),
-                    s(&ls["consecutiveFailures"])
+                    ls.index, ls.breaker, ls.consecutive_failures
                 )?;
             }
         }
@@ -332,9 +267,8 @@ fn write_status(doc: &Value, out: &mut dyn Write) -> std::io::Result<()> {
     Ok(())
 }
 
-fn write_agents(doc: &Value, out: &mut dyn Write) -> std::io::Result<()> {
-    let agents = doc["agents"].as_array().cloned().unwrap_or_default();
-    if agents.is_empty() {
+fn write_agents(doc: &AgentList, out: &mut dyn Write) -> std::io::Result<()> {
+    if doc.agents.is_empty() {
         return writeln!(out, "no agents");
     }
     writeln!(
@@ -342,15 +276,15 @@ fn write_agents(doc: &Value, out: &mut dyn Write) -> std::io::Result<()> {
         "{:<30} {:<13} {:<16} {:<24} {:>8}",
         "AGENT", "STATE", "SCALER", "JOB", "AGE"
     )?;
-    for a in &agents {
+    for a in &doc.agents {
         writeln!(
             out,
             "{:<30} {:<13} {:<16} {:<24} {:>7.0}s",
-            s(&a["agentId"]),
-            s(&a["state"]),
-            s(&a["scaler"]),
-            s(&a["jobId"]),
-            a["ageSeconds"].as_f64().unwrap_or(0.0)
+            a.agent_id,
+            a.state.as_str(),
+            a.scaler,
+            a.job_id.as_deref().unwrap_or("-"),
+            a.age_seconds
         )?;
     }
     Ok(())
@@ -362,18 +296,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn path_segments_are_encoded() {
-        assert_eq!(
-            path_segment("scaler-bare-metal-0a1b2c3d"),
-            "scaler-bare-metal-0a1b2c3d"
-        );
-        assert_eq!(path_segment("a/b c"), "a%2Fb%20c");
-    }
-
-    #[test]
     fn random_job_ids_are_distinct() {
         let a = random_job_id();
         assert!(a.starts_with("cli-") && a.len() == 20);
         assert_ne!(a, random_job_id());
+    }
+
+    #[test]
+    fn numbers_read_as_in_the_json() {
+        assert_eq!(num(0.0), "0.0");
+        assert_eq!(num(1.5), "1.5");
+        assert_eq!(num(4u64), "4");
+        assert_eq!(num(f64::NAN), "-");
     }
 }

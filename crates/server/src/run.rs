@@ -22,20 +22,17 @@
 //! [`crate::dead_runs`]).
 
 use crate::backends::{BackendContext, BackendRegistry};
-use crate::client::Client;
+use crate::client;
 use crate::gateway::GatewaySettings;
 use crate::identity::StateDir;
 use crate::jobs::{self, EndKind, JobBook, JobRequest, JobView, Read, SubmitError};
-use crate::settings::API_TOKEN_ENV;
 use crate::stack::{self, Stack, StackOptions};
-use crate::token::Secret;
 use clap::Args;
-use hyper::Method;
 use kici_admission::MachineLedger;
+use kici_api::{JobBody, JobLogEvent, ResourcesBody};
 use kici_engine::EngineSettings;
 use kici_model::{LabelSet, MemoryBytes, MilliCpu, ResourceRequest, ResourceSpec};
-use kici_protocol::{ChunkData, JobSpec, OutputStream};
-use serde_json::{json, Value};
+use kici_protocol::{JobSpec, OutputStream};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -500,173 +497,41 @@ async fn run_job(
 
 async fn remote(args: &RunArgs, server: &str, input: JobInput) -> Result<u8, Failed> {
     let mut interrupts = Interrupts::install()?;
-    let token = std::env::var(API_TOKEN_ENV)
-        .ok()
-        .filter(|t| !t.trim().is_empty())
-        .map(|t| Secret::new(t.trim().to_owned()));
-    let client = Client::new(server, args.ca_cert.as_deref(), token)?;
-    let mut body = json!({
-        "labels": input.labels.iter().map(|l| l.as_str()).collect::<Vec<_>>(),
-        "command": input.argv,
-    });
-    if !input.env.is_empty() {
-        body["env"] = json!(input.env);
-    }
-    if let Some(t) = input.timeout {
-        body["timeoutSeconds"] = json!(t);
-    }
-    if args.cpus.is_some() || args.memory.is_some() {
-        let mut requests = serde_json::Map::new();
-        if let Some(cpus) = args.cpus {
-            requests.insert("cpus".into(), json!(cpus));
-        }
-        if let Some(memory) = &args.memory {
-            requests.insert("memory".into(), json!(memory));
-        }
-        body["resources"] = json!({ "requests": requests });
-    }
-    let reply = client
-        .request(Method::POST, "/v1/jobs", Some(&body))
-        .await?;
-    let doc = reply.json().unwrap_or(Value::Null);
-    if reply.status != 202 {
-        return Err(Failed(api_error(reply.status, &doc)));
-    }
-    let id = doc["jobId"]
-        .as_str()
-        .ok_or_else(|| Failed(format!("unexpected answer to POST /v1/jobs: {doc}")))?
-        .to_owned();
+    let client = client::connect(server, args.ca_cert.as_deref(), client::token_from_env())?;
+    let body = JobBody {
+        labels: input.labels.iter().map(|l| l.as_str().to_owned()).collect(),
+        command: input.argv,
+        env: (!input.env.is_empty()).then_some(input.env),
+        resources: ResourcesBody::requests(args.cpus, args.memory.clone()),
+        timeout_seconds: input.timeout,
+    };
+    let id = client.submit_job(&body).await?.job_id;
     let mut terminal = Terminal::default();
-    let logs = format!("/v1/jobs/{id}/logs");
-    let mut stream = client.open(Method::GET, &logs, None).await?;
-    if stream.status != 200 {
-        let status = stream.status;
-        let body = stream.collect().await.unwrap_or_default();
-        let doc = serde_json::from_slice(&body).unwrap_or(Value::Null);
-        return Err(Failed(api_error(status, &doc)));
-    }
-    let mut parser = SseParser::default();
+    let mut logs = client.job_logs(&id, None).await?;
     loop {
-        let bytes = tokio::select! {
-            b = stream.next_bytes() => b,
+        let event = tokio::select! {
+            e = logs.next() => e,
             code = interrupts.recv() => {
                 // Best effort: the daemon destroys the agent either way
                 // once it notices; this is the prompt path.
-                let _ = client.request(Method::DELETE, &format!("/v1/jobs/{id}"), None).await;
+                let _ = client.cancel_job(&id).await;
                 terminal.note(&format!("interrupted: job {id} cancelled"));
                 return Ok(code);
             }
         };
-        let bytes = match bytes {
-            Some(Ok(b)) => b,
+        match event {
+            Some(Ok(JobLogEvent::Output { output, .. })) => {
+                terminal.write(output.stream, output.data.as_bytes());
+            }
+            Some(Ok(JobLogEvent::Truncated(t))) => terminal.dropped(t.missed_from, t.missed_to),
+            Some(Ok(JobLogEvent::End(view))) => return Ok(finish(&view, &mut terminal)),
             Some(Err(e)) => return Err(Failed(format!("the log stream of job {id} broke: {e}"))),
             None => {
                 return Err(Failed(format!(
                     "the log stream of job {id} ended before the job did (daemon stopped?)"
                 )))
             }
-        };
-        for event in parser.feed(&bytes) {
-            match event.event.as_str() {
-                "output" => {
-                    let out: OutputData = serde_json::from_str(&event.data)
-                        .map_err(|e| Failed(format!("unreadable output event: {e}")))?;
-                    terminal.write(out.stream, out.data.as_bytes());
-                }
-                "truncated" => {
-                    let v: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
-                    terminal.dropped(
-                        v["missedFrom"].as_u64().unwrap_or(0),
-                        v["missedTo"].as_u64().unwrap_or(0),
-                    );
-                }
-                "end" => {
-                    let view: JobView = serde_json::from_str(&event.data)
-                        .map_err(|e| Failed(format!("unreadable end event: {e}")))?;
-                    return Ok(finish(&view, &mut terminal));
-                }
-                _ => {}
-            }
         }
-    }
-}
-
-/// `error: <code>: <message> (field: <path>)`, as the other client commands
-/// print API errors.
-fn api_error(status: u16, doc: &Value) -> String {
-    let e = &doc["error"];
-    match (e["code"].as_str(), e["message"].as_str()) {
-        (Some(code), Some(message)) => {
-            let field = e["field"]
-                .as_str()
-                .map(|f| format!(" (field: {f})"))
-                .unwrap_or_default();
-            format!("{code}: {message}{field}")
-        }
-        _ => format!("unexpected answer (HTTP {status}): {doc}"),
-    }
-}
-
-/// `event: output` data.
-#[derive(serde::Deserialize)]
-struct OutputData {
-    stream: OutputStream,
-    data: ChunkData,
-}
-
-/// One Server-Sent Event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct SseEvent {
-    event: String,
-    data: String,
-}
-
-/// Splits an SSE byte stream into events.
-#[derive(Default)]
-struct SseParser {
-    buffer: Vec<u8>,
-}
-
-impl SseParser {
-    fn feed(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
-        self.buffer.extend_from_slice(bytes);
-        let mut events = Vec::new();
-        while let Some(end) = find_blank_line(&self.buffer) {
-            let block: Vec<u8> = self.buffer.drain(..end.1).collect();
-            let text = String::from_utf8_lossy(&block[..end.0]);
-            let mut event = String::from("message");
-            let mut data = String::new();
-            for line in text.lines() {
-                if let Some(v) = line.strip_prefix("event:") {
-                    event = v.trim().to_owned();
-                } else if let Some(v) = line.strip_prefix("data:") {
-                    if !data.is_empty() {
-                        data.push('\n');
-                    }
-                    data.push_str(v.strip_prefix(' ').unwrap_or(v));
-                }
-            }
-            if !data.is_empty() {
-                events.push(SseEvent { event, data });
-            }
-        }
-        events
-    }
-}
-
-/// `(end of the block, end of its terminator)` of the first event block.
-fn find_blank_line(buffer: &[u8]) -> Option<(usize, usize)> {
-    let lf = buffer
-        .windows(2)
-        .position(|w| w == b"\n\n")
-        .map(|i| (i, i + 2));
-    let crlf = buffer
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| (i, i + 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
     }
 }
 
@@ -674,26 +539,6 @@ fn find_blank_line(buffer: &[u8]) -> Option<(usize, usize)> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-
-    #[test]
-    fn sse_events_are_split_across_reads() {
-        let mut p = SseParser::default();
-        assert!(p.feed(b"id: 0\nevent: output\ndata: {\"a\"").is_empty());
-        let events = p.feed(b":1}\n\n: keep-alive\n\nevent: end\ndata: {}\n\n");
-        assert_eq!(
-            events,
-            [
-                SseEvent {
-                    event: "output".into(),
-                    data: "{\"a\":1}".into()
-                },
-                SseEvent {
-                    event: "end".into(),
-                    data: "{}".into()
-                }
-            ]
-        );
-    }
 
     #[test]
     fn env_and_resources_from_the_command_line() {

@@ -1528,3 +1528,176 @@ fn the_schema_check_rejects_a_body_that_does_not_match() {
     );
     check_against_doc(&doc, "GET", "/v1/agents", 200, br#"{"agents":[]}"#);
 }
+
+/// The typed client's route table is the served document's: every route
+/// the daemon documents has a client method, and the client calls no
+/// route the daemon does not document.
+#[tokio::test]
+async fn the_served_document_covers_every_route_of_the_typed_client() {
+    let h = Harness::new().await;
+    let served: Value = h.call("GET", "/openapi.json", None).await.json();
+    let mut documented: Vec<(String, String)> = Vec::new();
+    for (path, item) in served["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            if ["get", "post", "put", "delete", "patch"].contains(&method.as_str()) {
+                documented.push((method.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    documented.sort();
+    let mut client: Vec<(String, String)> = kici_api::ROUTES
+        .iter()
+        .map(|r| (r.method.to_owned(), r.path.to_owned()))
+        .collect();
+    client.sort();
+    assert_eq!(documented, client);
+    // Every schema the document references is in it.
+    let text = served.to_string();
+    for (at, _) in text.match_indices("#/components/schemas/") {
+        let name: String = text[at + 21..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        assert!(
+            served["components"]["schemas"][&name].is_object(),
+            "{name} is referenced but not defined"
+        );
+    }
+}
+
+// ---------------------------------------------------------- typed client
+
+/// The router on a loopback listener, for [`kici_api::Client`].
+async fn serve_on_loopback(h: &Harness) -> (kici_api::Client, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = h.router.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    (
+        kici_api::Client::new(&format!("http://{addr}")).unwrap(),
+        server,
+    )
+}
+
+/// An orchestrator's whole exchange through the typed client, over a
+/// socket: typed bodies in, typed answers and events out, error codes as
+/// an enum.
+#[tokio::test]
+async fn the_typed_client_drives_an_agent_and_a_job_over_a_socket() {
+    use kici_api::{
+        AgentStateName, BackendName, ErrorCode, Event, JobCompleteBody, JobLogEvent,
+        JobStartedBody, JobState, RegisteredBody, ScaleAnswer, ScaleBody, StreamEvent,
+    };
+    let h = Harness::new().await;
+    let (client, server) = serve_on_loopback(&h).await;
+    let mut events = client.events(None).await.unwrap();
+
+    assert_eq!(client.healthz().await.unwrap().status, "ok");
+    assert!(client.readyz().await.unwrap().ready);
+    let body = ScaleBody {
+        job_id: "typed-1".into(),
+        labels: vec!["local".into()],
+        ..ScaleBody::default()
+    };
+    let ScaleAnswer::Spawning {
+        agent_id,
+        scaler,
+        backend,
+        warm,
+    } = client.scale(&body).await.unwrap()
+    else {
+        panic!("not spawning");
+    };
+    assert_eq!(
+        (scaler.as_str(), backend, warm),
+        ("local", BackendName::BareMetal, false)
+    );
+    let agent: AgentId = agent_id.parse().unwrap();
+    h.booted(agent).await;
+
+    let token = h.token_of(agent);
+    let registered = client
+        .registered(&agent_id, &RegisteredBody { token })
+        .await
+        .unwrap();
+    assert_eq!(registered.bound_job_id.as_deref(), Some("typed-1"));
+    assert_eq!(registered.mandatory_labels, ["local"]);
+    client.config_ack(&agent_id).await.unwrap();
+    let started = JobStartedBody {
+        job_id: "typed-1".into(),
+    };
+    client.job_started(&agent_id, &started).await.unwrap();
+    let view = client.agent(&agent_id).await.unwrap();
+    assert_eq!(view.state, AgentStateName::Busy);
+    assert_eq!(view.job_id.as_deref(), Some("typed-1"));
+
+    let wrong = JobStartedBody {
+        job_id: "typed-2".into(),
+    };
+    let e = client.job_started(&agent_id, &wrong).await.unwrap_err();
+    assert_eq!(e.code(), Some(&ErrorCode::WrongJob));
+    assert_eq!(e.answer().unwrap().status, 409);
+    assert_eq!(e.answer().unwrap().error.field.as_deref(), Some("jobId"));
+    let e = client.cordon("nope").await.unwrap_err();
+    assert_eq!(e.code(), Some(&ErrorCode::ScalerNotFound));
+
+    let complete = JobCompleteBody {
+        job_id: "typed-1".into(),
+        exit_code: Some(0),
+    };
+    client.job_complete(&agent_id, &complete).await.unwrap();
+    client.disconnected(&agent_id).await.unwrap();
+    h.settle_until("agent gone", || h.state_of(agent) == Some(AgentState::Gone))
+        .await;
+    assert!(client.agents(false).await.unwrap().agents.is_empty());
+    let all = client.agents(true).await.unwrap();
+    assert_eq!(all.agents[0].state, AgentStateName::Gone);
+
+    // The agent's life as typed events, in order.
+    let mut path = Vec::new();
+    while path.last() != Some(&AgentStateName::Gone) {
+        let next = tokio::time::timeout(Duration::from_secs(10), events.next())
+            .await
+            .expect("an event within 10 s")
+            .expect("the stream is open")
+            .unwrap();
+        if let StreamEvent::Event(e) = next {
+            if let Event::AgentTransition {
+                agent_id: a, to, ..
+            } = e.event
+            {
+                if a == agent_id {
+                    path.push(to);
+                }
+            }
+        }
+    }
+    assert_eq!(path.first(), Some(&AgentStateName::Provisioning));
+    assert!(path.contains(&AgentStateName::Busy), "{path:?}");
+
+    // A standalone job: accepted, shown, cancelled, its log stream ends.
+    let job = kici_api::JobBody {
+        labels: vec!["local".into()],
+        command: vec!["true".into()],
+        ..kici_api::JobBody::default()
+    };
+    let accepted = client.submit_job(&job).await.unwrap();
+    assert_eq!(accepted.state, JobState::Spawning);
+    let shown = client.job(&accepted.job_id).await.unwrap();
+    assert_eq!(shown.command, ["true"]);
+    let cancelled = client.cancel_job(&accepted.job_id).await.unwrap();
+    assert_eq!(cancelled.state, JobState::Cancelled);
+    let mut logs = client.job_logs(&accepted.job_id, None).await.unwrap();
+    let Some(Ok(JobLogEvent::End(end))) = logs.next().await else {
+        panic!("the log stream ends with the job's end");
+    };
+    assert_eq!(end.state, JobState::Cancelled);
+    let e = client.job("job-nope").await.unwrap_err();
+    assert_eq!(e.code(), Some(&ErrorCode::JobNotFound));
+
+    let status = client.status().await.unwrap();
+    assert_eq!(status.scalers[1].name, "docker");
+    server.abort();
+}

@@ -5,9 +5,9 @@
 //! The reports are idempotent: a retried report, or one that arrives after
 //! the agent is already gone, gets the same success answer.
 
-use super::error::{agent_error, ApiError, ApiJson, ErrorBody};
+use super::error::{agent_error, ApiError, ApiJson, ErrorBody, ErrorCode};
 use super::wire::{
-    parse_job, AgentList, AgentObject, JobCompleteBody, JobStartedBody, RegisteredBody,
+    parse_job, AgentList, AgentObject, IntoApi, JobCompleteBody, JobStartedBody, RegisteredBody,
     RegistrationAnswer,
 };
 use super::{parse_agent, AppState};
@@ -100,7 +100,7 @@ pub async fn config_ack(
         .map_err(|e| {
             ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "bootstrap-not-cleared",
+                ErrorCode::BootstrapNotCleared,
                 e.source.to_string(),
             )
         })?;
@@ -114,7 +114,7 @@ fn refusal_error(refusal: Refusal) -> ApiError {
         Refusal::Token(_) | Refusal::ForeignToken { .. } | Refusal::LabelsOutOfScope(_) => {
             ApiError::new(
                 StatusCode::UNAUTHORIZED,
-                "invalid-agent-token",
+                ErrorCode::InvalidAgentToken,
                 "the agent token is not valid for this agent (wrong, expired or revoked)",
             )
             .field("token")
@@ -242,7 +242,7 @@ pub async fn list_agents(
     let all = parse_all(query.as_deref())?;
     let agents = state.runtime.agents(all);
     Ok(Json(AgentList {
-        agents: agents.into_iter().map(AgentObject::from).collect(),
+        agents: agents.into_iter().map(IntoApi::into_api).collect(),
     }))
 }
 
@@ -254,7 +254,7 @@ fn parse_all(query: Option<&str>) -> Result<bool, ApiError> {
         if key != "all" {
             return Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "unknown-field",
+                ErrorCode::UnknownField,
                 format!("unknown query parameter {key:?}: the only one is `all`"),
             )
             .field(key));
@@ -295,7 +295,7 @@ pub async fn get_agent(
         .runtime
         .agent(agent)
         .ok_or_else(|| ApiError::agent_not_found(agent))?;
-    Ok(Json(view.into()))
+    Ok(Json(view.into_api()))
 }
 
 /// Destroy an agent now (operator action), whatever it is doing.

@@ -15,39 +15,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kici_engine::AgentError;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
-use utoipa::ToSchema;
 
-/// The body of every error answer.
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct ErrorBody {
-    pub error: ErrorDetail,
-}
-
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct ErrorDetail {
-    /// A stable, kebab-case identifier (`unknown-field`, `agent-not-found`, ...).
-    pub code: String,
-    /// What was wrong, for a person.
-    pub message: String,
-    /// The JSON path of the offending input (`labels[1]`,
-    /// `resources.requests.cpus`), a path parameter's name, or null.
-    pub field: Option<String>,
-}
-
-/// `POST /v1/reload` refused: the error shape plus every configuration
-/// error, one per line as `validate` prints them.
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct ReloadErrorBody {
-    pub error: ErrorDetail,
-    pub errors: Vec<String>,
-}
+pub use kici_api::{ErrorBody, ErrorCode, ErrorDetail, ReloadErrorBody};
 
 /// An error answer.
 #[derive(Debug, Clone)]
 pub struct ApiError {
     pub status: StatusCode,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
     pub field: Option<String>,
     /// Extra lines (`POST /v1/reload`: the configuration errors).
@@ -55,7 +30,15 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    /// `code` is an [`ErrorCode`] (a `&str` names one by its wire name).
+    pub fn new(status: StatusCode, code: impl Into<ErrorCode>, message: impl Into<String>) -> Self {
+        let code = code.into();
+        // Every code the daemon answers is one clients can match on: a
+        // misspelt name would reach them as `Other`.
+        debug_assert!(
+            !matches!(code, ErrorCode::Other(_)),
+            "unknown error code {code}"
+        );
         Self {
             status,
             code,
@@ -72,17 +55,22 @@ impl ApiError {
 
     /// 422: the request parsed, but a value is not acceptable.
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-value", message).field(field)
+        Self::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            ErrorCode::InvalidValue,
+            message,
+        )
+        .field(field)
     }
 
     pub fn unauthorized(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+        Self::new(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, message)
     }
 
     pub fn agent_not_found(agent: impl std::fmt::Display) -> Self {
         Self::new(
             StatusCode::NOT_FOUND,
-            "agent-not-found",
+            ErrorCode::AgentNotFound,
             format!("agent {agent} is not managed by this instance"),
         )
         .field("id")
@@ -91,7 +79,7 @@ impl ApiError {
     pub fn body(&self) -> ErrorBody {
         ErrorBody {
             error: ErrorDetail {
-                code: self.code.to_owned(),
+                code: self.code.clone(),
                 message: self.message.clone(),
                 field: self.field.clone(),
             },
@@ -128,22 +116,24 @@ pub fn agent_error(e: AgentError) -> ApiError {
         AgentError::NotOurs(a) => ApiError::agent_not_found(a),
         AgentError::Gone(a) => ApiError::new(
             StatusCode::CONFLICT,
-            "agent-gone",
+            ErrorCode::AgentGone,
             format!("agent {a} is gone"),
         )
         .field("id"),
         AgentError::UnknownScaler(name) => ApiError::new(
             StatusCode::NOT_FOUND,
-            "scaler-not-found",
+            ErrorCode::ScalerNotFound,
             format!("scaler {name:?} is not configured"),
         )
         .field("name"),
         e @ AgentError::WrongJob { .. } => {
-            ApiError::new(StatusCode::CONFLICT, "wrong-job", e.to_string()).field("jobId")
+            ApiError::new(StatusCode::CONFLICT, ErrorCode::WrongJob, e.to_string()).field("jobId")
         }
-        AgentError::Illegal(e) => {
-            ApiError::new(StatusCode::CONFLICT, "illegal-transition", e.to_string())
-        }
+        AgentError::Illegal(e) => ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::IllegalTransition,
+            e.to_string(),
+        ),
     }
 }
 
@@ -175,7 +165,7 @@ where
         if !json {
             return Err(ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported-media-type",
+                ErrorCode::UnsupportedMediaType,
                 "the body must be JSON, sent with Content-Type: application/json",
             ));
         }
@@ -190,7 +180,7 @@ where
             .map_err(|_| {
                 ApiError::new(
                     StatusCode::REQUEST_TIMEOUT,
-                    "body-timeout",
+                    ErrorCode::BodyTimeout,
                     format!(
                         "the body did not arrive in full within {} s",
                         deadline.as_secs()
@@ -201,11 +191,15 @@ where
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
-                    "payload-too-large",
+                    ErrorCode::PayloadTooLarge,
                     format!("the body is larger than {MAX_BODY_BYTES} bytes"),
                 )
             } else {
-                ApiError::new(StatusCode::BAD_REQUEST, "unreadable-body", e.body_text())
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    ErrorCode::UnreadableBody,
+                    e.body_text(),
+                )
             }
         })?;
         parse_json(&bytes).map(ApiJson)
@@ -221,7 +215,7 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            "malformed-json",
+            ErrorCode::MalformedJson,
             format!("the body is not valid JSON: {e}"),
         )
     })?;
@@ -230,7 +224,7 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     de.end().map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            "malformed-json",
+            ErrorCode::MalformedJson,
             format!("the body is not one JSON document: {e}"),
         )
     })?;
@@ -262,7 +256,7 @@ fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
             field: None,
             ..ApiError::new(
                 StatusCode::BAD_REQUEST,
-                "malformed-json",
+                ErrorCode::MalformedJson,
                 format!("the body is not valid JSON: {inner}"),
             )
         },
@@ -271,13 +265,13 @@ fn serde_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
             // serde_path_to_error's path already ends at an unknown field,
             // but stops at the parent of a missing one.
             let (code, field) = if message.starts_with("unknown field") {
-                ("unknown-field", at(None))
+                (ErrorCode::UnknownField, at(None))
             } else if message.starts_with("missing field") {
-                ("missing-field", at(quoted))
+                (ErrorCode::MissingField, at(quoted))
             } else if message.starts_with("invalid type") {
-                ("invalid-type", at(None))
+                (ErrorCode::InvalidType, at(None))
             } else {
-                ("invalid-value", at(None))
+                (ErrorCode::InvalidValue, at(None))
             };
             ApiError {
                 field,
@@ -327,27 +321,27 @@ mod tests {
     fn errors_name_the_json_path() {
         let e = err(r#"{"jobId":"a","bogus":1}"#);
         assert_eq!(
-            (e.code, e.field.as_deref()),
+            (e.code.as_str(), e.field.as_deref()),
             ("unknown-field", Some("bogus"))
         );
         let e = err(r#"{"jobId":"a","inner":{"cpu":1}}"#);
         assert_eq!(
-            (e.code, e.field.as_deref()),
+            (e.code.as_str(), e.field.as_deref()),
             ("unknown-field", Some("inner.cpu"))
         );
         let e = err(r#"{"jobId":"a","inner":{"cpus":"two"}}"#);
         assert_eq!(
-            (e.code, e.field.as_deref()),
+            (e.code.as_str(), e.field.as_deref()),
             ("invalid-type", Some("inner.cpus"))
         );
         let e = err(r#"{"jobId":"a","labels":["x",2]}"#);
         assert_eq!(
-            (e.code, e.field.as_deref()),
+            (e.code.as_str(), e.field.as_deref()),
             ("invalid-type", Some("labels[1]"))
         );
         let e = err(r#"{}"#);
         assert_eq!(
-            (e.code, e.field.as_deref()),
+            (e.code.as_str(), e.field.as_deref()),
             ("missing-field", Some("jobId"))
         );
         assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);

@@ -7,23 +7,22 @@
 //! These routes join the control API through [`super::router_with`].
 
 use super::error::{ApiError, ApiJson, ErrorBody};
-use super::wire::{parse_job, parse_labels, ResourcesBody};
+use super::wire::{parse_job, parse_labels, IntoResourceRequest};
 use super::AppState;
-use crate::jobs::{self, JobBook, JobRequest, JobState, JobView, Read, SubmitError};
+use crate::jobs::{self, JobBook, JobRequest, JobView, Read, SubmitError};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::Json;
 use futures_util::stream::{self, Stream};
+use kici_api::{OutputData, Truncated};
 use kici_engine::ScaleError;
 use kici_model::JobId;
-use kici_protocol::{ChunkData, JobSpec, JobSpecError, OutputStream};
-use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use kici_protocol::{JobSpec, JobSpecError};
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -35,38 +34,15 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(job_logs))
 }
 
-/// `POST /v1/jobs`.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct JobBody {
-    /// The job's labels (its runsOn): at least one.
-    pub labels: Vec<String>,
-    /// The command to run, as argv: at least the program. Run without a
-    /// shell; use `["sh", "-c", "…"]` for one.
-    pub command: Vec<String>,
-    /// Environment for the command (POSIX names), on top of the agent's
-    /// minimal base environment.
-    #[serde(default)]
-    pub env: Option<BTreeMap<String, String>>,
-    /// What the job needs; unset dimensions fall back to the label set, then
-    /// `defaults.resources`.
-    #[serde(default)]
-    pub resources: Option<ResourcesBody>,
-    /// Kill the command after this many seconds (at least 1).
-    #[serde(default)]
-    #[schema(minimum = 1)]
-    pub timeout_seconds: Option<u64>,
+pub use kici_api::{JobAccepted, JobBody};
+
+/// A job body parsed into the book's request; every problem names its
+/// field.
+trait IntoJobRequest {
+    fn into_request(self, job: JobId) -> Result<JobRequest, ApiError>;
 }
 
-/// The answer to `POST /v1/jobs` and `DELETE /v1/jobs/{id}`.
-#[derive(Debug, Clone, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct JobAccepted {
-    pub job_id: String,
-    pub state: JobState,
-}
-
-impl JobBody {
+impl IntoJobRequest for JobBody {
     fn into_request(self, job: JobId) -> Result<JobRequest, ApiError> {
         if self.labels.is_empty() {
             return Err(ApiError::invalid(
@@ -256,23 +232,6 @@ pub async fn cancel_job(
     ))
 }
 
-/// `event: output` data.
-#[derive(Debug, Serialize)]
-struct OutputData<'a> {
-    stream: OutputStream,
-    /// Base64 (standard, padded): output is bytes.
-    data: &'a ChunkData,
-}
-
-/// `event: truncated` data.
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Truncated {
-    missed_from: u64,
-    missed_to: u64,
-    reason: String,
-}
-
 /// The job's output, streamed as Server-Sent Events.
 ///
 /// Everything kept so far, then live output until the job ends; then one
@@ -331,7 +290,7 @@ pub async fn job_logs(
 fn output_event(chunk: &jobs::Chunk) -> Event {
     let data = OutputData {
         stream: chunk.stream,
-        data: &chunk.data,
+        data: chunk.data.clone(),
     };
     Event::default()
         .id(chunk.index.to_string())

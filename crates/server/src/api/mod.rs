@@ -35,7 +35,7 @@ use axum::http::{header, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
-use error::{ApiError, MAX_BODY_BYTES};
+use error::{ApiError, ErrorCode, MAX_BODY_BYTES};
 use kici_engine::runtime::Runtime;
 use kici_model::InstanceId;
 use kici_store::StateStore;
@@ -130,7 +130,7 @@ impl AppState {
             Some(store) => store.ping().await.map_err(|e| {
                 ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "store-unavailable",
+                    ErrorCode::StoreUnavailable,
                     e.to_string(),
                 )
             }),
@@ -293,7 +293,7 @@ pub fn router_with(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
 async fn no_route(method: Method, uri: axum::http::Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
-        "no-route",
+        ErrorCode::NoRoute,
         format!("no route for {method} {}", uri.path()),
     )
 }
@@ -301,7 +301,7 @@ async fn no_route(method: Method, uri: axum::http::Uri) -> ApiError {
 async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
-        "method-not-allowed",
+        ErrorCode::MethodNotAllowed,
         format!("{method} is not allowed on {}", uri.path()),
     )
 }
@@ -332,7 +332,7 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
     if request.method() != Method::GET && request.headers().contains_key(header::ORIGIN) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
-            "cross-origin",
+            ErrorCode::CrossOrigin,
             "requests from web pages (with an Origin header) are refused",
         )
         .into_response();
@@ -343,6 +343,11 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
 /// Parses an agent id path parameter.
 pub fn parse_agent(raw: &str) -> Result<kici_model::AgentId, ApiError> {
     raw.parse().map_err(|e: kici_model::IdError| {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid-agent-id", e.to_string()).field("id")
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidAgentId,
+            e.to_string(),
+        )
+        .field("id")
     })
 }

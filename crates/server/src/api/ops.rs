@@ -1,8 +1,8 @@
 //! Operations: status, reload, health, readiness, metrics and the OpenAPI
 //! document.
 
-use super::error::{ApiError, ErrorBody, ReloadErrorBody};
-use super::wire::{Health, Readiness, ReloadAnswer, StatusObject};
+use super::error::{ApiError, ErrorBody, ErrorCode, ReloadErrorBody};
+use super::wire::{status_object, Health, IntoApi, Readiness, ReloadAnswer, StatusObject};
 use super::AppState;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -22,7 +22,7 @@ use std::sync::Arc;
     )
 )]
 pub async fn status(State(state): State<AppState>) -> Json<StatusObject> {
-    Json(StatusObject::new(state.instance, &state.runtime.status()))
+    Json(status_object(state.instance, &state.runtime.status()))
 }
 
 /// Re-read the configuration files and apply them, all or nothing.
@@ -43,13 +43,13 @@ pub async fn status(State(state): State<AppState>) -> Json<StatusObject> {
 pub async fn reload(State(state): State<AppState>) -> Result<Json<ReloadAnswer>, ApiError> {
     match state.reloader.reload().await {
         Ok(report) => Ok(Json(ReloadAnswer {
-            diff: report.into(),
+            diff: report.into_api(),
         })),
         Err(errors) => Err(ApiError {
             errors: Some(errors),
             ..ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid-config",
+                ErrorCode::InvalidConfig,
                 "the new configuration was refused; nothing changed",
             )
         }),

@@ -2,7 +2,7 @@
 //! (orchestrator mode; the request's agent is destroyed on disconnect).
 
 use super::error::{ApiError, ApiJson, ErrorBody};
-use super::wire::{parse_job, ScaleAnswer, ScaleBody};
+use super::wire::{parse_job, IntoApi, IntoRequest, ScaleAnswer, ScaleBody};
 use super::AppState;
 use crate::persist::PendingRecorder;
 use axum::extract::{Path, State};
@@ -79,7 +79,7 @@ pub async fn request_scale(
         _ => StatusCode::OK,
     };
     tracing::info!(job_id = %job, result = ?outcome, "scale request");
-    Ok((status, Json(outcome.into())))
+    Ok((status, Json(outcome.into_api())))
 }
 
 /// Cancel a scale request.

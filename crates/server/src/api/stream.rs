@@ -12,38 +12,33 @@
 //! state dir) gets that `reset` at once (`missedFrom` 1, `missedTo` the
 //! newest id), then the events from there on.
 
-use super::error::{ApiError, ErrorBody};
+use super::error::{ApiError, ErrorBody, ErrorCode};
+use super::wire::IntoApi;
 use super::AppState;
 use crate::events::{EventLog, Gap, LoggedEvent, Next};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures_util::stream::{self, Stream};
-use kici_engine::EngineEvent;
-use serde::Serialize;
+use kici_api::{Reset, StampedEvent, RESET_EVENT};
+use kici_engine::runtime::SequencedEvent;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-/// The SSE `event:` name of an engine event (its JSON `type`).
-pub fn event_name(event: &EngineEvent) -> &'static str {
-    match event {
-        EngineEvent::AgentTransition { .. } => "agent-transition",
-        EngineEvent::Refused { .. } => "refused",
-        EngineEvent::PendingEnded { .. } => "pending-ended",
-        EngineEvent::BreakerChanged { .. } => "breaker-changed",
-        EngineEvent::ScalerCordon { .. } => "scaler-cordon",
-        EngineEvent::Reloaded { .. } => "reloaded",
+/// `event` under stream id `id`, as the SSE `data:` carries it (and the
+/// store keeps it).
+pub fn stamped(id: u64, event: &SequencedEvent) -> StampedEvent {
+    let at = event
+        .at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    StampedEvent {
+        id,
+        at,
+        event: event.event.clone().into_api(),
     }
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Reset {
-    missed_from: u64,
-    missed_to: u64,
-    reason: String,
 }
 
 /// Why a reader gets a `reset`.
@@ -74,9 +69,9 @@ fn reset_event(gap: Gap, cause: ResetCause) -> Event {
     };
     Event::default()
         .id(gap.missed_to.to_string())
-        .event("reset")
+        .event(RESET_EVENT)
         .json_data(&data)
-        .unwrap_or_else(|_| Event::default().event("reset"))
+        .unwrap_or_else(|_| Event::default().event(RESET_EVENT))
 }
 
 fn sse_event(e: &LoggedEvent) -> Event {
@@ -111,7 +106,7 @@ pub async fn events(
             .ok_or_else(|| {
                 ApiError::new(
                     StatusCode::BAD_REQUEST,
-                    "invalid-last-event-id",
+                    ErrorCode::InvalidLastEventId,
                     "Last-Event-ID must be an event id (a number)",
                 )
                 .field("Last-Event-ID")

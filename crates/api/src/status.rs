@@ -1,0 +1,137 @@
+//! Operations: status, reload, health and readiness.
+
+use crate::agents::ResourcesObject;
+use crate::names::{BackendName, BreakerName};
+use serde::{Deserialize, Serialize};
+
+/// Usage and caps of one scope (global, a scaler).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct UsageObject {
+    /// Live reservations.
+    pub agents: u64,
+    pub used: ResourcesObject,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_agents: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cpus: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_memory_bytes: Option<u64>,
+    /// What is left under each cap that is set.
+    pub free: FreeObject,
+    /// False for a scaler a reload removed while its agents are still live.
+    pub configured: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct FreeObject {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agents: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+}
+
+/// Live agents of one scaler by state group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct AgentCounts {
+    /// Requested, provisioning or booted.
+    pub spawning: usize,
+    pub registered: usize,
+    pub idle: usize,
+    pub busy: usize,
+    pub draining: usize,
+    pub destroying: usize,
+    /// Every live agent.
+    pub active: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct LabelSetStatusObject {
+    pub index: usize,
+    /// The label set's labels, with the auto-injected `kici:` ones.
+    pub labels: Vec<String>,
+    pub breaker: BreakerName,
+    pub consecutive_failures: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ScalerStatusObject {
+    pub name: String,
+    pub backend: BackendName,
+    pub agents: AgentCounts,
+    /// Absent until admission knows the scaler.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<UsageObject>,
+    /// Idle warm agents the scaler keeps (pool size × label sets).
+    pub warm_target: u32,
+    pub warm_idle: usize,
+    /// Scale requests waiting for capacity.
+    pub pending: usize,
+    pub cordoned: bool,
+    pub draining: bool,
+    pub label_sets: Vec<LabelSetStatusObject>,
+}
+
+/// `GET /v1/status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct StatusObject {
+    /// This daemon's instance id (owner of everything it creates).
+    pub instance_id: String,
+    pub global: UsageObject,
+    pub global_max_agents: u32,
+    pub pending: usize,
+    pub scalers: Vec<ScalerStatusObject>,
+}
+
+/// What a reload changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ReloadDiff {
+    /// Scalers added.
+    pub added: Vec<String>,
+    /// Scalers removed (their agents finish their job and leave).
+    pub removed: Vec<String>,
+    /// Pending jobs cancelled because no scaler serves them any more.
+    pub cancelled: Vec<String>,
+    /// Every changed field, `path: old -> new`.
+    pub changes: Vec<String>,
+}
+
+/// `POST /v1/reload` succeeded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ReloadAnswer {
+    pub diff: ReloadDiff,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Health {
+    /// Always `ok` while the process serves requests.
+    pub status: String,
+}
+
+/// `GET /readyz`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Readiness {
+    pub ready: bool,
+    /// Why not, when not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
