@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{fresh_database, psql, rows, wait_until, Daemon, Dir, PATIENCE};
 use common::{take_sse_events, SseEvent};

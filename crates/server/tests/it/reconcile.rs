@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{metric, rows, wait_until, Daemon, Dir, CGROUP_V2};
 use kici_model::{AgentId, MemoryBytes, MilliCpu, ScalerName, ScalerType};

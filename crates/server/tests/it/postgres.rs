@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{fresh_database, pg, wait_until, Daemon, Dir, BIN, FAST_RECONCILE};
 use std::collections::BTreeSet;

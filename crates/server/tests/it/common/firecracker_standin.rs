@@ -10,8 +10,8 @@ use kici_model::InstanceId;
 use std::collections::BTreeSet;
 
 const FAKE_FIRECRACKER: &str =
-    include_str!("../../../firecracker/tests/support/fake_firecracker.py");
-const FAKE_JAILER: &str = include_str!("../../../firecracker/tests/support/fake_jailer.sh");
+    include_str!("../../../../firecracker/tests/support/fake_firecracker.py");
+const FAKE_JAILER: &str = include_str!("../../../../firecracker/tests/support/fake_jailer.sh");
 
 /// One test directory: stand-in binaries, images, a provisioned bridge of
 /// its own, and on drop every VMM it started killed and the host setup

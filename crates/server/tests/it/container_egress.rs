@@ -30,7 +30,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{agents_with_rules, remove_instance_rules, tool, wait_until, Daemon, Dir};
 use kici_model::InstanceId;

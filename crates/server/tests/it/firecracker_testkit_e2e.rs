@@ -19,7 +19,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{rows, wait_until, Daemon, FAST_RECONCILE};
 use common::firecracker::{

@@ -9,7 +9,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{http, rows, Daemon, Dir, CGROUP_V2, FAST_RECONCILE, PATIENCE};
 use serde_json::Value;

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{http, log_message, Daemon, Dir, BIN, PATIENCE};
 use common::take_sse_events;

@@ -155,7 +155,8 @@ fn a_second_process_cannot_open_a_held_state_dir() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "child_holds_state_dir_until_stdin_closes",
+            // The test's name in the one integration-test binary (tests/it).
+            "state_dir::child_holds_state_dir_until_stdin_closes",
             "--nocapture",
             "--test-threads=1",
         ])

@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::daemon::{agents_with_rules, rows, wait_until, Daemon, Dir, FAST_RECONCILE};
 use common::firecracker::agents_with_taps;
