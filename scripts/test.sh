@@ -5,9 +5,19 @@
 #              the real dockerd and PostgreSQL the tests run against
 #   fmt        cargo fmt --check (workspace and the fuzz crate)
 #   clippy     cargo clippy --workspace --all-targets -- -D warnings
+#   doc        cargo doc --workspace --no-deps with RUSTDOCFLAGS=-D warnings
+#              (right after clippy: both check the dependencies the same way)
 #   nextest    cargo nextest run --workspace --no-fail-fast (profile `ci` when CI=true)
 #   doctests   cargo test --workspace --doc
-#   benches    cargo bench --workspace --no-run (compiled, never run here)
+#   loom       kici-admission's loom models (--cfg loom, own target dir;
+#              the models take seconds even unoptimised), then the proof that
+#              they and the stress test catch the check-then-act race: with
+#              --features check-then-act-mutant the loom models and the stress
+#              test must fail (their mutant variants expect the panic); each
+#              step within $KICI_LOOM_TIMEOUT (default 10m)
+#   benches    cargo test --workspace --bench '*' --no-run: compiled in the test
+#              profile nextest already built, never run here (a bench-profile
+#              build would compile every dependency again, optimised)
 #   fuzz       scripts/fuzz.sh $KICI_FUZZ_SECONDS (default 60): nightly cargo fuzz;
 #              fails, never skips, when the fuzz tooling cannot be installed
 #
@@ -21,6 +31,8 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 
 fuzz_seconds="${KICI_FUZZ_SECONDS:-60}"
+loom_timeout="${KICI_LOOM_TIMEOUT:-10m}"
+target_dir="${CARGO_TARGET_DIR:-$repo/target}"
 nextest_profile=default
 if [ "${CI:-}" = "true" ]; then nextest_profile=ci; fi
 
@@ -90,18 +102,48 @@ run_nextest() {
     return "$rc"
 }
 
+run_doc() {
+    RUSTDOCFLAGS="${RUSTDOCFLAGS:-} -D warnings" cargo doc --workspace --no-deps
+}
+
 run_doctests() {
-    local rc=0 line
-    cargo test --workspace --doc 2>&1 | tee "$logs/doctests.log" || rc=$?
-    # "test result: ok. 3 passed; 0 failed; 1 ignored; ..." once per crate
+    cargo_test_counted doctests --workspace --doc
+}
+
+# cargo_test_counted LOG ARGS...: `cargo test ARGS` (under the command in
+# the array `time_limit` when a caller sets one, e.g. `timeout 10m`), its
+# output also in $logs/LOG.log, its "test result:" lines added to the counts.
+time_limit=()
+cargo_test_counted() {
+    local log="$logs/$1.log" rc=0 line
+    shift
+    "${time_limit[@]}" cargo test "$@" 2>&1 | tee "$log" || rc=$?
+    # "test result: ok. 3 passed; 0 failed; 1 ignored; ..." once per binary
     while IFS= read -r line; do
         passed=$((passed + $(count_of passed "$line")))
         failed=$((failed + $(count_of failed "$line")))
         skipped=$((skipped + $(count_of ignored "$line")))
-    done < <(grep -E '^test result:' "$logs/doctests.log" || true)
-    if [ "$rc" -ne 0 ] && ! grep -qE '^test result:' "$logs/doctests.log"; then
+    done < <(grep -E '^test result:' "$log" || true)
+    if [ "$rc" -ne 0 ] && ! grep -qE '^test result:' "$log"; then
         failed=$((failed + 1))
     fi
+    return "$rc"
+}
+
+# The loom models only build under --cfg loom, which changes every crate's
+# flags: they get a target dir of their own so that the main build's
+# artifacts stay valid. The mutant runs pass when every model and the stress
+# test see the race (their mutant variants are should_panic). The filters
+# loom:: and stress:: select modules of kici-admission's one test binary.
+run_loom() {
+    local rc=0 loom=(-p kici-admission --test it --target-dir "$target_dir/loom")
+    local time_limit=(timeout "$loom_timeout")
+    RUSTFLAGS="${RUSTFLAGS:-} --cfg loom" \
+        cargo_test_counted loom "${loom[@]}" -- loom:: || rc=1
+    RUSTFLAGS="${RUSTFLAGS:-} --cfg loom" \
+        cargo_test_counted loom-mutant "${loom[@]}" --features check-then-act-mutant -- loom:: || rc=1
+    cargo_test_counted stress-mutant \
+        -p kici-admission --test it --features check-then-act-mutant -- stress:: || rc=1
     return "$rc"
 }
 
@@ -113,9 +155,9 @@ count_of() {
 }
 
 run_benches() {
-    # Only a compile check: the bench profile's debug info (kept for
-    # profiling real runs) would just slow the build down here.
-    CARGO_PROFILE_BENCH_DEBUG=false cargo bench --workspace --no-run
+    # Only a compile check, in the test profile: nextest has built every
+    # dependency for it already.
+    cargo test --workspace --bench '*' --no-run
 }
 
 run_fuzz() {
@@ -125,8 +167,10 @@ run_fuzz() {
 stage services run_services
 stage fmt run_fmt
 stage clippy run_clippy
+stage doc run_doc
 stage nextest run_nextest
 stage doctests run_doctests
+stage loom run_loom
 stage benches run_benches
 stage fuzz run_fuzz
 

@@ -460,7 +460,7 @@ impl LimitPlan {
     }
 }
 
-/// The CFS quota for `cpu` per [`CPU_PERIOD_US`].
+/// The CFS quota for `cpu` per `CPU_PERIOD_US`.
 pub fn cpu_quota_us(cpu: MilliCpu) -> u64 {
     (cpu.millis().saturating_mul(CPU_PERIOD_US) / 1000).max(MIN_CPU_QUOTA_US)
 }

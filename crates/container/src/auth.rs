@@ -116,7 +116,7 @@ fn server_address(registry: &str) -> String {
     }
 }
 
-/// Credentials for `registry` (a host[:port] as [`crate::ImageReference::registry`]
+/// Credentials for `registry` (a `host[:port]` as [`crate::ImageReference::registry`]
 /// gives it) from the `config.json` at `path`; `None` = anonymous.
 pub async fn credentials_for(
     path: &Path,

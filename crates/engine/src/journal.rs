@@ -1,6 +1,6 @@
 //! The engine's port to durable state, and the single writer that feeds it.
 //!
-//! The engine produces [`JournalEntry`]s in order; [`JournalWriter`] applies
+//! The engine produces [`JournalEntry`]s in order; `JournalWriter` applies
 //! them one at a time, so a store always sees an agent's writes in the order
 //! they happened (writes of one agent that queued up together collapse into
 //! the newest: each entry is the agent's whole state). The write that recovery depends on — the record made

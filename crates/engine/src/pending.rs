@@ -12,7 +12,7 @@
 //! are interchangeable for admission: they meet the same caps, the same
 //! breaker and the same switches, so when the oldest of them does not fit,
 //! none of the younger ones can (usage and held capacity only grow during an
-//! admission pass). An admission pass ([`PendingQueue::plan`]) therefore
+//! admission pass). An admission pass (`PendingQueue::plan`) therefore
 //! tries the oldest waiting request of each shape, moves on to the next of
 //! that shape only after one is admitted, and stops trying a shape at its
 //! first refusal. A release over a long queue costs a few attempts per shape,

@@ -1,6 +1,6 @@
 //! The Firecracker [`Backend`]: agents as jailed microVMs.
 //!
-//! Spawn, in order (each step's side effect recorded in [`Taken`], so a
+//! Spawn, in order (each step's side effect recorded in `Taken`, so a
 //! failure anywhere releases exactly what was taken, the running VMM
 //! included — upstream left it running; docs/deviations.md,
 //! D-fc-spawn-cleanup):

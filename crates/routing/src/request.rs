@@ -7,6 +7,9 @@ use kici_model::{LabelError, LabelSet};
 /// or [`Router::explain`] should come through here, so that a request
 /// routes exactly as the same labels written in the configuration would.
 /// An empty list is valid: such a job routes as [`Router::route`] says.
+///
+/// [`Router::route`]: crate::Router::route
+/// [`Router::explain`]: crate::Router::explain
 pub fn request_labels<S: AsRef<str>>(
     raw: impl IntoIterator<Item = S>,
 ) -> Result<LabelSet, LabelError> {

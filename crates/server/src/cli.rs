@@ -146,6 +146,8 @@ pub struct RequestArgs {
 pub struct DestroyArgs {
     #[command(flatten)]
     pub client: ClientArgs,
+    // Also the --help text, where <…> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
     /// The agent id (scaler-<type>-<8 hex>).
     pub agent: String,
 }

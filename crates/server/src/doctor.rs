@@ -13,7 +13,7 @@
 //! [`exit::ERROR`](crate::cli::exit::ERROR) when any row is `fail`.
 //!
 //! The checks reuse what the daemon itself runs: the configuration loader,
-//! [`SearchPath`](crate::agent_binary::SearchPath) for `binaryPath`,
+//! [`SearchPath`] for `binaryPath`,
 //! [`kici_backends::cgroup`] for the cgroup layout and controllers, and
 //! [`kici_admission::ledger::resolve_dir`] for the machine-pool ledger. They
 //! probe by doing (create and remove a cgroup, a file), but never disturb a

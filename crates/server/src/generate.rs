@@ -27,6 +27,8 @@ pub enum Generate {
         /// Where to write them (created if missing).
         dir: PathBuf,
     },
+    // Also the --help text, where <…> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
     /// kici-scaler.1 and kici-scaler-<command>.1 for every visible command,
     /// in DIR.
     Man {

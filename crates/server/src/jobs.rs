@@ -24,7 +24,7 @@
 //! state, agent, end) is written before the job is acknowledged and again
 //! at every change of state, through the same writer as pending requests
 //! ([`crate::persist`]), and deleted when the job is forgotten; its output
-//! is appended to a file as it arrives ([`spool`]). After a restart,
+//! is appended to a file as it arrives (`spool`). After a restart,
 //! [`JobBook::restore`] shows every recorded job again: one that had ended
 //! as it ended, one that had not as `failed`, `end: aborted`, with why (the
 //! agent of a started job is destroyed by the recovery, like every
@@ -61,7 +61,7 @@ pub const FINISHED_KEPT: usize = 256;
 /// Most chunks handed to a reader per call.
 const READ_BATCH: usize = 64;
 /// The directory in the daemon's state dir that holds every job's output
-/// file (see [`spool`]).
+/// file (see `spool`).
 pub const OUTPUT_DIR: &str = "job-output";
 
 /// Why a job that ran when the daemon died ended (its agent is destroyed

@@ -2,7 +2,7 @@
 //!
 //! Counters and histograms are driven by the engine's event stream
 //! ([`Metrics::observe`]); gauges are recomputed from a status snapshot at
-//! every scrape ([`Metrics::refresh`]), so they can never drift from the
+//! every scrape (`Metrics::refresh`), so they can never drift from the
 //! engine. Every series exists from start-up at 0: labelled series are
 //! pre-created for every label combination the configuration and the enums
 //! allow (scalers × states, backends × failure reasons, caps, ...).

@@ -21,7 +21,7 @@
 //!   `keep` events are kept (bounded retention; never fewer than one, the
 //!   highest id is what numbering continues from);
 //! - a standalone job's record ([`JobRecorder`], sent by the
-//!   [`JobBook`](crate::jobs::JobBook) under its lock at every change, so in
+//!   [`JobBook`] under its lock at every change, so in
 //!   the order the changes happened): written before the job is
 //!   acknowledged (a job the store could not record is withdrawn and
 //!   answered 503, like a pending request), rewritten when it gets an

@@ -124,6 +124,8 @@ pub struct ServeArgs {
     /// [default: /var/lib/kici-scaler].
     #[arg(long, value_name = "DIR", env = "KICI_SCALER_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    // Also the --help text, where <…> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
     /// Durable state store URL: sqlite:PATH or postgres://USER@HOST/DB
     /// [default: sqlite:<state-dir>/state.db].
     #[arg(long, value_name = "URL", env = "KICI_SCALER_STATE")]
@@ -358,6 +360,8 @@ pub struct BackendArgs {
     /// (at most 15 bytes) [default: kici-scaler0].
     #[arg(long, value_name = "IFNAME", env = "KICI_SCALER_CONTAINER_BRIDGE")]
     pub container_bridge: Option<String>,
+    // Also the --help text, where <…> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
     /// The cgroup v2 directory bare-metal agents' cgroups go under (as
     /// PATH/kici-scaler/<instance>/…), instead of where discovery puts them
     /// (the daemon's own delegated cgroup under systemd, else the v2 mount).

@@ -27,6 +27,8 @@ pub struct SweepArgs {
     /// The daemon's state directory [default: /var/lib/kici-scaler].
     #[arg(long, value_name = "DIR", env = "KICI_SCALER_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    // Also the --help text, where <…> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
     /// The state store URL [default: sqlite:<state-dir>/state.db].
     #[arg(long, value_name = "URL", env = "KICI_SCALER_STATE")]
     pub state: Option<String>,

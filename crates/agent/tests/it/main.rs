@@ -1,0 +1,7 @@
+//! The integration tests of kici-agent-lite, one binary: each module below
+//! used to be a test binary of its own, each linking the crate and its
+//! dependencies again. Test names carry the module (`agent::…`); nextest runs
+//! each test in a process of its own either way.
+
+mod agent;
+mod mmds;

@@ -1,0 +1,25 @@
+//! The daemon's integration tests, one binary: each of these modules used to
+//! be a test binary of its own, and every one linked the whole daemon. Test
+//! names carry the module (`standalone::…`); nextest still runs each test in
+//! a process of its own, so process-global state (env vars, signal handlers,
+//! the `serial_` group) is as isolated as before.
+
+mod api;
+mod cli;
+mod common;
+mod container;
+mod container_crash;
+mod container_egress;
+mod daemon;
+mod docs;
+mod doctor;
+mod durable;
+mod firecracker_crash;
+mod firecracker_rootfs_cli;
+mod firecracker_testkit_e2e;
+mod gateway;
+mod postgres;
+mod reconcile;
+mod recovery;
+mod standalone;
+mod state_dir;
