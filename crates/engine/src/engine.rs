@@ -69,6 +69,11 @@ pub struct EngineSettings {
     /// The agent's own idle window after a job when no warm pool sets one
     /// (`KICI_SCALER_IDLE_TIMEOUT`'s contract default, 5 s).
     pub agent_idle_default: Duration,
+    /// How many events the runtime's event stream buffers for each
+    /// observer; a slower observer misses the oldest (it is told how
+    /// many). Nothing that must happen depends on it: control flows
+    /// through effects.
+    pub event_buffer: usize,
 }
 
 impl Default for EngineSettings {
@@ -80,6 +85,7 @@ impl Default for EngineSettings {
             gone_history: 1000,
             destroy_retry: Duration::from_secs(30),
             agent_idle_default: Duration::from_secs(5),
+            event_buffer: 4096,
         }
     }
 }
@@ -107,19 +113,37 @@ pub enum ScaleOutcome {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ScaleError {
     #[error("job {0} was already requested with a different body")]
     Conflict(JobId),
     #[error("the pending queue is full ({0} requests)")]
     QueueFull(usize),
     /// The machine-pool ledger (or the admission layer) failed; nothing
-    /// was reserved.
-    #[error("admission failed: {0}")]
-    Admission(String),
+    /// was reserved. The admission error is kept whole (`source()`).
+    #[error("admission failed")]
+    Admission(#[source] Arc<AdmitError>),
     #[error("the engine is shutting down")]
     ShuttingDown,
 }
+
+impl PartialEq for ScaleError {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Conflict(a), Self::Conflict(b)) => a == b,
+            (Self::QueueFull(a), Self::QueueFull(b)) => a == b,
+            // The admission error has no equality of its own: the same
+            // failure, or one that reads the same.
+            (Self::Admission(a), Self::Admission(b)) => {
+                Arc::ptr_eq(a, b) || a.to_string() == b.to_string()
+            }
+            (Self::ShuttingDown, Self::ShuttingDown) => true,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for ScaleError {}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AgentError {
@@ -148,11 +172,83 @@ pub struct Registration {
     pub mandatory_labels: LabelSet,
 }
 
-/// What the outside world must do.
+/// What the outside world must do, in the order the engine decided it.
+/// Every effect is executed (never dropped, never reordered): control flows
+/// through effects, never through [`EngineEvent`]s, which are for observers
+/// (SSE, metrics, logs) and may be lost by a slow one.
 #[derive(Debug, Clone)]
 pub enum Effect {
     Spawn(SpawnOrder),
     Destroy(DestroyOrder),
+    /// The agent is gone: revoke what was minted for it (its token).
+    Revoke(AgentId),
+    /// Something happened to a standalone job that its dispatcher must act
+    /// on. Orchestrator-mode jobs never produce one: their dispatcher is
+    /// the orchestrator.
+    Job(JobEffect),
+}
+
+/// What a standalone job's dispatcher (the daemon's job book and agent
+/// gateway) must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobEffect {
+    /// The job was admitted: `agent` is being provisioned for it and will
+    /// be handed it once it registers (the registration names the job).
+    Bound { job: JobId, agent: AgentId },
+    /// An idle warm agent took the job: it is already connected, so the
+    /// dispatcher sends it the job on its open connection.
+    Dispatch { job: JobId, agent: AgentId },
+    /// The job cannot run to its end any more; it is never re-queued (a
+    /// standalone job is not retried on another agent).
+    Ended { job: JobId, lost: JobLost },
+}
+
+/// Why a standalone job ended without its command's own end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobLost {
+    /// It left the pending queue without an agent (cancelled, expired, no
+    /// scaler accepts it or it no longer fits after a reload).
+    Pending(PendingEnd),
+    /// Its request was cancelled while its agent was being provisioned.
+    Cancelled { agent: AgentId },
+    /// Its agent failed before the job ended.
+    AgentFailed {
+        agent: AgentId,
+        reason: FailureReason,
+        detail: Option<String>,
+    },
+    /// Its agent was stopped before the job ended.
+    AgentStopped { agent: AgentId, cause: StopCause },
+}
+
+/// Why an agent changed state, when it was not its own doing: what
+/// stopped it, or a destroy being retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransitionCause {
+    Stop(StopCause),
+    /// A destroy failed and is retried (`destroying` → `destroying`).
+    DestroyRetry,
+}
+
+impl TransitionCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop(c) => c.as_str(),
+            Self::DestroyRetry => "destroy-retry",
+        }
+    }
+}
+
+impl std::fmt::Display for TransitionCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for TransitionCause {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
 }
 
 /// Ask a backend to bring an agent up.
@@ -202,7 +298,7 @@ pub enum EngineEvent {
         #[serde(skip_serializing_if = "Option::is_none")]
         failure_reason: Option<FailureReason>,
         #[serde(skip_serializing_if = "Option::is_none")]
-        cause: Option<&'static str>,
+        cause: Option<TransitionCause>,
         #[serde(skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
         /// Seconds spent in `from`.
@@ -642,10 +738,18 @@ impl Engine {
             .is_some_and(|a| a.state.is_spawning());
         if early {
             self.jobs.remove(job);
+            let mut standalone = false;
             if let Some(a) = self.agents.get_mut(&agent) {
                 a.job = None;
+                standalone = a.mode == Mode::Standalone;
             }
             self.stop(agent, StopCause::Cancelled, now);
+            if standalone {
+                self.effects.push(Effect::Job(JobEffect::Ended {
+                    job: job.clone(),
+                    lost: JobLost::Cancelled { agent },
+                }));
+            }
         }
         early
     }
@@ -704,7 +808,7 @@ impl Engine {
             );
         }
         match plan.error {
-            Some(e) => Err(ScaleError::Admission(e)),
+            Some(e) => Err(ScaleError::Admission(Arc::new(e))),
             None => Ok(()),
         }
     }
@@ -722,6 +826,12 @@ impl Engine {
     }
 
     fn pending_ended(&mut self, entry: &PendingEntry, end: PendingEnd, now: Instant) {
+        if entry.request.mode == Mode::Standalone && end != PendingEnd::Admitted {
+            self.effects.push(Effect::Job(JobEffect::Ended {
+                job: entry.request.job.clone(),
+                lost: JobLost::Pending(end),
+            }));
+        }
         self.events.push(EngineEvent::PendingEnded {
             job_id: entry.request.job.clone(),
             scaler: entry.scaler.clone(),
@@ -797,6 +907,10 @@ impl Engine {
         };
         self.next_seq += 1;
         self.agents.insert(id, agent);
+        if let (Mode::Standalone, Some(job)) = (mode, order.job.clone()) {
+            self.effects
+                .push(Effect::Job(JobEffect::Bound { job, agent: id }));
+        }
         self.effects.push(Effect::Spawn(order));
         self.step(id, AgentEvent::ProvisionStarted, now);
     }
@@ -842,6 +956,13 @@ impl Engine {
             a.from_pool = true;
         }
         self.step(id, AgentEvent::JobStarted, now);
+        if request.mode == Mode::Standalone {
+            // Its connection is open and idle: nobody else sends it the job.
+            self.effects.push(Effect::Job(JobEffect::Dispatch {
+                job: request.job.clone(),
+                agent: id,
+            }));
+        }
         self.refill_warm(now);
         Some(id)
     }
@@ -1110,6 +1231,7 @@ impl Engine {
             return;
         }
         self.step(agent, AgentEvent::Released, now);
+        self.effects.push(Effect::Revoke(agent));
         if let Some(mut a) = self.agents.remove(&agent) {
             // Its last view keeps what it had (job, resources) for
             // `GET /v1/agents?all=true`: taken before they are released.
@@ -1147,7 +1269,7 @@ impl Engine {
                     to: AgentState::Destroying,
                     job_id: None,
                     failure_reason: None,
-                    cause: Some("destroy-retry"),
+                    cause: Some(TransitionCause::DestroyRetry),
                     detail: Some(detail),
                     seconds_in_state: 0.0,
                 });
@@ -1178,7 +1300,7 @@ impl Engine {
         agent: AgentId,
         event: AgentEvent,
         now: Instant,
-        cause: Option<&'static str>,
+        cause: Option<TransitionCause>,
         detail: Option<String>,
     ) -> Result<AgentState, AgentError> {
         let a = self
@@ -1247,7 +1369,7 @@ impl Engine {
         detail: Option<String>,
         now: Instant,
     ) {
-        let Ok(_) = self.apply(agent, AgentEvent::Failed(reason), now, None, detail) else {
+        let Ok(_) = self.apply(agent, AgentEvent::Failed(reason), now, None, detail.clone()) else {
             return;
         };
         if reason.counts_against_label_set() {
@@ -1266,12 +1388,47 @@ impl Engine {
                 }
             }
         }
-        self.requeue_unstarted_job(agent, now);
+        if !self.end_standalone_job(agent, |agent| JobLost::AgentFailed {
+            agent,
+            reason,
+            detail,
+        }) {
+            self.requeue_unstarted_job(agent, now);
+        }
         self.issue_destroy(agent, now);
     }
 
-    /// A job whose agent failed before starting it is not lost: it goes back
-    /// to the queue with its original arrival time (and waits for backoff).
+    /// A standalone agent leaves with its job unfinished: the job ends
+    /// (it is never re-queued: its submitter is told at once, and running
+    /// it on another agent is not ours to decide). Returns whether the
+    /// agent is a standalone one. The agent keeps the job id for its last
+    /// events and view.
+    fn end_standalone_job(
+        &mut self,
+        agent: AgentId,
+        lost: impl FnOnce(AgentId) -> JobLost,
+    ) -> bool {
+        let Some(a) = self.agents.get(&agent) else {
+            return false;
+        };
+        if a.mode != Mode::Standalone {
+            return false;
+        }
+        if let Some(job) = a.job.clone() {
+            if self.jobs.get(&job).is_some_and(|r| r.agent == Some(agent)) {
+                self.jobs.remove(&job);
+            }
+            self.effects.push(Effect::Job(JobEffect::Ended {
+                job,
+                lost: lost(agent),
+            }));
+        }
+        true
+    }
+
+    /// An orchestrator job whose agent failed before starting it is not
+    /// lost: it goes back to the queue with its original arrival time (and
+    /// waits for backoff).
     fn requeue_unstarted_job(&mut self, agent: AgentId, now: Instant) {
         let Some(a) = self.agents.get_mut(&agent) else {
             return;
@@ -1317,11 +1474,12 @@ impl Engine {
                 agent,
                 AgentEvent::Stop(cause),
                 now,
-                Some(cause.as_str()),
+                Some(TransitionCause::Stop(cause)),
                 None,
             )
             .is_ok()
         {
+            self.end_standalone_job(agent, |agent| JobLost::AgentStopped { agent, cause });
             self.issue_destroy(agent, now);
         }
     }
@@ -1332,7 +1490,7 @@ impl Engine {
                 agent,
                 AgentEvent::Drain(cause),
                 now,
-                Some(cause.as_str()),
+                Some(TransitionCause::Stop(cause)),
                 None,
             )
             .is_ok()
@@ -1859,7 +2017,7 @@ impl Admitter for PassAdmitter<'_> {
                     e @ (AdmitError::Ledger(_)
                     | AdmitError::UnknownScaler(_)
                     | AdmitError::PoolMismatch { .. }),
-                ) => return Attempt::Stop(e.to_string()),
+                ) => return Attempt::Stop(e),
             }
         }
         // Still colliding: the next pass draws again.

@@ -25,9 +25,62 @@ pub trait Journal: Send + Sync {
     async fn write(&self, entry: &JournalEntry, at: SystemTime) -> Result<(), JournalError>;
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("state store: {0}")]
-pub struct JournalError(pub String);
+/// A journal write that did not happen: what kind of failure (to match
+/// on) and the store's own error (the `source()` chain).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("state store: {kind}")]
+pub struct JournalError {
+    pub kind: JournalErrorKind,
+    #[source]
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+/// What kind of failure a [`JournalError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum JournalErrorKind {
+    /// The store did not answer (down, unreachable, timed out): the write
+    /// is retried until it answers.
+    #[error("unavailable")]
+    Unavailable,
+    /// The store answered and refused the write (a constraint, a record
+    /// it cannot take): a retry fails the same way.
+    #[error("write refused")]
+    Refused,
+    /// The journal's writer stopped (the runtime is shutting down).
+    #[error("the writer stopped")]
+    Stopped,
+}
+
+impl JournalError {
+    /// A failure of `kind`, caused by `source`.
+    pub fn new(
+        kind: JournalErrorKind,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            kind,
+            source: Some(Arc::new(source)),
+        }
+    }
+
+    /// The writer stopped before the write was attempted.
+    pub fn stopped() -> Self {
+        Self {
+            kind: JournalErrorKind::Stopped,
+            source: None,
+        }
+    }
+
+    pub fn kind(&self) -> JournalErrorKind {
+        self.kind
+    }
+}
+
+impl PartialEq for JournalError {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.to_string() == other.to_string()
+    }
+}
 
 /// How often failed writes are retried.
 const RETRY_EVERY: Duration = Duration::from_secs(1);

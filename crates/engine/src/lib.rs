@@ -118,9 +118,9 @@ pub use backend::{
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
     AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, EngineSettings,
-    JournalEntry, RecoverError, Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome,
-    SpawnOrder, Status,
+    JobEffect, JobLost, JournalEntry, RecoverError, Recovered, Registration, ReloadReport,
+    ScaleError, ScaleOutcome, SpawnOrder, Status, TransitionCause,
 };
-pub use journal::{Journal, JournalError};
+pub use journal::{Journal, JournalError, JournalErrorKind};
 pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};
 pub use pending::{PendingEnd, ScaleRequest};

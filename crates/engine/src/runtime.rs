@@ -8,9 +8,9 @@
 
 use crate::backend::{Adoption, Backend, BackendReport, ResourceHandle, SpawnSpec};
 use crate::engine::{
-    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, JournalEntry,
-    RecoverError, Recovered, Registration, ReloadError, ReloadReport, ScaleError, ScaleOutcome,
-    SpawnOrder, Status,
+    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, JobEffect,
+    JournalEntry, RecoverError, Recovered, Registration, ReloadError, ReloadReport, ScaleError,
+    ScaleOutcome, SpawnOrder, Status,
 };
 use crate::journal::{Journal, JournalError, JournalOp, JournalWriter};
 use crate::pending::ScaleRequest;
@@ -100,6 +100,12 @@ struct Inner {
     reports: mpsc::UnboundedSender<BackendReport>,
     /// The state store's writer, when the daemon keeps durable state.
     journal: Option<mpsc::UnboundedSender<JournalOp>>,
+    /// Standalone jobs' effects, in the engine's order, unbounded: never
+    /// dropped, never lagging (see [`Runtime::job_effects`]).
+    job_effects: mpsc::UnboundedSender<JobEffect>,
+    job_effects_rx: Mutex<Option<mpsc::UnboundedReceiver<JobEffect>>>,
+    /// Woken whenever the engine may have become idle (shutdown waits on it).
+    settled: Notify,
     /// Set once by `shutdown`; every background task ends when it flips.
     stop: watch::Sender<bool>,
 }
@@ -112,6 +118,18 @@ pub struct Runtime {
 
 fn now() -> Instant {
     tokio::time::Instant::now().into_std()
+}
+
+/// An error and its sources, `: `-separated (for a detail text).
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 impl Runtime {
@@ -170,7 +188,8 @@ impl Runtime {
     ) -> Self {
         let ledger = engine.admission().ledger().cloned();
         let (reports, mut report_rx) = mpsc::unbounded_channel();
-        let (events, _) = broadcast::channel(4096);
+        let (events, _) = broadcast::channel(engine.settings().event_buffer.max(1));
+        let (job_effects, job_effects_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             engine: Mutex::new(engine),
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
@@ -181,6 +200,9 @@ impl Runtime {
             spawns: Mutex::new(HashMap::new()),
             reports,
             journal,
+            job_effects,
+            job_effects_rx: Mutex::new(Some(job_effects_rx)),
+            settled: Notify::new(),
             stop: watch::Sender::new(false),
         });
         let rt = Self { inner };
@@ -272,18 +294,24 @@ impl Runtime {
     fn call_quiet<R>(&self, f: impl FnOnce(&mut Engine, Instant) -> R) -> R {
         let mut engine = self.inner.engine.lock();
         let result = f(&mut engine, now());
-        for event in engine.take_events() {
-            self.publish(event);
-        }
+        let events = engine.take_events();
         let entries = engine.take_journal();
         let effects = engine.take_effects();
         let mut acks = self.write_journal(entries, &effects);
         for effect in effects {
             let ack = match &effect {
                 Effect::Spawn(order) => acks.remove(&order.agent),
-                Effect::Destroy(_) => None,
+                _ => None,
             };
             self.execute(effect, ack);
+        }
+        // After the effects: an observer that sees an event finds what it
+        // made happen already done (a `gone` agent's token revoked).
+        for event in events {
+            self.publish(event);
+        }
+        if engine.is_idle() {
+            self.inner.settled.notify_waiters();
         }
         drop(engine);
         result
@@ -306,7 +334,7 @@ impl Runtime {
             .iter()
             .filter_map(|e| match e {
                 Effect::Spawn(o) => Some(o.agent),
-                Effect::Destroy(_) => None,
+                _ => None,
             })
             .collect();
         let last_of =
@@ -362,7 +390,20 @@ impl Runtime {
         match effect {
             Effect::Spawn(order) => self.launch_spawn(order, recorded),
             Effect::Destroy(order) => self.launch_destroy(order),
+            Effect::Revoke(agent) => self.inner.bootstrap.revoke(agent),
+            // The receiver lives as long as the runtime (taken or not).
+            Effect::Job(job) => {
+                let _ = self.inner.job_effects.send(job);
+            }
         }
+    }
+
+    /// The standalone jobs' effects ([`JobEffect`]), in the engine's order:
+    /// the dispatcher of standalone jobs takes this once, before the
+    /// runtime's first tick, and must apply every one. `None` once taken.
+    /// (An embedding without standalone jobs never gets any.)
+    pub fn job_effects(&self) -> Option<mpsc::UnboundedReceiver<JobEffect>> {
+        self.inner.job_effects_rx.lock().take()
     }
 
     fn launch_spawn(
@@ -407,12 +448,13 @@ impl Runtime {
             if let Some(recorded) = recorded {
                 let written = recorded
                     .await
-                    .unwrap_or_else(|_| Err(JournalError("the store writer stopped".into())));
+                    .unwrap_or_else(|_| Err(JournalError::stopped()));
                 if let Err(e) = written {
                     // Nothing was created: a resource the store does not
                     // know of could leak on a crash.
                     rt.inner.spawns.lock().remove(&agent);
-                    rt.call(|e2, now| e2.spawn_failed(agent, format!("not spawned: {e}"), now));
+                    let detail = format!("not spawned: {}", error_chain(&e));
+                    rt.call(|e2, now| e2.spawn_failed(agent, detail, now));
                     return;
                 }
             }
@@ -453,7 +495,7 @@ impl Runtime {
             match result {
                 Ok(Ok(())) => {
                     crate::failpoints::hit(crate::failpoints::DESTROY_BACKEND_DONE);
-                    rt.inner.bootstrap.revoke(agent);
+                    // `gone` revokes its token (`Effect::Revoke`).
                     rt.call(|e, now| e.destroy_finished(agent, now));
                 }
                 Ok(Err(err)) => rt.call(|e, now| e.destroy_failed(agent, err.to_string(), now)),
@@ -697,17 +739,18 @@ impl Runtime {
     /// Stops admitting, cancels pending requests, destroys every agent and
     /// waits (up to `limit`) until all are gone. Returns whether all are.
     pub async fn shutdown(&self, limit: Duration) -> bool {
-        let mut events = self.subscribe();
         self.call(|e, now| e.shutdown(now));
         let deadline = tokio::time::Instant::now() + limit;
         loop {
+            // Registered before the check, so a release in between wakes it.
+            let settled = self.inner.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
             if self.inner.engine.lock().is_idle() {
                 break;
             }
-            match tokio::time::timeout_at(deadline, events.recv()).await {
-                Err(_) => break,
-                Ok(Err(broadcast::error::RecvError::Closed)) => break,
-                Ok(_) => {}
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                break;
             }
         }
         // Every agent's `Forget` reaches the store before the daemon exits.

@@ -30,7 +30,10 @@ struct MemoryJournal {
 impl Journal for MemoryJournal {
     async fn write(&self, entry: &JournalEntry, _at: SystemTime) -> Result<(), JournalError> {
         if self.down.load(Ordering::SeqCst) {
-            return Err(JournalError("store down".into()));
+            return Err(JournalError::new(
+                kici_engine::JournalErrorKind::Unavailable,
+                std::io::Error::other("store down"),
+            ));
         }
         let mut rows = self.rows.lock();
         match entry {

@@ -3,17 +3,19 @@
 //! pump, the standalone-job book and the agent gateway on its own listener;
 //! and their orderly shutdown.
 //!
-//! [`Stack::start`] wires them in the one order that loses no event: the
-//! runtime starts, then everything that follows its events subscribes
-//! (job follower, pump) before the first await lets its first tick run.
-//! [`Stack::shutdown`] destroys every agent, lets the followers deliver
-//! the last events (so every job has its end and every SSE stream closes),
-//! stops the gateway, then runs the backends' clean-up hooks.
+//! [`Stack::start`] wires them before the first await lets the runtime's
+//! first tick run: the job driver takes the engine's standalone-job
+//! effects (control: every one is applied, in order) and the pump
+//! subscribes to its events (observers: SSE, metrics, logs, which may fall
+//! behind). [`Stack::shutdown`] destroys every agent, lets the driver apply
+//! the last effects (so every job has its end) and the pump deliver the
+//! last events (every SSE stream closes), stops the gateway, then runs the
+//! backends' clean-up hooks.
 
 use crate::agent_binary::{self, SearchPath};
 use crate::backends::Built;
 use crate::events::{EventLog, LoggedEvent};
-use crate::gateway::{EngineFollower, Gateway, GatewaySettings};
+use crate::gateway::{Gateway, GatewaySettings, JobDriver};
 use crate::jobs::JobBook;
 use crate::metrics::Metrics;
 use crate::persist::{self, PendingRecorder, PendingRestored, Persister};
@@ -169,7 +171,8 @@ pub struct Stack {
     /// Records waiting scale requests (with a state store).
     pub pending: Option<PendingRecorder>,
     pump: Pump,
-    follower: EngineFollower,
+    /// `None` only if something else took the runtime's job effects.
+    job_driver: Option<JobDriver>,
     /// The gateway's listeners, the `--gateway-listen` one first.
     gateway_servers: Vec<Server>,
     after_shutdown: Vec<Box<dyn FnOnce() + Send>>,
@@ -266,12 +269,11 @@ impl Stack {
             Arc::clone(&jobs),
             options.gateway,
         );
-        let follower = gateway.follow_engine();
+        let job_driver = gateway.drive_jobs();
         let pump = Pump::start_recorded(
             &runtime,
             Arc::clone(&events),
             Arc::clone(&metrics),
-            Arc::clone(&tokens),
             persister,
         );
         if let Some(recorder) = &pending {
@@ -325,7 +327,7 @@ impl Stack {
             gateway_addr,
             pending,
             pump,
-            follower,
+            job_driver,
             gateway_servers,
             after_shutdown: backends.after_shutdown,
         };
@@ -345,9 +347,11 @@ impl Stack {
     pub async fn shutdown(self, grace: Duration) -> Stopped {
         let all_gone = self.runtime.shutdown(grace).await;
         let agents_left = self.runtime.agents(false).len();
-        // Every job gets its end (from the last `destroying` and
-        // `pending-ended` events) before the pump closes the event log.
-        self.follower.finish().await;
+        // Every job gets its end (from the engine's last job effects)
+        // before the pump closes the event log.
+        if let Some(driver) = self.job_driver {
+            driver.finish().await;
+        }
         self.pump.finish().await;
         for server in &self.gateway_servers {
             server.graceful_shutdown(Some(GATEWAY_STOP));

@@ -9,11 +9,11 @@
 use crate::token::TokenStore;
 use async_trait::async_trait;
 use kici_engine::{
-    AgentState, DurableAgent, FailureReason, Journal, JournalEntry, JournalError, Mode,
-    ResourceHandle,
+    AgentState, DurableAgent, FailureReason, Journal, JournalEntry, JournalError, JournalErrorKind,
+    Mode, ResourceHandle,
 };
 use kici_model::{LabelSet, Resources};
-use kici_store::{AgentRecord, StateStore, UnixMillis};
+use kici_store::{AgentRecord, StateStore, StoreError, UnixMillis};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -44,8 +44,19 @@ impl Journal for StoreJournal {
             }
             JournalEntry::Forget(agent) => self.store.delete_agent(agent).await.map(|_| ()),
         };
-        result.map_err(|e| JournalError(e.to_string()))
+        result.map_err(journal_error)
     }
+}
+
+/// The store's error as the journal's: an outage is retried, anything
+/// else is a refusal; the store's error stays the source.
+pub fn journal_error(e: StoreError) -> JournalError {
+    let kind = if e.is_unavailable() {
+        JournalErrorKind::Unavailable
+    } else {
+        JournalErrorKind::Refused
+    };
+    JournalError::new(kind, e)
 }
 
 /// One `agents` row for a snapshot taken at `at`.
