@@ -28,7 +28,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod recovery;
-pub use recovery::{DurableAgent, JournalEntry, RecoverError, Recovered};
+pub use recovery::{
+    DurableAgent, DurablePending, JournalEntry, JournalKey, PendingRecovered, RecoverError,
+    Recovered,
+};
 
 /// A gone agent as last seen, kept for `GET /v1/agents?all=true`.
 #[derive(Debug, Clone)]
@@ -571,7 +574,7 @@ impl Engine {
         request: ScaleRequest,
         now: Instant,
     ) -> Result<ScaleOutcome, ScaleError> {
-        self.request_scale_arrived(request, now, now)
+        self.request_scale_arrived(request, now, now, true)
     }
 
     /// Re-queues a scale request recorded before a restart, as if it had
@@ -594,7 +597,9 @@ impl Engine {
         // than the host's uptime) is clamped to now; its expiry still
         // counts from the recorded arrival below.
         let arrived = now.checked_sub(waited).unwrap_or(now);
-        self.request_scale_arrived(request, arrived, now).map(Some)
+        // Its record is there already, as it was.
+        self.request_scale_arrived(request, arrived, now, false)
+            .map(Some)
     }
 
     /// Whether `job` waits in the pending queue.
@@ -607,6 +612,7 @@ impl Engine {
         request: ScaleRequest,
         arrived: Instant,
         now: Instant,
+        record: bool,
     ) -> Result<ScaleOutcome, ScaleError> {
         if self.shutting_down {
             return Err(ScaleError::ShuttingDown);
@@ -656,6 +662,9 @@ impl Engine {
                 agent: None,
             },
         );
+        if record {
+            self.journal_pending(&request, arrived, now);
+        }
         self.pending.insert(PendingEntry {
             scaler: scaler.name.clone(),
             scaler_index: route.scaler,
@@ -667,9 +676,11 @@ impl Engine {
             refused_for: None,
         });
         if let Err(e) = self.serve_pending(now) {
-            // The ledger failed: undo this request entirely, report it.
+            // The ledger failed: undo this request entirely, its record
+            // included (the two collapse into one delete), report it.
             self.pending.remove(&job);
             self.jobs.remove(&job);
+            self.journal.push(JournalEntry::ForgetPending(job));
             return Err(e);
         }
         let agent = self.jobs.get(&job).and_then(|r| r.agent);
@@ -826,6 +837,8 @@ impl Engine {
     }
 
     fn pending_ended(&mut self, entry: &PendingEntry, end: PendingEnd, now: Instant) {
+        self.journal
+            .push(JournalEntry::ForgetPending(entry.request.job.clone()));
         if entry.request.mode == Mode::Standalone && end != PendingEnd::Admitted {
             self.effects.push(Effect::Job(JobEffect::Ended {
                 job: entry.request.job.clone(),
@@ -1455,6 +1468,7 @@ impl Engine {
             return;
         };
         let resources = self.resolve_resources(&request, route);
+        self.journal_pending(&request, enqueued, now);
         self.pending.insert(PendingEntry {
             scaler: self.config.scalers[route.scaler].name.clone(),
             scaler_index: route.scaler,

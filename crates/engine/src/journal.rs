@@ -1,17 +1,17 @@
 //! The engine's port to durable state, and the single writer that feeds it.
 //!
-//! The engine produces [`JournalEntry`]s in order; [`JournalWriter`] applies
-//! them one at a time, so a store always sees an agent's writes in the order
-//! they happened (writes of one agent that queued up together collapse into
-//! the newest: each entry is the agent's whole state). The write that recovery depends on — the record made
+//! The engine produces [`JournalEntry`]s in order — agents and pending
+//! scale requests, one durability path for both; [`JournalWriter`] applies
+//! them one at a time, so a store always sees a subject's writes in the
+//! order they happened (writes of one agent or request that queued up
+//! together collapse into the newest: each entry is its whole state). The write that recovery depends on — the record made
 //! before a backend is asked to create anything — is awaited by the spawn
 //! (it carries an acknowledgement); the others are not, and a failed one is
 //! kept (the newest per agent) and retried until the store answers again,
 //! so a store outage delays writes but loses none.
 
-use crate::engine::JournalEntry;
+use crate::engine::{JournalEntry, JournalKey};
 use async_trait::async_trait;
-use kici_model::AgentId;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -109,8 +109,8 @@ struct Coalesced {
 
 pub(crate) struct JournalWriter {
     journal: Arc<dyn Journal>,
-    /// The newest failed entry per agent, waiting for a retry.
-    failed: BTreeMap<AgentId, (JournalEntry, SystemTime)>,
+    /// The newest failed entry per subject, waiting for a retry.
+    failed: BTreeMap<JournalKey, (JournalEntry, SystemTime)>,
 }
 
 impl JournalWriter {
@@ -162,8 +162,8 @@ impl JournalWriter {
         for op in batch {
             match op {
                 JournalOp::Write { entry, at, ack } => {
-                    let agent = entry.agent();
-                    match writes.iter_mut().find(|w| w.entry.agent() == agent) {
+                    let key = entry.key();
+                    match writes.iter_mut().find(|w| w.entry.key() == key) {
                         Some(w) => {
                             w.entry = entry;
                             w.at = at;
@@ -196,12 +196,13 @@ impl JournalWriter {
     }
 
     async fn write(&mut self, entry: JournalEntry, at: SystemTime) -> Result<(), JournalError> {
-        // A newer entry supersedes a failed older one of the same agent.
-        self.failed.remove(&entry.agent());
+        // A newer entry supersedes a failed older one of the same subject.
+        let key = entry.key();
+        self.failed.remove(&key);
         let result = self.journal.write(&entry, at).await;
         if let Err(e) = &result {
-            tracing::warn!(agent = %entry.agent(), error = %e, "state write failed; retrying until the store answers");
-            self.failed.insert(entry.agent(), (entry, at));
+            tracing::warn!(subject = %key, error = %e, "state write failed; retrying until the store answers");
+            self.failed.insert(key, (entry, at));
         }
         result
     }
@@ -209,15 +210,15 @@ impl JournalWriter {
     async fn retry_failed(&mut self) {
         let pending = std::mem::take(&mut self.failed);
         let mut down = false;
-        for (agent, (entry, at)) in pending {
+        for (key, (entry, at)) in pending {
             // One failure says the store is still down: keep the rest as they are.
             if down {
-                self.failed.insert(agent, (entry, at));
+                self.failed.insert(key, (entry, at));
                 continue;
             }
             if self.journal.write(&entry, at).await.is_err() {
                 down = true;
-                self.failed.insert(agent, (entry, at));
+                self.failed.insert(key, (entry, at));
             }
         }
     }
@@ -227,7 +228,7 @@ impl JournalWriter {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use kici_model::ScalerType;
+    use kici_model::{AgentId, ScalerType};
     use parking_lot::Mutex;
 
     /// Records the agents written, in order; writes wait for permits of the
@@ -241,7 +242,7 @@ mod tests {
     impl Journal for Recording {
         async fn write(&self, entry: &JournalEntry, _at: SystemTime) -> Result<(), JournalError> {
             self.gate.acquire().await.unwrap().forget();
-            self.writes.lock().push(entry.agent());
+            self.writes.lock().push(entry.agent().unwrap());
             Ok(())
         }
     }

@@ -117,9 +117,10 @@ pub use backend::{
 };
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
-    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, EngineSettings,
-    JobEffect, JobLost, JournalEntry, RecoverError, Recovered, Registration, ReloadReport,
-    ScaleError, ScaleOutcome, SpawnOrder, Status, TransitionCause,
+    AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
+    EngineSettings, JobEffect, JobLost, JournalEntry, JournalKey, PendingRecovered, RecoverError,
+    Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
+    TransitionCause,
 };
 pub use journal::{Journal, JournalError, JournalErrorKind};
 pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};

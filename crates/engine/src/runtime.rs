@@ -8,21 +8,24 @@
 
 use crate::backend::{Adoption, Backend, BackendReport, ResourceHandle, SpawnSpec};
 use crate::engine::{
-    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, JobEffect,
-    JournalEntry, RecoverError, Recovered, Registration, ReloadError, ReloadReport, ScaleError,
-    ScaleOutcome, SpawnOrder, Status,
+    AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
+    JobEffect, JournalEntry, JournalKey, PendingRecovered, RecoverError, Recovered, Registration,
+    ReloadError, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
 };
 use crate::journal::{Journal, JournalError, JournalOp, JournalWriter};
 use crate::pending::ScaleRequest;
 use kici_model::{AgentId, Config, JobId, ScalerType, Secret};
 use parking_lot::Mutex;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::AbortHandle;
+
+/// Answered once a journal write was applied (or failed).
+pub type RecordAck = oneshot::Receiver<Result<(), JournalError>>;
 
 /// How many recorded agents are checked with their backend at once.
 const RECOVERY_PARALLELISM: usize = 64;
@@ -36,6 +39,49 @@ pub struct RecoveryReport {
     /// Gone (or not resumable): destroyed, then forgotten.
     pub released: Vec<AgentId>,
     pub errors: Vec<String>,
+    /// What became of the recorded pending requests.
+    pub pending: PendingReport,
+}
+
+/// What startup recovery did with the recorded pending requests (see
+/// [`Engine::recover_pending`]); every one that does not wait any more has
+/// its record forgotten.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingReport {
+    /// Waiting again (or admitted at once), in arrival order.
+    pub requeued: Vec<JobId>,
+    /// Standalone jobs, not run: their submitter's connection died with
+    /// the daemon.
+    pub standalone_failed: Vec<JobId>,
+    /// TTL ran out while the daemon was down.
+    pub expired: Vec<JobId>,
+    /// Admitted before the crash (a recorded agent holds the job): only
+    /// the record was left behind.
+    pub already_admitted: Vec<JobId>,
+    /// Not taken back (no scaler accepts it any more, too large, an
+    /// unreadable record, …), with why.
+    pub dropped: Vec<(JobId, String)>,
+}
+
+/// Everything a journal recorded before a restart, to be taken back by
+/// [`Runtime::recover_and_start`].
+#[derive(Debug, Clone, Default)]
+pub struct Recorded {
+    pub agents: Vec<DurableAgent>,
+    /// Oldest first.
+    pub pending: Vec<DurablePending>,
+    /// Pending records that could not be read back, with why: forgotten.
+    pub unreadable_pending: Vec<(JobId, String)>,
+}
+
+impl From<Vec<DurableAgent>> for Recorded {
+    fn from(agents: Vec<DurableAgent>) -> Self {
+        Self {
+            agents,
+            ..Self::default()
+        }
+    }
 }
 
 /// How often the machine-pool ledger's upkeep runs.
@@ -157,25 +203,39 @@ impl Runtime {
         Self::build(engine, backends, bootstrap, Some(writer))
     }
 
-    /// Takes back every agent `records` holds (see [`Engine::recover`]),
-    /// then starts the timers — so warm pools and pending requests see the
-    /// recovered agents and their capacity.
-    pub async fn recover_and_start(&self, records: Vec<DurableAgent>) -> RecoveryReport {
-        self.recover_then_start(records, |_| {}).await
-    }
-
-    /// [`Runtime::recover_and_start`], with `before_timers` run once every
-    /// recorded agent holds its capacity again and before the first tick:
-    /// the place to re-queue recorded pending requests
-    /// ([`Engine::restore_pending`]) so they are served ahead of warm pools
-    /// and never ahead of the agents that survived.
-    pub async fn recover_then_start(
-        &self,
-        records: Vec<DurableAgent>,
-        before_timers: impl FnOnce(&Runtime),
-    ) -> RecoveryReport {
-        let report = self.recover(records).await;
-        before_timers(self);
+    /// Takes back what the journal recorded before a restart — the one
+    /// entry point for agents and pending requests — then starts the
+    /// timers: first every recorded agent (see [`Engine::recover`]), so
+    /// that it holds its capacity again; then the pending requests, with
+    /// their original arrival (see [`Engine::recover_pending`]), so they
+    /// are served ahead of warm pools and never ahead of the agents that
+    /// survived; the first tick comes last.
+    pub async fn recover_and_start(&self, recorded: impl Into<Recorded>) -> RecoveryReport {
+        let recorded = recorded.into();
+        let held: HashSet<JobId> = recorded
+            .agents
+            .iter()
+            .filter_map(|d| d.job.clone())
+            .collect();
+        let mut report = self.recover(recorded.agents).await;
+        self.call_quiet(|e, now| {
+            let p = &mut report.pending;
+            for (job, why) in recorded.unreadable_pending {
+                e.forget_pending_record(job.clone());
+                p.dropped.push((job, format!("unreadable record: {why}")));
+            }
+            for record in recorded.pending {
+                let job = record.request.job.clone();
+                let held = held.contains(&job);
+                match e.recover_pending(record, held, now) {
+                    PendingRecovered::Requeued => p.requeued.push(job),
+                    PendingRecovered::StandaloneNotRun => p.standalone_failed.push(job),
+                    PendingRecovered::Expired => p.expired.push(job),
+                    PendingRecovered::AlreadyAdmitted => p.already_admitted.push(job),
+                    PendingRecovered::Dropped(why) => p.dropped.push((job, why)),
+                }
+            }
+        });
         self.start_timers();
         report
     }
@@ -292,15 +352,32 @@ impl Runtime {
     }
 
     fn call_quiet<R>(&self, f: impl FnOnce(&mut Engine, Instant) -> R) -> R {
+        self.call_recorded(|e, now| (f(e, now), None)).0
+    }
+
+    /// [`Runtime::call_quiet`] where `f` may name one more journal subject
+    /// whose write (if this call made one) the caller waits for.
+    fn call_recorded<R>(
+        &self,
+        f: impl FnOnce(&mut Engine, Instant) -> (R, Option<JournalKey>),
+    ) -> (R, Option<RecordAck>) {
         let mut engine = self.inner.engine.lock();
-        let result = f(&mut engine, now());
+        let (result, wanted) = f(&mut engine, now());
         let events = engine.take_events();
         let entries = engine.take_journal();
         let effects = engine.take_effects();
-        let mut acks = self.write_journal(entries, &effects);
+        let mut acked: Vec<JournalKey> = effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Spawn(o) => Some(JournalKey::Agent(o.agent)),
+                _ => None,
+            })
+            .collect();
+        acked.extend(wanted.clone());
+        let mut acks = self.write_journal(entries, &acked);
         for effect in effects {
             let ack = match &effect {
-                Effect::Spawn(order) => acks.remove(&order.agent),
+                Effect::Spawn(order) => acks.remove(&JournalKey::Agent(order.agent)),
                 _ => None,
             };
             self.execute(effect, ack);
@@ -314,46 +391,36 @@ impl Runtime {
             self.inner.settled.notify_waiters();
         }
         drop(engine);
-        result
+        let ack = wanted.and_then(|key| acks.remove(&key));
+        (result, ack)
     }
 
-    /// Queues the engine's store writes in order. The last write of an agent
-    /// about to be spawned carries an acknowledgement: the spawn waits for
-    /// it, so no host resource exists that the store does not know of.
+    /// Queues the engine's store writes in order. The last write of each
+    /// subject in `acked` carries an acknowledgement: a spawn waits for its
+    /// agent's, so no host resource exists that the store does not know
+    /// of; a caller answering "pending" waits for its request's.
     fn write_journal(
         &self,
         entries: Vec<JournalEntry>,
-        effects: &[Effect],
-    ) -> HashMap<AgentId, oneshot::Receiver<Result<(), JournalError>>> {
+        acked: &[JournalKey],
+    ) -> HashMap<JournalKey, RecordAck> {
         let mut acks = HashMap::new();
         let Some(writer) = &self.inner.journal else {
             return acks;
         };
         let at = SystemTime::now();
-        let spawning: Vec<AgentId> = effects
-            .iter()
-            .filter_map(|e| match e {
-                Effect::Spawn(o) => Some(o.agent),
-                _ => None,
-            })
-            .collect();
-        let last_of =
-            |agent: AgentId, i: usize| !entries[i + 1..].iter().any(|later| later.agent() == agent);
-        for (i, entry) in entries.iter().enumerate() {
-            let agent = entry.agent();
-            let ack = if spawning.contains(&agent) && last_of(agent, i) {
+        // `take_journal` left one entry per subject.
+        for entry in entries {
+            let key = entry.key();
+            let ack = if acked.contains(&key) {
                 let (tx, rx) = oneshot::channel();
-                acks.insert(agent, rx);
+                acks.insert(key, rx);
                 Some(tx)
             } else {
                 None
             };
             // The writer ends only after every sender is gone.
-            let _ = writer.send(JournalOp::Write {
-                entry: entry.clone(),
-                at,
-                ack,
-            });
+            let _ = writer.send(JournalOp::Write { entry, at, ack });
         }
         acks
     }
@@ -382,11 +449,7 @@ impl Runtime {
         }));
     }
 
-    fn execute(
-        &self,
-        effect: Effect,
-        recorded: Option<oneshot::Receiver<Result<(), JournalError>>>,
-    ) {
+    fn execute(&self, effect: Effect, recorded: Option<RecordAck>) {
         match effect {
             Effect::Spawn(order) => self.launch_spawn(order, recorded),
             Effect::Destroy(order) => self.launch_destroy(order),
@@ -406,11 +469,7 @@ impl Runtime {
         self.inner.job_effects_rx.lock().take()
     }
 
-    fn launch_spawn(
-        &self,
-        order: SpawnOrder,
-        recorded: Option<oneshot::Receiver<Result<(), JournalError>>>,
-    ) {
+    fn launch_spawn(&self, order: SpawnOrder, recorded: Option<RecordAck>) {
         let agent = order.agent;
         let kind = order.scaler().kind;
         let Some(backend) = self.inner.backends.get(&kind).cloned() else {
@@ -640,6 +699,26 @@ impl Runtime {
 
     pub fn request_scale(&self, request: ScaleRequest) -> Result<ScaleOutcome, ScaleError> {
         self.call(|e, now| e.request_scale(request, now))
+    }
+
+    /// [`Runtime::request_scale`], and — when the request entered the
+    /// pending queue just now (a retry of a waiting job is not recorded
+    /// again) and the runtime keeps a journal — the acknowledgement of its
+    /// record: a caller answers "pending" only once that is committed.
+    pub fn request_scale_recorded(
+        &self,
+        request: ScaleRequest,
+    ) -> (Result<ScaleOutcome, ScaleError>, Option<RecordAck>) {
+        let job = request.job.clone();
+        let (outcome, ack) = self.call_recorded(|e, now| {
+            let known = e.is_pending(&job);
+            let outcome = e.request_scale(request, now);
+            let queued =
+                matches!(outcome, Ok(ScaleOutcome::Pending { .. })) && !known && e.is_pending(&job);
+            (outcome, queued.then(|| JournalKey::Pending(job.clone())))
+        });
+        self.inner.wake.notify_one();
+        (outcome, ack)
     }
 
     pub fn cancel_scale(&self, job: &JobId) -> bool {

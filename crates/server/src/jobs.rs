@@ -24,7 +24,7 @@
 //! With a state store ([`JobBook::durable`]) a job also outlives a crash of
 //! the daemon: its record (labels, command — never its environment —,
 //! state, agent, end) is written before the job is acknowledged and again
-//! at every change of state, through the same writer as pending requests
+//! at every change of state, through the state writer of the event stream
 //! ([`crate::persist`]), and deleted when the job is forgotten; its output
 //! is appended to a file as it arrives ([`spool`]). After a restart,
 //! [`JobBook::restore`] shows every recorded job again: one that had ended
@@ -40,7 +40,7 @@
 
 mod spool;
 
-use crate::persist::{JobRecorder, PendingRecorder, RecordAck};
+use crate::persist::{JobRecorder, PendingNotRecorded, RecordAck};
 use kici_engine::runtime::Runtime;
 use kici_engine::{JobEffect, JobLost, Mode, StopCause};
 use kici_engine::{PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
@@ -680,7 +680,7 @@ impl JobBook {
     }
 
     /// A job recorded before a restart that will not run (see
-    /// [`crate::persist::restore_pending`]): shown `failed` with `reason`,
+    /// [`kici_engine::Engine::recover_pending`]): shown `failed` with `reason`,
     /// forgotten like any finished job. A job [`JobBook::restore`] already
     /// took back is left as it is.
     pub fn restore_aborted(&self, id: JobId, labels: LabelSet, argv: Vec<String>, reason: String) {
@@ -1057,13 +1057,11 @@ pub enum SubmitError {
 /// Records the job and asks the engine for an agent. On `Err` nothing is
 /// kept. A durable book's record of the job is committed before the
 /// engine is asked (a job the store cannot record is not run: a crash
-/// would forget it); with a `recorder` (the daemon's state store), a job
-/// that has to wait has its pending request recorded before it is
-/// acknowledged (see [`crate::persist`]).
+/// would forget it); a job that has to wait is acknowledged only once its
+/// pending request's record (the engine's journal) is committed.
 pub async fn submit_recorded(
     runtime: &Runtime,
     jobs: &JobBook,
-    recorder: Option<&PendingRecorder>,
     request: JobRequest,
 ) -> Result<JobView, SubmitError> {
     let id = request.spec.job_id().clone();
@@ -1076,43 +1074,47 @@ pub async fn submit_recorded(
             return Err(SubmitError::Store(e.to_string()));
         }
     }
-    let view = submit_with(runtime, jobs, recorder, request)?;
-    if let Some((view, ack)) = view {
-        if let Err(e) = PendingRecorder::committed(runtime, &id, Some(ack)).await {
-            jobs.remove(&id);
-            return Err(SubmitError::Store(e.to_string()));
-        }
-        return Ok(view);
+    let (view, ack) = submit_with(runtime, jobs, request)?;
+    if let Err(e) = crate::persist::pending_committed(runtime, &id, ack).await {
+        jobs.remove(&id);
+        return Err(SubmitError::Store(store_error_text(&e)));
     }
-    jobs.view(&id)
-        .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))
+    Ok(view)
 }
 
-/// Records the job and asks the engine for an agent, without a state
-/// store. On `Err` nothing is kept.
+/// The error and its sources, for the API's message.
+fn store_error_text(e: &PendingNotRecorded) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Records the job and asks the engine for an agent, without waiting for
+/// a state store. On `Err` nothing is kept.
 pub fn submit(
     runtime: &Runtime,
     jobs: &JobBook,
     request: JobRequest,
 ) -> Result<JobView, SubmitError> {
-    let id = request.spec.job_id().clone();
     // No store to wait for here (`run`): a durable book still writes the
     // record, unawaited.
     let _ = jobs.insert(request.spec.clone(), request.labels.clone());
-    submit_with(runtime, jobs, None, request)?;
-    jobs.view(&id)
-        .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))
+    submit_with(runtime, jobs, request).map(|(view, _)| view)
 }
 
 /// Asks the engine for an agent for a job [`JobBook::insert`] recorded;
-/// on `Err` the job is removed. `Some((view, ack))` when a pending
-/// request's record was sent and must be awaited.
+/// on `Err` the job is removed. With the acknowledgement of its pending
+/// request's record when it has to wait (and the runtime keeps a journal).
 fn submit_with(
     runtime: &Runtime,
     jobs: &JobBook,
-    recorder: Option<&PendingRecorder>,
     request: JobRequest,
-) -> Result<Option<(JobView, RecordAck)>, SubmitError> {
+) -> Result<(JobView, Option<kici_engine::runtime::RecordAck>), SubmitError> {
     let id = request.spec.job_id().clone();
     let scale = ScaleRequest {
         job: id.clone(),
@@ -1122,13 +1124,9 @@ fn submit_with(
         resources: request.resources,
         mode: Mode::Standalone,
     };
-    let argv = request.spec.argv().to_vec();
-    // The job is in the book already: the engine's events about it may be
-    // followed before `request_scale` returns.
-    let (outcome, ack) = match recorder {
-        Some(r) => r.record_if_queued(runtime, scale, Some(&argv)),
-        None => (runtime.request_scale(scale), None),
-    };
+    // The job is in the book already: the engine's effects about it may be
+    // applied before `request_scale` returns.
+    let (outcome, ack) = runtime.request_scale_recorded(scale);
     let outcome = match outcome {
         Ok(o) => o,
         Err(e) => {
@@ -1158,7 +1156,7 @@ fn submit_with(
         .view(&id)
         .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))?;
     tracing::info!(job_id = %id, state = view.state.as_str(), agent_id = view.agent_id.as_deref(), "job submitted");
-    Ok(ack.map(|ack| (view, ack)))
+    Ok((view, ack))
 }
 
 /// Cancels a job: marks it cancelled, withdraws its scale request or

@@ -43,18 +43,12 @@ impl Pump {
         recorded: Option<(Persister, u64)>,
     ) -> Self {
         let mut rx = runtime.subscribe();
-        let runtime = runtime.clone();
         let (stop, mut stopped) = oneshot::channel();
         let task = tokio::spawn(async move {
             let base = recorded.as_ref().map_or(0, |(_, base)| *base);
             let persister = recorded.map(|(p, _)| p);
             let handle = |event: Arc<SequencedEvent>| {
                 metrics.observe(&event);
-                if let EngineEvent::PendingEnded { job_id, .. } = &event.event {
-                    if let Some(p) = &persister {
-                        p.pending_ended(job_id.clone());
-                    }
-                }
                 log_event(&event);
                 let logged = LoggedEvent::render(base + event.id, &event);
                 match &persister {
@@ -68,11 +62,9 @@ impl Pump {
                     received = rx.recv() => match received {
                         Ok(event) => handle(event),
                         Err(broadcast::error::RecvError::Lagged(n)) => {
-                            // Readers see the hole as a `reset`.
+                            // Readers see the hole as a `reset`; nothing
+                            // else depends on these events.
                             tracing::warn!(missed = n, "event pump fell behind; events dropped");
-                            if let Some(p) = &persister {
-                                p.resync(runtime.clone());
-                            }
                         }
                         Err(broadcast::error::RecvError::Closed) => break,
                     },
