@@ -1374,7 +1374,8 @@ impl Engine {
         }
     }
 
-    /// A failure: destroy, back off the label set, re-queue an unstarted orchestrator job or end a standalone one.
+    /// A failure: destroy, back off the label set, re-queue an unstarted
+    /// orchestrator job or end a standalone one.
     fn fail(
         &mut self,
         agent: AgentId,
