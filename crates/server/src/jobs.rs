@@ -697,12 +697,11 @@ impl JobBook {
     /// Takes back the jobs recorded before a restart (before the API
     /// serves and before any engine effect about them is applied): a job
     /// that had ended is shown as it ended; one that had not is ended now —
-    /// `failed`,
-    /// `end: aborted`, with why — and its record rewritten. Its output so
-    /// far is read back from its file; a job that had output but whose
-    /// file cannot be read is marked [`JobView::output_lost`]. Output files
-    /// of no recorded job are removed. Finished jobs beyond the limit are
-    /// forgotten, oldest first.
+    /// `failed`, `end: aborted`, with why — and its record rewritten. Its
+    /// output so far is read back from its file; a job that had output but
+    /// whose file cannot be read is marked [`JobView::output_lost`]. Output
+    /// files of no recorded job are removed. Finished jobs beyond the limit
+    /// are forgotten, oldest first.
     pub fn restore(&self, records: Vec<JobRecord>) -> JobsRestored {
         let mut done = JobsRestored::default();
         let mut b = self.books.lock();
