@@ -72,7 +72,7 @@ fn spawned(e: &mut Engine) -> AgentId {
         .into_iter()
         .find_map(|f| match f {
             Effect::Spawn(o) => Some(o.agent),
-            Effect::Destroy(_) => None,
+            _ => None,
         })
         .expect("a release over a cap of one admits one request")
 }

@@ -9,6 +9,13 @@
 //!
 //! Capacity is held by [`Reservation`] guards owned by agent records: an
 //! agent's reservation is dropped exactly once, when the agent reaches `gone`.
+//!
+//! This module holds the engine's types, scale requests and admission, the
+//! transitions (with the effects they order), shutdown and the views; its
+//! submodules each add one part of [`Engine`]'s behaviour: `warm` (warm
+//! pools), `reports` (what backends and agents report), `timers`
+//! (deadlines), `switches` (cordon, drain), `reload`, and `recovery` (the
+//! journal and taking agents and pending requests back after a restart).
 
 use crate::backend::ResourceHandle;
 use crate::breaker::{Breaker, BreakerState};
@@ -28,7 +35,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod recovery;
-pub use recovery::{DurableAgent, JournalEntry, RecoverError, Recovered};
+mod reload;
+mod reports;
+mod switches;
+mod timers;
+mod warm;
+pub use recovery::{
+    DurableAgent, DurablePending, JournalEntry, JournalKey, PendingRecovered, RecoverError,
+    Recovered,
+};
 
 /// A gone agent as last seen, kept for `GET /v1/agents?all=true`.
 #[derive(Debug, Clone)]
@@ -69,6 +84,11 @@ pub struct EngineSettings {
     /// The agent's own idle window after a job when no warm pool sets one
     /// (`KICI_SCALER_IDLE_TIMEOUT`'s contract default, 5 s).
     pub agent_idle_default: Duration,
+    /// How many events the runtime's event stream buffers for each
+    /// observer; a slower observer misses the oldest (it is told how
+    /// many). Nothing that must happen depends on it: control flows
+    /// through effects.
+    pub event_buffer: usize,
 }
 
 impl Default for EngineSettings {
@@ -80,6 +100,7 @@ impl Default for EngineSettings {
             gone_history: 1000,
             destroy_retry: Duration::from_secs(30),
             agent_idle_default: Duration::from_secs(5),
+            event_buffer: 4096,
         }
     }
 }
@@ -107,19 +128,37 @@ pub enum ScaleOutcome {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ScaleError {
     #[error("job {0} was already requested with a different body")]
     Conflict(JobId),
     #[error("the pending queue is full ({0} requests)")]
     QueueFull(usize),
     /// The machine-pool ledger (or the admission layer) failed; nothing
-    /// was reserved.
-    #[error("admission failed: {0}")]
-    Admission(String),
+    /// was reserved. The admission error is kept whole (`source()`).
+    #[error("admission failed")]
+    Admission(#[source] Arc<AdmitError>),
     #[error("the engine is shutting down")]
     ShuttingDown,
 }
+
+impl PartialEq for ScaleError {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Conflict(a), Self::Conflict(b)) => a == b,
+            (Self::QueueFull(a), Self::QueueFull(b)) => a == b,
+            // The admission error has no equality of its own: the same
+            // failure, or one that reads the same.
+            (Self::Admission(a), Self::Admission(b)) => {
+                Arc::ptr_eq(a, b) || a.to_string() == b.to_string()
+            }
+            (Self::ShuttingDown, Self::ShuttingDown) => true,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for ScaleError {}
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AgentError {
@@ -148,11 +187,83 @@ pub struct Registration {
     pub mandatory_labels: LabelSet,
 }
 
-/// What the outside world must do.
+/// What the outside world must do, in the order the engine decided it.
+/// Every effect is executed (never dropped, never reordered): control flows
+/// through effects, never through [`EngineEvent`]s, which are for observers
+/// (SSE, metrics, logs) and may be lost by a slow one.
 #[derive(Debug, Clone)]
 pub enum Effect {
     Spawn(SpawnOrder),
     Destroy(DestroyOrder),
+    /// The agent is gone: revoke what was minted for it (its token).
+    Revoke(AgentId),
+    /// Something happened to a standalone job that its dispatcher must act
+    /// on. Orchestrator-mode jobs never produce one: their dispatcher is
+    /// the orchestrator.
+    Job(JobEffect),
+}
+
+/// What a standalone job's dispatcher (the daemon's job book and agent
+/// gateway) must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobEffect {
+    /// The job was admitted: `agent` is being provisioned for it and will
+    /// be handed it once it registers (the registration names the job).
+    Bound { job: JobId, agent: AgentId },
+    /// An idle warm agent took the job: it is already connected, so the
+    /// dispatcher sends it the job on its open connection.
+    Dispatch { job: JobId, agent: AgentId },
+    /// The job cannot run to its end any more; it is never re-queued (a
+    /// standalone job is not retried on another agent).
+    Ended { job: JobId, lost: JobLost },
+}
+
+/// Why a standalone job ended without its command's own end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobLost {
+    /// It left the pending queue without an agent (cancelled, expired, no
+    /// scaler accepts it or it no longer fits after a reload).
+    Pending(PendingEnd),
+    /// Its request was cancelled while its agent was being provisioned.
+    Cancelled { agent: AgentId },
+    /// Its agent failed before the job ended.
+    AgentFailed {
+        agent: AgentId,
+        reason: FailureReason,
+        detail: Option<String>,
+    },
+    /// Its agent was stopped before the job ended.
+    AgentStopped { agent: AgentId, cause: StopCause },
+}
+
+/// Why an agent changed state, when it was not its own doing: what
+/// stopped it, or a destroy being retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransitionCause {
+    Stop(StopCause),
+    /// A destroy failed and is retried (`destroying` → `destroying`).
+    DestroyRetry,
+}
+
+impl TransitionCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop(c) => c.as_str(),
+            Self::DestroyRetry => "destroy-retry",
+        }
+    }
+}
+
+impl std::fmt::Display for TransitionCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for TransitionCause {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
 }
 
 /// Ask a backend to bring an agent up.
@@ -202,7 +313,7 @@ pub enum EngineEvent {
         #[serde(skip_serializing_if = "Option::is_none")]
         failure_reason: Option<FailureReason>,
         #[serde(skip_serializing_if = "Option::is_none")]
-        cause: Option<&'static str>,
+        cause: Option<TransitionCause>,
         #[serde(skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
         /// Seconds spent in `from`.
@@ -475,7 +586,7 @@ impl Engine {
         request: ScaleRequest,
         now: Instant,
     ) -> Result<ScaleOutcome, ScaleError> {
-        self.request_scale_arrived(request, now, now)
+        self.request_scale_arrived(request, now, now, true)
     }
 
     /// Re-queues a scale request recorded before a restart, as if it had
@@ -498,7 +609,9 @@ impl Engine {
         // than the host's uptime) is clamped to now; its expiry still
         // counts from the recorded arrival below.
         let arrived = now.checked_sub(waited).unwrap_or(now);
-        self.request_scale_arrived(request, arrived, now).map(Some)
+        // Its record is there already, as it was.
+        self.request_scale_arrived(request, arrived, now, false)
+            .map(Some)
     }
 
     /// Whether `job` waits in the pending queue.
@@ -511,6 +624,7 @@ impl Engine {
         request: ScaleRequest,
         arrived: Instant,
         now: Instant,
+        record: bool,
     ) -> Result<ScaleOutcome, ScaleError> {
         if self.shutting_down {
             return Err(ScaleError::ShuttingDown);
@@ -560,6 +674,9 @@ impl Engine {
                 agent: None,
             },
         );
+        if record {
+            self.journal_pending(&request, arrived, now);
+        }
         self.pending.insert(PendingEntry {
             scaler: scaler.name.clone(),
             scaler_index: route.scaler,
@@ -571,9 +688,11 @@ impl Engine {
             refused_for: None,
         });
         if let Err(e) = self.serve_pending(now) {
-            // The ledger failed: undo this request entirely, report it.
+            // The ledger failed: undo this request entirely, its record
+            // included (the two collapse into one delete), report it.
             self.pending.remove(&job);
             self.jobs.remove(&job);
+            self.journal.push(JournalEntry::ForgetPending(job));
             return Err(e);
         }
         let agent = self.jobs.get(&job).and_then(|r| r.agent);
@@ -642,10 +761,18 @@ impl Engine {
             .is_some_and(|a| a.state.is_spawning());
         if early {
             self.jobs.remove(job);
+            let mut standalone = false;
             if let Some(a) = self.agents.get_mut(&agent) {
                 a.job = None;
+                standalone = a.mode == Mode::Standalone;
             }
             self.stop(agent, StopCause::Cancelled, now);
+            if standalone {
+                self.effects.push(Effect::Job(JobEffect::Ended {
+                    job: job.clone(),
+                    lost: JobLost::Cancelled { agent },
+                }));
+            }
         }
         early
     }
@@ -704,7 +831,7 @@ impl Engine {
             );
         }
         match plan.error {
-            Some(e) => Err(ScaleError::Admission(e)),
+            Some(e) => Err(ScaleError::Admission(Arc::new(e))),
             None => Ok(()),
         }
     }
@@ -722,6 +849,14 @@ impl Engine {
     }
 
     fn pending_ended(&mut self, entry: &PendingEntry, end: PendingEnd, now: Instant) {
+        self.journal
+            .push(JournalEntry::ForgetPending(entry.request.job.clone()));
+        if entry.request.mode == Mode::Standalone && end != PendingEnd::Admitted {
+            self.effects.push(Effect::Job(JobEffect::Ended {
+                job: entry.request.job.clone(),
+                lost: JobLost::Pending(end),
+            }));
+        }
         self.events.push(EngineEvent::PendingEnded {
             job_id: entry.request.job.clone(),
             scaler: entry.scaler.clone(),
@@ -797,377 +932,12 @@ impl Engine {
         };
         self.next_seq += 1;
         self.agents.insert(id, agent);
+        if let (Mode::Standalone, Some(job)) = (mode, order.job.clone()) {
+            self.effects
+                .push(Effect::Job(JobEffect::Bound { job, agent: id }));
+        }
         self.effects.push(Effect::Spawn(order));
         self.step(id, AgentEvent::ProvisionStarted, now);
-    }
-
-    // ----- warm pools -------------------------------------------------------
-
-    /// Binds the job to an idle warm agent of the routed label set whose
-    /// reservation covers exactly the job's requests; one replacement follows.
-    fn take_warm(
-        &mut self,
-        route: Route,
-        request: &ScaleRequest,
-        resources: EffectiveResources,
-        now: Instant,
-    ) -> Option<AgentId> {
-        let name = &self.config.scalers[route.scaler].name;
-        let id = self
-            .agents
-            .values()
-            .filter(|a| {
-                a.warm
-                    && a.state == AgentState::Idle
-                    && a.job.is_none()
-                    && a.name() == name
-                    && a.label_set == route.label_set
-                    && a.requests() == resources.requests
-            })
-            .min_by_key(|a| (a.since, a.seq))
-            .map(|a| a.id)?;
-        self.jobs.insert(
-            request.job.clone(),
-            JobRecord {
-                request: Some(request.clone()),
-                agent: Some(id),
-            },
-        );
-        if let Some(a) = self.agents.get_mut(&id) {
-            a.job = Some(request.job.clone());
-            a.run_id.clone_from(&request.run_id);
-            a.mode = request.mode;
-            // The agent leaves the pool: it is a job agent from now on.
-            a.warm = false;
-            a.from_pool = true;
-        }
-        self.step(id, AgentEvent::JobStarted, now);
-        self.refill_warm(now);
-        Some(id)
-    }
-
-    /// The agents that count toward a label set's warm pool: spawned warm,
-    /// not taken, not on their way out.
-    fn warm_members<'a>(
-        &'a self,
-        scaler: &'a ScalerName,
-        label_set: usize,
-    ) -> impl Iterator<Item = &'a Agent> + 'a {
-        self.agents.values().filter(move |a| {
-            a.warm
-                && a.name() == scaler
-                && a.label_set == label_set
-                && !matches!(
-                    a.state,
-                    AgentState::Draining | AgentState::Destroying | AgentState::Gone
-                )
-        })
-    }
-
-    /// Spawns warm agents until every warm label set has `size` idle or
-    /// in-flight warm agents. Never ahead of pending requests of the same
-    /// scaler, never past a cap, never while the label set backs off.
-    fn refill_warm(&mut self, now: Instant) {
-        if self.shutting_down {
-            return;
-        }
-        let config = Arc::clone(&self.config);
-        for (si, scaler) in config.scalers.iter().enumerate() {
-            let target = scaler.warm_target() as usize;
-            let switches = self.switches.get(&scaler.name).copied().unwrap_or_default();
-            if target == 0 || switches.cordoned || switches.draining {
-                continue;
-            }
-            if self.pending.count_for(scaler.name.as_str()) > 0 {
-                continue;
-            }
-            for (li, ls) in scaler.label_sets.iter().enumerate() {
-                let have = self.warm_members(&scaler.name, li).count();
-                let key = (scaler.name.clone(), ls.labels.clone());
-                for _ in have..target {
-                    if self
-                        .breakers
-                        .get(&key)
-                        .is_some_and(|b| b.check(now).is_err())
-                    {
-                        break;
-                    }
-                    let resources = EffectiveResources::resolve(&[
-                        ls.resources.as_ref(),
-                        config.defaults.as_ref(),
-                    ]);
-                    let agent = self.fresh_agent_id(scaler.kind, &[]);
-                    let demand = Demand {
-                        agent,
-                        scaler: scaler.name.clone(),
-                        requests: resources.requests,
-                        pool: scaler.machine_pool.clone(),
-                    };
-                    match self.admission.try_reserve(demand, &Holds::none()) {
-                        Ok(reservation) => {
-                            self.start_agent(agent, si, li, reservation, resources, None, now)
-                        }
-                        Err(_) => break,
-                    }
-                }
-            }
-        }
-    }
-
-    // ----- reports from backends and agents ---------------------------------
-
-    /// The backend reports the resource up.
-    pub fn spawn_succeeded(&mut self, agent: AgentId, handle: ResourceHandle, now: Instant) {
-        let Some(a) = self.agents.get_mut(&agent) else {
-            return;
-        };
-        a.handle = Some(handle);
-        if matches!(a.state, AgentState::Requested | AgentState::Provisioning) {
-            self.step(agent, AgentEvent::Booted, now);
-        } else {
-            // Registration came first; the handle still has to be recorded.
-            self.journal_agent(agent, now);
-        }
-    }
-
-    /// The backend could not create the resource.
-    pub fn spawn_failed(&mut self, agent: AgentId, detail: String, now: Instant) {
-        self.fail(agent, FailureReason::ProvisionError, Some(detail), now);
-    }
-
-    /// The agent's process/container/VM ended, or the guest failed to boot.
-    pub fn agent_exited(
-        &mut self,
-        agent: AgentId,
-        boot_failure: bool,
-        detail: String,
-        now: Instant,
-    ) {
-        let Some(a) = self.agents.get(&agent) else {
-            return;
-        };
-        if a.state.is_spawning() {
-            let reason = if boot_failure {
-                FailureReason::BootFailure
-            } else {
-                FailureReason::ExitedEarly
-            };
-            self.fail(agent, reason, Some(detail), now);
-        } else if !matches!(a.state, AgentState::Destroying | AgentState::Gone) {
-            self.stop(agent, StopCause::Disconnected, now);
-        }
-    }
-
-    /// A valid registration (the token was checked by the caller).
-    pub fn agent_registered(
-        &mut self,
-        agent: AgentId,
-        now: Instant,
-    ) -> Result<Registration, AgentError> {
-        let a = self.agents.get(&agent).ok_or_else(|| self.unknown(agent))?;
-        let state = a.state;
-        let registration = Registration {
-            bound_job_id: a.job.clone(),
-            mandatory_labels: a.scaler().mandatory_labels.clone(),
-        };
-        match state {
-            // Idempotent: a retried call gets the same answer.
-            AgentState::Registered | AgentState::Idle | AgentState::Busy => {
-                return Ok(registration)
-            }
-            AgentState::Requested => {
-                self.step(agent, AgentEvent::ProvisionStarted, now);
-            }
-            _ => {}
-        }
-        let key = self.breaker_key(agent);
-        self.apply(agent, AgentEvent::Registered, now, None, None)?;
-        if let Some(b) = key.and_then(|k| self.breakers.get_mut(&k)) {
-            let was = b.state(now);
-            b.on_success();
-            if was != BreakerState::Closed {
-                self.breaker_changed(agent, BreakerState::Closed);
-            }
-        }
-        if registration.bound_job_id.is_none() {
-            self.apply(agent, AgentEvent::NoJobBound, now, None, None)?;
-            // An unbound agent of a draining or removed scaler leaves at once.
-            if self.should_leave_idle(agent) {
-                self.drain_idle(agent, StopCause::ScaleIn, now);
-            }
-        }
-        Ok(registration)
-    }
-
-    fn should_leave_idle(&self, agent: AgentId) -> bool {
-        let Some(a) = self.agents.get(&agent) else {
-            return false;
-        };
-        a.drain_after_job
-            || self.switches.get(a.name()).is_some_and(|s| s.draining)
-            || self.config.scaler(a.name().as_str()).is_none()
-    }
-
-    /// The orchestrator (or our gateway) handed `job` to the agent.
-    pub fn job_started(
-        &mut self,
-        agent: AgentId,
-        job: JobId,
-        now: Instant,
-    ) -> Result<(), AgentError> {
-        let a = self
-            .agents
-            .get_mut(&agent)
-            .ok_or(AgentError::NotOurs(agent))?;
-        match a.state {
-            AgentState::Busy if a.job.as_ref() == Some(&job) => Ok(()),
-            AgentState::Busy => Err(AgentError::WrongJob {
-                agent,
-                current: a.job.clone().unwrap_or_else(|| job.clone()),
-                given: job,
-            }),
-            _ => {
-                a.job = Some(job);
-                a.warm = false;
-                self.apply(agent, AgentEvent::JobStarted, now, None, None)?;
-                Ok(())
-            }
-        }
-    }
-
-    /// The job ended. Standalone: the agent is destroyed; orchestrator mode:
-    /// it goes idle and may take another job (unless its scaler drains).
-    pub fn job_completed(
-        &mut self,
-        agent: AgentId,
-        job: &JobId,
-        exit_code: Option<i32>,
-        now: Instant,
-    ) -> Result<(), AgentError> {
-        let a = self
-            .agents
-            .get_mut(&agent)
-            .ok_or(AgentError::NotOurs(agent))?;
-        if a.state != AgentState::Busy {
-            // Idempotent: a retried completion, or one after disconnect.
-            return Ok(());
-        }
-        if a.job.as_ref() != Some(job) {
-            return Err(AgentError::WrongJob {
-                agent,
-                current: a.job.clone().unwrap_or_else(|| job.clone()),
-                given: job.clone(),
-            });
-        }
-        a.last_exit_code = exit_code;
-        a.job = None;
-        let mode = a.mode;
-        let drain = a.drain_after_job;
-        let name = a.name().clone();
-        let draining = self.switches.get(&name).is_some_and(|s| s.draining)
-            || self.config.scaler(name.as_str()).is_none();
-        self.jobs.remove(job);
-        let event = AgentEvent::JobCompleted {
-            mode,
-            drain: drain || draining,
-        };
-        self.apply(agent, event, now, None, None)?;
-        if self
-            .agents
-            .get(&agent)
-            .is_some_and(|a| a.state == AgentState::Destroying)
-        {
-            self.issue_destroy(agent, now);
-        }
-        Ok(())
-    }
-
-    /// The agent's connection closed: destroy it (every mode).
-    pub fn agent_disconnected(&mut self, agent: AgentId, now: Instant) -> Result<(), AgentError> {
-        let a = self.agents.get(&agent).ok_or_else(|| self.unknown(agent))?;
-        if !matches!(a.state, AgentState::Destroying | AgentState::Gone) {
-            self.stop(agent, StopCause::Disconnected, now);
-        }
-        Ok(())
-    }
-
-    /// Operator DELETE.
-    pub fn destroy_agent(&mut self, agent: AgentId, now: Instant) -> Result<(), AgentError> {
-        let a = self.agents.get(&agent).ok_or_else(|| self.unknown(agent))?;
-        if !matches!(a.state, AgentState::Destroying | AgentState::Gone) {
-            self.stop(agent, StopCause::Operator, now);
-        }
-        Ok(())
-    }
-
-    /// Every release step of the backend finished: the agent is gone and its
-    /// reservation is released, which may admit pending requests.
-    pub fn destroy_finished(&mut self, agent: AgentId, now: Instant) {
-        let Some(a) = self.agents.get(&agent) else {
-            return;
-        };
-        if a.state != AgentState::Destroying {
-            return;
-        }
-        self.step(agent, AgentEvent::Released, now);
-        if let Some(mut a) = self.agents.remove(&agent) {
-            // Its last view keeps what it had (job, resources) for
-            // `GET /v1/agents?all=true`: taken before they are released.
-            let view = self.view(&a, now);
-            // The single release of this agent's capacity.
-            drop(a.reservation.take());
-            if let Some(job) = a.job.take() {
-                if self.jobs.get(&job).is_some_and(|r| r.agent == Some(agent)) {
-                    self.jobs.remove(&job);
-                }
-            }
-            self.gone.push_back(GoneAgent { view, since: now });
-            while self.gone.len() > self.settings.gone_history {
-                self.gone.pop_front();
-            }
-        }
-        self.after_release(now);
-    }
-
-    /// The backend could not finish destroying; it is retried later.
-    pub fn destroy_failed(&mut self, agent: AgentId, detail: String, now: Instant) {
-        if let Some(a) = self.agents.get_mut(&agent) {
-            if a.state == AgentState::Destroying {
-                let failures = a.destroy.map_or(0, DestroyProgress::failures) + 1;
-                a.destroy = Some(DestroyProgress::Backoff {
-                    at: now + destroy_backoff(failures, self.settings.destroy_retry),
-                    failures,
-                });
-                let (scaler, backend) = (a.name().clone(), a.scaler().kind);
-                self.events.push(EngineEvent::AgentTransition {
-                    agent_id: agent,
-                    scaler,
-                    backend,
-                    from: AgentState::Destroying,
-                    to: AgentState::Destroying,
-                    job_id: None,
-                    failure_reason: None,
-                    cause: Some("destroy-retry"),
-                    detail: Some(detail),
-                    seconds_in_state: 0.0,
-                });
-            }
-        }
-    }
-
-    fn after_release(&mut self, now: Instant) {
-        // A ledger failure here leaves requests pending; they are retried on
-        // the next release or tick.
-        let _ = self.serve_pending(now);
-        self.refill_warm(now);
-    }
-
-    fn unknown(&self, agent: AgentId) -> AgentError {
-        if self.gone.iter().any(|g| g.view.agent_id == agent) {
-            AgentError::Gone(agent)
-        } else {
-            AgentError::NotOurs(agent)
-        }
     }
 
     // ----- transitions ------------------------------------------------------
@@ -1178,7 +948,7 @@ impl Engine {
         agent: AgentId,
         event: AgentEvent,
         now: Instant,
-        cause: Option<&'static str>,
+        cause: Option<TransitionCause>,
         detail: Option<String>,
     ) -> Result<AgentState, AgentError> {
         let a = self
@@ -1239,7 +1009,8 @@ impl Engine {
         }
     }
 
-    /// A failure: destroy, back off the label set, re-queue an unstarted job.
+    /// A failure: destroy, back off the label set, re-queue an unstarted
+    /// orchestrator job or end a standalone one.
     fn fail(
         &mut self,
         agent: AgentId,
@@ -1247,7 +1018,7 @@ impl Engine {
         detail: Option<String>,
         now: Instant,
     ) {
-        let Ok(_) = self.apply(agent, AgentEvent::Failed(reason), now, None, detail) else {
+        let Ok(_) = self.apply(agent, AgentEvent::Failed(reason), now, None, detail.clone()) else {
             return;
         };
         if reason.counts_against_label_set() {
@@ -1266,12 +1037,47 @@ impl Engine {
                 }
             }
         }
-        self.requeue_unstarted_job(agent, now);
+        if !self.end_standalone_job(agent, |agent| JobLost::AgentFailed {
+            agent,
+            reason,
+            detail,
+        }) {
+            self.requeue_unstarted_job(agent, now);
+        }
         self.issue_destroy(agent, now);
     }
 
-    /// A job whose agent failed before starting it is not lost: it goes back
-    /// to the queue with its original arrival time (and waits for backoff).
+    /// A standalone agent leaves with its job unfinished: the job ends
+    /// (it is never re-queued: its submitter is told at once, and running
+    /// it on another agent is not ours to decide). Returns whether the
+    /// agent is a standalone one. The agent keeps the job id for its last
+    /// events and view.
+    fn end_standalone_job(
+        &mut self,
+        agent: AgentId,
+        lost: impl FnOnce(AgentId) -> JobLost,
+    ) -> bool {
+        let Some(a) = self.agents.get(&agent) else {
+            return false;
+        };
+        if a.mode != Mode::Standalone {
+            return false;
+        }
+        if let Some(job) = a.job.clone() {
+            if self.jobs.get(&job).is_some_and(|r| r.agent == Some(agent)) {
+                self.jobs.remove(&job);
+            }
+            self.effects.push(Effect::Job(JobEffect::Ended {
+                job,
+                lost: lost(agent),
+            }));
+        }
+        true
+    }
+
+    /// An orchestrator job whose agent failed before starting it is not
+    /// lost: it goes back to the queue with its original arrival time (and
+    /// waits for backoff).
     fn requeue_unstarted_job(&mut self, agent: AgentId, now: Instant) {
         let Some(a) = self.agents.get_mut(&agent) else {
             return;
@@ -1298,6 +1104,7 @@ impl Engine {
             return;
         };
         let resources = self.resolve_resources(&request, route);
+        self.journal_pending(&request, enqueued, now);
         self.pending.insert(PendingEntry {
             scaler: self.config.scalers[route.scaler].name.clone(),
             scaler_index: route.scaler,
@@ -1317,11 +1124,12 @@ impl Engine {
                 agent,
                 AgentEvent::Stop(cause),
                 now,
-                Some(cause.as_str()),
+                Some(TransitionCause::Stop(cause)),
                 None,
             )
             .is_ok()
         {
+            self.end_standalone_job(agent, |agent| JobLost::AgentStopped { agent, cause });
             self.issue_destroy(agent, now);
         }
     }
@@ -1332,7 +1140,7 @@ impl Engine {
                 agent,
                 AgentEvent::Drain(cause),
                 now,
-                Some(cause.as_str()),
+                Some(TransitionCause::Stop(cause)),
                 None,
             )
             .is_ok()
@@ -1355,299 +1163,6 @@ impl Engine {
             handle: a.handle.clone(),
             grace: a.scaler().ext.deadlines.destroy_grace,
         }));
-    }
-
-    // ----- timers -------------------------------------------------------------
-
-    /// The earliest instant at which [`Engine::tick`] has something to do.
-    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        let agents = self
-            .agents
-            .values()
-            .filter_map(|a| a.deadline(&self.settings));
-        let pending = self.pending.next_expiry();
-        // Breakers matter only while they hold back a waiting request or a
-        // warm-pool refill.
-        let someone_waits =
-            !self.pending.is_empty() || self.config.scalers.iter().any(|s| s.warm_target() > 0);
-        let breakers = self
-            .breakers
-            .values()
-            .filter(|_| someone_waits)
-            .filter_map(|b| b.next_change(now));
-        agents.chain(pending).chain(breakers).min()
-    }
-
-    /// Fires every deadline that has passed.
-    pub fn tick(&mut self, now: Instant) {
-        let due: Vec<(AgentId, AgentState)> = self
-            .agents
-            .values()
-            .filter(|a| a.deadline(&self.settings).is_some_and(|d| d <= now))
-            .map(|a| (a.id, a.state))
-            .collect();
-        for (id, state) in due {
-            let Some(a) = self.agents.get(&id) else {
-                continue;
-            };
-            let lifetime_over = now >= a.created + a.scaler().ext.deadlines.max_lifetime;
-            match state {
-                AgentState::Destroying => self.issue_destroy(id, now),
-                _ if lifetime_over => {
-                    self.fail(id, FailureReason::LifetimeExceeded, None, now);
-                }
-                AgentState::Requested | AgentState::Provisioning => {
-                    self.fail(id, FailureReason::ProvisionTimeout, None, now)
-                }
-                AgentState::Booted => self.fail(id, FailureReason::RegistrationTimeout, None, now),
-                AgentState::Registered => {
-                    self.fail(id, FailureReason::PendingDispatchTimeout, None, now)
-                }
-                AgentState::Idle => self.drain_idle(id, StopCause::IdleExpired, now),
-                AgentState::Busy | AgentState::Draining | AgentState::Gone => {}
-            }
-        }
-        let expired = self.pending.take_expired(now);
-        for entry in expired {
-            self.jobs.remove(&entry.request.job);
-            self.pending_ended(&entry, PendingEnd::Expired, now);
-        }
-        self.after_release(now);
-    }
-
-    // ----- operator switches ------------------------------------------------
-
-    fn scaler_index(&self, name: &str) -> Result<usize, AgentError> {
-        self.router
-            .scaler_index(name)
-            .ok_or_else(|| AgentError::UnknownScaler(name.to_owned()))
-    }
-
-    /// Stop routing new requests to a scaler; running agents are untouched.
-    pub fn cordon(&mut self, name: &str) -> Result<(), AgentError> {
-        self.set_switches(name, |s| s.cordoned = true)
-    }
-
-    pub fn uncordon(&mut self, name: &str, now: Instant) -> Result<(), AgentError> {
-        self.set_switches(name, |s| *s = ScalerSwitches::default())?;
-        self.after_release(now);
-        Ok(())
-    }
-
-    /// Cordon, cancel the scaler's pending requests, destroy its idle agents,
-    /// let busy ones finish their job and then leave.
-    pub fn drain(&mut self, name: &str, now: Instant) -> Result<(), AgentError> {
-        self.set_switches(name, |s| {
-            s.cordoned = true;
-            s.draining = true;
-        })?;
-        let cancelled = self.pending.take_where(|e| e.scaler.as_str() == name);
-        for entry in cancelled {
-            self.jobs.remove(&entry.request.job);
-            self.pending_ended(&entry, PendingEnd::Cancelled, now);
-        }
-        self.drain_agents_of(name, now);
-        Ok(())
-    }
-
-    fn drain_agents_of(&mut self, name: &str, now: Instant) {
-        let ids: Vec<AgentId> = self
-            .agents
-            .values()
-            .filter(|a| a.name().as_str() == name)
-            .map(|a| a.id)
-            .collect();
-        for id in ids {
-            let Some(a) = self.agents.get_mut(&id) else {
-                continue;
-            };
-            a.drain_after_job = true;
-            match a.state {
-                AgentState::Idle => self.drain_idle(id, StopCause::ScaleIn, now),
-                // Unbound (warm) agents still coming up are not needed.
-                s if s.is_spawning() && a.job.is_none() => self.stop(id, StopCause::ScaleIn, now),
-                _ => {}
-            }
-        }
-    }
-
-    fn set_switches(
-        &mut self,
-        name: &str,
-        f: impl FnOnce(&mut ScalerSwitches),
-    ) -> Result<(), AgentError> {
-        let index = self.scaler_index(name)?;
-        let key = self.config.scalers[index].name.clone();
-        let switches = self.switches.entry(key.clone()).or_default();
-        f(switches);
-        let s = *switches;
-        if s.cordoned {
-            self.cordons.insert(index);
-        } else {
-            self.cordons.remove(index);
-        }
-        self.events.push(EngineEvent::ScalerCordon {
-            scaler: key,
-            cordoned: s.cordoned,
-            draining: s.draining,
-        });
-        Ok(())
-    }
-
-    // ----- reload -------------------------------------------------------------
-
-    /// Applies a new, fully validated configuration atomically. Removed
-    /// scalers (and scalers whose `type` changed) stop routing at once, their
-    /// pending requests are cancelled and their agents finish and leave.
-    pub fn reload(
-        &mut self,
-        config: Arc<Config>,
-        now: Instant,
-    ) -> Result<ReloadReport, ReloadError> {
-        self.admission
-            .reconfigure(&config)
-            .map_err(|e| ReloadError::Admission(e.to_string()))?;
-        let old = std::mem::replace(&mut self.config, Arc::clone(&config));
-        self.router = Router::new(&config, &self.host);
-        let changes: Vec<String> = kici_config::diff(&old, &config)
-            .iter()
-            .map(|c| c.to_string())
-            .collect();
-        for change in &changes {
-            tracing::info!(change = %change, "config reload: field changed");
-        }
-        let kept = |name: &ScalerName, kind: ScalerType| {
-            config.scaler(name.as_str()).is_some_and(|s| s.kind == kind)
-        };
-        let removed: Vec<ScalerName> = old
-            .scalers
-            .iter()
-            .filter(|s| !kept(&s.name, s.kind))
-            .map(|s| s.name.clone())
-            .collect();
-        let added: Vec<ScalerName> = config
-            .scalers
-            .iter()
-            .filter(|s| old.scaler(s.name.as_str()).is_none_or(|o| o.kind != s.kind))
-            .map(|s| s.name.clone())
-            .collect();
-        // Switches survive for scalers that stay.
-        self.switches
-            .retain(|name, _| !removed.contains(name) && config.scaler(name.as_str()).is_some());
-        self.cordons = CordonSet::from_indices(
-            config
-                .scalers
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| self.switches.get(&s.name).is_some_and(|w| w.cordoned))
-                .map(|(i, _)| i),
-        );
-        // Agents of removed scalers finish and leave.
-        for name in &removed {
-            let ids: Vec<AgentId> = self
-                .agents
-                .values()
-                .filter(|a| {
-                    a.name() == name
-                        && a.scaler().kind
-                            == old
-                                .scaler(name.as_str())
-                                .map_or(a.scaler().kind, |s| s.kind)
-                })
-                .map(|a| a.id)
-                .collect();
-            for id in ids {
-                if let Some(a) = self.agents.get_mut(&id) {
-                    a.drain_after_job = true;
-                }
-            }
-            self.drain_agents_of(name.as_str(), now);
-        }
-        // Re-route every pending request against the new config.
-        let entries = self.pending.take_where(|_| true);
-        let mut report = ReloadReport {
-            added: added.iter().map(|n| n.to_string()).collect(),
-            removed: removed.iter().map(|n| n.to_string()).collect(),
-            cancelled: Vec::new(),
-            changes,
-        };
-        for mut entry in entries {
-            let was_removed = removed.contains(&entry.scaler);
-            let route = self.router.route(
-                &entry.request.labels,
-                &entry.request.exclude,
-                &CordonSet::none(),
-            );
-            match route {
-                Some(route)
-                    if !was_removed || config.scalers[route.scaler].name != entry.scaler =>
-                {
-                    entry.scaler = config.scalers[route.scaler].name.clone();
-                    entry.scaler_index = route.scaler;
-                    entry.label_set = route.label_set;
-                    entry.resources = self.resolve_resources(&entry.request, route);
-                    self.pending.insert(entry);
-                }
-                _ => {
-                    self.jobs.remove(&entry.request.job);
-                    report.cancelled.push(entry.request.job.to_string());
-                    let end = if was_removed {
-                        PendingEnd::Cancelled
-                    } else {
-                        PendingEnd::NoBackend
-                    };
-                    self.pending_ended(&entry, end, now);
-                }
-            }
-        }
-        self.rebuild_breakers();
-        self.shrink_warm(now);
-        self.events.push(EngineEvent::Reloaded {
-            added: report.added.clone(),
-            removed: report.removed.clone(),
-        });
-        self.after_release(now);
-        Ok(report)
-    }
-
-    fn rebuild_breakers(&mut self) {
-        let mut live = HashSet::new();
-        for scaler in &self.config.scalers {
-            for ls in &scaler.label_sets {
-                let key = (scaler.name.clone(), ls.labels.clone());
-                self.breakers
-                    .entry(key.clone())
-                    .and_modify(|b| b.set_policy(scaler.ext.backoff))
-                    .or_insert_with(|| Breaker::new(scaler.ext.backoff));
-                live.insert(key);
-            }
-        }
-        self.breakers.retain(|k, _| live.contains(k));
-    }
-
-    /// A smaller warm target destroys the newest idle warm agents first.
-    fn shrink_warm(&mut self, now: Instant) {
-        let config = Arc::clone(&self.config);
-        for scaler in &config.scalers {
-            let target = scaler.warm_target() as usize;
-            for li in 0..scaler.label_sets.len() {
-                let mut warm: Vec<((Instant, u64), AgentId, AgentState)> = self
-                    .warm_members(&scaler.name, li)
-                    .map(|a| ((a.created, a.seq), a.id, a.state))
-                    .collect();
-                if warm.len() <= target {
-                    continue;
-                }
-                warm.sort_by_key(|w| w.0);
-                for (_, id, state) in warm.split_off(target) {
-                    match state {
-                        AgentState::Idle => self.drain_idle(id, StopCause::ScaleIn, now),
-                        s if s.is_spawning() => self.stop(id, StopCause::ScaleIn, now),
-                        _ => {}
-                    }
-                }
-            }
-        }
     }
 
     // ----- shutdown -----------------------------------------------------------
@@ -1859,7 +1374,7 @@ impl Admitter for PassAdmitter<'_> {
                     e @ (AdmitError::Ledger(_)
                     | AdmitError::UnknownScaler(_)
                     | AdmitError::PoolMismatch { .. }),
-                ) => return Attempt::Stop(e.to_string()),
+                ) => return Attempt::Stop(e),
             }
         }
         // Still colliding: the next pass draws again.

@@ -1,17 +1,17 @@
 //! The engine's port to durable state, and the single writer that feeds it.
 //!
-//! The engine produces [`JournalEntry`]s in order; `JournalWriter` applies
-//! them one at a time, so a store always sees an agent's writes in the order
-//! they happened (writes of one agent that queued up together collapse into
-//! the newest: each entry is the agent's whole state). The write that recovery depends on — the record made
+//! The engine produces [`JournalEntry`]s in order — agents and pending
+//! scale requests, one durability path for both; `JournalWriter` applies
+//! them one at a time, so a store always sees a subject's writes in the
+//! order they happened (writes of one agent or request that queued up
+//! together collapse into the newest: each entry is its whole state). The write that recovery depends on — the record made
 //! before a backend is asked to create anything — is awaited by the spawn
 //! (it carries an acknowledgement); the others are not, and a failed one is
 //! kept (the newest per agent) and retried until the store answers again,
 //! so a store outage delays writes but loses none.
 
-use crate::engine::JournalEntry;
+use crate::engine::{JournalEntry, JournalKey};
 use async_trait::async_trait;
-use kici_model::AgentId;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -25,9 +25,62 @@ pub trait Journal: Send + Sync {
     async fn write(&self, entry: &JournalEntry, at: SystemTime) -> Result<(), JournalError>;
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("state store: {0}")]
-pub struct JournalError(pub String);
+/// A journal write that did not happen: what kind of failure (to match
+/// on) and the store's own error (the `source()` chain).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("state store: {kind}")]
+pub struct JournalError {
+    pub kind: JournalErrorKind,
+    #[source]
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+/// What kind of failure a [`JournalError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum JournalErrorKind {
+    /// The store did not answer (down, unreachable, timed out): the write
+    /// is retried until it answers.
+    #[error("unavailable")]
+    Unavailable,
+    /// The store answered and refused the write (a constraint, a record
+    /// it cannot take): a retry fails the same way.
+    #[error("write refused")]
+    Refused,
+    /// The journal's writer stopped (the runtime is shutting down).
+    #[error("the writer stopped")]
+    Stopped,
+}
+
+impl JournalError {
+    /// A failure of `kind`, caused by `source`.
+    pub fn new(
+        kind: JournalErrorKind,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            kind,
+            source: Some(Arc::new(source)),
+        }
+    }
+
+    /// The writer stopped before the write was attempted.
+    pub fn stopped() -> Self {
+        Self {
+            kind: JournalErrorKind::Stopped,
+            source: None,
+        }
+    }
+
+    pub fn kind(&self) -> JournalErrorKind {
+        self.kind
+    }
+}
+
+impl PartialEq for JournalError {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.to_string() == other.to_string()
+    }
+}
 
 /// How often failed writes are retried.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
@@ -56,8 +109,8 @@ struct Coalesced {
 
 pub(crate) struct JournalWriter {
     journal: Arc<dyn Journal>,
-    /// The newest failed entry per agent, waiting for a retry.
-    failed: BTreeMap<AgentId, (JournalEntry, SystemTime)>,
+    /// The newest failed entry per subject, waiting for a retry.
+    failed: BTreeMap<JournalKey, (JournalEntry, SystemTime)>,
 }
 
 impl JournalWriter {
@@ -109,8 +162,8 @@ impl JournalWriter {
         for op in batch {
             match op {
                 JournalOp::Write { entry, at, ack } => {
-                    let agent = entry.agent();
-                    match writes.iter_mut().find(|w| w.entry.agent() == agent) {
+                    let key = entry.key();
+                    match writes.iter_mut().find(|w| w.entry.key() == key) {
                         Some(w) => {
                             w.entry = entry;
                             w.at = at;
@@ -143,12 +196,13 @@ impl JournalWriter {
     }
 
     async fn write(&mut self, entry: JournalEntry, at: SystemTime) -> Result<(), JournalError> {
-        // A newer entry supersedes a failed older one of the same agent.
-        self.failed.remove(&entry.agent());
+        // A newer entry supersedes a failed older one of the same subject.
+        let key = entry.key();
+        self.failed.remove(&key);
         let result = self.journal.write(&entry, at).await;
         if let Err(e) = &result {
-            tracing::warn!(agent = %entry.agent(), error = %e, "state write failed; retrying until the store answers");
-            self.failed.insert(entry.agent(), (entry, at));
+            tracing::warn!(subject = %key, error = %e, "state write failed; retrying until the store answers");
+            self.failed.insert(key, (entry, at));
         }
         result
     }
@@ -156,15 +210,15 @@ impl JournalWriter {
     async fn retry_failed(&mut self) {
         let pending = std::mem::take(&mut self.failed);
         let mut down = false;
-        for (agent, (entry, at)) in pending {
+        for (key, (entry, at)) in pending {
             // One failure says the store is still down: keep the rest as they are.
             if down {
-                self.failed.insert(agent, (entry, at));
+                self.failed.insert(key, (entry, at));
                 continue;
             }
             if self.journal.write(&entry, at).await.is_err() {
                 down = true;
-                self.failed.insert(agent, (entry, at));
+                self.failed.insert(key, (entry, at));
             }
         }
     }
@@ -174,7 +228,7 @@ impl JournalWriter {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use kici_model::ScalerType;
+    use kici_model::{AgentId, ScalerType};
     use parking_lot::Mutex;
 
     /// Records the agents written, in order; writes wait for permits of the
@@ -188,7 +242,7 @@ mod tests {
     impl Journal for Recording {
         async fn write(&self, entry: &JournalEntry, _at: SystemTime) -> Result<(), JournalError> {
             self.gate.acquire().await.unwrap().forget();
-            self.writes.lock().push(entry.agent());
+            self.writes.lock().push(entry.agent().unwrap());
             Ok(())
         }
     }

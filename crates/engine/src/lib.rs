@@ -117,10 +117,11 @@ pub use backend::{
 };
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
-    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, EngineSettings,
-    JournalEntry, RecoverError, Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome,
-    SpawnOrder, Status,
+    AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
+    EngineSettings, JobEffect, JobLost, JournalEntry, JournalKey, PendingRecovered, RecoverError,
+    Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
+    TransitionCause,
 };
-pub use journal::{Journal, JournalError};
+pub use journal::{Journal, JournalError, JournalErrorKind};
 pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};
 pub use pending::{PendingEnd, ScaleRequest};

@@ -164,7 +164,7 @@ pub(crate) enum Attempt<A> {
     /// nothing.
     Skip,
     /// Admission failed; the pass ends here.
-    Stop(String),
+    Stop(kici_admission::AdmitError),
 }
 
 /// What the engine decides for each shape's candidate during a pass.
@@ -183,7 +183,7 @@ pub(crate) struct Plan<A> {
     /// Per refused shape, the request that was tried and why it was refused.
     pub refused: Vec<(Shape, JobId, Refusal)>,
     pub too_large: Vec<(Shape, String)>,
-    pub error: Option<String>,
+    pub error: Option<kici_admission::AdmitError>,
 }
 
 impl PendingQueue {
@@ -584,7 +584,7 @@ scalers:
                 Ok(r) => Attempt::Admitted(r),
                 Err(AdmitError::Refused(r)) => Attempt::Refused(r),
                 Err(AdmitError::TooLarge(t)) => Attempt::TooLarge(t.detail),
-                Err(e) => Attempt::Stop(e.to_string()),
+                Err(e) => Attempt::Stop(e),
             }
         }
     }

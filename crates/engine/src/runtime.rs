@@ -8,21 +8,24 @@
 
 use crate::backend::{Adoption, Backend, BackendReport, ResourceHandle, SpawnSpec};
 use crate::engine::{
-    AgentError, AgentView, DestroyOrder, DurableAgent, Effect, Engine, EngineEvent, JournalEntry,
-    RecoverError, Recovered, Registration, ReloadError, ReloadReport, ScaleError, ScaleOutcome,
-    SpawnOrder, Status,
+    AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
+    JobEffect, JournalEntry, JournalKey, PendingRecovered, RecoverError, Recovered, Registration,
+    ReloadError, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
 };
 use crate::journal::{Journal, JournalError, JournalOp, JournalWriter};
 use crate::pending::ScaleRequest;
 use kici_model::{AgentId, Config, JobId, ScalerType, Secret};
 use parking_lot::Mutex;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::AbortHandle;
+
+/// Answered once a journal write was applied (or failed).
+pub type RecordAck = oneshot::Receiver<Result<(), JournalError>>;
 
 /// How many recorded agents are checked with their backend at once.
 const RECOVERY_PARALLELISM: usize = 64;
@@ -36,6 +39,49 @@ pub struct RecoveryReport {
     /// Gone (or not resumable): destroyed, then forgotten.
     pub released: Vec<AgentId>,
     pub errors: Vec<String>,
+    /// What became of the recorded pending requests.
+    pub pending: PendingReport,
+}
+
+/// What startup recovery did with the recorded pending requests (see
+/// [`Engine::recover_pending`]); every one that does not wait any more has
+/// its record forgotten.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingReport {
+    /// Waiting again (or admitted at once), in arrival order.
+    pub requeued: Vec<JobId>,
+    /// Standalone jobs, not run: their submitter's connection died with
+    /// the daemon.
+    pub standalone_failed: Vec<JobId>,
+    /// TTL ran out while the daemon was down.
+    pub expired: Vec<JobId>,
+    /// Admitted before the crash (a recorded agent holds the job): only
+    /// the record was left behind.
+    pub already_admitted: Vec<JobId>,
+    /// Not taken back (no scaler accepts it any more, too large, an
+    /// unreadable record, …), with why.
+    pub dropped: Vec<(JobId, String)>,
+}
+
+/// Everything a journal recorded before a restart, to be taken back by
+/// [`Runtime::recover_and_start`].
+#[derive(Debug, Clone, Default)]
+pub struct Recorded {
+    pub agents: Vec<DurableAgent>,
+    /// Oldest first.
+    pub pending: Vec<DurablePending>,
+    /// Pending records that could not be read back, with why: forgotten.
+    pub unreadable_pending: Vec<(JobId, String)>,
+}
+
+impl From<Vec<DurableAgent>> for Recorded {
+    fn from(agents: Vec<DurableAgent>) -> Self {
+        Self {
+            agents,
+            ..Self::default()
+        }
+    }
 }
 
 /// How often the machine-pool ledger's upkeep runs.
@@ -100,6 +146,12 @@ struct Inner {
     reports: mpsc::UnboundedSender<BackendReport>,
     /// The state store's writer, when the daemon keeps durable state.
     journal: Option<mpsc::UnboundedSender<JournalOp>>,
+    /// Standalone jobs' effects, in the engine's order, unbounded: never
+    /// dropped, never lagging (see [`Runtime::job_effects`]).
+    job_effects: mpsc::UnboundedSender<JobEffect>,
+    job_effects_rx: Mutex<Option<mpsc::UnboundedReceiver<JobEffect>>>,
+    /// Woken whenever the engine may have become idle (shutdown waits on it).
+    settled: Notify,
     /// Set once by `shutdown`; every background task ends when it flips.
     stop: watch::Sender<bool>,
 }
@@ -112,6 +164,18 @@ pub struct Runtime {
 
 fn now() -> Instant {
     tokio::time::Instant::now().into_std()
+}
+
+/// An error and its sources, `: `-separated (for a detail text).
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 impl Runtime {
@@ -139,25 +203,39 @@ impl Runtime {
         Self::build(engine, backends, bootstrap, Some(writer))
     }
 
-    /// Takes back every agent `records` holds (see [`Engine::recover`]),
-    /// then starts the timers — so warm pools and pending requests see the
-    /// recovered agents and their capacity.
-    pub async fn recover_and_start(&self, records: Vec<DurableAgent>) -> RecoveryReport {
-        self.recover_then_start(records, |_| {}).await
-    }
-
-    /// [`Runtime::recover_and_start`], with `before_timers` run once every
-    /// recorded agent holds its capacity again and before the first tick:
-    /// the place to re-queue recorded pending requests
-    /// ([`Engine::restore_pending`]) so they are served ahead of warm pools
-    /// and never ahead of the agents that survived.
-    pub async fn recover_then_start(
-        &self,
-        records: Vec<DurableAgent>,
-        before_timers: impl FnOnce(&Runtime),
-    ) -> RecoveryReport {
-        let report = self.recover(records).await;
-        before_timers(self);
+    /// Takes back what the journal recorded before a restart — the one
+    /// entry point for agents and pending requests — then starts the
+    /// timers: first every recorded agent (see [`Engine::recover`]), so
+    /// that it holds its capacity again; then the pending requests, with
+    /// their original arrival (see [`Engine::recover_pending`]), so they
+    /// are served ahead of warm pools and never ahead of the agents that
+    /// survived; the first tick comes last.
+    pub async fn recover_and_start(&self, recorded: impl Into<Recorded>) -> RecoveryReport {
+        let recorded = recorded.into();
+        let held: HashSet<JobId> = recorded
+            .agents
+            .iter()
+            .filter_map(|d| d.job.clone())
+            .collect();
+        let mut report = self.recover(recorded.agents).await;
+        self.call_quiet(|e, now| {
+            let p = &mut report.pending;
+            for (job, why) in recorded.unreadable_pending {
+                e.forget_pending_record(job.clone());
+                p.dropped.push((job, format!("unreadable record: {why}")));
+            }
+            for record in recorded.pending {
+                let job = record.request.job.clone();
+                let held = held.contains(&job);
+                match e.recover_pending(record, held, now) {
+                    PendingRecovered::Requeued => p.requeued.push(job),
+                    PendingRecovered::StandaloneNotRun => p.standalone_failed.push(job),
+                    PendingRecovered::Expired => p.expired.push(job),
+                    PendingRecovered::AlreadyAdmitted => p.already_admitted.push(job),
+                    PendingRecovered::Dropped(why) => p.dropped.push((job, why)),
+                }
+            }
+        });
         self.start_timers();
         report
     }
@@ -170,7 +248,8 @@ impl Runtime {
     ) -> Self {
         let ledger = engine.admission().ledger().cloned();
         let (reports, mut report_rx) = mpsc::unbounded_channel();
-        let (events, _) = broadcast::channel(4096);
+        let (events, _) = broadcast::channel(engine.settings().event_buffer.max(1));
+        let (job_effects, job_effects_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             engine: Mutex::new(engine),
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
@@ -181,6 +260,9 @@ impl Runtime {
             spawns: Mutex::new(HashMap::new()),
             reports,
             journal,
+            job_effects,
+            job_effects_rx: Mutex::new(Some(job_effects_rx)),
+            settled: Notify::new(),
             stop: watch::Sender::new(false),
         });
         let rt = Self { inner };
@@ -270,62 +352,75 @@ impl Runtime {
     }
 
     fn call_quiet<R>(&self, f: impl FnOnce(&mut Engine, Instant) -> R) -> R {
+        self.call_recorded(|e, now| (f(e, now), None)).0
+    }
+
+    /// [`Runtime::call_quiet`] where `f` may name one more journal subject
+    /// whose write (if this call made one) the caller waits for.
+    fn call_recorded<R>(
+        &self,
+        f: impl FnOnce(&mut Engine, Instant) -> (R, Option<JournalKey>),
+    ) -> (R, Option<RecordAck>) {
         let mut engine = self.inner.engine.lock();
-        let result = f(&mut engine, now());
-        for event in engine.take_events() {
-            self.publish(event);
-        }
+        let (result, wanted) = f(&mut engine, now());
+        let events = engine.take_events();
         let entries = engine.take_journal();
         let effects = engine.take_effects();
-        let mut acks = self.write_journal(entries, &effects);
+        let mut acked: Vec<JournalKey> = effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Spawn(o) => Some(JournalKey::Agent(o.agent)),
+                _ => None,
+            })
+            .collect();
+        acked.extend(wanted.clone());
+        let mut acks = self.write_journal(entries, &acked);
         for effect in effects {
             let ack = match &effect {
-                Effect::Spawn(order) => acks.remove(&order.agent),
-                Effect::Destroy(_) => None,
+                Effect::Spawn(order) => acks.remove(&JournalKey::Agent(order.agent)),
+                _ => None,
             };
             self.execute(effect, ack);
         }
+        // After the effects: an observer that sees an event finds what it
+        // made happen already done (a `gone` agent's token revoked).
+        for event in events {
+            self.publish(event);
+        }
+        if engine.is_idle() {
+            self.inner.settled.notify_waiters();
+        }
         drop(engine);
-        result
+        let ack = wanted.and_then(|key| acks.remove(&key));
+        (result, ack)
     }
 
-    /// Queues the engine's store writes in order. The last write of an agent
-    /// about to be spawned carries an acknowledgement: the spawn waits for
-    /// it, so no host resource exists that the store does not know of.
+    /// Queues the engine's store writes in order. The last write of each
+    /// subject in `acked` carries an acknowledgement: a spawn waits for its
+    /// agent's, so no host resource exists that the store does not know
+    /// of; a caller answering "pending" waits for its request's.
     fn write_journal(
         &self,
         entries: Vec<JournalEntry>,
-        effects: &[Effect],
-    ) -> HashMap<AgentId, oneshot::Receiver<Result<(), JournalError>>> {
+        acked: &[JournalKey],
+    ) -> HashMap<JournalKey, RecordAck> {
         let mut acks = HashMap::new();
         let Some(writer) = &self.inner.journal else {
             return acks;
         };
         let at = SystemTime::now();
-        let spawning: Vec<AgentId> = effects
-            .iter()
-            .filter_map(|e| match e {
-                Effect::Spawn(o) => Some(o.agent),
-                Effect::Destroy(_) => None,
-            })
-            .collect();
-        let last_of =
-            |agent: AgentId, i: usize| !entries[i + 1..].iter().any(|later| later.agent() == agent);
-        for (i, entry) in entries.iter().enumerate() {
-            let agent = entry.agent();
-            let ack = if spawning.contains(&agent) && last_of(agent, i) {
+        // `take_journal` left one entry per subject.
+        for entry in entries {
+            let key = entry.key();
+            let ack = if acked.contains(&key) {
                 let (tx, rx) = oneshot::channel();
-                acks.insert(agent, rx);
+                acks.insert(key, rx);
                 Some(tx)
             } else {
                 None
             };
             // The writer ends only after every sender is gone.
-            let _ = writer.send(JournalOp::Write {
-                entry: entry.clone(),
-                at,
-                ack,
-            });
+            let _ = writer.send(JournalOp::Write { entry, at, ack });
         }
         acks
     }
@@ -354,22 +449,27 @@ impl Runtime {
         }));
     }
 
-    fn execute(
-        &self,
-        effect: Effect,
-        recorded: Option<oneshot::Receiver<Result<(), JournalError>>>,
-    ) {
+    fn execute(&self, effect: Effect, recorded: Option<RecordAck>) {
         match effect {
             Effect::Spawn(order) => self.launch_spawn(order, recorded),
             Effect::Destroy(order) => self.launch_destroy(order),
+            Effect::Revoke(agent) => self.inner.bootstrap.revoke(agent),
+            // The receiver lives as long as the runtime (taken or not).
+            Effect::Job(job) => {
+                let _ = self.inner.job_effects.send(job);
+            }
         }
     }
 
-    fn launch_spawn(
-        &self,
-        order: SpawnOrder,
-        recorded: Option<oneshot::Receiver<Result<(), JournalError>>>,
-    ) {
+    /// The standalone jobs' effects ([`JobEffect`]), in the engine's order:
+    /// the dispatcher of standalone jobs takes this once, before the
+    /// runtime's first tick, and must apply every one. `None` once taken.
+    /// (An embedding without standalone jobs never gets any.)
+    pub fn job_effects(&self) -> Option<mpsc::UnboundedReceiver<JobEffect>> {
+        self.inner.job_effects_rx.lock().take()
+    }
+
+    fn launch_spawn(&self, order: SpawnOrder, recorded: Option<RecordAck>) {
         let agent = order.agent;
         let kind = order.scaler().kind;
         let Some(backend) = self.inner.backends.get(&kind).cloned() else {
@@ -407,12 +507,13 @@ impl Runtime {
             if let Some(recorded) = recorded {
                 let written = recorded
                     .await
-                    .unwrap_or_else(|_| Err(JournalError("the store writer stopped".into())));
+                    .unwrap_or_else(|_| Err(JournalError::stopped()));
                 if let Err(e) = written {
                     // Nothing was created: a resource the store does not
                     // know of could leak on a crash.
                     rt.inner.spawns.lock().remove(&agent);
-                    rt.call(|e2, now| e2.spawn_failed(agent, format!("not spawned: {e}"), now));
+                    let detail = format!("not spawned: {}", error_chain(&e));
+                    rt.call(|e2, now| e2.spawn_failed(agent, detail, now));
                     return;
                 }
             }
@@ -453,7 +554,7 @@ impl Runtime {
             match result {
                 Ok(Ok(())) => {
                     crate::failpoints::hit(crate::failpoints::DESTROY_BACKEND_DONE);
-                    rt.inner.bootstrap.revoke(agent);
+                    // `gone` revokes its token (`Effect::Revoke`).
                     rt.call(|e, now| e.destroy_finished(agent, now));
                 }
                 Ok(Err(err)) => rt.call(|e, now| e.destroy_failed(agent, err.to_string(), now)),
@@ -600,6 +701,26 @@ impl Runtime {
         self.call(|e, now| e.request_scale(request, now))
     }
 
+    /// [`Runtime::request_scale`], and — when the request entered the
+    /// pending queue just now (a retry of a waiting job is not recorded
+    /// again) and the runtime keeps a journal — the acknowledgement of its
+    /// record: a caller answers "pending" only once that is committed.
+    pub fn request_scale_recorded(
+        &self,
+        request: ScaleRequest,
+    ) -> (Result<ScaleOutcome, ScaleError>, Option<RecordAck>) {
+        let job = request.job.clone();
+        let (outcome, ack) = self.call_recorded(|e, now| {
+            let known = e.is_pending(&job);
+            let outcome = e.request_scale(request, now);
+            let queued =
+                matches!(outcome, Ok(ScaleOutcome::Pending { .. })) && !known && e.is_pending(&job);
+            (outcome, queued.then(|| JournalKey::Pending(job.clone())))
+        });
+        self.inner.wake.notify_one();
+        (outcome, ack)
+    }
+
     pub fn cancel_scale(&self, job: &JobId) -> bool {
         self.call(|e, now| e.cancel_scale(job, now))
     }
@@ -697,17 +818,18 @@ impl Runtime {
     /// Stops admitting, cancels pending requests, destroys every agent and
     /// waits (up to `limit`) until all are gone. Returns whether all are.
     pub async fn shutdown(&self, limit: Duration) -> bool {
-        let mut events = self.subscribe();
         self.call(|e, now| e.shutdown(now));
         let deadline = tokio::time::Instant::now() + limit;
         loop {
+            // Registered before the check, so a release in between wakes it.
+            let settled = self.inner.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
             if self.inner.engine.lock().is_idle() {
                 break;
             }
-            match tokio::time::timeout_at(deadline, events.recv()).await {
-                Err(_) => break,
-                Ok(Err(broadcast::error::RecvError::Closed)) => break,
-                Ok(_) => {}
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                break;
             }
         }
         // Every agent's `Forget` reaches the store before the daemon exits.

@@ -361,9 +361,7 @@ async fn run(
         api_token,
     );
     state.set_store(Arc::clone(&store));
-    if let Some(recorder) = &stack.pending {
-        state.set_pending_recorder(recorder.clone());
-    }
+    let heartbeat_task = spawn_heartbeat(Arc::clone(&store));
     let router = api::router_with(state.clone(), api::jobs::routes());
 
     let mut hangup = signal(SignalKind::hangup()).map_err(|e| ServeError::Signal("SIGHUP", e))?;
@@ -434,6 +432,7 @@ async fn run(
     // report the shutdown's destroys and the jobs' ends.
     server.graceful_shutdown(None);
     reconcile_task.abort();
+    heartbeat_task.abort();
     let stopped = stack.shutdown(settings.shutdown_grace).await;
     store.close().await;
     server.graceful_shutdown(Some(CONNECTION_DRAIN));
@@ -494,6 +493,38 @@ fn spawn_reconciler(reconciler: Arc<Reconciler>, every: Duration) -> JoinHandle<
         loop {
             tick.tick().await;
             log_sweep(&reconciler.pass(Reaping::MarkThenReap).await);
+        }
+    })
+}
+
+/// How often the store's instance heartbeat is refreshed.
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
+
+/// Refreshes this instance's heartbeat in the store and, on PostgreSQL,
+/// re-takes the instance's advisory lock if its connection was lost
+/// ([`kici_store::StateStore::ping`]) — on its own clock, not as a side
+/// effect of API requests.
+fn spawn_heartbeat(store: Arc<dyn kici_store::StateStore>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            tick.tick().await;
+            match store.ping().await {
+                Ok(()) => {
+                    if failing {
+                        tracing::info!("the state store answers the heartbeat again");
+                    }
+                    failing = false;
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %e, "the state store's heartbeat failed; retrying");
+                    }
+                    failing = true;
+                }
+            }
         }
     })
 }

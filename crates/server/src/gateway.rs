@@ -42,8 +42,8 @@ use axum::extract::State;
 use axum::response::Response;
 use axum::routing::get;
 use axum::Router;
-use kici_engine::runtime::{Runtime, SequencedEvent};
-use kici_engine::AgentError;
+use kici_engine::runtime::Runtime;
+use kici_engine::{AgentError, JobEffect};
 use kici_model::{AgentId, JobId, Label, LabelSet};
 use kici_protocol::{
     AgentMessage, AuthFailure, AuthSuccess, CloseCode, GatewayMessage, JobCancel, JobDispatch,
@@ -54,26 +54,27 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-/// The task following the engine's events for the job book.
-pub struct EngineFollower {
+/// The task applying the engine's standalone-job effects to the job book
+/// and the gateway ([`Gateway::drive_jobs`]).
+pub struct JobDriver {
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
 
-impl EngineFollower {
-    /// Handles every event published so far, then stops.
+impl JobDriver {
+    /// Applies every effect queued so far, then stops.
     pub async fn finish(mut self) {
         if let Some(stop) = self.stop.take() {
             // The task may have ended already (channel closed): fine.
             let _ = stop.send(());
         }
         if let Err(e) = (&mut self.task).await {
-            tracing::error!(error = %e, "the job follower failed");
+            tracing::error!(error = %e, "the job driver failed");
         }
     }
 }
@@ -165,50 +166,46 @@ impl Gateway {
         self.sessions.lock().len()
     }
 
-    /// Follows the engine's events for the job book and carries out what
-    /// they require (withdraw a re-queued job, dispatch to a warm agent).
-    /// Subscribe before the runtime's first tick to miss nothing.
-    pub fn follow_engine(self: &Arc<Self>) -> EngineFollower {
-        let mut events = self.runtime.subscribe();
+    /// Applies the engine's standalone-job effects, every one and in the
+    /// engine's order, to the job book, and carries out what they require
+    /// (dispatch to a warm agent that took a job). `None` when the
+    /// runtime's job effects were taken already. Start it before the
+    /// runtime's first tick.
+    pub fn drive_jobs(self: &Arc<Self>) -> Option<JobDriver> {
+        let mut effects = self.runtime.job_effects()?;
         let gw = Arc::clone(self);
         let (stop, mut stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
-            let handle = |event: Arc<SequencedEvent>| {
-                for action in gw.jobs.observe(&event.event) {
+            let handle = |effect: JobEffect| {
+                if let Some(action) = gw.jobs.apply(effect) {
                     gw.act(action);
                 }
             };
             loop {
                 tokio::select! {
                     biased;
-                    received = events.recv() => match received {
-                        Ok(event) => handle(event),
-                        Err(broadcast::error::RecvError::Lagged(n)) => {
-                            tracing::error!(missed = n, "the job follower fell behind the engine's events; some jobs may miss their agent's end");
-                        }
-                        Err(broadcast::error::RecvError::Closed) => break,
+                    received = effects.recv() => match received {
+                        Some(effect) => handle(effect),
+                        None => break,
                     },
                     _ = &mut stopped => {
-                        // What was published so far is delivered first.
-                        while let Ok(event) = events.try_recv() {
-                            handle(event);
+                        // What was queued so far is applied first.
+                        while let Ok(effect) = effects.try_recv() {
+                            handle(effect);
                         }
                         break;
                     }
                 }
             }
         });
-        EngineFollower {
+        Some(JobDriver {
             stop: Some(stop),
             task,
-        }
+        })
     }
 
     fn act(&self, action: Action) {
         match action {
-            Action::CancelScale(job) => {
-                self.runtime.cancel_scale(&job);
-            }
             Action::Dispatch { agent, spec } => {
                 let sent = self
                     .sessions

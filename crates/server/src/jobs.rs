@@ -5,10 +5,12 @@
 //! records it here and asks the engine for an agent (a scale request in
 //! standalone mode). From then on the job's record follows three sources:
 //!
-//! - the engine's events ([`JobBook::observe`]): admitted from the pending
-//!   queue → `spawning` with its agent; the agent destroyed (or failed)
-//!   before the job ended → `failed` with the reason; the pending request
-//!   expired or cancelled by a reload → `failed`;
+//! - the engine's effects ([`JobBook::apply`], every one, in the engine's
+//!   order — never its observer event stream): admitted from the pending
+//!   queue → `spawning` with its agent; a warm agent took it → dispatched;
+//!   the agent destroyed (or failed) before the job ended → `failed` with
+//!   the reason; the pending request expired or cancelled by a reload →
+//!   `failed`;
 //! - the agent gateway: the job dispatched and acknowledged → `running`;
 //!   output chunks; the terminal `job.status` → `succeeded`, `failed` or
 //!   `cancelled` with the exit code or signal;
@@ -22,7 +24,7 @@
 //! With a state store ([`JobBook::durable`]) a job also outlives a crash of
 //! the daemon: its record (labels, command — never its environment —,
 //! state, agent, end) is written before the job is acknowledged and again
-//! at every change of state, through the same writer as pending requests
+//! at every change of state, through the state writer of the event stream
 //! ([`crate::persist`]), and deleted when the job is forgotten; its output
 //! is appended to a file as it arrives (`spool`). After a restart,
 //! [`JobBook::restore`] shows every recorded job again: one that had ended
@@ -32,15 +34,16 @@
 //! its file cannot be read, `outputLost`.
 //!
 //! A job whose agent fails before running it is not retried on another
-//! agent: the request the engine re-queues is cancelled and the job fails
-//! with the reason, so `run` can say what went wrong at once.
+//! agent: the engine, which knows the job is a standalone one, does not
+//! re-queue it and ends it with the reason, so `run` can say what went
+//! wrong at once.
 
 mod spool;
 
-use crate::persist::{JobRecorder, PendingRecorder, RecordAck};
+use crate::persist::{JobRecorder, PendingNotRecorded, RecordAck};
 use kici_engine::runtime::Runtime;
-use kici_engine::{AgentState, EngineEvent, PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
-use kici_engine::{Mode, StopCause};
+use kici_engine::{JobEffect, JobLost, Mode, StopCause};
+use kici_engine::{PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
 use kici_model::{AgentId, JobId, LabelSet, ResourceRequest};
 use kici_protocol::{ChunkData, JobEnd, JobSpec, OutputStream};
 use kici_store::{JobRecord, UnixMillis};
@@ -98,14 +101,12 @@ pub enum Read {
     End(Box<JobView>),
 }
 
-/// Something the engine must be told because of an event
-/// ([`JobBook::observe`]).
+/// What the gateway must do because of an engine effect
+/// ([`JobBook::apply`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
-    /// The engine re-queued a job whose agent failed: withdraw it (the job
-    /// already failed).
-    CancelScale(JobId),
-    /// A warm agent took the job: the gateway must dispatch it.
+    /// A warm agent took the job: the gateway must dispatch it on the
+    /// agent's open connection.
     Dispatch { agent: AgentId, spec: JobSpec },
 }
 
@@ -258,7 +259,6 @@ pub struct JobsRestored {
 #[derive(Debug, Default)]
 struct Books {
     jobs: HashMap<JobId, Job>,
-    by_agent: HashMap<AgentId, JobId>,
     /// Finished jobs, oldest first, for eviction.
     finished: VecDeque<JobId>,
 }
@@ -376,9 +376,6 @@ impl JobBook {
     fn remove(&self, id: &JobId) {
         let mut b = self.books.lock();
         if let Some(job) = b.jobs.remove(id) {
-            if let Some(agent) = job.agent {
-                b.by_agent.remove(&agent);
-            }
             self.forget(id);
             job.bump();
         }
@@ -406,11 +403,6 @@ impl JobBook {
             return;
         }
         let old = job.agent.replace(agent);
-        if let Some(old) = old {
-            if old != agent {
-                b.by_agent.remove(&old);
-            }
-        }
         let pending = job.state == JobState::Pending;
         if pending {
             job.state = JobState::Spawning;
@@ -419,7 +411,6 @@ impl JobBook {
             let _ = self.save(job);
         }
         job.bump();
-        b.by_agent.insert(agent, id.clone());
     }
 
     fn finish(&self, b: &mut Books, id: &JobId, state: JobState, ending: Ending) -> bool {
@@ -442,9 +433,6 @@ impl JobBook {
         }
         let _ = self.save(job);
         job.bump();
-        if let Some(agent) = job.agent {
-            b.by_agent.remove(&agent);
-        }
         tracing::info!(
             job_id = %id,
             state = state.as_str(),
@@ -576,7 +564,7 @@ impl JobBook {
     }
 
     /// A job recorded before a restart that will not run (see
-    /// [`crate::persist::restore_pending`]): shown `failed` with `reason`,
+    /// [`kici_engine::Engine::recover_pending`]): shown `failed` with `reason`,
     /// forgotten like any finished job. A job [`JobBook::restore`] already
     /// took back is left as it is.
     pub fn restore_aborted(&self, id: JobId, labels: LabelSet, argv: Vec<String>, reason: String) {
@@ -591,13 +579,13 @@ impl JobBook {
     }
 
     /// Takes back the jobs recorded before a restart (before the API
-    /// serves and before any event about them is followed): a job that had
-    /// ended is shown as it ended; one that had not is ended now — `failed`,
-    /// `end: aborted`, with why — and its record rewritten. Its output so
-    /// far is read back from its file; a job that had output but whose
-    /// file cannot be read is marked [`JobView::output_lost`]. Output files
-    /// of no recorded job are removed. Finished jobs beyond the limit are
-    /// forgotten, oldest first.
+    /// serves and before any engine effect about them is applied): a job
+    /// that had ended is shown as it ended; one that had not is ended now —
+    /// `failed`, `end: aborted`, with why — and its record rewritten. Its
+    /// output so far is read back from its file; a job that had output but
+    /// whose file cannot be read is marked [`JobView::output_lost`]. Output
+    /// files of no recorded job are removed. Finished jobs beyond the limit
+    /// are forgotten, oldest first.
     pub fn restore(&self, records: Vec<JobRecord>) -> JobsRestored {
         let mut done = JobsRestored::default();
         let mut b = self.books.lock();
@@ -794,116 +782,82 @@ impl JobBook {
         Some(Read::Wait(job.changed.subscribe()))
     }
 
-    // ----- the engine's events ---------------------------------------------
+    // ----- the engine's effects ---------------------------------------------
 
-    /// Follows one engine event; returns what the engine must be told.
-    pub fn observe(&self, event: &EngineEvent) -> Vec<Action> {
-        let mut actions = Vec::new();
+    /// Applies one of the engine's effects on standalone jobs (in the
+    /// engine's order; see [`kici_engine::JobEffect`]); returns what the
+    /// gateway must do.
+    pub fn apply(&self, effect: JobEffect) -> Option<Action> {
         let mut b = self.books.lock();
-        match event {
-            EngineEvent::AgentTransition {
-                agent_id,
-                from,
-                to,
-                job_id,
-                failure_reason,
-                cause,
-                detail,
-                ..
-            } => {
-                let id = match job_id {
-                    Some(j) if b.jobs.contains_key(j) => j.clone(),
-                    _ => match b.by_agent.get(agent_id) {
-                        Some(j) => j.clone(),
-                        None => return actions,
-                    },
-                };
-                match to {
-                    AgentState::Requested
-                    | AgentState::Provisioning
-                    | AgentState::Booted
-                    | AgentState::Registered
-                        if job_id.as_ref() == Some(&id) =>
-                    {
-                        self.bind(&mut b, &id, *agent_id);
-                    }
-                    AgentState::Busy if *from == AgentState::Idle => {
-                        // A warm agent took the job: nobody else will send
-                        // it the job.
-                        self.bind(&mut b, &id, *agent_id);
-                        if let Some(job) = b.jobs.get(&id) {
-                            actions.push(Action::Dispatch {
-                                agent: *agent_id,
-                                spec: job.spec.clone(),
-                            });
+        match effect {
+            JobEffect::Bound { job, agent } => {
+                self.bind(&mut b, &job, agent);
+                None
+            }
+            JobEffect::Dispatch { job, agent } => {
+                self.bind(&mut b, &job, agent);
+                let spec = b
+                    .jobs
+                    .get(&job)
+                    .filter(|j| !j.state.is_terminal())?
+                    .spec
+                    .clone();
+                Some(Action::Dispatch { agent, spec })
+            }
+            JobEffect::Ended { job, lost } => {
+                let (state, kind, reason) = match lost {
+                    JobLost::Pending(end) => {
+                        let reason = match end {
+                            PendingEnd::Admitted => return None,
+                            PendingEnd::Cancelled => "the scale request was cancelled",
+                            PendingEnd::Expired => {
+                                "no capacity freed up for the job within the pending TTL"
+                            }
+                            PendingEnd::NoBackend => {
+                                "after a reload, no scaler accepts the job's labels any more"
+                            }
+                            PendingEnd::TooLarge => {
+                                "after a reload, the job no longer fits under the caps"
+                            }
+                        };
+                        if end == PendingEnd::Cancelled {
+                            (JobState::Cancelled, EndKind::Cancelled, reason.to_owned())
+                        } else {
+                            (JobState::Failed, EndKind::Aborted, reason.to_owned())
                         }
                     }
-                    AgentState::Destroying | AgentState::Gone => {
+                    JobLost::Cancelled { .. } => (
+                        JobState::Cancelled,
+                        EndKind::Cancelled,
+                        "the scale request was cancelled".to_owned(),
+                    ),
+                    JobLost::AgentFailed { agent, .. } | JobLost::AgentStopped { agent, .. } => {
+                        // Only the job's own agent ends it (a job already
+                        // bound to another agent is not this agent's).
                         let bound_here = b
                             .jobs
-                            .get(&id)
-                            .is_some_and(|j| j.agent.is_none_or(|a| a == *agent_id));
+                            .get(&job)
+                            .is_some_and(|j| j.agent.is_none_or(|a| a == agent));
                         if !bound_here {
-                            return actions;
+                            return None;
                         }
-                        let reason = lost_agent_reason(
-                            *agent_id,
-                            failure_reason.map(|r| r.as_str()),
-                            *cause,
-                            detail.as_deref(),
-                        );
-                        let ended = self.finish(
-                            &mut b,
-                            &id,
-                            JobState::Failed,
-                            Ending {
-                                kind: EndKind::Aborted,
-                                exit_code: None,
-                                signal: None,
-                                reason: Some(reason),
-                            },
-                        );
-                        b.by_agent.remove(agent_id);
-                        if ended && failure_reason.is_some() {
-                            // The engine put the job back in its queue.
-                            actions.push(Action::CancelScale(id));
-                        }
+                        (JobState::Failed, EndKind::Aborted, lost_agent_reason(&lost))
                     }
-                    _ => {}
-                }
-            }
-            EngineEvent::PendingEnded { job_id, end, .. } => {
-                let reason = match end {
-                    PendingEnd::Admitted => return actions,
-                    PendingEnd::Cancelled => "the scale request was cancelled",
-                    PendingEnd::Expired => {
-                        "no capacity freed up for the job within the pending TTL"
-                    }
-                    PendingEnd::NoBackend => {
-                        "after a reload, no scaler accepts the job's labels any more"
-                    }
-                    PendingEnd::TooLarge => "after a reload, the job no longer fits under the caps",
-                };
-                let (state, kind) = if *end == PendingEnd::Cancelled {
-                    (JobState::Cancelled, EndKind::Cancelled)
-                } else {
-                    (JobState::Failed, EndKind::Aborted)
                 };
                 self.finish(
                     &mut b,
-                    job_id,
+                    &job,
                     state,
                     Ending {
                         kind,
                         exit_code: None,
                         signal: None,
-                        reason: Some(reason.to_owned()),
+                        reason: Some(reason),
                     },
                 );
+                None
             }
-            _ => {}
         }
-        actions
     }
 }
 
@@ -927,25 +881,34 @@ fn recorded_spec(id: &JobId, argv: Vec<String>) -> Option<JobSpec> {
         .ok()
 }
 
-fn lost_agent_reason(
-    agent: AgentId,
-    failure: Option<&str>,
-    cause: Option<&str>,
-    detail: Option<&str>,
-) -> String {
-    let detail = detail.map(|d| format!(": {d}")).unwrap_or_default();
-    match (failure, cause) {
-        (Some(f), _) => format!("agent {agent} failed ({f}){detail}"),
-        (None, Some(c)) if c == StopCause::Shutdown.as_str() => {
-            format!("kici-scaler shut down; agent {agent} was destroyed{detail}")
+/// Why a job whose agent left before the job ended failed.
+fn lost_agent_reason(lost: &JobLost) -> String {
+    match lost {
+        JobLost::AgentFailed {
+            agent,
+            reason,
+            detail,
+        } => {
+            let detail = detail
+                .as_deref()
+                .map(|d| format!(": {d}"))
+                .unwrap_or_default();
+            format!("agent {agent} failed ({}){detail}", reason.as_str())
         }
-        (None, Some(c)) if c == StopCause::Disconnected.as_str() => {
-            format!("agent {agent} disconnected before the job ended{detail}")
+        JobLost::AgentStopped { agent, cause } => match cause {
+            StopCause::Shutdown => format!("kici-scaler shut down; agent {agent} was destroyed"),
+            StopCause::Disconnected => {
+                format!("agent {agent} disconnected before the job ended")
+            }
+            other => format!(
+                "agent {agent} was destroyed before the job ended ({})",
+                other.as_str()
+            ),
+        },
+        JobLost::Cancelled { agent } => {
+            format!("agent {agent} was destroyed before the job ended (cancelled)")
         }
-        (None, Some(c)) => {
-            format!("agent {agent} was destroyed before the job ended ({c}){detail}")
-        }
-        (None, None) => format!("agent {agent} was destroyed before the job ended{detail}"),
+        JobLost::Pending(end) => format!("the scale request ended: {}", end.as_str()),
     }
 }
 
@@ -978,13 +941,11 @@ pub enum SubmitError {
 /// Records the job and asks the engine for an agent. On `Err` nothing is
 /// kept. A durable book's record of the job is committed before the
 /// engine is asked (a job the store cannot record is not run: a crash
-/// would forget it); with a `recorder` (the daemon's state store), a job
-/// that has to wait has its pending request recorded before it is
-/// acknowledged (see [`crate::persist`]).
+/// would forget it); a job that has to wait is acknowledged only once its
+/// pending request's record (the engine's journal) is committed.
 pub async fn submit_recorded(
     runtime: &Runtime,
     jobs: &JobBook,
-    recorder: Option<&PendingRecorder>,
     request: JobRequest,
 ) -> Result<JobView, SubmitError> {
     let id = request.spec.job_id().clone();
@@ -997,43 +958,47 @@ pub async fn submit_recorded(
             return Err(SubmitError::Store(e.to_string()));
         }
     }
-    let view = submit_with(runtime, jobs, recorder, request)?;
-    if let Some((view, ack)) = view {
-        if let Err(e) = PendingRecorder::committed(runtime, &id, Some(ack)).await {
-            jobs.remove(&id);
-            return Err(SubmitError::Store(e.to_string()));
-        }
-        return Ok(view);
+    let (view, ack) = submit_with(runtime, jobs, request)?;
+    if let Err(e) = crate::persist::pending_committed(runtime, &id, ack).await {
+        jobs.remove(&id);
+        return Err(SubmitError::Store(store_error_text(&e)));
     }
-    jobs.view(&id)
-        .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))
+    Ok(view)
 }
 
-/// Records the job and asks the engine for an agent, without a state
-/// store. On `Err` nothing is kept.
+/// The error and its sources, for the API's message.
+fn store_error_text(e: &PendingNotRecorded) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Records the job and asks the engine for an agent, without waiting for
+/// a state store. On `Err` nothing is kept.
 pub fn submit(
     runtime: &Runtime,
     jobs: &JobBook,
     request: JobRequest,
 ) -> Result<JobView, SubmitError> {
-    let id = request.spec.job_id().clone();
     // No store to wait for here (`run`): a durable book still writes the
     // record, unawaited.
     let _ = jobs.insert(request.spec.clone(), request.labels.clone());
-    submit_with(runtime, jobs, None, request)?;
-    jobs.view(&id)
-        .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))
+    submit_with(runtime, jobs, request).map(|(view, _)| view)
 }
 
 /// Asks the engine for an agent for a job [`JobBook::insert`] recorded;
-/// on `Err` the job is removed. `Some((view, ack))` when a pending
-/// request's record was sent and must be awaited.
+/// on `Err` the job is removed. With the acknowledgement of its pending
+/// request's record when it has to wait (and the runtime keeps a journal).
 fn submit_with(
     runtime: &Runtime,
     jobs: &JobBook,
-    recorder: Option<&PendingRecorder>,
     request: JobRequest,
-) -> Result<Option<(JobView, RecordAck)>, SubmitError> {
+) -> Result<(JobView, Option<kici_engine::runtime::RecordAck>), SubmitError> {
     let id = request.spec.job_id().clone();
     let scale = ScaleRequest {
         job: id.clone(),
@@ -1043,13 +1008,9 @@ fn submit_with(
         resources: request.resources,
         mode: Mode::Standalone,
     };
-    let argv = request.spec.argv().to_vec();
-    // The job is in the book already: the engine's events about it may be
-    // followed before `request_scale` returns.
-    let (outcome, ack) = match recorder {
-        Some(r) => r.record_if_queued(runtime, scale, Some(&argv)),
-        None => (runtime.request_scale(scale), None),
-    };
+    // The job is in the book already: the engine's effects about it may be
+    // applied before `request_scale` returns.
+    let (outcome, ack) = runtime.request_scale_recorded(scale);
     let outcome = match outcome {
         Ok(o) => o,
         Err(e) => {
@@ -1079,7 +1040,7 @@ fn submit_with(
         .view(&id)
         .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))?;
     tracing::info!(job_id = %id, state = view.state.as_str(), agent_id = view.agent_id.as_deref(), "job submitted");
-    Ok(ack.map(|ack| (view, ack)))
+    Ok((view, ack))
 }
 
 /// Cancels a job: marks it cancelled, withdraws its scale request or
@@ -1105,7 +1066,7 @@ pub fn cancel(runtime: &Runtime, jobs: &JobBook, id: &JobId, reason: &str) -> Op
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use kici_model::{ScalerName, ScalerType};
+    use kici_model::ScalerType;
     use kici_protocol::JobResult;
     use std::collections::BTreeMap;
 
@@ -1127,26 +1088,6 @@ mod tests {
 
     fn agent(n: u8) -> AgentId {
         AgentId::new(ScalerType::BareMetal, [0, 0, 0, n])
-    }
-
-    fn transition(
-        agent: AgentId,
-        from: AgentState,
-        to: AgentState,
-        job: Option<&JobId>,
-    ) -> EngineEvent {
-        EngineEvent::AgentTransition {
-            agent_id: agent,
-            scaler: ScalerName::new("local"),
-            backend: ScalerType::BareMetal,
-            from,
-            to,
-            job_id: job.cloned(),
-            failure_reason: None,
-            cause: None,
-            detail: None,
-            seconds_in_state: 0.0,
-        }
     }
 
     fn data(s: &str) -> ChunkData {
@@ -1204,45 +1145,37 @@ mod tests {
     }
 
     #[test]
-    fn an_agent_lost_before_the_end_fails_the_job_and_withdraws_a_requeue() {
+    fn an_agent_lost_before_the_end_fails_the_job() {
         let (book, id) = book_with("j1", 1024);
         let a = agent(1);
         assert!(book
-            .observe(&transition(
-                a,
-                AgentState::Requested,
-                AgentState::Provisioning,
-                Some(&id)
-            ))
-            .is_empty());
+            .apply(JobEffect::Bound {
+                job: id.clone(),
+                agent: a
+            })
+            .is_none());
         assert_eq!(book.view(&id).unwrap().state, JobState::Spawning);
         assert_eq!(book.view(&id).unwrap().agent_id, Some(a.to_string()));
-        let failed = EngineEvent::AgentTransition {
-            agent_id: a,
-            scaler: ScalerName::new("local"),
-            backend: ScalerType::BareMetal,
-            from: AgentState::Booted,
-            to: AgentState::Destroying,
-            job_id: Some(id.clone()),
-            failure_reason: Some(kici_engine::FailureReason::RegistrationTimeout),
-            cause: None,
-            detail: None,
-            seconds_in_state: 1.0,
+        let failed = JobEffect::Ended {
+            job: id.clone(),
+            lost: JobLost::AgentFailed {
+                agent: a,
+                reason: kici_engine::FailureReason::RegistrationTimeout,
+                detail: None,
+            },
         };
-        assert_eq!(book.observe(&failed), [Action::CancelScale(id.clone())]);
+        assert_eq!(book.apply(failed), None);
         let view = book.view(&id).unwrap();
         assert_eq!(view.state, JobState::Failed);
         assert_eq!(view.end, Some(EndKind::Aborted));
         assert!(view.reason.unwrap().contains("registration-timeout"));
         assert_eq!(book.view(&id).unwrap().run_exit_code(), Some(125));
-        // The engine's own cancel of the re-queued request changes nothing.
-        let cancelled = EngineEvent::PendingEnded {
-            job_id: id.clone(),
-            scaler: ScalerName::new("local"),
-            end: PendingEnd::Cancelled,
-            waited_seconds: 0.0,
+        // A later end changes nothing.
+        let cancelled = JobEffect::Ended {
+            job: id.clone(),
+            lost: JobLost::Pending(PendingEnd::Cancelled),
         };
-        assert!(book.observe(&cancelled).is_empty());
+        assert!(book.apply(cancelled).is_none());
         assert_eq!(book.view(&id).unwrap().state, JobState::Failed);
     }
 
@@ -1253,13 +1186,14 @@ mod tests {
         book.started(&id, a);
         book.ended(&id, &JobEnd::Completed(JobResult::signalled(9).unwrap()));
         assert!(book
-            .observe(&transition(
-                a,
-                AgentState::Busy,
-                AgentState::Destroying,
-                None
-            ))
-            .is_empty());
+            .apply(JobEffect::Ended {
+                job: id.clone(),
+                lost: JobLost::AgentStopped {
+                    agent: a,
+                    cause: StopCause::Disconnected
+                },
+            })
+            .is_none());
         let view = book.view(&id).unwrap();
         assert_eq!(view.state, JobState::Failed);
         assert_eq!(view.signal, Some(9));
@@ -1267,21 +1201,35 @@ mod tests {
     }
 
     #[test]
+    fn an_end_from_another_agent_than_the_jobs_is_ignored() {
+        let (book, id) = book_with("j1", 1024);
+        book.started(&id, agent(2));
+        assert!(book
+            .apply(JobEffect::Ended {
+                job: id.clone(),
+                lost: JobLost::AgentStopped {
+                    agent: agent(1),
+                    cause: StopCause::Operator
+                },
+            })
+            .is_none());
+        assert_eq!(book.view(&id).unwrap().state, JobState::Running);
+    }
+
+    #[test]
     fn a_warm_agent_taking_the_job_asks_for_a_dispatch() {
         let (book, id) = book_with("j1", 1024);
         let a = agent(7);
-        let actions = book.observe(&transition(
-            a,
-            AgentState::Idle,
-            AgentState::Busy,
-            Some(&id),
-        ));
+        let action = book.apply(JobEffect::Dispatch {
+            job: id.clone(),
+            agent: a,
+        });
         assert_eq!(
-            actions,
-            [Action::Dispatch {
+            action,
+            Some(Action::Dispatch {
                 agent: a,
                 spec: spec("j1")
-            }]
+            })
         );
     }
 

@@ -1,16 +1,18 @@
-//! Fans the engine's event stream out: into the SSE replay buffer, the
-//! metrics, token revocation (an agent that reached `gone` keeps no token,
-//! whichever path took it there) and one structured log line per event with
-//! `agent_id`, `scaler` and `job_id` as fields; with a state store, into
-//! the [`Persister`] (events recorded before readers see them, pending
-//! requests' records deleted when they leave the queue).
+//! Fans the engine's event stream out to observers: the SSE replay
+//! buffer, the metrics and one structured log line per event with
+//! `agent_id`, `scaler` and `job_id` as fields; with a state store, through
+//! the [`Persister`] (events recorded before readers see them).
+//!
+//! Nothing that must happen depends on this stream: a pump that falls
+//! behind loses events (SSE readers see a `reset`), never an agent's or a
+//! job's end. Control — spawns, destroys, token revocation, standalone
+//! jobs' dispatch and end — flows through the engine's effects.
 
 use crate::events::{EventLog, LoggedEvent};
 use crate::metrics::Metrics;
 use crate::persist::Persister;
-use crate::token::TokenStore;
 use kici_engine::runtime::{Runtime, SequencedEvent};
-use kici_engine::{AgentState, EngineEvent};
+use kici_engine::EngineEvent;
 use std::sync::Arc;
 use tokio::sync::{broadcast, oneshot};
 use tokio::task::JoinHandle;
@@ -26,13 +28,8 @@ pub struct Pump {
 
 impl Pump {
     /// Subscribes to `runtime` and starts fanning out.
-    pub fn start(
-        runtime: &Runtime,
-        log: Arc<EventLog>,
-        metrics: Arc<Metrics>,
-        tokens: Arc<TokenStore>,
-    ) -> Self {
-        Self::start_recorded(runtime, log, metrics, tokens, None)
+    pub fn start(runtime: &Runtime, log: Arc<EventLog>, metrics: Arc<Metrics>) -> Self {
+        Self::start_recorded(runtime, log, metrics, None)
     }
 
     /// [`Pump::start`] with a state store: events are numbered after
@@ -43,32 +40,15 @@ impl Pump {
         runtime: &Runtime,
         log: Arc<EventLog>,
         metrics: Arc<Metrics>,
-        tokens: Arc<TokenStore>,
         recorded: Option<(Persister, u64)>,
     ) -> Self {
         let mut rx = runtime.subscribe();
-        let runtime = runtime.clone();
         let (stop, mut stopped) = oneshot::channel();
         let task = tokio::spawn(async move {
             let base = recorded.as_ref().map_or(0, |(_, base)| *base);
             let persister = recorded.map(|(p, _)| p);
             let handle = |event: Arc<SequencedEvent>| {
                 metrics.observe(&event);
-                match &event.event {
-                    EngineEvent::AgentTransition {
-                        agent_id,
-                        to: AgentState::Gone,
-                        ..
-                    } => {
-                        tokens.revoke(*agent_id);
-                    }
-                    EngineEvent::PendingEnded { job_id, .. } => {
-                        if let Some(p) = &persister {
-                            p.pending_ended(job_id.clone());
-                        }
-                    }
-                    _ => {}
-                }
                 log_event(&event);
                 let logged = LoggedEvent::render(base + event.id, &event);
                 match &persister {
@@ -82,11 +62,9 @@ impl Pump {
                     received = rx.recv() => match received {
                         Ok(event) => handle(event),
                         Err(broadcast::error::RecvError::Lagged(n)) => {
-                            // Readers see the hole as a `reset`.
+                            // Readers see the hole as a `reset`; nothing
+                            // else depends on these events.
                             tracing::warn!(missed = n, "event pump fell behind; events dropped");
-                            if let Some(p) = &persister {
-                                p.resync(runtime.clone());
-                            }
                         }
                         Err(broadcast::error::RecvError::Closed) => break,
                     },
@@ -146,14 +124,14 @@ fn log_event(e: &SequencedEvent) {
             if failure.is_some() {
                 tracing::warn!(
                     event_id = e.id, agent_id = %agent_id, scaler = %scaler, backend = %backend,
-                    job_id, from = %from, to = %to, failure_reason = failure, cause = *cause,
+                    job_id, from = %from, to = %to, failure_reason = failure, cause = cause.map(|c| c.as_str()),
                     detail = detail.as_deref(), seconds_in_state = *seconds_in_state,
                     "agent failed"
                 );
             } else {
                 tracing::info!(
                     event_id = e.id, agent_id = %agent_id, scaler = %scaler, backend = %backend,
-                    job_id, from = %from, to = %to, cause = *cause,
+                    job_id, from = %from, to = %to, cause = cause.map(|c| c.as_str()),
                     detail = detail.as_deref(), seconds_in_state = *seconds_in_state,
                     "agent state changed"
                 );

@@ -3,32 +3,34 @@
 //! pump, the standalone-job book and the agent gateway on its own listener;
 //! and their orderly shutdown.
 //!
-//! [`Stack::start`] wires them in the one order that loses no event: the
-//! runtime starts, then everything that follows its events subscribes
-//! (job follower, pump) before the first await lets its first tick run.
-//! [`Stack::shutdown`] destroys every agent, lets the followers deliver
-//! the last events (so every job has its end and every SSE stream closes),
-//! stops the gateway, then runs the backends' clean-up hooks.
+//! [`Stack::start`] wires them before the first await lets the runtime's
+//! first tick run: the job driver takes the engine's standalone-job
+//! effects (control: every one is applied, in order) and the pump
+//! subscribes to its events (observers: SSE, metrics, logs, which may fall
+//! behind). [`Stack::shutdown`] destroys every agent, lets the driver apply
+//! the last effects (so every job has its end) and the pump deliver the
+//! last events (every SSE stream closes), stops the gateway, then runs the
+//! backends' clean-up hooks.
 
 use crate::agent_binary::{self, SearchPath};
 use crate::backends::Built;
 use crate::events::{EventLog, LoggedEvent};
-use crate::gateway::{EngineFollower, Gateway, GatewaySettings};
+use crate::gateway::{Gateway, GatewaySettings, JobDriver};
 use crate::jobs::JobBook;
 use crate::metrics::Metrics;
-use crate::persist::{self, PendingRecorder, PendingRestored, Persister};
+use crate::persist::{self, Persister};
 use crate::pump::Pump;
 use crate::serving::{ConnectionLimits, Listener, ListenerName, Server};
-use crate::state::{durable_from_record, RecordedToken, StoreJournal};
+use crate::state::{durable_from_record, pending_from_record, RecordedToken, StoreJournal};
 use crate::token::{TokenBootstrapper, TokenStore};
 use kici_admission::{Admission, MachineLedger};
-use kici_engine::runtime::{RecoveryReport, Runtime};
+use kici_engine::runtime::{PendingReport, Recorded, RecoveryReport, Runtime};
 use kici_engine::{Engine, EngineSettings};
 use kici_model::Config;
-use kici_model::{AgentId, JobId, Label, LabelSet};
+use kici_model::{AgentId, Label, LabelSet};
 use kici_routing::HostPlatform;
 use kici_store::StateStore;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
@@ -144,8 +146,8 @@ pub struct Recovery {
     pub report: RecoveryReport,
     /// Rows that did not decode; left in the store untouched.
     pub unreadable: Vec<String>,
-    /// What became of the recorded pending requests.
-    pub pending: PendingRestored,
+    /// What became of the recorded pending requests (also in `report`).
+    pub pending: PendingReport,
 }
 
 /// How a shutdown went.
@@ -166,10 +168,9 @@ pub struct Stack {
     pub events: Arc<EventLog>,
     /// Where the gateway listens (what agents are told, as `ws://…/ws`).
     pub gateway_addr: SocketAddr,
-    /// Records waiting scale requests (with a state store).
-    pub pending: Option<PendingRecorder>,
     pump: Pump,
-    follower: EngineFollower,
+    /// `None` only if something else took the runtime's job effects.
+    job_driver: Option<JobDriver>,
     /// The gateway's listeners, the `--gateway-listen` one first.
     gateway_servers: Vec<Server>,
     after_shutdown: Vec<Box<dyn FnOnce() + Send>>,
@@ -216,7 +217,8 @@ impl Stack {
         let events = Arc::new(EventLog::new(options.event_replay.max(1)));
         let mut recovery = Recovery::default();
         let mut recorded = Vec::new();
-        let mut pending_records = Vec::new();
+        let mut pending_recorded = Recorded::default();
+        let mut pending_labels = HashMap::new();
         let mut job_records = Vec::new();
         let mut persister = None;
         let runtime = match &store {
@@ -229,7 +231,15 @@ impl Stack {
                         Err(e) => recovery.unreadable.push(e),
                     }
                 }
-                pending_records = store.pending().await?;
+                for row in store.pending().await? {
+                    match pending_from_record(&row, now) {
+                        Ok(p) => {
+                            pending_labels.insert(p.request.job.clone(), p.request.labels.clone());
+                            pending_recorded.pending.push(p);
+                        }
+                        Err(e) => pending_recorded.unreadable_pending.push((row.job_id, e)),
+                    }
+                }
                 job_records = store.jobs().await?;
                 // Event ids continue after the highest recorded one; the
                 // newest recorded events are replayable at once.
@@ -252,7 +262,6 @@ impl Stack {
                 Runtime::with_journal(engine, backends.backends, bootstrapper, journal)
             }
         };
-        let pending = persister.as_ref().map(|(p, _)| p.recorder());
         // With a store, every job is recorded as it changes.
         let jobs = Arc::new(match &persister {
             Some((p, _)) => JobBook::durable(p.job_recorder(), options.job_output.as_deref()),
@@ -266,35 +275,34 @@ impl Stack {
             Arc::clone(&jobs),
             options.gateway,
         );
-        let follower = gateway.follow_engine();
+        let job_driver = gateway.drive_jobs();
         let pump = Pump::start_recorded(
             &runtime,
             Arc::clone(&events),
             Arc::clone(&metrics),
-            Arc::clone(&tokens),
             persister,
         );
-        if let Some(recorder) = &pending {
+        if store.is_some() {
+            // Jobs first: a job recorded as waiting shows its end once the
+            // engine declines to run it again.
+            persist::log_jobs_restored(&jobs.restore(job_records));
             let (records, tokens_of): (Vec<_>, Vec<_>) = recorded
                 .into_iter()
                 .map(|(d, t)| (d.clone(), (d.agent, t)))
                 .unzip();
-            let held: HashSet<JobId> = records.iter().filter_map(|d| d.job.clone()).collect();
-            let mut restored = PendingRestored::default();
-            recovery.report = runtime
-                .recover_then_start(records, |rt| {
-                    restored = persist::restore(
-                        rt,
-                        recorder,
-                        &jobs,
-                        job_records,
-                        pending_records,
-                        &held,
-                        SystemTime::now(),
-                    );
-                })
-                .await;
-            recovery.pending = restored;
+            pending_recorded.agents = records;
+            recovery.report = runtime.recover_and_start(pending_recorded).await;
+            recovery.pending = recovery.report.pending.clone();
+            for job in &recovery.pending.standalone_failed {
+                // Usually the job's own record already showed it; this
+                // covers a request recorded without one.
+                jobs.restore_aborted(
+                    job.clone(),
+                    pending_labels.remove(job).unwrap_or_default(),
+                    Vec::new(),
+                    persist::STANDALONE_LOST.to_owned(),
+                );
+            }
             restore_tokens(&runtime, &tokens, &recovery.report.adopted, tokens_of);
         }
         let router = gateway.router();
@@ -323,9 +331,8 @@ impl Stack {
             metrics,
             events,
             gateway_addr,
-            pending,
             pump,
-            follower,
+            job_driver,
             gateway_servers,
             after_shutdown: backends.after_shutdown,
         };
@@ -345,9 +352,11 @@ impl Stack {
     pub async fn shutdown(self, grace: Duration) -> Stopped {
         let all_gone = self.runtime.shutdown(grace).await;
         let agents_left = self.runtime.agents(false).len();
-        // Every job gets its end (from the last `destroying` and
-        // `pending-ended` events) before the pump closes the event log.
-        self.follower.finish().await;
+        // Every job gets its end (from the engine's last job effects)
+        // before the pump closes the event log.
+        if let Some(driver) = self.job_driver {
+            driver.finish().await;
+        }
         self.pump.finish().await;
         for server in &self.gateway_servers {
             server.graceful_shutdown(Some(GATEWAY_STOP));

@@ -1,19 +1,23 @@
 //! The daemon's durable state: the engine's journal written to the state
 //! store, and records read back into what recovery needs.
 //!
-//! [`StoreJournal`] is the engine's [`Journal`]: each agent snapshot becomes
-//! one `agents` row (with its token's hash, so a re-adopted agent can still
-//! register), each `Forget` deletes it. [`durable_from_record`] is the way
-//! back; a row that does not decode is reported, never guessed at.
+//! [`StoreJournal`] is the engine's [`Journal`], the one durability path of
+//! agents and pending scale requests: each agent snapshot becomes one
+//! `agents` row (with its token's hash, so a re-adopted agent can still
+//! register), each `Forget` deletes it; a request entering the pending
+//! queue becomes one `pending_requests` row, deleted when it leaves.
+//! [`durable_from_record`] and [`pending_from_record`] are the way back; a
+//! row that does not decode is reported, never guessed at.
 
 use crate::token::TokenStore;
 use async_trait::async_trait;
 use kici_engine::{
-    AgentState, DurableAgent, FailureReason, Journal, JournalEntry, JournalError, Mode,
-    ResourceHandle,
+    AgentState, DurableAgent, DurablePending, FailureReason, Journal, JournalEntry, JournalError,
+    JournalErrorKind, Mode, ResourceHandle, ScaleRequest,
 };
-use kici_model::{LabelSet, Resources};
-use kici_store::{AgentRecord, StateStore, UnixMillis};
+use kici_model::{LabelSet, MemoryBytes, MilliCpu, ResourceRequest, ResourceSpec, Resources};
+use kici_store::{AgentRecord, PendingRecord, StateStore, StoreError, UnixMillis};
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -43,9 +47,27 @@ impl Journal for StoreJournal {
                     .await
             }
             JournalEntry::Forget(agent) => self.store.delete_agent(agent).await.map(|_| ()),
+            JournalEntry::SavePending(p) => {
+                let arrived = at.checked_sub(p.waited).unwrap_or(at);
+                self.store
+                    .put_pending(&pending_record(&p.request, None, arrived))
+                    .await
+            }
+            JournalEntry::ForgetPending(job) => self.store.delete_pending(job).await.map(|_| ()),
         };
-        result.map_err(|e| JournalError(e.to_string()))
+        result.map_err(journal_error)
     }
+}
+
+/// The store's error as the journal's: an outage is retried, anything
+/// else is a refusal; the store's error stays the source.
+pub fn journal_error(e: StoreError) -> JournalError {
+    let kind = if e.is_unavailable() {
+        JournalErrorKind::Unavailable
+    } else {
+        JournalErrorKind::Refused
+    };
+    JournalError::new(kind, e)
 }
 
 /// One `agents` row for a snapshot taken at `at`.
@@ -170,6 +192,125 @@ pub fn durable_from_record(
     ))
 }
 
+// ----- the record's shape ------------------------------------------------
+
+/// `pending_requests.request`: what re-queues the request after a restart.
+/// A standalone job's environment is not kept (it may carry secrets, and a
+/// standalone job is never re-run after a restart, see
+/// [`kici_engine::Engine::recover_pending`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StoredRequest {
+    mode: String,
+    #[serde(default)]
+    exclude: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    requests: Option<StoredSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    limits: Option<StoredSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    command: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct StoredSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    milli_cpu: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    memory_bytes: Option<u64>,
+}
+
+impl From<ResourceSpec> for StoredSpec {
+    fn from(s: ResourceSpec) -> Self {
+        Self {
+            milli_cpu: s.cpus.map(MilliCpu::millis),
+            memory_bytes: s.memory.map(MemoryBytes::bytes),
+        }
+    }
+}
+
+impl From<StoredSpec> for ResourceSpec {
+    fn from(s: StoredSpec) -> Self {
+        Self {
+            cpus: s.milli_cpu.map(MilliCpu::from_millis),
+            memory: s.memory_bytes.map(MemoryBytes::from_bytes),
+        }
+    }
+}
+
+fn labels_text(labels: &LabelSet) -> Vec<String> {
+    labels.iter().map(|l| l.as_str().to_owned()).collect()
+}
+
+/// The record of `request`, queued at `at` (`argv`: a standalone job's
+/// command; the journal does not carry it, a job's own record does).
+pub fn pending_record(
+    request: &ScaleRequest,
+    argv: Option<&[String]>,
+    at: SystemTime,
+) -> PendingRecord {
+    let stored = StoredRequest {
+        mode: request.mode.as_str().to_owned(),
+        exclude: labels_text(&request.exclude),
+        requests: request
+            .resources
+            .and_then(|r| r.requests)
+            .map(StoredSpec::from),
+        limits: request
+            .resources
+            .and_then(|r| r.limits)
+            .map(StoredSpec::from),
+        command: argv.map(<[String]>::to_vec),
+    };
+    PendingRecord {
+        job_id: request.job.clone(),
+        labels: labels_text(&request.labels),
+        // A plain struct of strings and numbers always serializes.
+        request: serde_json::to_value(&stored).unwrap_or(serde_json::Value::Null),
+        run_id: request.run_id.clone(),
+        created_at: UnixMillis::from(at),
+    }
+}
+
+/// The request a record holds, and a standalone job's command.
+pub fn request_from_record(
+    r: &PendingRecord,
+) -> Result<(ScaleRequest, Option<Vec<String>>), String> {
+    let stored: StoredRequest =
+        serde_json::from_value(r.request.clone()).map_err(|e| format!("request: {e}"))?;
+    let mode: Mode = stored.mode.parse().map_err(|e| format!("mode: {e}"))?;
+    let labels = LabelSet::parse(r.labels.iter()).map_err(|e| format!("labels: {e}"))?;
+    let exclude = LabelSet::parse(stored.exclude.iter()).map_err(|e| format!("exclude: {e}"))?;
+    let resources = match (stored.requests, stored.limits) {
+        (None, None) => None,
+        (requests, limits) => Some(ResourceRequest {
+            requests: requests.map(ResourceSpec::from),
+            limits: limits.map(ResourceSpec::from),
+        }),
+    };
+    Ok((
+        ScaleRequest {
+            job: r.job_id.clone(),
+            run_id: r.run_id.clone(),
+            labels,
+            exclude,
+            resources,
+            mode,
+        },
+        stored.command,
+    ))
+}
+
+/// The engine's view of a recorded pending request, as of `now`.
+pub fn pending_from_record(r: &PendingRecord, now: SystemTime) -> Result<DurablePending, String> {
+    let (request, _) = request_from_record(r)?;
+    let waited = now
+        .duration_since(r.created_at.to_system_time())
+        .unwrap_or_default();
+    Ok(DurablePending { request, waited })
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -233,5 +374,51 @@ mod tests {
         let mut row = record_from_durable(&durable(), at, None);
         row.mode = "x".into();
         assert!(durable_from_record(&row, at).unwrap_err().contains("mode"));
+    }
+
+    #[test]
+    fn a_request_survives_its_record() {
+        let request = ScaleRequest {
+            job: "job-1".parse().unwrap(),
+            run_id: Some("run-7".into()),
+            labels: LabelSet::parse(["linux", "x64"]).unwrap(),
+            exclude: LabelSet::parse(["gpu"]).unwrap(),
+            resources: Some(ResourceRequest {
+                requests: Some(ResourceSpec {
+                    cpus: Some(MilliCpu::from_millis(1500)),
+                    memory: None,
+                }),
+                limits: Some(ResourceSpec {
+                    cpus: Some(MilliCpu::from_millis(2000)),
+                    memory: Some(MemoryBytes::from_bytes(1 << 30)),
+                }),
+            }),
+            mode: Mode::Orchestrator,
+        };
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let record = pending_record(&request, None, at);
+        assert_eq!(record.created_at, UnixMillis(1_000_000));
+        assert_eq!(
+            request_from_record(&record).unwrap(),
+            (request.clone(), None)
+        );
+        let back = pending_from_record(&record, at + Duration::from_secs(5)).unwrap();
+        assert_eq!(back.request, request);
+        assert_eq!(back.waited, Duration::from_secs(5));
+
+        let standalone = ScaleRequest {
+            job: "job-2".parse().unwrap(),
+            run_id: None,
+            labels: LabelSet::parse(["linux"]).unwrap(),
+            exclude: LabelSet::default(),
+            resources: None,
+            mode: Mode::Standalone,
+        };
+        let argv = vec!["sh".to_owned(), "-c".to_owned(), "true".to_owned()];
+        let record = pending_record(&standalone, Some(&argv), at);
+        assert_eq!(
+            request_from_record(&record).unwrap(),
+            (standalone, Some(argv))
+        );
     }
 }

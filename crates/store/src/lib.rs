@@ -96,6 +96,12 @@ pub trait StateStore: IpAllocator {
     /// meanwhile.
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// One read-only round trip on the connections writes use: whether the
+    /// store answers now (bounded by the pool's acquire timeout). Writes
+    /// nothing — unlike [`StateStore::ping`], it is cheap enough to ask
+    /// before every request that must not start without a store.
+    async fn reachable(&self) -> Result<(), StoreError>;
+
     /// Inserts or fully replaces an agent's record (`updated_at` as given).
     /// Fails with [`StoreError::AgentIdTaken`] if another instance recorded
     /// the same id.

@@ -384,6 +384,14 @@ macro_rules! impl_state_store {
                 self.ping_impl().await
             }
 
+            async fn reachable(&self) -> Result<(), $crate::StoreError> {
+                sqlx::query("SELECT 1")
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(())
+            }
+
             async fn put_agent(
                 &self,
                 agent: &$crate::AgentRecord,

@@ -9,9 +9,10 @@
 //! whether or not it fits), and its state is chosen so that nothing it was
 //! doing is silently repeated.
 
-use super::{Agent, Engine};
+use super::{Agent, Engine, ScaleOutcome};
 use crate::backend::ResourceHandle;
 use crate::lifecycle::{AgentEvent, AgentState, FailureReason, Mode, StopCause};
+use crate::pending::ScaleRequest;
 use kici_admission::{AdmitError, Demand};
 use kici_model::{AgentId, JobId, LabelSet, Resources, ScalerName, ScalerType};
 use std::sync::Arc;
@@ -41,20 +42,82 @@ pub struct DurableAgent {
     pub age: Duration,
 }
 
+/// A scale request waiting in the pending queue, as recorded: enough to
+/// queue it again after a restart, in its place and with its expiry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurablePending {
+    pub request: ScaleRequest,
+    /// How long it had waited at the moment of the snapshot (the runtime
+    /// turns it into a wall-clock arrival time; `pendingTtl` counts from it).
+    pub waited: Duration,
+}
+
 /// One write for the state store, in the order the engine made it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum JournalEntry {
+    /// An agent's whole durable state.
     Save(Box<DurableAgent>),
+    /// The agent is gone.
     Forget(AgentId),
+    /// A scale request entered the pending queue.
+    SavePending(Box<DurablePending>),
+    /// The request left the queue (admitted, cancelled, expired, …), or a
+    /// recorded one was not taken back.
+    ForgetPending(JobId),
+}
+
+/// What a journal entry is about: entries with the same key replace one
+/// another (each carries its subject's whole state).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum JournalKey {
+    Agent(AgentId),
+    Pending(JobId),
+}
+
+impl std::fmt::Display for JournalKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Agent(a) => write!(f, "agent {a}"),
+            Self::Pending(j) => write!(f, "pending request {j}"),
+        }
+    }
 }
 
 impl JournalEntry {
-    pub fn agent(&self) -> AgentId {
+    pub fn key(&self) -> JournalKey {
         match self {
-            Self::Save(d) => d.agent,
-            Self::Forget(a) => *a,
+            Self::Save(d) => JournalKey::Agent(d.agent),
+            Self::Forget(a) => JournalKey::Agent(*a),
+            Self::SavePending(p) => JournalKey::Pending(p.request.job.clone()),
+            Self::ForgetPending(j) => JournalKey::Pending(j.clone()),
         }
     }
+
+    /// The agent the entry is about, if it is about an agent.
+    pub fn agent(&self) -> Option<AgentId> {
+        match self.key() {
+            JournalKey::Agent(a) => Some(a),
+            JournalKey::Pending(_) => None,
+        }
+    }
+}
+
+/// What became of one recorded pending request at start-up
+/// ([`Engine::recover_pending`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PendingRecovered {
+    /// Waiting again in its place (or admitted at once).
+    Requeued,
+    /// A standalone job: not run after a restart (its submitter's
+    /// connection died with the old daemon); its record is forgotten.
+    StandaloneNotRun,
+    /// Its TTL ran out while the daemon was down.
+    Expired,
+    /// A recorded agent already holds its job: it was admitted just before
+    /// the crash, only the record was left behind.
+    AlreadyAdmitted,
+    /// Not taken back (no scaler accepts it any more, too large, …): why.
+    Dropped(String),
 }
 
 /// What [`Engine::recover`] made of a recorded agent.
@@ -90,13 +153,78 @@ impl Engine {
         let mut entries = std::mem::take(&mut self.journal);
         if entries.len() > 1 {
             let mut seen = std::collections::HashSet::with_capacity(entries.len());
-            // Walking backwards keeps each agent's last entry; the survivors
-            // keep their relative order.
+            // Walking backwards keeps each subject's last entry; the
+            // survivors keep their relative order.
             entries.reverse();
-            entries.retain(|e| seen.insert(e.agent()));
+            entries.retain(|e| seen.insert(e.key()));
             entries.reverse();
         }
         entries
+    }
+
+    /// Takes back a scale request recorded before a restart: must run
+    /// after the recorded agents were recovered (`held`: a recorded agent
+    /// holds its job) and before the first tick.
+    ///
+    /// - Orchestrator mode: re-queued as if it had arrived `waited` ago
+    ///   ([`Engine::restore_pending`]): same place, same expiry, same dedupe
+    ///   by job id; its record stays as it is.
+    /// - Standalone mode: **not** re-queued. Its submitter lost its
+    ///   connection when the daemon died and was told the job failed;
+    ///   running it later, unseen, could run it twice if the user
+    ///   re-submits (the same decision as for a standalone agent with a
+    ///   job, which [`Engine::recover`] destroys).
+    ///
+    /// Every record that does not wait afterwards is forgotten (a journal
+    /// entry, in order with every later one).
+    pub fn recover_pending(
+        &mut self,
+        recorded: DurablePending,
+        held: bool,
+        now: Instant,
+    ) -> PendingRecovered {
+        let job = recorded.request.job.clone();
+        let outcome = if held {
+            PendingRecovered::AlreadyAdmitted
+        } else if recorded.request.mode == Mode::Standalone {
+            PendingRecovered::StandaloneNotRun
+        } else {
+            match self.restore_pending(recorded.request, recorded.waited, now) {
+                // Admitted at once: leaving the queue forgot the record.
+                Ok(Some(ScaleOutcome::Pending { .. } | ScaleOutcome::Spawning { .. })) => {
+                    return PendingRecovered::Requeued
+                }
+                Ok(None) => PendingRecovered::Expired,
+                Ok(Some(ScaleOutcome::NoBackend { explanation })) => {
+                    PendingRecovered::Dropped(format!("no-backend: {explanation}"))
+                }
+                Ok(Some(ScaleOutcome::TooLarge { cap, detail })) => {
+                    PendingRecovered::Dropped(format!("too-large ({cap}): {detail}"))
+                }
+                Err(e) => PendingRecovered::Dropped(e.to_string()),
+            }
+        };
+        self.journal.push(JournalEntry::ForgetPending(job));
+        outcome
+    }
+
+    /// Forgets the record of a pending request that could not be read back.
+    pub fn forget_pending_record(&mut self, job: JobId) {
+        self.journal.push(JournalEntry::ForgetPending(job));
+    }
+
+    /// Records a request that just entered the pending queue.
+    pub(super) fn journal_pending(
+        &mut self,
+        request: &ScaleRequest,
+        enqueued: Instant,
+        now: Instant,
+    ) {
+        self.journal
+            .push(JournalEntry::SavePending(Box::new(DurablePending {
+                request: request.clone(),
+                waited: now.saturating_duration_since(enqueued),
+            })));
     }
 
     /// `KICI_LABELS` of a managed agent (what its token authorises), for

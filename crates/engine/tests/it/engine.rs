@@ -8,7 +8,8 @@ use common::*;
 use kici_admission::Cap;
 use kici_engine::{
     AgentError, AgentState, BreakerState, Effect, Engine, EngineEvent, EngineSettings,
-    FailureReason, Mode, PendingEnd, ResourceHandle, ScaleError, ScaleOutcome,
+    FailureReason, JobEffect, JobLost, Mode, PendingEnd, ResourceHandle, ScaleError, ScaleOutcome,
+    StopCause,
 };
 use kici_model::{AgentId, MemoryBytes, MilliCpu, ResourceRequest, ResourceSpec};
 use std::time::Duration;
@@ -18,7 +19,7 @@ fn spawn_orders(e: &mut Engine) -> Vec<AgentId> {
         .into_iter()
         .filter_map(|f| match f {
             Effect::Spawn(o) => Some(o.agent),
-            Effect::Destroy(_) => None,
+            _ => None,
         })
         .collect()
 }
@@ -28,7 +29,7 @@ fn destroy_orders(e: &mut Engine) -> Vec<AgentId> {
         .into_iter()
         .filter_map(|f| match f {
             Effect::Destroy(o) => Some(o.agent),
-            Effect::Spawn(_) => None,
+            _ => None,
         })
         .collect()
 }
@@ -39,6 +40,7 @@ fn split_effects(e: &mut Engine) -> (Vec<AgentId>, Vec<AgentId>) {
         match f {
             Effect::Spawn(o) => spawns.push(o.agent),
             Effect::Destroy(o) => destroys.push(o.agent),
+            Effect::Revoke(_) | Effect::Job(_) => {}
         }
     }
     (spawns, destroys)
@@ -90,9 +92,13 @@ fn job_bound_agent_runs_its_job_and_releases_everything() {
         _ => unreachable!(),
     }
     let effects = e.take_effects();
-    let [Effect::Spawn(order)] = effects.as_slice() else {
+    // A standalone job: its dispatcher is told the agent, then the spawn.
+    let [Effect::Job(JobEffect::Bound { job: bound, agent }), Effect::Spawn(order)] =
+        effects.as_slice()
+    else {
         panic!("{effects:?}")
     };
+    assert_eq!((bound.as_str(), *agent), ("j1", a));
     assert_eq!(order.job.as_ref().unwrap().as_str(), "j1");
     assert_eq!(order.resources.requests.cpu, MilliCpu::from_millis(1000));
     assert!(order
@@ -298,7 +304,7 @@ fn provision_timeout_destroys_backs_off_and_requeues_the_job() {
     let mut clock = Clock::new();
     let mut e = engine(BASIC);
     let a = spawned(
-        &e.request_scale(request("j1", &["docker"]), clock.now())
+        &e.request_scale(orchestrator_request("j1", &["docker"]), clock.now())
             .unwrap(),
     );
     spawn_orders(&mut e);
@@ -314,7 +320,8 @@ fn provision_timeout_destroys_backs_off_and_requeues_the_job() {
     // The job is pending again, waiting out the backoff (1 s).
     assert_eq!(e.pending_len(), 1);
     assert_eq!(
-        e.request_scale(request("j1", &["docker"]), now).unwrap(),
+        e.request_scale(orchestrator_request("j1", &["docker"]), now)
+            .unwrap(),
         ScaleOutcome::Pending { position: 1 }
     );
     finish_destroy(&mut e, now);
@@ -322,6 +329,119 @@ fn provision_timeout_destroys_backs_off_and_requeues_the_job() {
     let now = clock.advance(1);
     e.tick(now);
     assert_eq!(spawn_orders(&mut e).len(), 1, "retried after backoff");
+}
+
+/// The job effects among the engine's effects since the last call.
+fn job_effects(e: &mut Engine) -> Vec<JobEffect> {
+    e.take_effects()
+        .into_iter()
+        .filter_map(|f| match f {
+            Effect::Job(j) => Some(j),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_standalone_job_whose_agent_fails_ends_and_is_never_requeued() {
+    let mut clock = Clock::new();
+    let mut e = engine(BASIC);
+    let a = spawned(
+        &e.request_scale(request("j1", &["docker"]), clock.now())
+            .unwrap(),
+    );
+    assert_eq!(
+        job_effects(&mut e),
+        [JobEffect::Bound {
+            job: job("j1"),
+            agent: a
+        }]
+    );
+    let now = clock.advance(300);
+    e.tick(now);
+    assert_eq!(state(&e, a, now), AgentState::Destroying);
+    // The engine ends the job itself; nothing waits in the queue.
+    assert_eq!(
+        job_effects(&mut e),
+        [JobEffect::Ended {
+            job: job("j1"),
+            lost: JobLost::AgentFailed {
+                agent: a,
+                reason: FailureReason::ProvisionTimeout,
+                detail: None
+            }
+        }]
+    );
+    assert_eq!(e.pending_len(), 0);
+    e.destroy_finished(a, now);
+    let now = clock.advance(60);
+    e.tick(now);
+    assert!(spawn_orders(&mut e).is_empty(), "never retried");
+}
+
+#[test]
+fn a_standalone_job_ends_once_whatever_ends_it() {
+    let clock = Clock::new();
+    let now = clock.now();
+    // Its agent disconnects mid-job: one end, naming the stop.
+    let mut e = engine(BASIC);
+    let a = spawned(&e.request_scale(request("j1", &["docker"]), now).unwrap());
+    bring_up(&mut e, a, now);
+    e.job_started(a, job("j1"), now).unwrap();
+    job_effects(&mut e);
+    e.agent_disconnected(a, now).unwrap();
+    e.destroy_finished(a, now);
+    let effects = e.take_effects();
+    let ends: Vec<_> = effects
+        .iter()
+        .filter(|f| matches!(f, Effect::Job(JobEffect::Ended { .. })))
+        .collect();
+    assert!(
+        matches!(
+            ends.as_slice(),
+            [Effect::Job(JobEffect::Ended {
+                lost: JobLost::AgentStopped {
+                    cause: StopCause::Disconnected,
+                    ..
+                },
+                ..
+            })]
+        ),
+        "{effects:?}"
+    );
+    assert!(
+        effects
+            .iter()
+            .any(|f| matches!(f, Effect::Revoke(x) if *x == a)),
+        "gone revokes the token: {effects:?}"
+    );
+
+    // Its command ended: no end from the engine.
+    let b = spawned(&e.request_scale(request("j2", &["docker"]), now).unwrap());
+    bring_up(&mut e, b, now);
+    e.job_started(b, job("j2"), now).unwrap();
+    e.job_completed(b, &job("j2"), Some(3), now).unwrap();
+    e.destroy_finished(b, now);
+    assert!(!job_effects(&mut e)
+        .iter()
+        .any(|j| matches!(j, JobEffect::Ended { .. })));
+
+    // Waiting, then shut down: the pending end.
+    let mut e = engine(BASIC);
+    let _ = e.request_scale(request("j3", &["docker"]), now).unwrap();
+    let _ = e.request_scale(request("j4", &["docker"]), now).unwrap();
+    let _ = e.request_scale(request("j5", &["docker"]), now).unwrap();
+    job_effects(&mut e);
+    e.shutdown(now);
+    let ends: Vec<JobEffect> = job_effects(&mut e);
+    assert_eq!(ends.len(), 3, "{ends:?}");
+    assert!(ends.iter().any(|j| matches!(
+        j,
+        JobEffect::Ended {
+            lost: JobLost::Pending(PendingEnd::Cancelled),
+            ..
+        }
+    )));
 }
 
 #[test]
@@ -345,7 +465,7 @@ fn registration_timeout_is_a_failure() {
 fn breaker_opens_after_consecutive_failures_and_closes_on_success() {
     let mut clock = Clock::new();
     let mut e = engine(BASIC);
-    e.request_scale(request("j1", &["docker"]), clock.now())
+    e.request_scale(orchestrator_request("j1", &["docker"]), clock.now())
         .unwrap();
     for _ in 0..5 {
         let ids = spawn_orders(&mut e);

@@ -1,10 +1,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-//! Model-based test: random interleavings of requests, spawn results,
-//! registrations, job ends, disconnects, destroys (succeeding or failing),
-//! cancels, cordons, reloads and clock jumps. After every step the capacity
-//! books must balance exactly (no leak, no double release, no cap exceeded),
-//! a waiting request is never reported refused twice in a row for the same
-//! reason, and a final shutdown must release everything.
+//! Model-based test: random interleavings of requests (orchestrator and
+//! standalone), spawn results, registrations, job ends, disconnects,
+//! destroys (succeeding or failing), cancels, cordons, reloads and clock
+//! jumps. After every step the capacity books must balance exactly (no
+//! leak, no double release, no cap exceeded), a waiting request is never
+//! reported refused twice in a row for the same reason, a standalone job is
+//! spawned for at most once and ends at most once (its command's end, or
+//! one effect telling its dispatcher), a token is revoked once its agent is
+//! gone; a final shutdown must release everything and end every job.
 //!
 //! This is the deterministic-scheduler check of the engine: every
 //! interleaving proptest generates is replayable from its seed.
@@ -13,7 +16,8 @@ use crate::common;
 
 use common::*;
 use kici_admission::Cap;
-use kici_engine::{AgentState, Effect, Engine, EngineEvent, Mode, ResourceHandle};
+use kici_engine::ScaleOutcome;
+use kici_engine::{AgentState, Effect, Engine, EngineEvent, JobEffect, Mode, ResourceHandle};
 use kici_model::{AgentId, JobId, MilliCpu, ResourceRequest, ResourceSpec, ScalerName};
 use proptest::prelude::*;
 use std::collections::{BTreeSet, HashMap};
@@ -104,16 +108,36 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// What the simulated backend has been asked to do.
+/// What the simulated backend (and the standalone jobs' dispatcher) has
+/// been asked to do.
 #[derive(Default)]
 struct World {
     spawning: Vec<AgentId>,
     destroying: Vec<AgentId>,
     spawned_ever: BTreeSet<AgentId>,
+    /// Standalone jobs submitted and not ended yet, with the agents spawned
+    /// for them so far.
+    standalone: HashMap<JobId, Vec<AgentId>>,
+    /// Agents whose token was revoked.
+    revoked: BTreeSet<AgentId>,
 }
 
 impl World {
-    fn absorb(&mut self, e: &mut Engine) {
+    /// A standalone request was accepted (pending or spawning): a new
+    /// submission unless it is a retry of one still running.
+    fn submitted(&mut self, job: JobId) {
+        self.standalone.entry(job).or_default();
+    }
+
+    /// A standalone job's agent reported its end.
+    fn completed(&mut self, job: &JobId) {
+        assert!(
+            self.standalone.remove(job).is_some(),
+            "standalone job {job} completed but was not running"
+        );
+    }
+
+    fn absorb(&mut self, e: &mut Engine, now: Instant) {
         for f in e.take_effects() {
             match f {
                 Effect::Spawn(o) => {
@@ -123,12 +147,56 @@ impl World {
                         o.agent
                     );
                     self.spawning.push(o.agent);
+                    if let (Mode::Standalone, Some(job)) = (o.mode, &o.job) {
+                        let agents = self.standalone.get_mut(job).unwrap_or_else(|| {
+                            panic!("spawn for standalone job {job} not running")
+                        });
+                        agents.push(o.agent);
+                        // Never re-queued after its agent failed: one agent
+                        // per submission.
+                        assert_eq!(agents.len(), 1, "standalone job {job} spawned twice");
+                    }
                 }
                 Effect::Destroy(o) => {
                     self.spawning.retain(|a| *a != o.agent);
                     if !self.destroying.contains(&o.agent) {
                         self.destroying.push(o.agent);
                     }
+                }
+                Effect::Revoke(agent) => {
+                    assert!(self.revoked.insert(agent), "{agent} revoked twice");
+                    assert!(
+                        e.agent(agent, now)
+                            .is_some_and(|v| v.state == AgentState::Gone),
+                        "{agent} revoked before it is gone"
+                    );
+                }
+                Effect::Job(JobEffect::Bound { job, agent }) => {
+                    assert!(
+                        self.standalone.contains_key(&job),
+                        "{job} bound but not running"
+                    );
+                    assert!(
+                        e.agent(agent, now).is_some(),
+                        "{job} bound to unknown {agent}"
+                    );
+                }
+                Effect::Job(JobEffect::Dispatch { job, agent }) => {
+                    assert!(
+                        self.standalone.contains_key(&job),
+                        "{job} dispatched but not running"
+                    );
+                    let view = e.agent(agent, now).unwrap();
+                    assert_eq!(view.job_id.as_ref(), Some(&job));
+                    assert!(view.warm || view.state == AgentState::Busy);
+                }
+                Effect::Job(JobEffect::Ended { job, .. }) => {
+                    // Exactly once per submission, and only for one that
+                    // did not complete.
+                    assert!(
+                        self.standalone.remove(&job).is_some(),
+                        "standalone job {job} ended twice or after it completed"
+                    );
                 }
             }
         }
@@ -248,7 +316,16 @@ fn run(ops: Vec<Op>) {
                 } else {
                     Mode::Standalone
                 };
-                let _ = e.request_scale(r, now);
+                let job = r.job.clone();
+                let outcome = e.request_scale(r, now);
+                if !orchestrator
+                    && matches!(
+                        outcome,
+                        Ok(ScaleOutcome::Pending { .. } | ScaleOutcome::Spawning { .. })
+                    )
+                {
+                    world.submitted(job);
+                }
             }
             Op::SpawnOk(i) => {
                 if let Some(a) = pick(&world.spawning, i) {
@@ -280,8 +357,12 @@ fn run(ops: Vec<Op>) {
             }
             Op::Complete(i) => {
                 if let Some(a) = pick(&live_in(&e, now, &[AgentState::Busy]), i) {
-                    let job = e.agent(a, now).unwrap().job_id.unwrap();
+                    let view = e.agent(a, now).unwrap();
+                    let job = view.job_id.unwrap();
                     e.job_completed(a, &job, Some(0), now).unwrap();
+                    if view.mode == Mode::Standalone {
+                        world.completed(&job);
+                    }
                 }
             }
             Op::Disconnect(i) => {
@@ -331,14 +412,14 @@ fn run(ops: Vec<Op>) {
                 e.tick(now);
             }
         }
-        world.absorb(&mut e);
+        world.absorb(&mut e, clock.now());
         refusals.absorb(&mut e);
         check_books(&e, clock.now());
     }
     // Shutdown releases everything once the backend has done its part.
     let now = clock.advance(1);
     e.shutdown(now);
-    world.absorb(&mut e);
+    world.absorb(&mut e, now);
     // Destroys that failed earlier are re-issued after the retry delay.
     for _ in 0..3 {
         for a in std::mem::take(&mut world.destroying) {
@@ -346,7 +427,7 @@ fn run(ops: Vec<Op>) {
         }
         let now = clock.advance(31);
         e.tick(now);
-        world.absorb(&mut e);
+        world.absorb(&mut e, now);
     }
     let now = clock.now();
     assert!(e.is_idle(), "agents left: {:?}", e.agents(false, now));
@@ -354,6 +435,15 @@ fn run(ops: Vec<Op>) {
     assert_eq!(usage.global.agents, 0);
     assert_eq!(usage.global.cpu, MilliCpu::ZERO);
     assert_eq!(e.pending_len(), 0);
+    // Every standalone job reached an end: its command's, or one the
+    // engine told its dispatcher about.
+    assert!(
+        world.standalone.is_empty(),
+        "standalone jobs without an end: {:?}",
+        world.standalone.keys().collect::<Vec<_>>()
+    );
+    // Every agent that existed is gone and its token revoked.
+    assert_eq!(world.revoked, world.spawned_ever);
 }
 
 proptest! {

@@ -22,6 +22,8 @@ use std::time::SystemTime;
 #[derive(Default)]
 struct MemoryJournal {
     rows: Mutex<BTreeMap<AgentId, DurableAgent>>,
+    /// Pending requests, through the same journal.
+    pending: Mutex<BTreeMap<kici_model::JobId, kici_engine::DurablePending>>,
     down: AtomicBool,
     writes: Mutex<Vec<(AgentId, Option<AgentState>)>>,
 }
@@ -30,7 +32,10 @@ struct MemoryJournal {
 impl Journal for MemoryJournal {
     async fn write(&self, entry: &JournalEntry, _at: SystemTime) -> Result<(), JournalError> {
         if self.down.load(Ordering::SeqCst) {
-            return Err(JournalError("store down".into()));
+            return Err(JournalError::new(
+                kici_engine::JournalErrorKind::Unavailable,
+                std::io::Error::other("store down"),
+            ));
         }
         let mut rows = self.rows.lock();
         match entry {
@@ -41,6 +46,14 @@ impl Journal for MemoryJournal {
             JournalEntry::Forget(a) => {
                 self.writes.lock().push((*a, None));
                 rows.remove(a);
+            }
+            JournalEntry::SavePending(p) => {
+                self.pending
+                    .lock()
+                    .insert(p.request.job.clone(), (**p).clone());
+            }
+            JournalEntry::ForgetPending(job) => {
+                self.pending.lock().remove(job);
             }
         }
         Ok(())
@@ -72,7 +85,11 @@ async fn start(
         docker.plant(*a);
     }
     let backends: Vec<Arc<dyn Backend>> = vec![docker.clone(), local.clone()];
-    let records = journal.records();
+    let records = kici_engine::runtime::Recorded {
+        agents: journal.records(),
+        pending: journal.pending.lock().values().cloned().collect(),
+        unreadable_pending: Vec::new(),
+    };
     let rt = Runtime::with_journal(
         engine(&BASIC.replace("maxCpu: 2", "maxCpu: 4")),
         backends,
@@ -252,4 +269,61 @@ async fn a_recovered_agent_awaiting_registration_keeps_its_deadline() {
         view.failure_reason,
         Some(kici_engine::FailureReason::RegistrationTimeout)
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn pending_requests_go_through_the_journal_and_come_back_with_the_agents() {
+    let journal = Arc::new(MemoryJournal::default());
+    let (d, _) = start(journal.clone(), &[]).await;
+    // `local` holds two agents: the third request waits, recorded.
+    let a = spawned(&d.rt.request_scale(orchestrator("j1", &["local"])).unwrap());
+    let _b = spawned(&d.rt.request_scale(orchestrator("j2", &["local"])).unwrap());
+    let (outcome, ack) = d.rt.request_scale_recorded(orchestrator("j3", &["local"]));
+    assert_eq!(
+        outcome.unwrap(),
+        kici_engine::ScaleOutcome::Pending { position: 1 }
+    );
+    ack.expect("a queued request is acknowledged once recorded")
+        .await
+        .unwrap()
+        .unwrap();
+    // A retry is not recorded again; a standalone one waits too.
+    assert!(d
+        .rt
+        .request_scale_recorded(orchestrator("j3", &["local"]))
+        .1
+        .is_none());
+    let (_, ack) = d.rt.request_scale_recorded(request("s1", &["local"]));
+    ack.unwrap().await.unwrap().unwrap();
+    assert!(d.rt.flush_journal().await);
+    assert_eq!(
+        journal
+            .pending
+            .lock()
+            .keys()
+            .map(|j| j.as_str())
+            .collect::<Vec<_>>(),
+        ["j3", "s1"]
+    );
+    // The crash: the next daemon takes back agents and requests in one go.
+    d.rt.detach().await;
+    drop(d);
+    let (d, report) = start(journal.clone(), &[]).await;
+    assert_eq!(report.pending.requeued, [job("j3")]);
+    assert_eq!(report.pending.standalone_failed, [job("s1")]);
+    settle().await;
+    assert!(d.rt.flush_journal().await);
+    // The recorded agents' processes are gone (nothing planted): released,
+    // and the freed capacity admits j3, whose record goes with it.
+    let _ = a;
+    assert!(
+        journal.pending.lock().is_empty(),
+        "{:?}",
+        journal.pending.lock().keys()
+    );
+    assert!(d
+        .rt
+        .agents(false)
+        .iter()
+        .any(|v| v.job_id.as_ref() == Some(&job("j3"))));
 }

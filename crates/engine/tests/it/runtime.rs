@@ -57,7 +57,11 @@ async fn full_job_lifecycle_through_a_backend() {
 async fn hung_spawn_times_out_is_destroyed_and_retried_after_backoff() {
     let s = setup(BASIC);
     s.docker.hang_spawns(true);
-    let a = spawned(&s.rt.request_scale(request("j1", &["docker"])).unwrap());
+    let a = spawned(
+        &s.rt
+            .request_scale(orchestrator_request("j1", &["docker"]))
+            .unwrap(),
+    );
     settle().await;
     // Only the spawn already in flight hangs.
     s.docker.hang_spawns(false);

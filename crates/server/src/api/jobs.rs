@@ -153,8 +153,7 @@ pub async fn submit_job(
     if !state.jobs.is_durable() {
         state.store_reachable().await?;
     }
-    let recorder = state.pending_recorder();
-    let view = jobs::submit_recorded(&state.runtime, &state.jobs, recorder.as_ref(), request)
+    let view = jobs::submit_recorded(&state.runtime, &state.jobs, request)
         .await
         .map_err(submit_error)?;
     Ok((

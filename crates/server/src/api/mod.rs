@@ -27,7 +27,6 @@ pub mod wire;
 use crate::events::EventLog;
 use crate::jobs::JobBook;
 use crate::metrics::Metrics;
-use crate::persist::PendingRecorder;
 use crate::reload::Reload;
 use crate::token::{Secret, TokenStore};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -65,8 +64,6 @@ pub struct Shared {
     /// The durable state store (`None` in `run` and in tests without one).
     /// New scale requests need it reachable.
     store: parking_lot::RwLock<Option<Arc<dyn StateStore>>>,
-    /// Records scale requests that wait (with a store).
-    pending: parking_lot::RwLock<Option<PendingRecorder>>,
     /// Start-up finished and not shutting down.
     ready: AtomicBool,
     /// The OpenAPI document, serialised once.
@@ -100,7 +97,6 @@ impl AppState {
             reloader,
             api_token,
             store: parking_lot::RwLock::new(None),
-            pending: parking_lot::RwLock::new(None),
             ready: AtomicBool::new(false),
             openapi_json: parking_lot::RwLock::new(Arc::from("{}")),
         }))
@@ -111,23 +107,14 @@ impl AppState {
         *self.0.store.write() = Some(store);
     }
 
-    /// Where waiting scale requests and jobs are recorded.
-    pub fn set_pending_recorder(&self, recorder: PendingRecorder) {
-        *self.0.pending.write() = Some(recorder);
-    }
-
-    pub fn pending_recorder(&self) -> Option<PendingRecorder> {
-        self.0.pending.read().clone()
-    }
-
     /// Checks that the state store answers (bounded by its pool's acquire
-    /// timeout, 1 s by default): a request it could not record must not
-    /// start anything.
+    /// timeout, 1 s by default; a read, nothing is written): a request it
+    /// could not record must not start anything.
     pub async fn store_reachable(&self) -> Result<(), ApiError> {
         let store = self.0.store.read().clone();
         match store {
             None => Ok(()),
-            Some(store) => store.ping().await.map_err(|e| {
+            Some(store) => store.reachable().await.map_err(|e| {
                 ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     ErrorCode::StoreUnavailable,

@@ -4,7 +4,7 @@
 use super::error::{ApiError, ApiJson, ErrorBody};
 use super::wire::{parse_job, IntoApi, IntoRequest, ScaleAnswer, ScaleBody};
 use super::AppState;
-use crate::persist::PendingRecorder;
+use crate::persist::pending_committed;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
@@ -40,20 +40,18 @@ pub async fn request_scale(
 ) -> Result<(StatusCode, Json<ScaleAnswer>), ApiError> {
     let request = body.into_request()?;
     let job = request.job.clone();
+    // A read: nothing starts while the store cannot record it.
     state.store_reachable().await?;
-    let (outcome, recorded) = match state.pending_recorder() {
-        Some(recorder) => recorder.record_if_queued(&state.runtime, request, None),
-        None => (state.runtime.request_scale(request), None),
-    };
-    // A request that waits is answered once it is recorded: a crash must
-    // not forget what was acknowledged.
-    PendingRecorder::committed(&state.runtime, &job, recorded)
+    let (outcome, recorded) = state.runtime.request_scale_recorded(request);
+    // A request that waits is answered once its record (the engine's
+    // journal) is committed: a crash must not forget what was acknowledged.
+    pending_committed(&state.runtime, &job, recorded)
         .await
         .map_err(|e| {
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
-                e.to_string(),
+                error_text(&e),
             )
         })?;
     let outcome = outcome.map_err(|e| match e {
@@ -80,6 +78,18 @@ pub async fn request_scale(
     };
     tracing::info!(job_id = %job, result = ?outcome, "scale request");
     Ok((status, Json(outcome.into_api())))
+}
+
+/// An error and its sources, `: `-separated.
+fn error_text(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// Cancel a scale request.

@@ -401,7 +401,7 @@ impl IntoApi<Event> for EngineEvent {
                 to: to.into_api(),
                 job_id: job_id.map(|j| j.to_string()),
                 failure_reason: failure_reason.map(IntoApi::into_api),
-                cause: cause.map(str::to_owned),
+                cause: cause.map(|c| c.as_str().to_owned()),
                 detail,
                 seconds_in_state,
             },

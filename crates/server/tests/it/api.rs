@@ -120,7 +120,7 @@ impl Harness {
         let rt = Runtime::start(engine, backends, boot);
         let metrics = Arc::new(Metrics::new(&config));
         let events = Arc::new(EventLog::new(replay));
-        let pump = Pump::start(&rt, events.clone(), metrics.clone(), tokens.clone());
+        let pump = Pump::start(&rt, events.clone(), metrics.clone());
         let reloader: Arc<dyn Reload> =
             Arc::new(ConfigReloader::new(main, None, rt.clone(), metrics.clone()));
         let state = AppState::new(

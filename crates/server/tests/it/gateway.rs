@@ -69,6 +69,10 @@ impl Setup {
     }
 
     async fn with(yaml: &str, settings: GatewaySettings) -> Self {
+        Self::with_engine(yaml, settings, EngineSettings::default()).await
+    }
+
+    async fn with_engine(yaml: &str, settings: GatewaySettings, engine: EngineSettings) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let main = dir.path().join("scalers.yaml");
         std::fs::write(&main, yaml).unwrap();
@@ -87,7 +91,7 @@ impl Setup {
             None,
             listener,
             StackOptions {
-                engine: EngineSettings::default(),
+                engine,
                 event_replay: 100,
                 gateway: settings,
                 gateway_limits: kici_scaler::serving::ConnectionLimits::gateway(),
@@ -507,6 +511,153 @@ async fn a_warm_agent_receives_the_job_it_takes_on_its_open_connection() {
         .job_until(&job, "the end", |v| v.state.is_terminal())
         .await;
     assert_eq!(view.state, JobState::Succeeded);
+}
+
+// ------------------------------------------- control never rides on events
+
+/// Plays the agent of job number `n` of [`jobs_end_right_with_a_one_event_stream_and_stalled_observers`]:
+/// waits for the job's agent, connects, takes the job and ends it with
+/// exit code `n` — or, every tenth job, drops the connection mid-job.
+async fn play_agent(
+    n: i32,
+    job: JobId,
+    jobs: Arc<kici_scaler::jobs::JobBook>,
+    bare: Arc<MemoryBackend>,
+    url: String,
+) {
+    // The job waits for capacity, then gets its agent; the agent is
+    // "started" by the in-memory backend once its spawn runs.
+    let spawned = async {
+        loop {
+            let agent = jobs
+                .view(&job)
+                .and_then(|v| v.agent_id)
+                .map(|a| a.parse::<AgentId>().unwrap());
+            if let Some(spec) = agent.and_then(|a| bare.spec(a)) {
+                return spec;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let spec = guard("the job's agent", spawned).await;
+    let agent = spec.agent;
+    let mut config = WebSocketConfig::default();
+    config.max_message_size = Some(MAX_FRAME_BYTES);
+    let (ws, _) = tokio_tungstenite::connect_async_with_config(url.as_str(), Some(config), false)
+        .await
+        .unwrap();
+    let mut a = Agent { ws };
+    a.auth(spec.token.unwrap().expose()).await;
+    assert!(matches!(a.recv().await, GatewayMessage::AuthSuccess(_)));
+    a.register(agent, LabelSet::parse(spec.agent_labels).unwrap())
+        .await;
+    assert!(matches!(a.recv().await, GatewayMessage::RegisterAck(_)));
+    a.send(AgentMessage::ConfigAck(ConfigAck {
+        message_id: ConfigAck::message_id_for(agent, UnixMillis::now()),
+        agent_id: agent,
+    }))
+    .await;
+    assert_eq!(a.expect_dispatch().await.job_id(), &job);
+    a.ack(&job).await;
+    a.status(&job, JobProgress::Running).await;
+    if n % 10 == 9 {
+        // Lost mid-job: the engine's end of its agent ends the job.
+        while jobs.view(&job).unwrap().state != JobState::Running {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(a);
+        return;
+    }
+    a.status(
+        &job,
+        JobProgress::Finished(JobEnd::Completed(JobResult::exited(n))),
+    )
+    .await;
+    assert_eq!(a.expect_close().await.0, Some(1000));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_end_right_with_a_one_event_stream_and_stalled_observers() {
+    let yaml = CONFIG
+        .replace("globalMaxAgents: 4", "globalMaxAgents: 8")
+        .replace("maxAgents: 2", "maxAgents: 8");
+    // The engine's event stream holds one event: every observer lags all
+    // the time. Two of them never read at all (`s.events` and `stalled`).
+    let s = Setup::with_engine(
+        &yaml,
+        GatewaySettings::default(),
+        EngineSettings {
+            event_buffer: 1,
+            ..EngineSettings::default()
+        },
+    )
+    .await;
+    let _stalled = s.stack.runtime.subscribe();
+    let mut submitted = Vec::new();
+    for n in 0..50 {
+        let spec = JobSpec::new(
+            kici_scaler::jobs::JobBook::mint_id(),
+            vec!["sh".into(), "-c".into(), format!("exit {n}")],
+            BTreeMap::new(),
+            None,
+        )
+        .unwrap();
+        let job = spec.job_id().clone();
+        jobs::submit(
+            &s.stack.runtime,
+            &s.stack.jobs,
+            JobRequest {
+                labels: LabelSet::parse(["local"]).unwrap(),
+                resources: None,
+                spec,
+            },
+        )
+        .unwrap();
+        submitted.push(job);
+    }
+    let agents: Vec<_> = submitted
+        .iter()
+        .enumerate()
+        .map(|(n, job)| {
+            tokio::spawn(play_agent(
+                i32::try_from(n).unwrap(),
+                job.clone(),
+                Arc::clone(&s.stack.jobs),
+                Arc::clone(&s.bare),
+                s.url.clone(),
+            ))
+        })
+        .collect();
+    for a in agents {
+        a.await.unwrap();
+    }
+    for (n, job) in submitted.iter().enumerate() {
+        let view = s
+            .job_until(job, "the job's end", |v| v.state.is_terminal())
+            .await;
+        let n = i32::try_from(n).unwrap();
+        if n % 10 == 9 {
+            assert_eq!(view.end, Some(EndKind::Aborted), "{view:?}");
+            assert!(
+                view.reason.as_deref().unwrap().contains("disconnected"),
+                "{view:?}"
+            );
+            assert_eq!(view.run_exit_code(), Some(125), "{view:?}");
+        } else {
+            assert_eq!(view.end, Some(EndKind::Exited), "{view:?}");
+            assert_eq!(view.run_exit_code(), Some(n), "{view:?}");
+        }
+    }
+    // Every agent is released, every token revoked.
+    let gone = async {
+        while !s.stack.runtime.agents(false).is_empty() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    guard("every agent gone", gone).await;
+    assert_eq!(s.bare.destroyed().len(), 50);
+    assert_eq!(s.stack.tokens.len(), 0);
+    assert!(s.bare.live().is_empty());
 }
 
 // -------------------------------------------------------------- refusals

@@ -95,10 +95,12 @@ async fn serial_postgres_outage_fails_fast_and_recovers() {
         other => panic!("allocate during the outage: expected Unavailable, got {other:?}"),
     }
     assert!(store.ping().await.unwrap_err().is_unavailable());
+    assert!(store.reachable().await.unwrap_err().is_unavailable());
 
     server.start();
     // The same handle, no reopen: the pool reconnects by itself.
     store.ping().await.unwrap();
+    store.reachable().await.unwrap();
     let agents = store.agents().await.unwrap();
     assert_eq!(agents, (0..50).map(sample_agent).collect::<Vec<_>>());
     assert_eq!(store.leases().await.unwrap(), leases);

@@ -15,6 +15,7 @@ async fn agents_pending_events() {
     let b = open_fresh(&url).await;
     assert_eq!(a.kind(), StoreKind::Sqlite);
     a.ping().await.unwrap();
+    a.reachable().await.unwrap();
     agents_round_trip(a.as_ref(), b.as_ref()).await;
     pending_round_trip(a.as_ref(), b.as_ref()).await;
     jobs_round_trip(a.as_ref(), b.as_ref()).await;

@@ -50,6 +50,15 @@ pub fn request(id: &str, raw: &[&str]) -> ScaleRequest {
     }
 }
 
+/// [`request`] in orchestrator mode: a job whose agent fails before it
+/// starts goes back to the queue (standalone jobs end instead).
+pub fn orchestrator_request(id: &str, raw: &[&str]) -> ScaleRequest {
+    ScaleRequest {
+        mode: Mode::Orchestrator,
+        ..request(id, raw)
+    }
+}
+
 pub fn spawned(outcome: &ScaleOutcome) -> AgentId {
     match outcome {
         ScaleOutcome::Spawning { agent_id, .. } => *agent_id,

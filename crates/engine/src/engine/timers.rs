@@ -1,0 +1,61 @@
+//! Deadlines: the next instant the engine must act, and firing what passed.
+
+use super::*;
+
+impl Engine {
+    /// The earliest instant at which [`Engine::tick`] has something to do.
+    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        let agents = self
+            .agents
+            .values()
+            .filter_map(|a| a.deadline(&self.settings));
+        let pending = self.pending.next_expiry();
+        // Breakers matter only while they hold back a waiting request or a
+        // warm-pool refill.
+        let someone_waits =
+            !self.pending.is_empty() || self.config.scalers.iter().any(|s| s.warm_target() > 0);
+        let breakers = self
+            .breakers
+            .values()
+            .filter(|_| someone_waits)
+            .filter_map(|b| b.next_change(now));
+        agents.chain(pending).chain(breakers).min()
+    }
+
+    /// Fires every deadline that has passed.
+    pub fn tick(&mut self, now: Instant) {
+        let due: Vec<(AgentId, AgentState)> = self
+            .agents
+            .values()
+            .filter(|a| a.deadline(&self.settings).is_some_and(|d| d <= now))
+            .map(|a| (a.id, a.state))
+            .collect();
+        for (id, state) in due {
+            let Some(a) = self.agents.get(&id) else {
+                continue;
+            };
+            let lifetime_over = now >= a.created + a.scaler().ext.deadlines.max_lifetime;
+            match state {
+                AgentState::Destroying => self.issue_destroy(id, now),
+                _ if lifetime_over => {
+                    self.fail(id, FailureReason::LifetimeExceeded, None, now);
+                }
+                AgentState::Requested | AgentState::Provisioning => {
+                    self.fail(id, FailureReason::ProvisionTimeout, None, now)
+                }
+                AgentState::Booted => self.fail(id, FailureReason::RegistrationTimeout, None, now),
+                AgentState::Registered => {
+                    self.fail(id, FailureReason::PendingDispatchTimeout, None, now)
+                }
+                AgentState::Idle => self.drain_idle(id, StopCause::IdleExpired, now),
+                AgentState::Busy | AgentState::Draining | AgentState::Gone => {}
+            }
+        }
+        let expired = self.pending.take_expired(now);
+        for entry in expired {
+            self.jobs.remove(&entry.request.job);
+            self.pending_ended(&entry, PendingEnd::Expired, now);
+        }
+        self.after_release(now);
+    }
+}
