@@ -10,8 +10,11 @@
 use crate::serving::{ListenerMetrics, ListenerName};
 use kici_admission::Cap;
 use kici_engine::runtime::SequencedEvent;
-use kici_engine::{AgentState, AgentView, BreakerState, EngineEvent, FailureReason, Status};
-use kici_model::{AgentId, Config, ScalerType};
+use kici_engine::{
+    AgentState, AgentView, BreakerState, EngineEvent, FailureReason, PendingEnd, Status, StopCause,
+    TransitionCause,
+};
+use kici_model::{AgentId, Config, ScalerName, ScalerType};
 use parking_lot::Mutex;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -39,6 +42,11 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_orphans_reaped_total",
     "kici_orch_scaler_connections",
     "kici_orch_scaler_connection_limit_reached_total",
+    // warm_pool_target, _ready and _in_flight exist per label set of a
+    // scaler with a warm pool only (upstream's rows), so not from the start.
+    "kici_orch_scaler_warm_pool_spawns_total",
+    "kici_orch_scaler_warm_pool_reaped_total",
+    "kici_orch_scaler_redispatch_total",
 ];
 
 /// `config_reloads_total{result}`.
@@ -112,6 +120,39 @@ struct ScalerLabels {
     scaler: String,
 }
 
+/// Upstream KiCI's usage labels, spelled as its dashboards query them.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[allow(non_snake_case)]
+struct UsageLabels {
+    /// A scaler's name, or [`GLOBAL`] for the daemon-wide total.
+    scaler: String,
+    /// The scaler's backend type, or [`GLOBAL`] on the total.
+    scalerType: &'static str,
+}
+
+/// Upstream KiCI's warm-pool labels: one series per scaler label set.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[allow(non_snake_case)]
+struct WarmPoolLabels {
+    scaler: String,
+    /// The label set's canonical key (`linux,x64`).
+    labelSet: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TriggerLabels {
+    trigger: &'static str,
+}
+
+/// The `scaler` and `scalerType` of the daemon-wide usage row.
+const GLOBAL: &str = "__global__";
+
+/// `redispatch_total{trigger}`: upstream re-offers waiting requests when
+/// capacity frees (`hook`) and from a periodic backstop (`sweep`). Every
+/// release here re-runs admission over the waiting queue, so every
+/// re-offer is a `hook`; `sweep` stays 0 (kept for upstream's dashboards).
+const REDISPATCH_TRIGGERS: [&str; 2] = ["hook", "sweep"];
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ListenerLabels {
     listener: &'static str,
@@ -175,8 +216,8 @@ const LIVE_STATES: [AgentState; 8] = [
 pub struct Metrics {
     registry: Registry,
     reloads: Family<ResultLabels, Counter>,
-    cpus_used: Family<ScalerLabels, FloatGauge>,
-    memory_used: Family<ScalerLabels, Gauge>,
+    cpus_used: Family<UsageLabels, FloatGauge>,
+    memory_used: Family<UsageLabels, Gauge>,
     refusals: Family<CapLabels, Counter>,
     spawn_failures: Family<FailureLabels, Counter>,
     agents: Family<AgentLabels, Gauge>,
@@ -188,6 +229,12 @@ pub struct Metrics {
     orphans: Family<KindLabels, Counter>,
     connections: Family<ListenerLabels, Gauge>,
     connection_limits: Family<ListenerLabels, Counter>,
+    warm_pool_target: Family<WarmPoolLabels, Gauge>,
+    warm_pool_ready: Family<WarmPoolLabels, Gauge>,
+    warm_pool_in_flight: Family<WarmPoolLabels, Gauge>,
+    warm_pool_spawns: Family<ScalerLabels, Counter>,
+    warm_pool_reaped: Family<ScalerLabels, Counter>,
+    redispatch: Family<TriggerLabels, Counter>,
     /// Seconds an agent spent in `requested`, until it boots (the provision
     /// phase spans requested + provisioning).
     requested_seconds: Mutex<HashMap<AgentId, f64>>,
@@ -215,6 +262,12 @@ impl Metrics {
             orphans: Family::default(),
             connections: Family::default(),
             connection_limits: Family::default(),
+            warm_pool_target: Family::default(),
+            warm_pool_ready: Family::default(),
+            warm_pool_in_flight: Family::default(),
+            warm_pool_spawns: Family::default(),
+            warm_pool_reaped: Family::default(),
+            redispatch: Family::default(),
             requested_seconds: Mutex::new(HashMap::new()),
             scrape: Mutex::new(()),
             registry: Registry::default(),
@@ -226,12 +279,12 @@ impl Metrics {
         );
         registry.register(
             "kici_orch_scaler_cpus_used",
-            "CPUs (cores) reserved by live agents, per scaler",
+            "CPUs (cores) reserved by live agents, per scaler; scaler=\"__global__\" is the daemon-wide total",
             m.cpus_used.clone(),
         );
         registry.register(
             "kici_orch_scaler_memory_bytes_used",
-            "Memory (bytes) reserved by live agents, per scaler",
+            "Memory (bytes) reserved by live agents, per scaler; scaler=\"__global__\" is the daemon-wide total",
             m.memory_used.clone(),
         );
         registry.register(
@@ -289,6 +342,39 @@ impl Metrics {
             "Times a listener reached its connection cap (new connections then wait in the backlog until one ends), per listener",
             m.connection_limits.clone(),
         );
+        registry.register(
+            "kici_orch_scaler_warm_pool_target",
+            "Agents a warm pool keeps ready for a label set (warmPool.size)",
+            m.warm_pool_target.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_warm_pool_ready",
+            "Warm agents registered and idle, able to take a job of the label set now",
+            m.warm_pool_ready.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_warm_pool_in_flight",
+            "Warm-pool spawns started but not yet registered (a deficit they cover is filling, not failing)",
+            m.warm_pool_in_flight.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_warm_pool_spawns",
+            "Warm-pool spawns started, per scaler",
+            m.warm_pool_spawns.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_warm_pool_reaped",
+            "Warm agents destroyed as surplus (idle past their timeout, or above a lowered target), per scaler",
+            m.warm_pool_reaped.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_redispatch",
+            "Waiting scale requests admitted once capacity freed, per trigger (hook: a release; sweep: never here)",
+            m.redispatch.clone(),
+        );
+        for trigger in REDISPATCH_TRIGGERS {
+            let _ = m.redispatch.get_or_create(&TriggerLabels { trigger });
+        }
         for name in ListenerName::ALL {
             let labels = ListenerLabels {
                 listener: name.as_str(),
@@ -331,12 +417,37 @@ impl Metrics {
 
     /// Every per-scaler gauge at 0 for the scalers of `config`.
     fn precreate_gauges(&self, config: &Config) {
+        let global = UsageLabels {
+            scaler: GLOBAL.to_owned(),
+            scalerType: GLOBAL,
+        };
+        let _ = self.cpus_used.get_or_create(&global);
+        let _ = self.memory_used.get_or_create(&global);
         for s in &config.scalers {
             let scaler = ScalerLabels {
                 scaler: s.name.to_string(),
             };
-            let _ = self.cpus_used.get_or_create(&scaler);
-            let _ = self.memory_used.get_or_create(&scaler);
+            let usage = UsageLabels {
+                scaler: s.name.to_string(),
+                scalerType: s.kind.as_str(),
+            };
+            let _ = self.cpus_used.get_or_create(&usage);
+            let _ = self.memory_used.get_or_create(&usage);
+            let _ = self.warm_pool_spawns.get_or_create(&scaler);
+            let _ = self.warm_pool_reaped.get_or_create(&scaler);
+            if let Some(pool) = s.warm_pool.as_ref().filter(|p| p.enabled) {
+                for ls in &s.label_sets {
+                    let labels = WarmPoolLabels {
+                        scaler: s.name.to_string(),
+                        labelSet: ls.labels.key(),
+                    };
+                    self.warm_pool_target
+                        .get_or_create(&labels)
+                        .set(i64::from(pool.size));
+                    let _ = self.warm_pool_ready.get_or_create(&labels);
+                    let _ = self.warm_pool_in_flight.get_or_create(&labels);
+                }
+            }
             let _ = self.warm_target.get_or_create(&scaler);
             let _ = self.pending.get_or_create(&scaler);
             for state in LIVE_STATES {
@@ -395,13 +506,17 @@ impl Metrics {
         match &event.event {
             EngineEvent::AgentTransition {
                 agent_id,
+                scaler,
                 backend,
                 from,
                 to,
+                job_id,
                 failure_reason,
+                cause,
                 seconds_in_state,
                 ..
             } => {
+                self.observe_warm_pool(scaler, *from, *to, job_id.is_none(), *cause);
                 if let Some(reason) = failure_reason {
                     self.spawn_failures
                         .get_or_create(&FailureLabels {
@@ -417,12 +532,54 @@ impl Metrics {
                     .get_or_create(&CapLabels { cap: cap.as_str() })
                     .inc();
             }
-            EngineEvent::PendingEnded { waited_seconds, .. } => {
+            EngineEvent::PendingEnded {
+                waited_seconds,
+                end,
+                ..
+            } => {
                 self.pending_age.observe(*waited_seconds);
+                if *end == PendingEnd::Admitted {
+                    self.redispatch
+                        .get_or_create(&TriggerLabels { trigger: "hook" })
+                        .inc();
+                }
             }
             EngineEvent::BreakerChanged { .. }
             | EngineEvent::ScalerCordon { .. }
             | EngineEvent::Reloaded { .. } => {}
+        }
+    }
+
+    /// Warm-pool spawns and reaps, as upstream counts them: an agent
+    /// spawned for no job is a warm spawn; an idle agent with no job that
+    /// leaves because it idled out or the pool shrank is reaped surplus.
+    fn observe_warm_pool(
+        &self,
+        scaler: &ScalerName,
+        from: AgentState,
+        to: AgentState,
+        jobless: bool,
+        cause: Option<TransitionCause>,
+    ) {
+        let labels = || ScalerLabels {
+            scaler: scaler.to_string(),
+        };
+        match (from, to) {
+            (AgentState::Requested, AgentState::Provisioning) if jobless => {
+                self.warm_pool_spawns.get_or_create(&labels()).inc();
+            }
+            (AgentState::Idle, AgentState::Draining | AgentState::Destroying)
+                if jobless
+                    && matches!(
+                        cause,
+                        Some(TransitionCause::Stop(
+                            StopCause::IdleExpired | StopCause::ScaleIn
+                        ))
+                    ) =>
+            {
+                self.warm_pool_reaped.get_or_create(&labels()).inc();
+            }
+            _ => {}
         }
     }
 
@@ -470,9 +627,17 @@ impl Metrics {
     /// Recomputes every gauge from a snapshot. Scalers a reload removed
     /// disappear once they have no agent left.
     fn refresh(&self, config: &Config, status: &Status, agents: &[AgentView]) {
-        for family in [&self.memory_used, &self.warm_target, &self.pending] {
+        for family in [&self.warm_target, &self.pending] {
             family.clear();
         }
+        for family in [
+            &self.warm_pool_target,
+            &self.warm_pool_ready,
+            &self.warm_pool_in_flight,
+        ] {
+            family.clear();
+        }
+        self.memory_used.clear();
         self.cpus_used.clear();
         self.agents.clear();
         self.breaker_open.clear();
@@ -482,11 +647,15 @@ impl Metrics {
                 scaler: s.name.to_string(),
             };
             if let Some(usage) = &s.usage {
+                let labels = UsageLabels {
+                    scaler: s.name.to_string(),
+                    scalerType: s.backend.as_str(),
+                };
                 self.cpus_used
-                    .get_or_create(&scaler)
+                    .get_or_create(&labels)
                     .set(usage.cpu.as_cores());
                 self.memory_used
-                    .get_or_create(&scaler)
+                    .get_or_create(&labels)
                     .set(i64::try_from(usage.memory.bytes()).unwrap_or(i64::MAX));
             }
             self.warm_target
@@ -504,6 +673,40 @@ impl Metrics {
                     })
                     .set(open);
             }
+        }
+        let global = UsageLabels {
+            scaler: GLOBAL.to_owned(),
+            scalerType: GLOBAL,
+        };
+        self.cpus_used
+            .get_or_create(&global)
+            .set(status.global.cpu.as_cores());
+        self.memory_used
+            .get_or_create(&global)
+            .set(i64::try_from(status.global.memory.bytes()).unwrap_or(i64::MAX));
+        for a in agents.iter().filter(|a| a.warm) {
+            let family = match a.state {
+                AgentState::Idle => &self.warm_pool_ready,
+                AgentState::Requested
+                | AgentState::Provisioning
+                | AgentState::Booted
+                | AgentState::Registered => &self.warm_pool_in_flight,
+                _ => continue,
+            };
+            let Some(ls) = config
+                .scalers
+                .iter()
+                .find(|s| s.name == a.scaler)
+                .and_then(|s| s.label_sets.get(a.label_set_index))
+            else {
+                continue;
+            };
+            family
+                .get_or_create(&WarmPoolLabels {
+                    scaler: a.scaler.to_string(),
+                    labelSet: ls.labels.key(),
+                })
+                .inc();
         }
         for a in agents.iter().filter(|a| a.state != AgentState::Gone) {
             self.agents
@@ -547,5 +750,98 @@ mod tests {
         assert!(text.contains("kici_orch_scaler_spawn_refusals_total{cap=\"pool-memory\"} 0"));
         assert!(text.contains("kici_orch_scaler_breaker_open{scaler=\"local\",label_set=\"0\"} 0"));
         assert!(text.contains("kici_orch_scaler_config_reloads_total{result=\"attempted\"} 0"));
+    }
+
+    fn transition(
+        from: AgentState,
+        to: AgentState,
+        job: Option<&str>,
+        cause: Option<StopCause>,
+    ) -> SequencedEvent {
+        SequencedEvent {
+            id: 1,
+            at: std::time::SystemTime::now(),
+            event: EngineEvent::AgentTransition {
+                agent_id: "scaler-container-0000beef".parse().unwrap(),
+                scaler: ScalerName::new("pool"),
+                backend: ScalerType::Container,
+                from,
+                to,
+                job_id: job.map(|j| j.parse().unwrap()),
+                failure_reason: None,
+                cause: cause.map(TransitionCause::Stop),
+                detail: None,
+                seconds_in_state: 1.0,
+            },
+        }
+    }
+
+    #[test]
+    fn upstream_families_have_upstreams_labels_and_count_what_upstream_counts() {
+        let yaml = "version: 1\nscalers:\n  - name: pool\n    type: container\n    maxAgents: 4\n    warmPool: { enabled: true, size: 2 }\n    labelSets:\n      - labels: [linux, x64]\n        image: kici/agent:1\n      - labels: [gpu]\n        image: kici/agent:1\n";
+        let config = kici_config::load_documents(&[("scalers.yaml", yaml)])
+            .unwrap()
+            .config;
+        let m = Metrics::new(&config);
+        let text = m.encode();
+        for line in [
+            "kici_orch_scaler_cpus_used{scaler=\"__global__\",scalerType=\"__global__\"} 0.0",
+            "kici_orch_scaler_cpus_used{scaler=\"pool\",scalerType=\"container\"} 0.0",
+            "kici_orch_scaler_memory_bytes_used{scaler=\"__global__\",scalerType=\"__global__\"} 0",
+            "kici_orch_scaler_warm_pool_target{scaler=\"pool\",labelSet=\"linux,x64\"} 2",
+            "kici_orch_scaler_warm_pool_target{scaler=\"pool\",labelSet=\"gpu\"} 2",
+            "kici_orch_scaler_warm_pool_ready{scaler=\"pool\",labelSet=\"gpu\"} 0",
+            "kici_orch_scaler_warm_pool_in_flight{scaler=\"pool\",labelSet=\"gpu\"} 0",
+            "kici_orch_scaler_redispatch_total{trigger=\"hook\"} 0",
+            "kici_orch_scaler_redispatch_total{trigger=\"sweep\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
+
+        use AgentState::*;
+        // A spawn for no job is a warm spawn; one for a job is not.
+        m.observe(&transition(Requested, Provisioning, None, None));
+        m.observe(&transition(Requested, Provisioning, Some("job-1"), None));
+        // An idle jobless agent idling out or scaled in is reaped surplus;
+        // one stopped by shutdown or an operator is not.
+        m.observe(&transition(
+            Idle,
+            Draining,
+            None,
+            Some(StopCause::IdleExpired),
+        ));
+        m.observe(&transition(
+            Idle,
+            Destroying,
+            None,
+            Some(StopCause::ScaleIn),
+        ));
+        m.observe(&transition(Idle, Draining, None, Some(StopCause::Shutdown)));
+        m.observe(&transition(Idle, Draining, None, Some(StopCause::Operator)));
+        for end in [
+            PendingEnd::Admitted,
+            PendingEnd::Expired,
+            PendingEnd::Admitted,
+        ] {
+            m.observe(&SequencedEvent {
+                id: 2,
+                at: std::time::SystemTime::now(),
+                event: EngineEvent::PendingEnded {
+                    job_id: "job-2".parse().unwrap(),
+                    scaler: ScalerName::new("pool"),
+                    end,
+                    waited_seconds: 0.5,
+                },
+            });
+        }
+        let text = m.encode();
+        for line in [
+            "kici_orch_scaler_warm_pool_spawns_total{scaler=\"pool\"} 1",
+            "kici_orch_scaler_warm_pool_reaped_total{scaler=\"pool\"} 2",
+            "kici_orch_scaler_redispatch_total{trigger=\"hook\"} 2",
+            "kici_orch_scaler_redispatch_total{trigger=\"sweep\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
     }
 }
