@@ -8,12 +8,10 @@
 //! (half-open); a success closes it.
 
 use kici_model::BackoffPolicy;
-use serde::Serialize;
 use std::time::{Duration, Instant};
 
 /// The breaker state shown in status and metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BreakerState {
     Closed,
     Open,

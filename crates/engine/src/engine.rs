@@ -29,7 +29,6 @@ use kici_model::{
     ScalerType,
 };
 use kici_routing::{CordonSet, HostPlatform, Route, Router};
-use serde::Serialize;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -106,10 +105,8 @@ impl Default for EngineSettings {
 }
 
 /// The answer to a scale request (`POST /v1/scale`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(tag = "result", rename_all = "kebab-case")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ScaleOutcome {
-    #[serde(rename_all = "camelCase")]
     Spawning {
         agent_id: AgentId,
         scaler: ScalerName,
@@ -179,10 +176,8 @@ pub enum AgentError {
 }
 
 /// What a registering agent is told (`POST /v1/agents/{id}/registered`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Registration {
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub bound_job_id: Option<JobId>,
     pub mandatory_labels: LabelSet,
 }
@@ -260,11 +255,6 @@ impl std::fmt::Display for TransitionCause {
     }
 }
 
-impl Serialize for TransitionCause {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.as_str())
-    }
-}
 
 /// Ask a backend to bring an agent up.
 #[derive(Debug, Clone)]
@@ -298,23 +288,17 @@ pub struct DestroyOrder {
 }
 
 /// Something that happened; the source of SSE events, metrics and the store.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(tag = "type", rename_all = "kebab-case")]
+#[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
-    #[serde(rename_all = "camelCase")]
     AgentTransition {
         agent_id: AgentId,
         scaler: ScalerName,
         backend: ScalerType,
         from: AgentState,
         to: AgentState,
-        #[serde(skip_serializing_if = "Option::is_none")]
         job_id: Option<JobId>,
-        #[serde(skip_serializing_if = "Option::is_none")]
         failure_reason: Option<FailureReason>,
-        #[serde(skip_serializing_if = "Option::is_none")]
         cause: Option<TransitionCause>,
-        #[serde(skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
         /// Seconds spent in `from`.
         seconds_in_state: f64,
@@ -323,33 +307,28 @@ pub enum EngineEvent {
     /// again only when the scaler or cap in its way changes — never at
     /// every admission pass (each event is a log line and a metric
     /// increment downstream).
-    #[serde(rename_all = "camelCase")]
     Refused {
         job_id: JobId,
         scaler: ScalerName,
         cap: Cap,
         detail: String,
     },
-    #[serde(rename_all = "camelCase")]
     PendingEnded {
         job_id: JobId,
         scaler: ScalerName,
         end: PendingEnd,
         waited_seconds: f64,
     },
-    #[serde(rename_all = "camelCase")]
     BreakerChanged {
         scaler: ScalerName,
         label_set: usize,
         state: BreakerState,
     },
-    #[serde(rename_all = "camelCase")]
     ScalerCordon {
         scaler: ScalerName,
         cordoned: bool,
         draining: bool,
     },
-    #[serde(rename_all = "camelCase")]
     Reloaded {
         added: Vec<String>,
         removed: Vec<String>,
@@ -461,22 +440,18 @@ impl Agent {
 }
 
 /// A read-only view of an agent for the API.
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone)]
 pub struct AgentView {
     pub agent_id: AgentId,
     pub state: AgentState,
     pub scaler: ScalerName,
     pub backend: ScalerType,
     pub label_set_index: usize,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub job_id: Option<JobId>,
     pub resources: Resources,
     pub warm: bool,
     pub mode: Mode,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub failure_reason: Option<FailureReason>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
     pub age_seconds: f64,
     pub state_seconds: f64,
@@ -1388,8 +1363,7 @@ pub enum ReloadError {
     Admission(String),
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReloadReport {
     pub added: Vec<String>,
     pub removed: Vec<String>,
@@ -1399,8 +1373,7 @@ pub struct ReloadReport {
     pub changes: Vec<String>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StateCounts {
     pub spawning: usize,
     pub registered: usize,
@@ -1428,8 +1401,7 @@ impl StateCounts {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone)]
 pub struct LabelSetStatus {
     pub index: usize,
     pub labels: LabelSet,
@@ -1437,8 +1409,7 @@ pub struct LabelSetStatus {
     pub consecutive_failures: u32,
 }
 
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone)]
 pub struct ScalerStatus {
     pub name: ScalerName,
     pub backend: ScalerType,
@@ -1453,8 +1424,7 @@ pub struct ScalerStatus {
     pub label_sets: Vec<LabelSetStatus>,
 }
 
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone)]
 pub struct Status {
     pub global: kici_admission::ScopeUsage,
     pub global_max_agents: u32,

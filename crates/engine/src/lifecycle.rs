@@ -4,12 +4,10 @@
 //! that is not legal in the current state is an error, never a silent no-op,
 //! so a bug in a caller shows up as a logged error instead of a leak.
 
-use serde::Serialize;
 use std::fmt;
 
 /// Where an agent is in its life. `Gone` is terminal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum AgentState {
     /// Admitted and recorded; the backend has not been asked yet.
     Requested,
@@ -81,8 +79,7 @@ impl fmt::Display for AgentState {
 }
 
 /// Why an agent was destroyed early. Carried by failure events, never a state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FailureReason {
     ProvisionError,
     ProvisionTimeout,
@@ -140,8 +137,7 @@ impl fmt::Display for FailureReason {
 }
 
 /// Who owns the job queue for an agent (docs/ARCHITECTURE.md, *Two modes*).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Mode {
     /// An orchestrator dispatches jobs; an agent may take further jobs in its
     /// idle window and is destroyed on disconnect.
@@ -171,8 +167,7 @@ impl std::str::FromStr for Mode {
 }
 
 /// Why an agent is being destroyed without a failure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StopCause {
     JobDone,
     Disconnected,

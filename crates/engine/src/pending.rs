@@ -31,7 +31,6 @@
 use crate::lifecycle::Mode;
 use kici_admission::{Cap, Holds, Refusal};
 use kici_model::{EffectiveResources, JobId, LabelSet, ResourceRequest, Resources, ScalerName};
-use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -49,8 +48,7 @@ pub struct ScaleRequest {
 }
 
 /// How a pending request left the queue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PendingEnd {
     Admitted,
     Cancelled,

@@ -16,7 +16,6 @@ use crate::journal::{Journal, JournalError, JournalOp, JournalWriter};
 use crate::pending::ScaleRequest;
 use kici_model::{AgentId, Config, JobId, ScalerType, Secret};
 use parking_lot::Mutex;
-use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,8 +30,7 @@ pub type RecordAck = oneshot::Receiver<Result<(), JournalError>>;
 const RECOVERY_PARALLELISM: usize = 64;
 
 /// What startup recovery did.
-#[derive(Debug, Clone, Default, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Default)]
 pub struct RecoveryReport {
     /// Alive and managed again.
     pub adopted: Vec<AgentId>,
@@ -46,8 +44,7 @@ pub struct RecoveryReport {
 /// What startup recovery did with the recorded pending requests (see
 /// [`Engine::recover_pending`]); every one that does not wait any more has
 /// its record forgotten.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PendingReport {
     /// Waiting again (or admitted at once), in arrival order.
     pub requeued: Vec<JobId>,
@@ -118,22 +115,13 @@ impl Bootstrapper for DefaultBootstrap {
 }
 
 /// An event with its stream position (the SSE `id`) and wall-clock time.
-#[derive(Debug, Clone, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone)]
 pub struct SequencedEvent {
     pub id: u64,
-    #[serde(serialize_with = "ser_time")]
     pub at: SystemTime,
-    #[serde(flatten)]
     pub event: EngineEvent,
 }
 
-fn ser_time<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
-    let ms = t
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    s.serialize_u128(ms)
-}
 
 struct Inner {
     engine: Mutex<Engine>,
