@@ -37,12 +37,12 @@ use bollard::query_parameters::{
     RemoveContainerOptions, StartContainerOptions, StopContainerOptions, WaitContainerOptions,
 };
 use futures_util::StreamExt;
-use kici_backends::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
-use kici_backends::logs::LogContext;
 use kici_engine::backend::ReportSender;
 use kici_engine::{
     Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
 };
+use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
+use kici_host::logs::LogContext;
 use kici_model::{
     AgentId, BackendSettings, ContainerSettings, ImagePullPolicy, InstanceId, LabelSetBackend,
     ScalerEntry, ScalerType, UlimitName, UlimitValue,

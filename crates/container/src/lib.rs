@@ -19,7 +19,7 @@
 //! upstream's `kici-managed`, see docs/deviations.md, D-owner-labels), the
 //! agent network, pulls with registry credentials, hardening, the per-agent
 //! egress rules installed before start, and clean-up that leaves nothing. It
-//! builds the agent's environment with `kici-backends` and leases addresses
+//! builds the agent's environment with `kici-host` and leases addresses
 //! with `kici-store`'s IP allocator.
 //!
 //! ```

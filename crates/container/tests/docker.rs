@@ -24,7 +24,7 @@ async fn next_report(rx: &mut mpsc::UnboundedReceiver<BackendReport>) -> Backend
         .expect("report channel open")
 }
 
-/// Forwarded agent lines (`kici_backends::agent_output` events), as
+/// Forwarded agent lines (`kici_host::agent_output` events), as
 /// (agent id, stream, source, line).
 mod capture {
     use std::fmt::Write as _;
@@ -63,7 +63,7 @@ mod capture {
 
     impl<S: tracing::Subscriber> Layer<S> for Capture {
         fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
-            if event.metadata().target() != kici_backends::logs::TARGET {
+            if event.metadata().target() != kici_host::logs::TARGET {
                 return;
             }
             let mut f = Fields::default();

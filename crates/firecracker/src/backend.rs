@@ -36,11 +36,11 @@ use crate::vmconfig::{
 };
 use crate::{fp, mmds};
 use async_trait::async_trait;
-use kici_backends::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
-use kici_backends::logs::LogContext;
-use kici_backends::process::ProcessIdentity;
 use kici_engine::backend::ReportSender;
 use kici_engine::{Adoption, Backend, BackendError, OwnedResource, ResourceHandle, SpawnSpec};
+use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
+use kici_host::logs::LogContext;
+use kici_host::process::ProcessIdentity;
 use kici_model::{
     AgentId, BackendSettings, FirecrackerNetwork, FirecrackerSettings, InstanceId, LabelSetBackend,
     ScalerEntry, ScalerType,

@@ -25,7 +25,7 @@
 use crate::backend::{read_vmm_marker, FirecrackerBackend, Teardown};
 use crate::names::{self, JailLayout};
 use crate::tap::{Link, Netlink};
-use kici_backends::process::ProcessIdentity;
+use kici_host::process::ProcessIdentity;
 use kici_model::{AgentId, InstanceId};
 use std::collections::HashSet;
 use std::time::SystemTime;

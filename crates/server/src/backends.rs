@@ -133,7 +133,7 @@ impl BackendRegistry {
                 Box::pin(async move {
                     // The backend keeps only `KICI_AGENT_ENV_*` and its allowlist
                     // of the daemon's environment for agents.
-                    let mut options = kici_backends::BareMetalOptions::new(
+                    let mut options = kici_bare_metal::BareMetalOptions::new(
                         ctx.instance,
                         ctx.state_dir.clone(),
                         std::env::vars().collect(),
@@ -143,8 +143,8 @@ impl BackendRegistry {
                     options.place(crate::cgroups::place_self(
                         ctx.tuning.cgroup_root.as_deref(),
                     )?);
-                    let backend =
-                        kici_backends::BareMetalBackend::new(options).map_err(|e| e.to_string())?;
+                    let backend = kici_bare_metal::BareMetalBackend::new(options)
+                        .map_err(|e| e.to_string())?;
                     let cleanup = backend.clone();
                     Ok(Started {
                         backend: Arc::new(backend),

@@ -6,10 +6,10 @@
 mod common;
 
 use common::{next_report, read_fifo, scaler, simple_scaler, spec as spawn_spec, Fixture};
-use kici_backends::cgroup;
-use kici_backends::process::{ProcStat, ProcessIdentity};
-use kici_backends::SpawnMethod;
+use kici_bare_metal::cgroup;
+use kici_bare_metal::SpawnMethod;
 use kici_engine::{Backend, BackendReport};
+use kici_host::process::{ProcStat, ProcessIdentity};
 use kici_model::{AgentId, ScalerType};
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -142,7 +142,7 @@ async fn agent_runs_in_its_own_session_and_cgroup(method: SpawnMethod) {
     assert_eq!(read_fifo(ready).await, "up\n");
     if method == SpawnMethod::Auto && kernel_has_clone_into_cgroup() {
         assert_eq!(
-            kici_backends::launch::clone_into_cgroup_supported(),
+            kici_bare_metal::launch::clone_into_cgroup_supported(),
             Some(true)
         );
     }
@@ -745,7 +745,7 @@ async fn serial_agent_lines_are_forwarded_wrapped_never_merged() {
     let mut events: Vec<serde_json::Value> = out
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|e| e["target"] == kici_backends::logs::TARGET)
+        .filter(|e| e["target"] == kici_host::logs::TARGET)
         .collect();
     events.sort_by_key(|e| (e["stream"].to_string(), e["line"].to_string()));
     let summary: Vec<(&str, &str)> = events
@@ -880,7 +880,7 @@ async fn serial_a_running_agent_s_log_file_stays_bounded_on_disk() {
     let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
     let _guard =
         tracing::subscriber::set_default(tracing_subscriber::registry().with(ForwardedLines(tx)));
-    let keep = kici_backends::logs::RETAINED_BYTES_PER_FILE;
+    let keep = kici_host::logs::RETAINED_BYTES_PER_FILE;
     let fx = Fixture::with(|o| o.log_keep_bytes = std::num::NonZeroU64::new(keep));
     // 100,000 lines of 7 bytes, then the agent keeps running.
     let binary = fx.script("chatty.sh", "seq -w 1 100000\nexec sleep 1000");

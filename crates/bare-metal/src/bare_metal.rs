@@ -1,7 +1,7 @@
 //! The bare-metal backend: agents as host processes.
 //!
 //! Each agent is the label set's `binaryPath`, exec'd with exactly the
-//! environment of [`crate::env::agent_env`] (nothing inherited; the token
+//! environment of [`kici_host::env::agent_env`] (nothing inherited; the token
 //! only in the environment, never in argv), in its own session and process
 //! group, stdin from `/dev/null`, stdout and stderr appended to
 //! `<state dir>/agents/<agent id>/{stdout,stderr}.log`, working directory
@@ -26,22 +26,22 @@
 //! the pid must still exist with the recorded start time (else `Gone`); a
 //! pidfd then reports its exit at once — without reaping, since the agent
 //! is no longer our child — and the log tailer resumes at the offsets the
-//! previous daemon persisted ([`crate::logs`]), so output written while no
+//! previous daemon persisted ([`kici_host::logs`]), so output written while no
 //! daemon ran is forwarded too. Scaler and job for log attribution come from
 //! the agent directory's `context` file.
 
 use crate::cgroup::{self, AgentCgroups, CgroupLayout, Controllers, LimitPlan};
-use crate::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
 use crate::failpoints;
 use crate::launch;
-use crate::logs::{self, LogContext, Tailer, TailerOptions};
-use crate::notify::FileWatch;
-use crate::process::ProcessIdentity;
 use async_trait::async_trait;
 use kici_engine::backend::ReportSender;
 use kici_engine::{
     Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
 };
+use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
+use kici_host::logs::{self, LogContext, Tailer, TailerOptions};
+use kici_host::notify::FileWatch;
+use kici_host::process::ProcessIdentity;
 use kici_model::{
     AgentId, BackendSettings, InstanceId, JobId, LabelSetBackend, ScalerEntry, ScalerName,
     ScalerType,
@@ -119,7 +119,7 @@ pub struct BareMetalOptions {
     pub pids_max: Option<std::num::NonZeroU64>,
     /// Disk use of each agent log file while the agent runs: forwarded
     /// output further back than this is punched out of the file, marked by
-    /// a line at its start ([`crate::logs`]). `None`: files grow freely.
+    /// a line at its start ([`kici_host::logs`]). `None`: files grow freely.
     pub log_keep_bytes: Option<std::num::NonZeroU64>,
 }
 
@@ -315,7 +315,7 @@ impl BareMetalBackend {
         self.inner.agents_dir.join(agent.to_string())
     }
 
-    /// Where destroyed agents' logs are kept (bounded, see [`crate::logs`]).
+    /// Where destroyed agents' logs are kept (bounded, see [`kici_host::logs`]).
     pub fn retired_dir(&self) -> PathBuf {
         self.inner.agents_dir.join(RETIRED)
     }
@@ -621,7 +621,8 @@ impl BareMetalBackend {
             return Ok(Adoption::Gone);
         }
         failpoints::check(failpoints::ADOPT_CHECK, AdoptError::Injected)?;
-        let pidfd = crate::notify::register(pidfd).map_err(|e| AdoptError::Pidfd(identity, e))?;
+        let pidfd =
+            kici_host::notify::register(pidfd).map_err(|e| AdoptError::Pidfd(identity, e))?;
         let cgroups = self.inner.layout.find_agent(agent);
         let context = AgentContext::read(&dir).unwrap_or_else(|| {
             // Spawned by a version that did not keep it: the sanitised
@@ -1009,7 +1010,7 @@ fn watch_exit(mut child: AgentChild, agent: AgentId, reports: ReportSender, exit
         };
         exit.record(agent, detail, &reports);
     };
-    match child.pidfd().and_then(crate::notify::register) {
+    match child.pidfd().and_then(kici_host::notify::register) {
         Ok(pidfd) => {
             tokio::spawn(async move {
                 // Readable = exited; an error here still ends in a blocking wait.
