@@ -36,7 +36,8 @@ use crate::launch;
 use async_trait::async_trait;
 use kici_engine::backend::ReportSender;
 use kici_engine::{
-    Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, OwnedResource, ProblemKind,
+    ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
 };
 use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
 use kici_host::logs::{self, LogContext, Tailer, TailerOptions};
@@ -101,7 +102,7 @@ pub struct BareMetalOptions {
     /// Why this host offers no cgroup v2 directory for agents (discovery
     /// refused it: v1 only, or not delegated to an unprivileged user);
     /// `validate` reports it and the backend accepts no scaler.
-    pub cgroup_refusal: Option<String>,
+    pub cgroup_refusal: Option<crate::cgroup::discover::DiscoveryError>,
     /// Where the cgroup v1 hierarchies are mounted (`<root>/memory`,
     /// `<root>/cpu`): limits when v2 lacks the controller.
     pub cgroup_v1_root: PathBuf,
@@ -183,7 +184,7 @@ impl BareMetalOptions {
                 self.cgroup_v1_root = p.v1_root;
                 self.cgroup_refusal = None;
             }
-            Err(e) => self.cgroup_refusal = Some(e.to_string()),
+            Err(e) => self.cgroup_refusal = Some(e),
         }
     }
 }
@@ -239,7 +240,7 @@ impl ExitWatch {
 struct Inner {
     layout: CgroupLayout,
     /// [`BareMetalOptions::cgroup_refusal`].
-    cgroup_refusal: Option<String>,
+    cgroup_refusal: Option<crate::cgroup::discover::DiscoveryError>,
     agents_dir: PathBuf,
     system: SystemEnv,
     forwarded: ForwardedEnv,
@@ -670,8 +671,145 @@ impl BareMetalBackend {
     }
 }
 
+/// What the bare-metal backend reports to the engine, as the source of a
+/// [`BackendError`] ([`BareMetalError::kind`] gives its kind).
 #[derive(Debug, thiserror::Error)]
-enum AdoptError {
+pub enum BareMetalError {
+    #[error(transparent)]
+    Spawn(#[from] SpawnError),
+    #[error("{agent}: {source}")]
+    Destroy {
+        agent: AgentId,
+        #[source]
+        source: DestroyError,
+    },
+    #[error("cannot list {}: {source}", dir.display())]
+    List {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{agent}: {source}")]
+    Adopt {
+        agent: AgentId,
+        #[source]
+        source: AdoptError,
+    },
+    /// A failpoint configured to fail ([`crate::failpoints`]).
+    #[error("injected failure at {0}")]
+    Injected(&'static str),
+}
+
+impl BareMetalError {
+    pub fn kind(&self) -> BackendErrorKind {
+        match self {
+            Self::Injected(_)
+            | Self::Spawn(SpawnError::Injected(_))
+            | Self::Spawn(SpawnError::Cgroup(cgroup::CgroupError::Injected(_)))
+            | Self::Destroy {
+                source:
+                    DestroyError::Injected(_) | DestroyError::Cgroup(cgroup::CgroupError::Injected(_)),
+                ..
+            }
+            | Self::Adopt {
+                source: AdoptError::Injected(_),
+                ..
+            } => BackendErrorKind::Injected,
+            Self::Spawn(_) => BackendErrorKind::Provision,
+            Self::Destroy { .. } => BackendErrorKind::Destroy,
+            Self::List { .. } | Self::Adopt { .. } => BackendErrorKind::Unavailable,
+        }
+    }
+}
+
+impl From<BareMetalError> for BackendError {
+    fn from(e: BareMetalError) -> Self {
+        BackendError::new(e.kind(), e)
+    }
+}
+
+/// Why a scaler entry cannot run on this host's bare-metal backend
+/// ([`Backend::validate`]).
+#[derive(Debug, thiserror::Error)]
+pub enum BareMetalProblem {
+    #[error("not a bare-metal scaler")]
+    NotBareMetal,
+    #[error("labelSets[{index}]: no binaryPath")]
+    NoBinaryPath { index: usize },
+    #[error("labelSets[{index}].binaryPath: {}: {source}", path.display())]
+    BinaryUnreadable {
+        index: usize,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("labelSets[{index}].binaryPath: {} is not a file", path.display())]
+    BinaryNotAFile { index: usize, path: PathBuf },
+    #[error("labelSets[{index}].binaryPath: {} is not executable", path.display())]
+    BinaryNotExecutable { index: usize, path: PathBuf },
+    /// Discovery found no cgroup v2 directory for agents on this host.
+    #[error(transparent)]
+    NoCgroupPlace(#[from] crate::cgroup::discover::DiscoveryError),
+    #[error(
+        "{} is not a cgroup v2 mount: bare-metal agents need one to be tracked and killed",
+        .0.display()
+    )]
+    NotCgroupV2(PathBuf),
+    #[error("the cgroup v2 root {} is not writable by kici-scaler", .0.display())]
+    CgroupRootReadOnly(PathBuf),
+    #[error("the agents directory {} is not writable", .0.display())]
+    AgentsDirReadOnly(PathBuf),
+    #[error(
+        "enforceCgroups: no memory controller: not offered by the cgroup v2 root {} and no cgroup v1 memory hierarchy at {}",
+        root.display(),
+        v1.display()
+    )]
+    NoMemoryController { root: PathBuf, v1: PathBuf },
+    #[error(
+        "enforceCgroups: no cpu controller: not offered by the cgroup v2 root {} and no cgroup v1 cpu hierarchy at {}",
+        root.display(),
+        v1.display()
+    )]
+    NoCpuController { root: PathBuf, v1: PathBuf },
+    #[error(
+        "pids limit {max}: no pids controller: not offered by the cgroup v2 root {} and no cgroup v1 pids hierarchy at {}",
+        root.display(),
+        v1.display()
+    )]
+    NoPidsController {
+        max: std::num::NonZeroU64,
+        root: PathBuf,
+        v1: PathBuf,
+    },
+}
+
+impl BareMetalProblem {
+    pub fn kind(&self) -> ProblemKind {
+        match self {
+            Self::NotBareMetal
+            | Self::NoBinaryPath { .. }
+            | Self::BinaryUnreadable { .. }
+            | Self::BinaryNotAFile { .. }
+            | Self::BinaryNotExecutable { .. } => ProblemKind::Setting,
+            Self::NoCgroupPlace(_)
+            | Self::NotCgroupV2(_)
+            | Self::CgroupRootReadOnly(_)
+            | Self::AgentsDirReadOnly(_)
+            | Self::NoMemoryController { .. }
+            | Self::NoCpuController { .. }
+            | Self::NoPidsController { .. } => ProblemKind::Host,
+        }
+    }
+}
+
+impl From<BareMetalProblem> for ScalerProblem {
+    fn from(p: BareMetalProblem) -> Self {
+        ScalerProblem::new(p.kind(), p)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdoptError {
     #[error("cannot watch {0}: {1}")]
     Pidfd(ProcessIdentity, std::io::Error),
     /// A failpoint configured to fail ([`crate::failpoints`]).
@@ -725,7 +863,7 @@ struct Spawned {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum SpawnError {
+pub enum SpawnError {
     #[error("scaler {0:?} is not a bare-metal scaler (no binaryPath)")]
     NotBareMetal(String),
     #[error(transparent)]
@@ -750,7 +888,7 @@ enum SpawnError {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum DestroyError {
+pub enum DestroyError {
     #[error("cannot kill the processes of {}: {source}", cgroup.display())]
     Kill {
         cgroup: PathBuf,
@@ -1128,96 +1266,95 @@ impl Backend for BareMetalBackend {
         ScalerType::BareMetal
     }
 
-    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), Vec<String>> {
-        let mut errors = Vec::new();
+    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), ScalerProblems> {
+        let mut errors: Vec<ScalerProblem> = Vec::new();
         let BackendSettings::BareMetal(settings) = &scaler.backend else {
-            return Err(vec!["not a bare-metal scaler".to_owned()]);
+            return Err(ScalerProblem::from(BareMetalProblem::NotBareMetal).into());
         };
-        for (i, label_set) in scaler.label_sets.iter().enumerate() {
+        for (index, label_set) in scaler.label_sets.iter().enumerate() {
             let LabelSetBackend::BareMetal { binary_path } = &label_set.backend else {
-                errors.push(format!("labelSets[{i}]: no binaryPath"));
+                errors.push(BareMetalProblem::NoBinaryPath { index }.into());
                 continue;
             };
-            let shown = binary_path.display();
+            let path = binary_path.clone();
             match fs::metadata(binary_path) {
-                Err(e) => errors.push(format!("labelSets[{i}].binaryPath: {shown}: {e}")),
+                Err(source) => errors.push(
+                    BareMetalProblem::BinaryUnreadable {
+                        index,
+                        path,
+                        source,
+                    }
+                    .into(),
+                ),
                 Ok(m) if !m.is_file() => {
-                    errors.push(format!("labelSets[{i}].binaryPath: {shown} is not a file"))
+                    errors.push(BareMetalProblem::BinaryNotAFile { index, path }.into())
                 }
                 Ok(_) => {
                     if rustix::fs::access(binary_path, Access::EXEC_OK).is_err() {
-                        errors.push(format!(
-                            "labelSets[{i}].binaryPath: {shown} is not executable"
-                        ));
+                        errors.push(BareMetalProblem::BinaryNotExecutable { index, path }.into());
                     }
                 }
             }
             if label_set.network_policy.is_some() {
                 tracing::warn!(
                     scaler = scaler.name.as_str(),
-                    label_set = i,
+                    label_set = index,
                     "networkPolicy is not enforced for bare-metal agents"
                 );
             }
         }
         let root = self.inner.layout.v2_root();
         if let Some(why) = &self.inner.cgroup_refusal {
-            errors.push(why.clone());
+            errors.push(BareMetalProblem::NoCgroupPlace(why.clone()).into());
         } else if !root.join("cgroup.procs").is_file() || !root.join("cgroup.controllers").is_file()
         {
-            errors.push(format!(
-                "{} is not a cgroup v2 mount: bare-metal agents need one to be tracked and killed",
-                root.display()
-            ));
+            errors.push(BareMetalProblem::NotCgroupV2(root.to_owned()).into());
         } else if rustix::fs::access(root, Access::WRITE_OK).is_err() {
-            errors.push(format!(
-                "the cgroup v2 root {} is not writable by kici-scaler",
-                root.display()
-            ));
+            errors.push(BareMetalProblem::CgroupRootReadOnly(root.to_owned()).into());
         }
         if rustix::fs::access(&self.inner.agents_dir, Access::WRITE_OK).is_err() {
-            errors.push(format!(
-                "the agents directory {} is not writable",
-                self.inner.agents_dir.display()
-            ));
+            errors.push(BareMetalProblem::AgentsDirReadOnly(self.inner.agents_dir.clone()).into());
         }
         if settings.enforce_cgroups {
             let controllers = Controllers::detect(&self.inner.layout);
-            let v1 = |c| self.inner.layout.v1_dir(c).display().to_string();
+            let v1 = |c| self.inner.layout.v1_dir(c);
             if !controllers.can_limit_memory() {
-                errors.push(format!(
-                    "enforceCgroups: no memory controller: not offered by the cgroup v2 root {} and no cgroup v1 memory hierarchy at {}",
-                    root.display(),
-                    v1(cgroup::V1Controller::Memory)
-                ));
+                errors.push(
+                    BareMetalProblem::NoMemoryController {
+                        root: root.to_owned(),
+                        v1: v1(cgroup::V1Controller::Memory),
+                    }
+                    .into(),
+                );
             }
             if !controllers.can_limit_cpu() {
-                errors.push(format!(
-                    "enforceCgroups: no cpu controller: not offered by the cgroup v2 root {} and no cgroup v1 cpu hierarchy at {}",
-                    root.display(),
-                    v1(cgroup::V1Controller::Cpu)
-                ));
+                errors.push(
+                    BareMetalProblem::NoCpuController {
+                        root: root.to_owned(),
+                        v1: v1(cgroup::V1Controller::Cpu),
+                    }
+                    .into(),
+                );
             }
         }
         if let Some(max) = self.inner.pids_max {
             if !Controllers::detect(&self.inner.layout).can_limit_pids() {
-                errors.push(format!(
-                    "pids limit {max}: no pids controller: not offered by the cgroup v2 root {} and no cgroup v1 pids hierarchy at {}",
-                    root.display(),
-                    self.inner.layout.v1_dir(cgroup::V1Controller::Pids).display()
-                ));
+                errors.push(
+                    BareMetalProblem::NoPidsController {
+                        max,
+                        root: root.to_owned(),
+                        v1: self.inner.layout.v1_dir(cgroup::V1Controller::Pids),
+                    }
+                    .into(),
+                );
             }
         }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors)
-        }
+        ScalerProblems::check(errors)
     }
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
         let agent = spec.agent;
-        let provision = |e: SpawnError| BackendError::Provision(e.to_string());
+        let provision = |e: SpawnError| BackendError::from(BareMetalError::Spawn(e));
         let Spawned {
             child,
             identity,
@@ -1290,17 +1427,23 @@ impl Backend for BareMetalBackend {
     ) -> Result<(), BackendError> {
         self.destroy_inner(*agent, handle, grace)
             .await
-            .map_err(|e| BackendError::Destroy(format!("{agent}: {e}")))
+            .map_err(|source| {
+                BareMetalError::Destroy {
+                    agent: *agent,
+                    source,
+                }
+                .into()
+            })
     }
 
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError> {
         let layout = &self.inner.layout;
-        let leaves = layout.tracking_leaves().map_err(|e| {
-            BackendError::Unavailable(format!(
-                "cannot list {}: {e}",
-                layout.instance_dir().display()
-            ))
-        })?;
+        let leaves = layout
+            .tracking_leaves()
+            .map_err(|source| BareMetalError::List {
+                dir: layout.instance_dir(),
+                source,
+            })?;
         let mut owned = Vec::new();
         let mut seen = Vec::new();
         for leaf in leaves {
@@ -1364,9 +1507,7 @@ impl Backend for BareMetalBackend {
                 });
             }
         }
-        failpoints::check(failpoints::LIST_SCAN, |name| {
-            BackendError::Unavailable(format!("injected failure at {name}"))
-        })?;
+        failpoints::check(failpoints::LIST_SCAN, BareMetalError::Injected)?;
         Ok(owned)
     }
 
@@ -1378,6 +1519,12 @@ impl Backend for BareMetalBackend {
     ) -> Result<Adoption, BackendError> {
         self.adopt_inner(*agent, handle, reports)
             .await
-            .map_err(|e| BackendError::Unavailable(format!("{agent}: {e}")))
+            .map_err(|source| {
+                BareMetalError::Adopt {
+                    agent: *agent,
+                    source,
+                }
+                .into()
+            })
     }
 }

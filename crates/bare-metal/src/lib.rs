@@ -31,7 +31,7 @@
 //! );
 //! let backend = BareMetalBackend::new(options)?;
 //! let scaler = scaler_from_yaml("version: 1\nscalers:\n  - name: metal\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [linux]\n        binaryPath: /bin/true\n", "metal");
-//! backend.validate(&scaler).await.map_err(|problems| problems.join("; "))?;
+//! backend.validate(&scaler).await?;                // every problem, typed
 //! let (spec, mut reports) = spawn_spec(&scaler, 0);
 //! let agent = spec.agent;
 //! let handle = backend.spawn(spec).await?;      // running in its own cgroup
@@ -45,5 +45,8 @@ pub mod cgroup;
 pub mod failpoints;
 pub mod launch;
 
-pub use bare_metal::{BareMetalBackend, BareMetalOptions, BareMetalSetupError, SpawnMethod};
+pub use bare_metal::{
+    AdoptError, BareMetalBackend, BareMetalError, BareMetalOptions, BareMetalProblem,
+    BareMetalSetupError, DestroyError, SpawnError, SpawnMethod,
+};
 pub use failpoints::FAILPOINTS;

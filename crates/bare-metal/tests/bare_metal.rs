@@ -516,7 +516,7 @@ scalers:
     assert!(!fx.backend.agent_dir(agent).exists());
     assert!(!fx.layout().instance_dir().exists());
     // And validate says so before any spawn.
-    let errors = fx.backend.validate(&scaler).await.unwrap_err();
+    let errors = fx.backend.validate(&scaler).await.unwrap_err().messages();
     assert_eq!(errors.len(), 2, "{errors:?}");
     assert!(errors[0].starts_with("enforceCgroups: no memory controller"));
     assert!(errors[1].starts_with("enforceCgroups: no cpu controller"));
@@ -658,7 +658,8 @@ scalers:
         .backend
         .validate(&scaler(&yaml, "metal"))
         .await
-        .unwrap_err();
+        .unwrap_err()
+        .messages();
     assert_eq!(
         errors,
         vec![
@@ -683,7 +684,8 @@ scalers:
         .backend
         .validate(&simple_scaler(Path::new("/bin/true")))
         .await
-        .unwrap_err();
+        .unwrap_err()
+        .messages();
     assert_eq!(errors.len(), 1);
     assert!(errors[0].ends_with(
         "is not a cgroup v2 mount: bare-metal agents need one to be tracked and killed"
@@ -839,7 +841,7 @@ async fn a_pids_limit_no_controller_can_enforce_is_refused() {
         o.pids_max = std::num::NonZeroU64::new(100);
     });
     let scaler = simple_scaler(Path::new("/bin/true"));
-    let errors = fx.backend.validate(&scaler).await.unwrap_err();
+    let errors = fx.backend.validate(&scaler).await.unwrap_err().messages();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].starts_with("pids limit 100: no pids controller"));
     let (spec, _rx) = spawn_spec(&scaler, 0);

@@ -39,7 +39,8 @@ use bollard::query_parameters::{
 use futures_util::StreamExt;
 use kici_engine::backend::ReportSender;
 use kici_engine::{
-    Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, OwnedResource, ProblemKind,
+    ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
 };
 use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
 use kici_host::logs::LogContext;
@@ -127,9 +128,127 @@ pub enum ContainerSetupError {
     PidsLimit(i64),
 }
 
+/// What the container backend reports to the engine, as the source of a
+/// [`BackendError`] ([`ContainerError::kind`] gives its kind).
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerError {
+    #[error(transparent)]
+    Spawn(StepError),
+    /// The spawn failed and removing what it had made failed too (the
+    /// reconciler retries that).
+    #[error("{source} (cleanup incomplete: {})", join_errors(cleanup))]
+    SpawnCleanupIncomplete {
+        #[source]
+        source: StepError,
+        cleanup: Vec<StepError>,
+    },
+    #[error("{agent}: {}", join_errors(steps))]
+    Destroy {
+        agent: AgentId,
+        steps: Vec<StepError>,
+    },
+    /// Listing, adopting or sweeping could not reach a runtime or the rules.
+    #[error(transparent)]
+    Unavailable(StepError),
+    #[error("{agent}: container {container} has no scaler label")]
+    NoScalerLabel { agent: AgentId, container: String },
+}
+
+impl ContainerError {
+    pub fn kind(&self) -> BackendErrorKind {
+        let injected = |e: &StepError| matches!(e, StepError::Failpoint(_));
+        match self {
+            Self::Spawn(e) | Self::SpawnCleanupIncomplete { source: e, .. } if injected(e) => {
+                BackendErrorKind::Injected
+            }
+            Self::Destroy { steps, .. } if steps.iter().any(injected) => BackendErrorKind::Injected,
+            Self::Unavailable(e) if injected(e) => BackendErrorKind::Injected,
+            Self::Spawn(_) | Self::SpawnCleanupIncomplete { .. } => BackendErrorKind::Provision,
+            Self::Destroy { .. } => BackendErrorKind::Destroy,
+            Self::Unavailable(_) | Self::NoScalerLabel { .. } => BackendErrorKind::Unavailable,
+        }
+    }
+}
+
+impl From<ContainerError> for BackendError {
+    fn from(e: ContainerError) -> Self {
+        BackendError::new(e.kind(), e)
+    }
+}
+
+/// Why a scaler entry cannot run on the container backend
+/// ([`Backend::validate`], [`ContainerBackend::check_host`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerProblem {
+    #[error("labelSets[{index}].image: {source}")]
+    Image {
+        index: usize,
+        #[source]
+        source: crate::reference::ReferenceError,
+    },
+    #[error("labelSets[{index}]: not a container label set")]
+    NotContainerLabelSet { index: usize },
+    #[error(
+        "networkIsolation is on but the runtime {endpoint} is remote: egress rules \
+         are installed on this host and would not apply there; set \
+         networkIsolation: false for this scaler (and isolate that host yourself)"
+    )]
+    RemoteIsolation { endpoint: crate::runtime::Endpoint },
+    /// The scaler's settings, the runtime or its network as found.
+    #[error(transparent)]
+    Runtime(StepError),
+    #[error(
+        "labelSets[{index}].resources: memory limit {bytes} bytes exceeds \
+         the host's {host_bytes} bytes ({endpoint})"
+    )]
+    MemoryExceedsHost {
+        index: usize,
+        bytes: i64,
+        host_bytes: i64,
+        endpoint: crate::runtime::Endpoint,
+    },
+    #[error(
+        "labelSets[{index}].resources: {cores} CPUs exceed the host's {host_cpus} ({endpoint})"
+    )]
+    CpusExceedHost {
+        index: usize,
+        cores: String,
+        host_cpus: i64,
+        endpoint: crate::runtime::Endpoint,
+    },
+    #[error("maxAgents {max_agents} exceeds the {capacity} addresses of {network} ({pool})")]
+    PoolTooSmall {
+        max_agents: u32,
+        capacity: u32,
+        network: String,
+        pool: String,
+    },
+}
+
+impl ContainerProblem {
+    pub fn kind(&self) -> ProblemKind {
+        match self {
+            Self::Runtime(StepError::NotContainer(_) | StepError::Reference(_))
+            | Self::Image { .. }
+            | Self::NotContainerLabelSet { .. }
+            | Self::RemoteIsolation { .. }
+            | Self::PoolTooSmall { .. } => ProblemKind::Setting,
+            Self::Runtime(_) | Self::MemoryExceedsHost { .. } | Self::CpusExceedHost { .. } => {
+                ProblemKind::Host
+            }
+        }
+    }
+}
+
+impl From<ContainerProblem> for ScalerProblem {
+    fn from(p: ContainerProblem) -> Self {
+        ScalerProblem::new(p.kind(), p)
+    }
+}
+
 /// What a spawn or destroy step failed at.
 #[derive(Debug, thiserror::Error)]
-enum StepError {
+pub enum StepError {
     #[error("scaler {0:?} is not a container scaler")]
     NotContainer(String),
     #[error(transparent)]
@@ -259,7 +378,7 @@ pub struct ContainerBackend {
 }
 
 /// What [`ContainerBackend::check_host`] found for one scaler.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct HostCheck {
     /// `unix:///var/run/docker.sock`, ...
     pub endpoint: Option<String>,
@@ -268,13 +387,18 @@ pub struct HostCheck {
     pub api_version: Option<String>,
     /// `<id> (bridge <if>, gateway <ip>)` when the network is as expected.
     pub network: Option<String>,
-    /// Everything that would make spawns fail, each a full sentence.
-    pub problems: Vec<String>,
+    /// Everything that would make spawns fail.
+    pub problems: Vec<ContainerProblem>,
 }
 
 impl HostCheck {
     pub fn is_ok(&self) -> bool {
         self.problems.is_empty()
+    }
+
+    /// Each problem as a full sentence.
+    pub fn messages(&self) -> Vec<String> {
+        self.problems.iter().map(ToString::to_string).collect()
     }
 }
 
@@ -388,7 +512,7 @@ impl ContainerBackend {
         let settings = match settings_of(scaler) {
             Ok(s) => s,
             Err(e) => {
-                check.problems.push(e.to_string());
+                check.problems.push(ContainerProblem::Runtime(e));
                 return check;
             }
         };
@@ -397,29 +521,29 @@ impl ContainerBackend {
             match &set.backend {
                 LabelSetBackend::Container { image, .. } => match ImageReference::parse(image) {
                     Ok(r) => images.push(r),
-                    Err(e) => check.problems.push(format!("labelSets[{i}].image: {e}")),
+                    Err(source) => check
+                        .problems
+                        .push(ContainerProblem::Image { index: i, source }),
                 },
                 _ => check
                     .problems
-                    .push(format!("labelSets[{i}]: not a container label set")),
+                    .push(ContainerProblem::NotContainerLabelSet { index: i }),
             }
         }
         match RuntimeTarget::of(settings, self.inner.options.tls.as_ref()) {
             Ok(RuntimeTarget::Fixed { endpoint, .. })
                 if !endpoint.is_local() && settings.network_isolation =>
             {
-                check.problems.push(format!(
-                    "networkIsolation is on but the runtime {endpoint} is remote: egress rules \
-                     are installed on this host and would not apply there; set \
-                     networkIsolation: false for this scaler (and isolate that host yourself)"
-                ));
+                check
+                    .problems
+                    .push(ContainerProblem::RemoteIsolation { endpoint });
             }
             _ => {}
         }
         let rt = match self.runtime_for(scaler).await {
             Ok(rt) => rt,
             Err(e) => {
-                check.problems.push(e.to_string());
+                check.problems.push(ContainerProblem::Runtime(e));
                 return check;
             }
         };
@@ -440,33 +564,37 @@ impl ContainerBackend {
                     if let Some(memory) = limits.memory {
                         let bytes = i64::try_from(memory.bytes()).unwrap_or(i64::MAX);
                         if host_memory > 0 && bytes > host_memory {
-                            check.problems.push(format!(
-                                "labelSets[{i}].resources: memory limit {bytes} bytes exceeds \
-                                 the host's {host_memory} bytes ({})",
-                                rt.conn.endpoint
-                            ));
+                            check.problems.push(ContainerProblem::MemoryExceedsHost {
+                                index: i,
+                                bytes,
+                                host_bytes: host_memory,
+                                endpoint: rt.conn.endpoint.clone(),
+                            });
                         }
                     }
                     if let Some(cpus) = limits.cpus {
                         let millis = i64::try_from(cpus.millis()).unwrap_or(i64::MAX);
                         if host_cpus > 0 && millis > host_cpus * 1000 {
-                            check.problems.push(format!(
-                                "labelSets[{i}].resources: {} CPUs exceed the host's {host_cpus} ({})",
-                                cpus.as_cores(),
-                                rt.conn.endpoint
-                            ));
+                            check.problems.push(ContainerProblem::CpusExceedHost {
+                                index: i,
+                                cores: cpus.as_cores().to_string(),
+                                host_cpus,
+                                endpoint: rt.conn.endpoint.clone(),
+                            });
                         }
                     }
                 }
             }
-            Err(e) => check.problems.push(e.to_string()),
+            Err(e) => check.problems.push(ContainerProblem::Runtime(e)),
         }
         let capacity = self.inner.options.network.pool.capacity();
         if scaler.max_agents > capacity {
-            check.problems.push(format!(
-                "maxAgents {} exceeds the {capacity} addresses of {} ({})",
-                scaler.max_agents, self.inner.options.network.name, self.inner.options.network.pool
-            ));
+            check.problems.push(ContainerProblem::PoolTooSmall {
+                max_agents: scaler.max_agents,
+                capacity,
+                network: self.inner.options.network.name.clone(),
+                pool: self.inner.options.network.pool.to_string(),
+            });
         }
         check
     }
@@ -493,7 +621,7 @@ impl ContainerBackend {
             .egress
             .sweep_stale(&live)
             .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))
+            .map_err(|e| ContainerError::Unavailable(StepError::Egress(e)).into())
     }
 
     fn pull_lock(&self, image: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -1172,13 +1300,9 @@ impl Backend for ContainerBackend {
         ScalerType::Container
     }
 
-    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), Vec<String>> {
+    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), ScalerProblems> {
         let check = self.check_host(scaler).await;
-        if check.is_ok() {
-            Ok(())
-        } else {
-            Err(check.problems)
-        }
+        ScalerProblems::check(check.problems.into_iter().map(Into::into).collect())
     }
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
@@ -1210,12 +1334,13 @@ impl Backend for ContainerBackend {
                         errors = %join_errors(&errors),
                         "cleanup after a failed spawn incomplete; the reconciler retries"
                     );
-                    return Err(BackendError::Provision(format!(
-                        "{e} (cleanup incomplete: {})",
-                        join_errors(&errors)
-                    )));
+                    return Err(ContainerError::SpawnCleanupIncomplete {
+                        source: e,
+                        cleanup: errors,
+                    }
+                    .into());
                 }
-                Err(BackendError::Provision(e.to_string()))
+                Err(ContainerError::Spawn(e).into())
             }
         }
     }
@@ -1235,7 +1360,10 @@ impl Backend for ContainerBackend {
             None => (
                 self.runtimes_for_destroy(handle)
                     .await
-                    .map_err(|e| BackendError::Destroy(format!("{agent}: {e}")))?,
+                    .map_err(|e| ContainerError::Destroy {
+                        agent: *agent,
+                        steps: vec![e],
+                    })?,
                 None,
             ),
         };
@@ -1243,8 +1371,9 @@ impl Backend for ContainerBackend {
         let container = handle.map(|h| h.id.as_str()).filter(|id| !id.is_empty());
         self.teardown(*agent, container, &runtimes, logs, grace, api)
             .await
-            .map_err(|errors| {
-                BackendError::Destroy(format!("{agent}: {}", join_errors(&errors)))
+            .map_err(|steps| ContainerError::Destroy {
+                agent: *agent,
+                steps,
             })?;
         tracing::info!(agent_id = %agent, "container agent destroyed");
         Ok(())
@@ -1261,7 +1390,7 @@ impl Backend for ContainerBackend {
         let runtimes = self
             .connected()
             .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+            .map_err(ContainerError::Unavailable)?;
         for rt in runtimes {
             let list = rt
                 .call(
@@ -1277,7 +1406,7 @@ impl Backend for ContainerBackend {
                     ),
                 )
                 .await
-                .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+                .map_err(ContainerError::Unavailable)?;
             for c in list {
                 let labels = c.labels.clone().unwrap_or_default();
                 // The filter is the daemon's; check again, it is cheap.
@@ -1331,7 +1460,7 @@ impl Backend for ContainerBackend {
         let runtimes = self
             .runtimes_for_destroy(Some(handle))
             .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+            .map_err(ContainerError::Unavailable)?;
         for rt in runtimes {
             let found = rt
                 .call_opt(
@@ -1340,7 +1469,7 @@ impl Backend for ContainerBackend {
                     states::inspect_container(&rt.conn.docker, target),
                 )
                 .await
-                .map_err(|e| BackendError::Unavailable(e.to_string()))?;
+                .map_err(ContainerError::Unavailable)?;
             let Some(c) = found else { continue };
             let labels = c
                 .config
@@ -1357,10 +1486,9 @@ impl Backend for ContainerBackend {
             let scaler = labels
                 .get(LABEL_SCALER)
                 .map(|s| kici_model::ScalerName::new(s))
-                .ok_or_else(|| {
-                    BackendError::Unavailable(format!(
-                        "{agent}: container {id} has no scaler label"
-                    ))
+                .ok_or_else(|| ContainerError::NoScalerLabel {
+                    agent: *agent,
+                    container: id.clone(),
                 })?;
             let job = labels
                 .get(crate::create::LABEL_JOB)

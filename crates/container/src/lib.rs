@@ -56,7 +56,10 @@ pub mod states;
 #[cfg(test)]
 mod test_support;
 
-pub use backend::{agent_mac, ContainerBackend, ContainerOptions, ContainerSetupError, HostCheck};
+pub use backend::{
+    agent_mac, ContainerBackend, ContainerError, ContainerOptions, ContainerProblem,
+    ContainerSetupError, HostCheck, StepError,
+};
 pub use create::{container_name, Ulimit, LABEL_AGENT, LABEL_INSTANCE, LABEL_JOB, LABEL_SCALER};
 pub use egress::{EgressError, EgressRules, EgressTarget, NftEgress, NoEgressRules};
 pub use network::NetworkSettings;

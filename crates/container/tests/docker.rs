@@ -619,7 +619,7 @@ async fn serial_validation_reports_bad_images_networks_and_limits() {
     if let kici_model::LabelSetBackend::Container { image, .. } = &mut entry.label_sets[0].backend {
         *image = "Not An/Image".into();
     }
-    let errors = fx.backend.validate(&entry).await.unwrap_err();
+    let errors = fx.backend.validate(&entry).await.unwrap_err().messages();
     let all = errors.join("\n");
     assert!(
         all.contains("labelSets[0].image: invalid image reference"),
@@ -631,7 +631,7 @@ async fn serial_validation_reports_bad_images_networks_and_limits() {
     docker_ok(&["network", "rm", &fx.options.network.name]);
 
     // With the network fixed (created by us), the limits are what's wrong.
-    let errors = fx.backend.validate(&scaler).await.unwrap_err();
+    let errors = fx.backend.validate(&scaler).await.unwrap_err().messages();
     let all = errors.join("\n");
     assert!(all.contains("memory limit"), "{all}");
     assert!(all.contains("CPUs exceed"), "{all}");
@@ -683,7 +683,13 @@ async fn serial_auto_finds_dockerd_and_a_wrong_runtime_is_named() {
         .replace("runtime: docker", "runtime: podman"),
         "boxes",
     );
-    let errors = fx.backend.validate(&wrong).await.unwrap_err().join("\n");
+    let errors = fx
+        .backend
+        .validate(&wrong)
+        .await
+        .unwrap_err()
+        .messages()
+        .join("\n");
     assert!(
         errors.contains(
             "unix:///var/run/docker.sock is docker, but the scaler asks for runtime podman"

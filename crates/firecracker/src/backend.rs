@@ -37,7 +37,10 @@ use crate::vmconfig::{
 use crate::{fp, mmds};
 use async_trait::async_trait;
 use kici_engine::backend::ReportSender;
-use kici_engine::{Adoption, Backend, BackendError, OwnedResource, ResourceHandle, SpawnSpec};
+use kici_engine::{
+    Adoption, Backend, BackendError, BackendErrorKind, OwnedResource, ResourceHandle,
+    ScalerProblems, SpawnSpec,
+};
 use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
 use kici_host::logs::LogContext;
 use kici_host::process::ProcessIdentity;
@@ -209,6 +212,49 @@ pub enum DestroyError {
     },
     #[error("injected failure at {0}")]
     Injected(&'static str),
+}
+
+/// What the Firecracker backend reports to the engine, as the source of a
+/// [`BackendError`] ([`FirecrackerError::kind`] gives its kind).
+#[derive(Debug, thiserror::Error)]
+pub enum FirecrackerError {
+    #[error(transparent)]
+    Spawn(#[from] SpawnError),
+    #[error("the spawn task ended without a result")]
+    SpawnTaskLost,
+    #[error(transparent)]
+    Destroy(#[from] DestroyError),
+    #[error("{agent}: {source}")]
+    ClearMmds {
+        agent: AgentId,
+        #[source]
+        source: MmdsClearError,
+    },
+    /// The TAPs on the host could not be listed.
+    #[error(transparent)]
+    List(#[from] LinkError),
+}
+
+impl FirecrackerError {
+    pub fn kind(&self) -> BackendErrorKind {
+        match self {
+            Self::Spawn(SpawnError::Injected(_))
+            | Self::Destroy(DestroyError::Injected(_))
+            | Self::ClearMmds {
+                source: MmdsClearError::Injected(_),
+                ..
+            } => BackendErrorKind::Injected,
+            Self::Spawn(_) | Self::SpawnTaskLost => BackendErrorKind::Provision,
+            Self::Destroy(_) => BackendErrorKind::Destroy,
+            Self::ClearMmds { .. } | Self::List(_) => BackendErrorKind::Unavailable,
+        }
+    }
+}
+
+impl From<FirecrackerError> for BackendError {
+    fn from(e: FirecrackerError) -> Self {
+        BackendError::new(e.kind(), e)
+    }
 }
 
 /// Clearing MMDS after `config.ack` failed.
@@ -822,7 +868,7 @@ impl FirecrackerBackend {
                 if let Err(e) = self.teardown(&agent, parts).await {
                     tracing::error!(agent_id = %agent, error = %e, "releasing a failed spawn left something behind; the sweep will retry");
                 }
-                Err(BackendError::Provision(error.to_string()))
+                Err(FirecrackerError::Spawn(error).into())
             }
         }
     }
@@ -850,11 +896,8 @@ impl FirecrackerBackend {
                 }
             }
         });
-        rx.await.unwrap_or_else(|_| {
-            Err(BackendError::Provision(
-                "the spawn task ended without a result".into(),
-            ))
-        })
+        rx.await
+            .unwrap_or_else(|_| Err(FirecrackerError::SpawnTaskLost.into()))
     }
 
     async fn destroy_inner(
@@ -1093,7 +1136,7 @@ impl Backend for FirecrackerBackend {
         ScalerType::Firecracker
     }
 
-    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), Vec<String>> {
+    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), ScalerProblems> {
         crate::validate::validate(self, scaler)
     }
 
@@ -1105,7 +1148,13 @@ impl Backend for FirecrackerBackend {
         // `apiCallTimeoutSeconds`).
         self.clear_mmds(agent, Duration::from_secs(30))
             .await
-            .map_err(|e| BackendError::Unavailable(format!("{agent}: {e}")))
+            .map_err(|source| {
+                FirecrackerError::ClearMmds {
+                    agent: *agent,
+                    source,
+                }
+                .into()
+            })
     }
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
@@ -1120,13 +1169,13 @@ impl Backend for FirecrackerBackend {
     ) -> Result<(), BackendError> {
         self.destroy_inner(agent, handle, grace)
             .await
-            .map_err(|e| BackendError::Destroy(e.to_string()))
+            .map_err(|e| FirecrackerError::Destroy(e).into())
     }
 
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError> {
         self.owned()
             .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))
+            .map_err(|e| FirecrackerError::List(e).into())
     }
 
     async fn adopt(

@@ -59,8 +59,8 @@ mod validate;
 pub mod vmconfig;
 
 pub use backend::{
-    DestroyError, FirecrackerBackend, FirecrackerOptions, MmdsClearError, SetupError, SpawnError,
-    SpawnTimings, Timeouts,
+    DestroyError, FirecrackerBackend, FirecrackerError, FirecrackerOptions, MmdsClearError,
+    SetupError, SpawnError, SpawnTimings, Timeouts,
 };
 pub use egress::{EgressError, EgressRules, NetPolicyEgress, NoEgressRules, VmMatch};
 pub use host::{
@@ -68,6 +68,7 @@ pub use host::{
 };
 pub use jailer::{CgroupVersion, JailerCgroups};
 pub use sweep::{SweepReport, DEFAULT_SWEEP_INTERVAL};
+pub use validate::FirecrackerProblem;
 
 /// Failpoint names, one per provisioning, release and reconcile step, each
 /// placed right after the step's side effect.

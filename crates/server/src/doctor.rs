@@ -401,7 +401,7 @@ pub fn container_checks(
                     ),
                 )
             } else {
-                CheckRow::new(name, Status::Fail, check.problems.join("; "))
+                CheckRow::new(name, Status::Fail, check.messages().join("; "))
             }
         })
         .collect()
@@ -461,7 +461,7 @@ pub fn firecracker_checks(config: &Config, kvm: &Path) -> Vec<CheckRow> {
                         Status::Ok,
                         "binaries executable, images readable by the jailer user, jailer user not root, API socket path fits sun_path",
                     ),
-                    Err(problems) => CheckRow::new(name, Status::Fail, problems.join("; ")),
+                    Err(problems) => CheckRow::new(name, Status::Fail, problems.to_string()),
                 });
             }
         }

@@ -210,7 +210,7 @@ async fn run(started: Instant) -> Result<(), Error> {
         backend
             .validate(s)
             .await
-            .map_err(|problems| fail(format!("scaler {}: {}", s.name, problems.join("; "))))?;
+            .map_err(|problems| fail(format!("scaler {}: {}", s.name, problems)))?;
     }
     say(
         started,
