@@ -24,7 +24,6 @@ use crate::create::{
     container_name, create_body, ContainerLabelSet, CreateContext, Ulimit, DEFAULT_PIDS_LIMIT,
     LABEL_AGENT, LABEL_INSTANCE, LABEL_SCALER,
 };
-use crate::egress::{EgressRules, EgressTarget, NoEgressRules};
 use crate::logs;
 use crate::network::{self, NetworkInfo, NetworkSettings};
 use crate::reference::ImageReference;
@@ -48,6 +47,7 @@ use kici_model::{
     AgentId, BackendSettings, ContainerSettings, ImagePullPolicy, InstanceId, LabelSetBackend,
     ScalerEntry, ScalerType, UlimitName, UlimitValue,
 };
+use kici_netpolicy::{EgressRules, EgressTarget, NoEgressRules};
 use kici_store::{IpAllocator, Lease};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Display;
@@ -280,8 +280,8 @@ pub enum StepError {
         endpoint: String,
         deadline: Duration,
     },
-    #[error(transparent)]
-    Egress(#[from] crate::egress::EgressError),
+    #[error("egress rules: {0}")]
+    Egress(#[from] kici_netpolicy::NetPolicyError),
     #[error("failpoint {0}")]
     #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     Failpoint(String),
@@ -840,7 +840,9 @@ impl ContainerBackend {
                     &EgressTarget {
                         agent,
                         ip: lease.ip,
-                        mac: agent_mac(lease.ip),
+                        mac: agent_mac(lease.ip).0,
+                        // A container's veth is created at start: not known yet.
+                        port: None,
                         bridge: rt.network.bridge.clone(),
                         gateway: rt.network.gateway,
                     },

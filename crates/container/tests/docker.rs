@@ -767,7 +767,7 @@ async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
         }
     }
     let _guard = RulesGuard(table.clone());
-    let nft = kici_container::NftEgress::new(table.clone());
+    let nft = table.clone();
     let fx = Fixture::on(instance, network, |o| o.egress = Arc::new(nft.clone())).await;
     // 10.255.0.1 is RFC1918: blocked by default. The attempt ends the agent.
     let image = fx.image(

@@ -26,7 +26,6 @@ use crate::api::{
     SerialDevice, TokenBucket,
 };
 use crate::chroot::{self, ChrootError, JailFiles};
-use crate::egress::{EgressError, EgressRules, VmMatch};
 use crate::jailer::{JailerArgs, JailerCgroups};
 use crate::logs::{TailFrom, VmWatch, WatchSpec, SERIAL_SOURCE, VMM_SOURCE};
 use crate::names::{self, JailLayout, LayoutError, METRICS_FILE, SERIAL_LOG, VMM_LOG};
@@ -48,6 +47,7 @@ use kici_model::{
     AgentId, BackendSettings, FirecrackerNetwork, FirecrackerSettings, InstanceId, LabelSetBackend,
     ScalerEntry, ScalerType,
 };
+use kici_netpolicy::{EgressRules, EgressTarget, NetPolicyError};
 use kici_store::ipam::{AllocError, IpAllocator, Ipv4Pool, MacAddress, PoolError};
 use parking_lot::Mutex;
 use rustix::process::{Pid, Signal};
@@ -179,7 +179,7 @@ pub enum SpawnError {
     #[error("TAP: {0}")]
     Link(#[from] LinkError),
     #[error("egress rules: {0}")]
-    Egress(#[from] EgressError),
+    Egress(#[from] NetPolicyError),
     #[error("jailer {}: {detail}", path.display())]
     Jailer { path: PathBuf, detail: String },
     #[error("Firecracker API socket not ready within {0:?}: {1}")]
@@ -200,7 +200,7 @@ pub enum DestroyError {
     #[error("TAP: {0}")]
     Link(#[from] LinkError),
     #[error("egress rules: {0}")]
-    Egress(#[from] EgressError),
+    Egress(#[from] NetPolicyError),
     #[error("IP lease: {0}")]
     Lease(#[from] AllocError),
     #[error(transparent)]
@@ -503,14 +503,19 @@ impl FirecrackerBackend {
         taken.timings.tap = lap.elapsed();
         lap = Instant::now();
 
-        let vm = VmMatch {
+        let vm = EgressTarget {
+            agent,
             ip: lease.ip,
-            mac,
-            tap: tap_name.clone(),
+            mac: mac.0,
+            // The TAP is bound as the agent's port: neither its address nor
+            // its MAC can be forged through another port.
+            port: Some(tap_name.clone()),
+            bridge: inner.network.bridge_name.clone(),
+            gateway: inner.network.gateway,
         };
         inner
             .egress
-            .install(&agent, &vm, spec.label_set.network_policy.as_ref())
+            .install(&vm, spec.label_set.network_policy.as_ref())
             .await?;
         step!(fp::SPAWN_RULES, SpawnError::Injected);
         taken.timings.rules = lap.elapsed();

@@ -12,13 +12,13 @@
 //! - [`tap`]: TAP ioctls and rtnetlink (bridge port isolation, ifalias);
 //! - [`chroot`]: the VM directory, images, overlay, log files;
 //! - [`logs`]: serial and VMM logs followed for the VM's life, boot failures;
-//! - [`egress`]: the seam to per-VM egress rules;
 //! - [`sweep`]: the orphan sweep;
 //! - [`host`]: the host bridge ([`HostNetwork`]) and, with the host's
 //!   forwarding for it, `firecracker provision|verify|teardown` ([`HostSetup`]).
 //!
 //! This crate owns everything a microVM agent holds on the host — the jail
-//! and its chroot, the TAP and its bridge port, the per-VM egress rules, the
+//! and its chroot, the TAP and its bridge port, the per-VM egress rules
+//! (through `kici_netpolicy::EgressRules`), the
 //! MMDS document with the agent's bootstrap (version 2 sessions, cleared and
 //! verified before the first job: see docs/deviations.md, D-mmds-v2) — and
 //! the sweep that finds what a crashed daemon left. Each name is derived from
@@ -45,7 +45,6 @@
 pub mod api;
 pub mod backend;
 pub mod chroot;
-pub mod egress;
 pub mod host;
 pub mod jailer;
 pub mod logs;
@@ -62,7 +61,6 @@ pub use backend::{
     DestroyError, FirecrackerBackend, FirecrackerError, FirecrackerOptions, MmdsClearError,
     SetupError, SpawnError, SpawnTimings, Timeouts,
 };
-pub use egress::{EgressError, EgressRules, NetPolicyEgress, NoEgressRules, VmMatch};
 pub use host::{
     BridgeStatus, HostNetwork, HostSetup, HostSetupError, HostSetupStatus, HostTeardown,
 };

@@ -229,8 +229,9 @@ impl FirecrackerBackend {
         // 4. Rules.
         let mut keep = protected_agents;
         keep.extend(remaining);
+        let keep: Vec<AgentId> = keep.into_iter().collect();
         match inner.egress.sweep_stale(&keep).await {
-            Ok(n) => report.rules = n,
+            Ok(gone) => report.rules = gone.len(),
             Err(e) => report.errors.push(e.to_string()),
         }
         // Every pass, even an empty one: that it ran is worth knowing.

@@ -375,7 +375,7 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         kici_netpolicy::DockerUserMode::AcceptSubnet,
     )
     .await?;
-    options.egress = Arc::new(kici_container::NftEgress::new(table.clone()));
+    options.egress = Arc::new(table.clone());
     let backend = kici_container::ContainerBackend::new(options).map_err(|e| e.to_string())?;
     let after_shutdown: Option<Box<dyn FnOnce() + Send>> = if ctx.ephemeral {
         Some(Box::new(move || teardown_table(table)))
@@ -446,7 +446,7 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
         ctx.instance,
         network.clone(),
         allocator(&ctx, "Firecracker")?,
-        Arc::new(kici_firecracker::NetPolicyEgress(table.clone())),
+        Arc::new(table.clone()),
         std::env::vars().collect(),
     );
     options.sweep_min_age = ctx.tuning.orphan_min_age;

@@ -446,7 +446,7 @@ pub fn firecracker_checks(config: &Config, kvm: &Path) -> Vec<CheckRow> {
         InstanceId::random(),
         config.firecracker.clone(),
         std::sync::Arc::new(NoLeases),
-        std::sync::Arc::new(kici_firecracker::NoEgressRules),
+        std::sync::Arc::new(kici_netpolicy::NoEgressRules),
         Vec::new(),
     );
     match kici_firecracker::FirecrackerBackend::new(options) {
