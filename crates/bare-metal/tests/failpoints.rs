@@ -105,7 +105,7 @@ fn failpoints_are_listed_once_each() {
     for name in failpoints::SPAWN.iter().chain(failpoints::DESTROY) {
         assert!(kici_bare_metal::FAILPOINTS.contains(name), "{name}");
     }
-    assert!(names.iter().all(|n| n.starts_with("kici_backends::")));
+    assert!(names.iter().all(|n| n.starts_with("kici_bare_metal::")));
 }
 
 #[tokio::test]

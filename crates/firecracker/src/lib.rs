@@ -71,26 +71,26 @@ pub use validate::FirecrackerProblem;
 /// Failpoint names, one per provisioning, release and reconcile step, each
 /// placed right after the step's side effect.
 pub mod fp {
-    pub const SPAWN_VM_DIR: &str = "firecracker::spawn::vm_dir";
-    pub const SPAWN_LEASE: &str = "firecracker::spawn::lease";
-    pub const SPAWN_TAP: &str = "firecracker::spawn::tap";
-    pub const SPAWN_ATTACH: &str = "firecracker::spawn::attach";
-    pub const SPAWN_RULES: &str = "firecracker::spawn::rules";
-    pub const SPAWN_CHROOT: &str = "firecracker::spawn::chroot";
-    pub const SPAWN_OVERLAY: &str = "firecracker::spawn::overlay";
-    pub const SPAWN_JAILER: &str = "firecracker::spawn::jailer";
-    pub const SPAWN_SOCKET: &str = "firecracker::spawn::socket";
-    pub const SPAWN_CONFIGURE: &str = "firecracker::spawn::configure";
-    pub const SPAWN_MMDS: &str = "firecracker::spawn::mmds";
-    pub const SPAWN_START: &str = "firecracker::spawn::start";
-    pub const MMDS_CLEAR: &str = "firecracker::mmds::clear";
-    pub const DESTROY_STOP: &str = "firecracker::destroy::stop";
-    pub const DESTROY_RULES: &str = "firecracker::destroy::rules";
-    pub const DESTROY_TAP: &str = "firecracker::destroy::tap";
-    pub const DESTROY_LEASE: &str = "firecracker::destroy::lease";
-    pub const DESTROY_CHROOT: &str = "firecracker::destroy::chroot";
-    pub const SWEEP_TAP: &str = "firecracker::sweep::tap";
-    pub const SWEEP_LEASES: &str = "firecracker::sweep::leases";
+    pub const SPAWN_VM_DIR: &str = "kici_firecracker::spawn::vm_dir";
+    pub const SPAWN_LEASE: &str = "kici_firecracker::spawn::lease";
+    pub const SPAWN_TAP: &str = "kici_firecracker::spawn::tap";
+    pub const SPAWN_ATTACH: &str = "kici_firecracker::spawn::attach";
+    pub const SPAWN_RULES: &str = "kici_firecracker::spawn::rules";
+    pub const SPAWN_CHROOT: &str = "kici_firecracker::spawn::chroot";
+    pub const SPAWN_OVERLAY: &str = "kici_firecracker::spawn::overlay";
+    pub const SPAWN_JAILER: &str = "kici_firecracker::spawn::jailer";
+    pub const SPAWN_SOCKET: &str = "kici_firecracker::spawn::socket";
+    pub const SPAWN_CONFIGURE: &str = "kici_firecracker::spawn::configure";
+    pub const SPAWN_MMDS: &str = "kici_firecracker::spawn::mmds";
+    pub const SPAWN_START: &str = "kici_firecracker::spawn::start";
+    pub const MMDS_CLEAR: &str = "kici_firecracker::mmds::clear";
+    pub const DESTROY_STOP: &str = "kici_firecracker::destroy::stop";
+    pub const DESTROY_RULES: &str = "kici_firecracker::destroy::rules";
+    pub const DESTROY_TAP: &str = "kici_firecracker::destroy::tap";
+    pub const DESTROY_LEASE: &str = "kici_firecracker::destroy::lease";
+    pub const DESTROY_CHROOT: &str = "kici_firecracker::destroy::chroot";
+    pub const SWEEP_TAP: &str = "kici_firecracker::sweep::tap";
+    pub const SWEEP_LEASES: &str = "kici_firecracker::sweep::leases";
 
     /// The spawn steps, in order.
     pub const SPAWN: &[&str] = &[

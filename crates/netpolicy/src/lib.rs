@@ -108,7 +108,7 @@ pub use table::{
 /// Shared by every instance on a host; rules carry their instance in comments.
 pub const TABLE_NAME: &str = "kici_scaler";
 
-/// Failpoint names (see the failpoints contract in the workspace brief).
+/// Failpoint names (docs/ARCHITECTURE.md, failpoints), each right after its step's side effect.
 pub const FAILPOINTS: &[&str] = &[
     table::FP_ENSURE_TABLE,
     table::FP_ENSURE_DOCKER_USER,
