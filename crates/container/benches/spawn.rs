@@ -86,7 +86,7 @@ fn spawn(c: &mut Criterion) {
                     let (mut spec, _rx) = spawn_spec(&scaler, 0);
                     spec.resources =
                         EffectiveResources::resolve(&[spec.label_set.resources.as_ref()]);
-                    let env = kici_backends::env::agent_env(
+                    let env = kici_host::env::agent_env(
                         &spec,
                         ScalerType::Container,
                         &Default::default(),

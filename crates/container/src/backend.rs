@@ -18,13 +18,19 @@
 //! Destroy: stop with the grace (the Engine kills after it), drain the
 //! output, remove with volumes (upstream leaked them), remove the rules, release the lease —
 //! also when the container already died or was removed behind our back.
+//!
+//! This module holds the backend's options, state and its [`Backend`]
+//! implementation; the steps live in submodules: `spawn` (the steps above),
+//! `pull` (images), `watch` (log stream and exit watch), `teardown`
+//! (destroy and a failed spawn's clean-up), `adopt` (what is ours after a
+//! restart), `host_check` ([`HostCheck`]) and `errors` ([`ContainerError`],
+//! [`ContainerProblem`], [`StepError`]).
 
 use crate::auth;
 use crate::create::{
     container_name, create_body, ContainerLabelSet, CreateContext, Ulimit, DEFAULT_PIDS_LIMIT,
     LABEL_AGENT, LABEL_INSTANCE, LABEL_SCALER,
 };
-use crate::egress::{EgressRules, EgressTarget, NoEgressRules};
 use crate::logs;
 use crate::network::{self, NetworkInfo, NetworkSettings};
 use crate::reference::ImageReference;
@@ -37,16 +43,18 @@ use bollard::query_parameters::{
     RemoveContainerOptions, StartContainerOptions, StopContainerOptions, WaitContainerOptions,
 };
 use futures_util::StreamExt;
-use kici_backends::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
-use kici_backends::logs::LogContext;
 use kici_engine::backend::ReportSender;
 use kici_engine::{
-    Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, OwnedResource, ProblemKind,
+    ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
 };
+use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
+use kici_host::logs::LogContext;
 use kici_model::{
     AgentId, BackendSettings, ContainerSettings, ImagePullPolicy, InstanceId, LabelSetBackend,
     ScalerEntry, ScalerType, UlimitName, UlimitValue,
 };
+use kici_netpolicy::{EgressRules, EgressTarget, NoEgressRules};
 use kici_store::{IpAllocator, Lease};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Display;
@@ -56,6 +64,18 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+
+mod adopt;
+mod errors;
+mod host_check;
+mod pull;
+mod spawn;
+mod teardown;
+mod watch;
+
+use errors::join_errors;
+pub use errors::{ContainerError, ContainerProblem, StepError};
+pub use host_check::HostCheck;
 
 /// How long destroy waits for the log stream to deliver the last lines
 /// after the container stopped.
@@ -125,49 +145,6 @@ pub enum ContainerSetupError {
     ForwardedEnv(#[from] ForwardedEnvError),
     #[error("pidsLimit must be positive, got {0}")]
     PidsLimit(i64),
-}
-
-/// What a spawn or destroy step failed at.
-#[derive(Debug, thiserror::Error)]
-enum StepError {
-    #[error("scaler {0:?} is not a container scaler")]
-    NotContainer(String),
-    #[error(transparent)]
-    Reference(#[from] crate::reference::ReferenceError),
-    #[error(transparent)]
-    Connect(#[from] crate::runtime::ConnectError),
-    #[error(transparent)]
-    Network(#[from] network::NetworkError),
-    #[error("no address for the agent on {network}: {source}")]
-    Lease {
-        network: String,
-        source: kici_store::AllocError,
-    },
-    #[error(transparent)]
-    Auth(#[from] auth::AuthError),
-    #[error("image {image} is not present and imagePullPolicy is Never")]
-    ImageAbsent { image: String },
-    #[error("pull {image}: {reason}")]
-    Pull { image: String, reason: String },
-    #[error("{call} on {endpoint}: {reason}")]
-    Api {
-        call: String,
-        endpoint: String,
-        reason: String,
-    },
-    #[error("{call} on {endpoint}: no answer within {deadline:?}")]
-    Timeout {
-        call: String,
-        endpoint: String,
-        deadline: Duration,
-    },
-    #[error(transparent)]
-    Egress(#[from] crate::egress::EgressError),
-    #[error("failpoint {0}")]
-    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
-    Failpoint(String),
-    #[error("release lease: {0}")]
-    Release(kici_store::AllocError),
 }
 
 /// A connected runtime with its checked agent network.
@@ -256,26 +233,6 @@ struct Inner {
 #[derive(Clone)]
 pub struct ContainerBackend {
     inner: Arc<Inner>,
-}
-
-/// What [`ContainerBackend::check_host`] found for one scaler.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HostCheck {
-    /// `unix:///var/run/docker.sock`, ...
-    pub endpoint: Option<String>,
-    pub runtime: Option<RuntimeKind>,
-    pub version: Option<String>,
-    pub api_version: Option<String>,
-    /// `<id> (bridge <if>, gateway <ip>)` when the network is as expected.
-    pub network: Option<String>,
-    /// Everything that would make spawns fail, each a full sentence.
-    pub problems: Vec<String>,
-}
-
-impl HostCheck {
-    pub fn is_ok(&self) -> bool {
-        self.problems.is_empty()
-    }
 }
 
 fn failpoint(name: &'static str) -> Result<(), StepError> {
@@ -380,97 +337,6 @@ impl ContainerBackend {
         Ok(all)
     }
 
-    /// Serve start-up and `kici-scaler doctor`: the runtime answers, the
-    /// network is as expected (created when missing), the label sets'
-    /// images are well-formed and their limits fit the host.
-    pub async fn check_host(&self, scaler: &ScalerEntry) -> HostCheck {
-        let mut check = HostCheck::default();
-        let settings = match settings_of(scaler) {
-            Ok(s) => s,
-            Err(e) => {
-                check.problems.push(e.to_string());
-                return check;
-            }
-        };
-        let mut images = Vec::new();
-        for (i, set) in scaler.label_sets.iter().enumerate() {
-            match &set.backend {
-                LabelSetBackend::Container { image, .. } => match ImageReference::parse(image) {
-                    Ok(r) => images.push(r),
-                    Err(e) => check.problems.push(format!("labelSets[{i}].image: {e}")),
-                },
-                _ => check
-                    .problems
-                    .push(format!("labelSets[{i}]: not a container label set")),
-            }
-        }
-        match RuntimeTarget::of(settings, self.inner.options.tls.as_ref()) {
-            Ok(RuntimeTarget::Fixed { endpoint, .. })
-                if !endpoint.is_local() && settings.network_isolation =>
-            {
-                check.problems.push(format!(
-                    "networkIsolation is on but the runtime {endpoint} is remote: egress rules \
-                     are installed on this host and would not apply there; set \
-                     networkIsolation: false for this scaler (and isolate that host yourself)"
-                ));
-            }
-            _ => {}
-        }
-        let rt = match self.runtime_for(scaler).await {
-            Ok(rt) => rt,
-            Err(e) => {
-                check.problems.push(e.to_string());
-                return check;
-            }
-        };
-        check.endpoint = Some(rt.conn.endpoint.to_string());
-        check.runtime = Some(rt.conn.kind);
-        check.version = Some(rt.conn.version.clone());
-        check.api_version = Some(rt.conn.api_version.clone());
-        check.network = Some(rt.network.to_string());
-        let deadline = scaler.ext.deadlines.api_call;
-        match rt.call("GET /info", deadline, rt.conn.docker.info()).await {
-            Ok(info) => {
-                let host_memory = info.mem_total.unwrap_or(0);
-                let host_cpus = info.ncpu.unwrap_or(0);
-                for (i, set) in scaler.label_sets.iter().enumerate() {
-                    let Some(limits) = set.resources.as_ref().and_then(|r| r.mirrored().1) else {
-                        continue;
-                    };
-                    if let Some(memory) = limits.memory {
-                        let bytes = i64::try_from(memory.bytes()).unwrap_or(i64::MAX);
-                        if host_memory > 0 && bytes > host_memory {
-                            check.problems.push(format!(
-                                "labelSets[{i}].resources: memory limit {bytes} bytes exceeds \
-                                 the host's {host_memory} bytes ({})",
-                                rt.conn.endpoint
-                            ));
-                        }
-                    }
-                    if let Some(cpus) = limits.cpus {
-                        let millis = i64::try_from(cpus.millis()).unwrap_or(i64::MAX);
-                        if host_cpus > 0 && millis > host_cpus * 1000 {
-                            check.problems.push(format!(
-                                "labelSets[{i}].resources: {} CPUs exceed the host's {host_cpus} ({})",
-                                cpus.as_cores(),
-                                rt.conn.endpoint
-                            ));
-                        }
-                    }
-                }
-            }
-            Err(e) => check.problems.push(e.to_string()),
-        }
-        let capacity = self.inner.options.network.pool.capacity();
-        if scaler.max_agents > capacity {
-            check.problems.push(format!(
-                "maxAgents {} exceeds the {capacity} addresses of {} ({})",
-                scaler.max_agents, self.inner.options.network.name, self.inner.options.network.pool
-            ));
-        }
-        check
-    }
-
     /// Removes the egress rules of this instance's agents that have no
     /// container any more (a crash between remove and rule removal), so a
     /// reused address never inherits an old allowlist. Returns the agents
@@ -493,571 +359,7 @@ impl ContainerBackend {
             .egress
             .sweep_stale(&live)
             .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))
-    }
-
-    fn pull_lock(&self, image: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.inner
-            .pulls
-            .lock()
-            .entry(image.to_owned())
-            .or_default()
-            .clone()
-    }
-
-    /// Makes the image present per `policy`.
-    async fn ensure_image(
-        &self,
-        rt: &Runtime,
-        image: &ImageReference,
-        policy: ImagePullPolicy,
-        api_deadline: Duration,
-        pull_deadline: Instant,
-    ) -> Result<(), StepError> {
-        let docker = &rt.conn.docker;
-        let present = || async {
-            rt.call_opt(
-                "GET /images/{name}/json",
-                api_deadline,
-                docker.inspect_image(image.as_str()),
-            )
-            .await
-            .map(|found| found.is_some())
-        };
-        match policy {
-            ImagePullPolicy::Never => {
-                return if present().await? {
-                    Ok(())
-                } else {
-                    Err(StepError::ImageAbsent {
-                        image: image.to_string(),
-                    })
-                };
-            }
-            ImagePullPolicy::IfNotPresent => {
-                if present().await? {
-                    return Ok(());
-                }
-            }
-            // A digest names immutable content: present is up to date.
-            ImagePullPolicy::Always if image.is_digest_pinned() => {
-                if present().await? {
-                    return Ok(());
-                }
-            }
-            ImagePullPolicy::Always => {}
-        }
-        let lock = self.pull_lock(image.as_str());
-        let _one_pull = lock.lock().await;
-        let config = self
-            .inner
-            .options
-            .registry_config
-            .clone()
-            .or_else(auth::default_config_path);
-        let credentials = match &config {
-            Some(path) => auth::credentials_for(path, image.registry()).await?,
-            None => None,
-        };
-        let options = CreateImageOptions {
-            from_image: Some(image.repository()),
-            tag: Some(image.pull_tag().to_owned()),
-            ..Default::default()
-        };
-        let pull_error = |reason: String| StepError::Pull {
-            image: image.to_string(),
-            reason,
-        };
-        tracing::info!(image = %image, authenticated = credentials.is_some(), "pulling image");
-        let mut stream = docker.create_image(Some(options), None, credentials);
-        loop {
-            match tokio::time::timeout_at(pull_deadline, stream.next()).await {
-                Err(_) => {
-                    return Err(pull_error(
-                        "not finished within provisionTimeout".to_owned(),
-                    ))
-                }
-                Ok(None) => break,
-                Ok(Some(Err(e))) => return Err(pull_error(e.to_string())),
-                Ok(Some(Ok(info))) => {
-                    if let Some(detail) = info.error_detail.and_then(|d| d.message) {
-                        return Err(pull_error(detail));
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    async fn spawn_steps(
-        &self,
-        spec: &SpawnSpec,
-        rt_slot: &mut Option<Arc<Runtime>>,
-    ) -> Result<ResourceHandle, StepError> {
-        let started = Instant::now();
-        let options = &self.inner.options;
-        let scaler = &spec.scaler;
-        let settings = settings_of(scaler)?;
-        let LabelSetBackend::Container {
-            image,
-            image_pull_policy,
-            container_socket,
-            volumes,
-        } = &spec.label_set.backend
-        else {
-            return Err(StepError::NotContainer(scaler.name.to_string()));
-        };
-        let image = ImageReference::parse(image)?;
-        let deadlines = scaler.ext.deadlines;
-        let api = deadlines.api_call;
-        let rt = self.runtime_for(scaler).await?;
-        *rt_slot = Some(rt.clone());
-        let agent = spec.agent;
-
-        let lease: Lease = options
-            .allocator
-            .allocate(&options.network.pool, &agent)
-            .await
-            .map_err(|source| StepError::Lease {
-                network: options.network.name.clone(),
-                source,
-            })?;
-        failpoint("kici_container::spawn::lease")?;
-
-        self.ensure_image(
-            &rt,
-            &image,
-            *image_pull_policy,
-            api,
-            started + deadlines.provision,
-        )
-        .await?;
-        failpoint("kici_container::spawn::pull")?;
-
-        let env = agent_env(
-            spec,
-            ScalerType::Container,
-            &SystemEnv::default(),
-            &self.inner.forwarded,
-        );
-        let socket_on_host = match (&options.socket_on_host, &rt.conn.endpoint) {
-            (Some(path), _) => Some(path.clone()),
-            (None, crate::runtime::Endpoint::Unix(path)) => Some(path.clone()),
-            (None, _) => None,
-        };
-        if *container_socket {
-            match &socket_on_host {
-                Some(path) => tracing::warn!(
-                    agent_id = %agent,
-                    scaler = scaler.name.as_str(),
-                    socket = %path.display(),
-                    "containerSocket: the agent and every job it runs get full control of the \
-                     host's container runtime (root-equivalent on this host)"
-                ),
-                None => tracing::warn!(
-                    agent_id = %agent,
-                    scaler = scaler.name.as_str(),
-                    "containerSocket ignored: the runtime is remote, there is no host socket to mount"
-                ),
-            }
-        }
-        let ulimits = scaler_ulimits(&options.ulimits, &scaler.ext.ulimits);
-        let body = create_body(
-            spec,
-            &ContainerLabelSet {
-                image: &image,
-                container_socket: *container_socket,
-                volumes,
-                read_only_rootfs: spec.label_set.ext.read_only_rootfs,
-            },
-            &CreateContext {
-                instance: options.instance,
-                kind: rt.conn.kind,
-                network: &options.network.name,
-                ip: lease.ip,
-                env: &env,
-                extra_hosts: &settings.extra_hosts,
-                pids_limit: options.pids_limit,
-                ulimits: &ulimits,
-                socket_on_host,
-                stop_timeout: deadlines.destroy_grace,
-            },
-        );
-        let name = container_name(&agent);
-        // Until the rules are in: a rule sweep now would not see them
-        // belong to a container.
-        let rules_gate = self.inner.rules_gate.read().await;
-        let created = rt
-            .call(
-                "POST /containers/create",
-                api,
-                rt.conn.docker.create_container(
-                    Some(CreateContainerOptions {
-                        name: Some(name.clone()),
-                        ..Default::default()
-                    }),
-                    body,
-                ),
-            )
-            .await?;
-        for warning in &created.warnings {
-            tracing::warn!(agent_id = %agent, warning = %warning, "container create warning");
-        }
-        failpoint("kici_container::spawn::create")?;
-
-        if settings.network_isolation {
-            options
-                .egress
-                .install(
-                    &EgressTarget {
-                        agent,
-                        ip: lease.ip,
-                        mac: agent_mac(lease.ip),
-                        bridge: rt.network.bridge.clone(),
-                        gateway: rt.network.gateway,
-                    },
-                    spec.label_set.network_policy.as_ref(),
-                )
-                .await?;
-        }
-        drop(rules_gate);
-        failpoint("kici_container::spawn::rules")?;
-
-        rt.call(
-            "POST /containers/{id}/start",
-            api,
-            rt.conn
-                .docker
-                .start_container(&created.id, None::<StartContainerOptions>),
-        )
-        .await
-        .map_err(|e| match e {
-            // Podman asks for its own default rlimits, which root cannot
-            // raise on hosts with lower hard limits.
-            StepError::Api {
-                call,
-                endpoint,
-                reason,
-            } if reason.contains("rlimit") => StepError::Api {
-                call,
-                endpoint,
-                reason: format!(
-                    "{reason} (the runtime could not set the container's rlimits: configure \
-                     ulimits within this host's hard limits, e.g. nofile=20000:20000 and \
-                     nproc=4096:4096)"
-                ),
-            },
-            other => other,
-        })?;
-        failpoint("kici_container::spawn::start")?;
-
-        self.follow(&rt, spec.agent, &created.id, spec, spec.reports.clone(), 0);
-        let mut extra = BTreeMap::from([
-            ("name".to_owned(), name),
-            ("endpoint".to_owned(), rt.conn.endpoint.to_string()),
-            ("ip".to_owned(), lease.ip.to_string()),
-            ("network".to_owned(), options.network.name.clone()),
-        ]);
-        extra.insert("runtime".to_owned(), rt.conn.kind.to_string());
-        tracing::info!(
-            agent_id = %agent,
-            scaler = scaler.name.as_str(),
-            job_id = spec.job.as_ref().map(|j| j.as_str()),
-            container = %created.id,
-            ip = %lease.ip,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "container agent started"
-        );
-        Ok(ResourceHandle {
-            id: created.id,
-            extra,
-        })
-    }
-
-    /// Starts forwarding output and watching the exit of a running agent.
-    fn follow(
-        &self,
-        rt: &Arc<Runtime>,
-        agent: AgentId,
-        container: &str,
-        spec: &SpawnSpec,
-        reports: ReportSender,
-        logs_since: i32,
-    ) {
-        let ctx = LogContext {
-            agent,
-            scaler: spec.scaler.name.clone(),
-            job: spec.job.clone(),
-            source: rt.conn.kind.as_str(),
-        };
-        self.follow_with(rt, agent, container, ctx, reports, logs_since);
-    }
-
-    fn follow_with(
-        &self,
-        rt: &Arc<Runtime>,
-        agent: AgentId,
-        container: &str,
-        ctx: LogContext,
-        reports: ReportSender,
-        logs_since: i32,
-    ) {
-        let tail = Arc::new(logs::Tail::default());
-        let logs = logs::forward(
-            rt.conn.docker.clone(),
-            container.to_owned(),
-            ctx,
-            logs_since,
-            tail.clone(),
-        );
-        let destroying = Arc::new(AtomicBool::new(false));
-        let watch = tokio::spawn(watch_exit(
-            rt.clone(),
-            container.to_owned(),
-            agent,
-            reports,
-            destroying.clone(),
-            tail,
-        ));
-        let previous = self.inner.tracked.lock().insert(
-            agent,
-            Tracked {
-                runtime: rt.clone(),
-                destroying,
-                logs: Some(logs),
-                watch,
-            },
-        );
-        if let Some(previous) = previous {
-            previous.destroying.store(true, Ordering::SeqCst);
-            previous.watch.abort();
-            if let Some(logs) = previous.logs {
-                logs.abort();
-            }
-        }
-    }
-
-    /// Removes everything of `agent`: the container on each of `runtimes`
-    /// (only if it carries our instance label), the rules, the lease.
-    async fn teardown(
-        &self,
-        agent: AgentId,
-        container: Option<&str>,
-        runtimes: &[Arc<Runtime>],
-        logs: Option<JoinHandle<()>>,
-        grace: Duration,
-        api: Duration,
-    ) -> Result<(), Vec<StepError>> {
-        let mut errors = Vec::new();
-        let name = container_name(&agent);
-        let mut logs = logs;
-        for rt in runtimes {
-            let docker = &rt.conn.docker;
-            // By id when we have it (a renamed container is still ours), by
-            // name otherwise; only ours by label is touched.
-            let mut target = container.map(str::to_owned);
-            let inspected = match rt
-                .call_opt(
-                    "GET /containers/{id}/json",
-                    api,
-                    states::inspect_container(docker, target.as_deref().unwrap_or(&name)),
-                )
-                .await
-            {
-                Ok(Some(c)) => Some(c),
-                Ok(None) if target.is_some() => {
-                    target = None;
-                    match rt
-                        .call_opt(
-                            "GET /containers/{id}/json",
-                            api,
-                            states::inspect_container(docker, &name),
-                        )
-                        .await
-                    {
-                        Ok(c) => c,
-                        Err(e) => {
-                            errors.push(e);
-                            continue;
-                        }
-                    }
-                }
-                Ok(None) => None,
-                Err(e @ StepError::Api { .. }) if container.is_some() => {
-                    // The id is our own create's: ours without its labels.
-                    // An answer that cannot be read must not leave the
-                    // container behind; a forced removal kills it if it runs.
-                    let id = container.unwrap_or(&name);
-                    tracing::warn!(
-                        agent_id = %agent,
-                        container = %id,
-                        error = %e,
-                        "cannot read the container's state; removing it by id"
-                    );
-                    if let Err(removal) = remove_forced(rt, id, api).await {
-                        errors.push(e);
-                        errors.push(removal);
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    errors.push(e);
-                    continue;
-                }
-            };
-            let Some(inspected) = inspected else {
-                continue;
-            };
-            let labels = inspected
-                .config
-                .as_ref()
-                .and_then(|c| c.labels.clone())
-                .unwrap_or_default();
-            let ours = labels.get(LABEL_INSTANCE).map(String::as_str)
-                == Some(self.inner.options.instance.to_string().as_str())
-                && labels.get(LABEL_AGENT).map(String::as_str) == Some(agent.to_string().as_str());
-            if !ours {
-                tracing::warn!(
-                    agent_id = %agent,
-                    container = %name,
-                    endpoint = %rt.conn.endpoint,
-                    "a container with this agent's name is not ours (owner labels differ); left alone"
-                );
-                continue;
-            }
-            let id = inspected.id.clone().unwrap_or(name.clone());
-            let running = inspected
-                .state
-                .as_ref()
-                .and_then(|s| s.running)
-                .unwrap_or(false);
-            if running {
-                let t = i32::try_from(grace.as_secs()).unwrap_or(i32::MAX);
-                let stopped = rt
-                    .call_opt(
-                        "POST /containers/{id}/stop",
-                        api + grace,
-                        docker.stop_container(
-                            &id,
-                            Some(StopContainerOptions {
-                                t: Some(t),
-                                signal: None,
-                            }),
-                        ),
-                    )
-                    .await;
-                if let Err(e) = stopped {
-                    tracing::warn!(agent_id = %agent, error = %e, "stop failed; killing");
-                    let killed = rt
-                        .call_opt(
-                            "POST /containers/{id}/kill",
-                            api,
-                            docker.kill_container(
-                                &id,
-                                Some(KillContainerOptions {
-                                    signal: "SIGKILL".to_owned(),
-                                }),
-                            ),
-                        )
-                        .await;
-                    if let Err(e) = killed {
-                        // 409 "is not running": it stopped in between.
-                        if !e.to_string().contains("409") {
-                            tracing::warn!(agent_id = %agent, error = %e, "kill failed");
-                        }
-                    }
-                }
-            }
-            if let Err(e) = failpoint("kici_container::destroy::stop") {
-                errors.push(e);
-                return Err(errors);
-            }
-            // The container stopped: its log stream ends after the last line.
-            if let Some(task) = logs.take() {
-                let abort = task.abort_handle();
-                if tokio::time::timeout(LOG_DRAIN, task).await.is_err() {
-                    abort.abort();
-                }
-            }
-            if let Err(e) = remove_forced(rt, &id, api).await {
-                errors.push(e);
-            }
-            if let Err(e) = failpoint("kici_container::destroy::remove") {
-                errors.push(e);
-                return Err(errors);
-            }
-        }
-        if let Some(task) = logs {
-            task.abort();
-        }
-        if !errors.is_empty() {
-            // Rules and lease stay until the container is surely gone: a
-            // live container must never run without its rules.
-            return Err(errors);
-        }
-        let options = &self.inner.options;
-        if let Err(e) = options.egress.remove(&agent).await {
-            errors.push(e.into());
-            return Err(errors);
-        }
-        if let Err(e) = failpoint("kici_container::destroy::rules") {
-            errors.push(e);
-            return Err(errors);
-        }
-        if let Err(e) = options.allocator.release_agent(&agent).await {
-            errors.push(StepError::Release(e));
-            return Err(errors);
-        }
-        if let Err(e) = failpoint("kici_container::destroy::lease") {
-            errors.push(e);
-            return Err(errors);
-        }
-        Ok(())
-    }
-
-    /// Runtimes to look for `agent` in: the one its handle names, else every
-    /// connected one, else the default probe.
-    async fn runtimes_for_destroy(
-        &self,
-        handle: Option<&ResourceHandle>,
-    ) -> Result<Vec<Arc<Runtime>>, StepError> {
-        let connected = self.connected().await?;
-        if let Some(endpoint) = handle.and_then(|h| h.extra.get("endpoint")) {
-            let named: Vec<_> = connected
-                .iter()
-                .filter(|rt| rt.conn.endpoint.to_string() == *endpoint)
-                .cloned()
-                .collect();
-            if !named.is_empty() {
-                return Ok(named);
-            }
-        }
-        Ok(connected)
-    }
-}
-
-/// `DELETE /containers/{id}?force=true&v=true` (anonymous volumes too: see
-/// docs/deviations.md, D-container-cleanup);
-/// gone already or being removed (a concurrent destroy) counts as done.
-async fn remove_forced(rt: &Runtime, id: &str, api: Duration) -> Result<(), StepError> {
-    let removed = rt
-        .call_opt(
-            "DELETE /containers/{id}",
-            api,
-            rt.conn.docker.remove_container(
-                id,
-                Some(RemoveContainerOptions {
-                    force: true,
-                    v: true,
-                    link: false,
-                }),
-            ),
-        )
-        .await;
-    match removed {
-        Ok(_) => Ok(()),
-        Err(StepError::Api { reason, .. }) if reason.contains("409") => Ok(()),
-        Err(e) => Err(e),
+            .map_err(|e| ContainerError::Unavailable(StepError::Egress(e)).into())
     }
 }
 
@@ -1090,95 +392,15 @@ pub fn agent_mac(ip: std::net::Ipv4Addr) -> kici_store::MacAddress {
     kici_store::MacAddress([0x02, 0x42, a, b, c, d])
 }
 
-/// Waits for the container to stop and reports how it ended, unless
-/// destroy caused it.
-async fn watch_exit(
-    rt: Arc<Runtime>,
-    container: String,
-    agent: AgentId,
-    reports: ReportSender,
-    destroying: Arc<AtomicBool>,
-    tail: Arc<logs::Tail>,
-) {
-    let docker = &rt.conn.docker;
-    let mut failures = 0;
-    let detail = loop {
-        let mut stream = docker.wait_container(
-            &container,
-            Some(WaitContainerOptions {
-                condition: "not-running".to_owned(),
-            }),
-        );
-        let code = match stream.next().await {
-            Some(Ok(answer)) => Some(answer.status_code),
-            Some(Err(DockerError::DockerContainerWaitError { code, .. })) => Some(code),
-            Some(Err(DockerError::DockerResponseServerError {
-                status_code: 404, ..
-            })) => break "container removed".to_owned(),
-            // bollard's own header timeout on a very long wait: ask again.
-            Some(Err(DockerError::RequestTimeoutError)) => continue,
-            Some(Err(e)) => {
-                failures += 1;
-                if failures >= WATCH_ATTEMPTS {
-                    break format!("lost track of the container: {e}");
-                }
-                tokio::time::sleep(WATCH_RETRY).await;
-                continue;
-            }
-            None => {
-                failures += 1;
-                if failures >= WATCH_ATTEMPTS {
-                    break "lost track of the container: wait stream ended".to_owned();
-                }
-                tokio::time::sleep(WATCH_RETRY).await;
-                continue;
-            }
-        };
-        let inspected = states::inspect_container(docker, &container).await.ok();
-        let state = inspected.and_then(|c| c.state);
-        let oom = state.as_ref().and_then(|s| s.oom_killed).unwrap_or(false);
-        let code = state
-            .as_ref()
-            .and_then(|s| s.exit_code)
-            .or(code)
-            .unwrap_or(-1);
-        break describe_exit(code, oom);
-    };
-    tracing::info!(agent_id = %agent, container = %container, detail = %detail, "container agent exited");
-    if !destroying.load(Ordering::SeqCst) {
-        // Why it ended is usually in what it said last.
-        let output = tail.text(LOG_DRAIN).await;
-        let detail = if output.is_empty() {
-            detail
-        } else {
-            format!("{detail}\n--- captured output ---\n{output}")
-        };
-        // The engine may be gone (shutdown): nothing to tell then.
-        let _ = reports.send(BackendReport::Exited { agent, detail });
-    }
-}
-
-fn join_errors<E: Display>(errors: &[E]) -> String {
-    errors
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
 #[async_trait]
 impl Backend for ContainerBackend {
     fn kind(&self) -> ScalerType {
         ScalerType::Container
     }
 
-    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), Vec<String>> {
+    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), ScalerProblems> {
         let check = self.check_host(scaler).await;
-        if check.is_ok() {
-            Ok(())
-        } else {
-            Err(check.problems)
-        }
+        ScalerProblems::check(check.problems.into_iter().map(Into::into).collect())
     }
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
@@ -1210,12 +432,13 @@ impl Backend for ContainerBackend {
                         errors = %join_errors(&errors),
                         "cleanup after a failed spawn incomplete; the reconciler retries"
                     );
-                    return Err(BackendError::Provision(format!(
-                        "{e} (cleanup incomplete: {})",
-                        join_errors(&errors)
-                    )));
+                    return Err(ContainerError::SpawnCleanupIncomplete {
+                        source: e,
+                        cleanup: errors,
+                    }
+                    .into());
                 }
-                Err(BackendError::Provision(e.to_string()))
+                Err(ContainerError::Spawn(e).into())
             }
         }
     }
@@ -1235,7 +458,10 @@ impl Backend for ContainerBackend {
             None => (
                 self.runtimes_for_destroy(handle)
                     .await
-                    .map_err(|e| BackendError::Destroy(format!("{agent}: {e}")))?,
+                    .map_err(|e| ContainerError::Destroy {
+                        agent: *agent,
+                        steps: vec![e],
+                    })?,
                 None,
             ),
         };
@@ -1243,76 +469,16 @@ impl Backend for ContainerBackend {
         let container = handle.map(|h| h.id.as_str()).filter(|id| !id.is_empty());
         self.teardown(*agent, container, &runtimes, logs, grace, api)
             .await
-            .map_err(|errors| {
-                BackendError::Destroy(format!("{agent}: {}", join_errors(&errors)))
+            .map_err(|steps| ContainerError::Destroy {
+                agent: *agent,
+                steps,
             })?;
         tracing::info!(agent_id = %agent, "container agent destroyed");
         Ok(())
     }
 
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError> {
-        let instance = self.inner.options.instance.to_string();
-        let filters = HashMap::from([(
-            "label".to_owned(),
-            vec![format!("{LABEL_INSTANCE}={instance}")],
-        )]);
-        let mut owned = Vec::new();
-        let api = default_api_deadline();
-        let runtimes = self
-            .connected()
-            .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
-        for rt in runtimes {
-            let list = rt
-                .call(
-                    "GET /containers/json",
-                    api,
-                    states::list_containers(
-                        &rt.conn.docker,
-                        ListContainersOptions {
-                            all: true,
-                            filters: Some(filters.clone()),
-                            ..Default::default()
-                        },
-                    ),
-                )
-                .await
-                .map_err(|e| BackendError::Unavailable(e.to_string()))?;
-            for c in list {
-                let labels = c.labels.clone().unwrap_or_default();
-                // The filter is the daemon's; check again, it is cheap.
-                if labels.get(LABEL_INSTANCE) != Some(&instance) {
-                    continue;
-                }
-                let agent = labels.get(LABEL_AGENT).and_then(|a| a.parse().ok());
-                let mut extra =
-                    BTreeMap::from([("endpoint".to_owned(), rt.conn.endpoint.to_string())]);
-                if let Some(name) = c.names.as_ref().and_then(|n| n.first()) {
-                    extra.insert("name".to_owned(), name.trim_start_matches('/').to_owned());
-                }
-                if let Some(scaler) = labels.get(LABEL_SCALER) {
-                    extra.insert("scaler".to_owned(), scaler.clone());
-                }
-                if let Some(state) = &c.state {
-                    extra.insert("state".to_owned(), state.to_string());
-                }
-                let created_at = c
-                    .created
-                    .and_then(|s| u64::try_from(s).ok())
-                    .map_or(SystemTime::UNIX_EPOCH, |s| {
-                        SystemTime::UNIX_EPOCH + Duration::from_secs(s)
-                    });
-                owned.push(OwnedResource {
-                    agent,
-                    handle: ResourceHandle {
-                        id: c.id.clone().unwrap_or_default(),
-                        extra,
-                    },
-                    created_at,
-                });
-            }
-        }
-        Ok(owned)
+        self.owned_containers().await
     }
 
     async fn adopt(
@@ -1321,70 +487,6 @@ impl Backend for ContainerBackend {
         handle: &ResourceHandle,
         reports: ReportSender,
     ) -> Result<Adoption, BackendError> {
-        let api = default_api_deadline();
-        let name = container_name(agent);
-        let target = if handle.id.is_empty() {
-            name.as_str()
-        } else {
-            handle.id.as_str()
-        };
-        let runtimes = self
-            .runtimes_for_destroy(Some(handle))
-            .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))?;
-        for rt in runtimes {
-            let found = rt
-                .call_opt(
-                    "GET /containers/{id}/json",
-                    api,
-                    states::inspect_container(&rt.conn.docker, target),
-                )
-                .await
-                .map_err(|e| BackendError::Unavailable(e.to_string()))?;
-            let Some(c) = found else { continue };
-            let labels = c
-                .config
-                .as_ref()
-                .and_then(|cfg| cfg.labels.clone())
-                .unwrap_or_default();
-            let ours = labels.get(LABEL_INSTANCE) == Some(&self.inner.options.instance.to_string())
-                && labels.get(LABEL_AGENT) == Some(&agent.to_string());
-            let running = c.state.as_ref().and_then(|s| s.running).unwrap_or(false);
-            if !ours || !running {
-                return Ok(Adoption::Gone);
-            }
-            let id = c.id.clone().unwrap_or_else(|| target.to_owned());
-            let scaler = labels
-                .get(LABEL_SCALER)
-                .map(|s| kici_model::ScalerName::new(s))
-                .ok_or_else(|| {
-                    BackendError::Unavailable(format!(
-                        "{agent}: container {id} has no scaler label"
-                    ))
-                })?;
-            let job = labels
-                .get(crate::create::LABEL_JOB)
-                .and_then(|j| j.parse().ok());
-            // Output before the restart was forwarded by the previous daemon.
-            let now = SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| i32::try_from(d.as_secs()).unwrap_or(i32::MAX));
-            self.follow_with(
-                &rt,
-                *agent,
-                &id,
-                LogContext {
-                    agent: *agent,
-                    scaler,
-                    job,
-                    source: rt.conn.kind.as_str(),
-                },
-                reports,
-                now,
-            );
-            tracing::info!(agent_id = %agent, container = %id, "container agent adopted");
-            return Ok(Adoption::Alive);
-        }
-        Ok(Adoption::Gone)
+        self.adopt_container(agent, handle, reports).await
     }
 }

@@ -10,7 +10,6 @@
 //! - [`create`]: the create body (limits, hardening, labels, address);
 //! - [`reference`](mod@reference): image references, validated as the Engine parses them;
 //! - [`auth`]: registry credentials from `config.json` (`X-Registry-Auth`);
-//! - [`egress`]: the hook that installs egress rules before start;
 //! - [`logs`]: the Engine log stream forwarded like bare-metal output;
 //! - [`states`]: inspect and list answers with Podman's own container
 //!   states (`stopped`) read as their Docker equivalents.
@@ -18,8 +17,9 @@
 //! This crate owns agents as containers: their names and owner labels (never
 //! upstream's `kici-managed`, see docs/deviations.md, D-owner-labels), the
 //! agent network, pulls with registry credentials, hardening, the per-agent
-//! egress rules installed before start, and clean-up that leaves nothing. It
-//! builds the agent's environment with `kici-backends` and leases addresses
+//! egress rules installed before start (through `kici_netpolicy::EgressRules`;
+//! docs/deviations.md, D-egress-before-start), and clean-up that leaves nothing. It
+//! builds the agent's environment with `kici-host` and leases addresses
 //! with `kici-store`'s IP allocator.
 //!
 //! ```
@@ -46,7 +46,6 @@
 pub mod auth;
 pub mod backend;
 pub mod create;
-pub mod egress;
 pub mod logs;
 pub mod network;
 pub mod reference;
@@ -56,9 +55,11 @@ pub mod states;
 #[cfg(test)]
 mod test_support;
 
-pub use backend::{agent_mac, ContainerBackend, ContainerOptions, ContainerSetupError, HostCheck};
+pub use backend::{
+    agent_mac, ContainerBackend, ContainerError, ContainerOptions, ContainerProblem,
+    ContainerSetupError, HostCheck, StepError,
+};
 pub use create::{container_name, Ulimit, LABEL_AGENT, LABEL_INSTANCE, LABEL_JOB, LABEL_SCALER};
-pub use egress::{EgressError, EgressRules, EgressTarget, NftEgress, NoEgressRules};
 pub use network::NetworkSettings;
 pub use reference::ImageReference;
 pub use runtime::{Endpoint, RuntimeKind, TlsFiles};

@@ -17,7 +17,7 @@ use bollard::container::LogOutput;
 use bollard::query_parameters::LogsOptions;
 use bollard::Docker;
 use futures_util::StreamExt;
-use kici_backends::logs::{LineSplitter, LogContext, Stream};
+use kici_host::logs::{LineSplitter, LogContext, Stream};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;

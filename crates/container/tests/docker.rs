@@ -24,7 +24,7 @@ async fn next_report(rx: &mut mpsc::UnboundedReceiver<BackendReport>) -> Backend
         .expect("report channel open")
 }
 
-/// Forwarded agent lines (`kici_backends::agent_output` events), as
+/// Forwarded agent lines (`kici_host::agent_output` events), as
 /// (agent id, stream, source, line).
 mod capture {
     use std::fmt::Write as _;
@@ -63,7 +63,7 @@ mod capture {
 
     impl<S: tracing::Subscriber> Layer<S> for Capture {
         fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
-            if event.metadata().target() != kici_backends::logs::TARGET {
+            if event.metadata().target() != kici_host::logs::TARGET {
                 return;
             }
             let mut f = Fields::default();
@@ -619,7 +619,7 @@ async fn serial_validation_reports_bad_images_networks_and_limits() {
     if let kici_model::LabelSetBackend::Container { image, .. } = &mut entry.label_sets[0].backend {
         *image = "Not An/Image".into();
     }
-    let errors = fx.backend.validate(&entry).await.unwrap_err();
+    let errors = fx.backend.validate(&entry).await.unwrap_err().messages();
     let all = errors.join("\n");
     assert!(
         all.contains("labelSets[0].image: invalid image reference"),
@@ -631,7 +631,7 @@ async fn serial_validation_reports_bad_images_networks_and_limits() {
     docker_ok(&["network", "rm", &fx.options.network.name]);
 
     // With the network fixed (created by us), the limits are what's wrong.
-    let errors = fx.backend.validate(&scaler).await.unwrap_err();
+    let errors = fx.backend.validate(&scaler).await.unwrap_err().messages();
     let all = errors.join("\n");
     assert!(all.contains("memory limit"), "{all}");
     assert!(all.contains("CPUs exceed"), "{all}");
@@ -683,7 +683,13 @@ async fn serial_auto_finds_dockerd_and_a_wrong_runtime_is_named() {
         .replace("runtime: docker", "runtime: podman"),
         "boxes",
     );
-    let errors = fx.backend.validate(&wrong).await.unwrap_err().join("\n");
+    let errors = fx
+        .backend
+        .validate(&wrong)
+        .await
+        .unwrap_err()
+        .messages()
+        .join("\n");
     assert!(
         errors.contains(
             "unix:///var/run/docker.sock is docker, but the scaler asks for runtime podman"
@@ -761,7 +767,7 @@ async fn serial_egress_rules_exist_before_start_and_go_with_the_agent() {
         }
     }
     let _guard = RulesGuard(table.clone());
-    let nft = kici_container::NftEgress::new(table.clone());
+    let nft = table.clone();
     let fx = Fixture::on(instance, network, |o| o.egress = Arc::new(nft.clone())).await;
     // 10.255.0.1 is RFC1918: blocked by default. The attempt ends the agent.
     let image = fx.image(

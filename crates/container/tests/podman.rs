@@ -309,7 +309,7 @@ async fn serial_a_tcp_host_is_reached_and_a_remote_runtime_refuses_isolation() {
             .replace("runtime: docker", "runtime: podman"),
         "tcp",
     );
-    let errors = fx.backend.validate(&isolated).await.unwrap_err();
+    let errors = fx.backend.validate(&isolated).await.unwrap_err().messages();
     assert!(
         errors
             .iter()

@@ -197,7 +197,7 @@ async fn serial_a_tls_host_is_reached_with_client_certificates_and_refused_witho
     let other_ca = Authority::new("another CA");
     let wrong_ca = write_client_files(&path_of(&pki, "wrong-ca"), &other_ca, &client);
     let check = backend_with(&fx, wrong_ca).check_host(&scaler).await;
-    let problems = check.problems.join("\n");
+    let problems = check.messages().join("\n");
     assert!(problems.contains(&endpoint), "{problems}");
     assert!(problems.contains("TLS"), "{problems}");
     assert!(
@@ -209,7 +209,7 @@ async fn serial_a_tls_host_is_reached_with_client_certificates_and_refused_witho
     let rogue = other_ca.issue(&["kici-scaler"], ExtendedKeyUsagePurpose::ClientAuth);
     let untrusted = write_client_files(&path_of(&pki, "untrusted"), &ca, &rogue);
     let check = backend_with(&fx, untrusted).check_host(&scaler).await;
-    let problems = check.problems.join("\n");
+    let problems = check.messages().join("\n");
     assert!(problems.contains(&endpoint), "{problems}");
     assert!(problems.contains("TLS"), "{problems}");
     assert!(problems.contains("UnknownCA"), "{problems}");
@@ -230,7 +230,7 @@ async fn serial_a_tls_host_is_reached_with_client_certificates_and_refused_witho
     let missing = write_client_files(&path_of(&pki, "missing"), &ca, &client);
     std::fs::remove_file(&missing.cert).unwrap();
     let check = backend_with(&fx, missing.clone()).check_host(&scaler).await;
-    let problems = check.problems.join("\n");
+    let problems = check.messages().join("\n");
     assert!(
         problems.contains(&missing.cert.display().to_string()),
         "{problems}"

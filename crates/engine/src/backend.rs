@@ -78,15 +78,224 @@ pub enum Adoption {
     Gone,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BackendError {
-    #[error("{0}")]
-    Provision(String),
-    #[error("{0}")]
-    Destroy(String),
-    #[error("{0}")]
-    Unavailable(String),
+/// What kind of failure a backend reported: the one thing its callers
+/// match on. The engine's failure handling and the control API's error codes
+/// derive from it; the backend's own typed error rides along as the source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendErrorKind {
+    /// Creating the agent's resource failed at a step; what that spawn had
+    /// made is already removed.
+    Provision,
+    /// Removing the agent's resource failed at a step; destroy is retried.
+    Destroy,
+    /// Something the backend needs could not be reached or read (the
+    /// container engine, the cgroup tree, the VMM's API, the agent's
+    /// process), or the agent is not one this backend can act on now.
+    Unavailable,
+    /// The operation did not finish within its deadline.
+    TimedOut,
+    /// A named failpoint was configured to fail here (test builds only).
+    Injected,
 }
+
+impl BackendErrorKind {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Provision => "provision",
+            Self::Destroy => "destroy",
+            Self::Unavailable => "unavailable",
+            Self::TimedOut => "timed-out",
+            Self::Injected => "injected",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A backend's error as the engine and the daemon see it: a
+/// [`BackendErrorKind`] to match on, and the backend's own typed error
+/// (bare-metal, container, Firecracker) as the source, for its message and
+/// its chain.
+///
+/// Displays as the backend's error: the kind is for matching, not for the
+/// message (like [`std::io::Error`] with a custom error inside).
+#[derive(Debug)]
+pub struct BackendError {
+    kind: BackendErrorKind,
+    source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl BackendError {
+    pub fn new(
+        kind: BackendErrorKind,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        Self {
+            kind,
+            source: source.into(),
+        }
+    }
+
+    pub fn kind(&self) -> BackendErrorKind {
+        self.kind
+    }
+
+    /// The backend's own error.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.source
+    }
+
+    /// The backend's own error as its concrete type, if it is one.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.source.downcast_ref::<E>()
+    }
+}
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.source.fmt(f)
+    }
+}
+
+impl std::error::Error for BackendError {
+    /// The backend's error is this error's text; the chain continues with
+    /// what caused it, so a report of the whole chain says each thing once.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
+/// Why the runtime could not have an agent's configuration acknowledged by
+/// its backend ([`Backend::agent_configured`]).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentConfiguredError {
+    #[error("{0} is not managed here")]
+    NotManaged(AgentId),
+    #[error("{agent}: clearing the bootstrap data did not finish within {limit:?}")]
+    TimedOut { agent: AgentId, limit: Duration },
+}
+
+/// Which part of a scaler entry's validation failed: the entry itself, or
+/// the host it would run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProblemKind {
+    /// A setting of the entry cannot work (a binary that does not exist,
+    /// an invalid image reference, a runtime other than the one configured).
+    Setting,
+    /// This host lacks what the entry needs (a cgroup controller, a
+    /// writable directory, a network as configured, a reachable engine).
+    Host,
+}
+
+/// One reason a scaler entry cannot run on its backend, with the backend's
+/// own typed error as the source.
+#[derive(Debug)]
+pub struct ScalerProblem {
+    kind: ProblemKind,
+    source: Box<dyn std::error::Error + Send + Sync + 'static>,
+}
+
+impl ScalerProblem {
+    pub fn new(
+        kind: ProblemKind,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        Self {
+            kind,
+            source: source.into(),
+        }
+    }
+
+    pub fn kind(&self) -> ProblemKind {
+        self.kind
+    }
+
+    /// The backend's own error.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.source
+    }
+
+    /// The backend's own error as its concrete type, if it is one.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.source.downcast_ref::<E>()
+    }
+}
+
+impl std::fmt::Display for ScalerProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.source.fmt(f)
+    }
+}
+
+impl std::error::Error for ScalerProblem {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.source()
+    }
+}
+
+/// Every reason a scaler entry cannot run on its backend ([`Backend::validate`]);
+/// never empty. Displays as the problems joined by `; `.
+#[derive(Debug)]
+pub struct ScalerProblems(Vec<ScalerProblem>);
+
+impl ScalerProblems {
+    /// `Ok` when there is no problem.
+    pub fn check(problems: Vec<ScalerProblem>) -> Result<(), Self> {
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Self(problems))
+        }
+    }
+
+    /// Each problem's message, in order.
+    pub fn messages(&self) -> Vec<String> {
+        self.0.iter().map(ToString::to_string).collect()
+    }
+
+    pub fn into_vec(self) -> Vec<ScalerProblem> {
+        self.0
+    }
+}
+
+impl From<ScalerProblem> for ScalerProblems {
+    fn from(problem: ScalerProblem) -> Self {
+        Self(vec![problem])
+    }
+}
+
+impl std::ops::Deref for ScalerProblems {
+    type Target = [ScalerProblem];
+    fn deref(&self) -> &[ScalerProblem] {
+        &self.0
+    }
+}
+
+impl IntoIterator for ScalerProblems {
+    type Item = ScalerProblem;
+    type IntoIter = std::vec::IntoIter<ScalerProblem>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl std::fmt::Display for ScalerProblems {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, problem) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            problem.fmt(f)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ScalerProblems {}
 
 #[async_trait]
 pub trait Backend: Send + Sync {
@@ -94,7 +303,8 @@ pub trait Backend: Send + Sync {
 
     /// Backend-specific validation of one scaler entry (files, engine,
     /// host capacity). Run for the whole new config before a reload applies.
-    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), Vec<String>>;
+    /// Every problem found is returned, not only the first.
+    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), ScalerProblems>;
 
     /// Creates the resource and starts the agent. Returns when the resource is
     /// up (not when the agent registers). On error, whatever was created is

@@ -5,7 +5,7 @@
 //! spawn backoff, every deadline, cordon/drain and reload. It asks
 //! `kici-routing` where a request goes and `kici-admission` whether it fits;
 //! it reaches the host only through two ports it defines: [`Backend`]
-//! (containers, processes, microVMs: `kici-backends` and the backend crates
+//! (containers, processes, microVMs: `kici-bare-metal`, `kici-container`, `kici-firecracker`
 //! implement it) and [`Journal`] (durable state: the daemon backs it with
 //! `kici-store`). An embedding program builds an [`Engine`], hands it to a
 //! [`runtime::Runtime`] with its backends, and calls the runtime.
@@ -113,7 +113,8 @@ pub mod runtime;
 pub mod testing;
 
 pub use backend::{
-    Adoption, Backend, BackendError, BackendReport, OwnedResource, ResourceHandle, SpawnSpec,
+    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, OwnedResource, ProblemKind,
+    ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
 };
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{

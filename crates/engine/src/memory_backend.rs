@@ -7,8 +7,8 @@
 //! agent's exit.
 
 use crate::backend::{
-    Adoption, Backend, BackendError, BackendReport, OwnedResource, ReportSender, ResourceHandle,
-    SpawnSpec,
+    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, OwnedResource, ProblemKind,
+    ReportSender, ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
 };
 use async_trait::async_trait;
 use kici_model::{AgentId, ScalerEntry, ScalerType};
@@ -121,19 +121,35 @@ impl MemoryBackend {
     }
 }
 
+/// The failures a test makes the memory backend report, each with the kind
+/// a real backend would report it with.
+#[derive(Debug, thiserror::Error)]
+pub enum InjectedFailure {
+    #[error("injected spawn failure")]
+    Spawn,
+    #[error("injected destroy failure")]
+    Destroy,
+    #[error("injected: bootstrap data not cleared")]
+    Configured,
+    /// A validation problem, as the test worded it.
+    #[error("{0}")]
+    Validation(String),
+}
+
 #[async_trait]
 impl Backend for MemoryBackend {
     fn kind(&self) -> ScalerType {
         self.kind
     }
 
-    async fn validate(&self, _scaler: &ScalerEntry) -> Result<(), Vec<String>> {
+    async fn validate(&self, _scaler: &ScalerEntry) -> Result<(), ScalerProblems> {
         let errors = self.state.lock().validate_errors.clone();
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors)
-        }
+        ScalerProblems::check(
+            errors
+                .into_iter()
+                .map(|e| ScalerProblem::new(ProblemKind::Host, InjectedFailure::Validation(e)))
+                .collect(),
+        )
     }
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
@@ -142,7 +158,10 @@ impl Backend for MemoryBackend {
             s.spawned.push(spec.agent);
             if s.fail_spawns > 0 {
                 s.fail_spawns -= 1;
-                return Err(BackendError::Provision("injected spawn failure".into()));
+                return Err(BackendError::new(
+                    BackendErrorKind::Provision,
+                    InjectedFailure::Spawn,
+                ));
             }
             s.hang_spawns
         };
@@ -166,7 +185,10 @@ impl Backend for MemoryBackend {
         let mut s = self.state.lock();
         if s.fail_destroys > 0 {
             s.fail_destroys -= 1;
-            return Err(BackendError::Destroy("injected destroy failure".into()));
+            return Err(BackendError::new(
+                BackendErrorKind::Destroy,
+                InjectedFailure::Destroy,
+            ));
         }
         s.live.remove(agent);
         s.survivors.remove(agent);
@@ -194,8 +216,9 @@ impl Backend for MemoryBackend {
         let mut s = self.state.lock();
         if s.fail_configured > 0 {
             s.fail_configured -= 1;
-            return Err(BackendError::Unavailable(
-                "injected: bootstrap data not cleared".into(),
+            return Err(BackendError::new(
+                BackendErrorKind::Unavailable,
+                InjectedFailure::Configured,
             ));
         }
         s.configured.push(*agent);

@@ -654,18 +654,20 @@ impl Runtime {
             engine.agent_backend(agent)
         };
         let Some((kind, limit)) = found else {
-            return Err(crate::BackendError::Unavailable(format!(
-                "{agent} is not managed here"
-            )));
+            return Err(crate::BackendError::new(
+                crate::BackendErrorKind::Unavailable,
+                crate::backend::AgentConfiguredError::NotManaged(agent),
+            ));
         };
         let Some(backend) = self.inner.backends.get(&kind).cloned() else {
             return Ok(());
         };
         match tokio::time::timeout(limit, backend.agent_configured(&agent)).await {
             Ok(result) => result,
-            Err(_) => Err(crate::BackendError::Unavailable(format!(
-                "{agent}: clearing the bootstrap data did not finish within {limit:?}"
-            ))),
+            Err(_) => Err(crate::BackendError::new(
+                crate::BackendErrorKind::TimedOut,
+                crate::backend::AgentConfiguredError::TimedOut { agent, limit },
+            )),
         }
     }
 

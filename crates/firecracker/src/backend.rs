@@ -26,7 +26,6 @@ use crate::api::{
     SerialDevice, TokenBucket,
 };
 use crate::chroot::{self, ChrootError, JailFiles};
-use crate::egress::{EgressError, EgressRules, VmMatch};
 use crate::jailer::{JailerArgs, JailerCgroups};
 use crate::logs::{TailFrom, VmWatch, WatchSpec, SERIAL_SOURCE, VMM_SOURCE};
 use crate::names::{self, JailLayout, LayoutError, METRICS_FILE, SERIAL_LOG, VMM_LOG};
@@ -36,15 +35,19 @@ use crate::vmconfig::{
 };
 use crate::{fp, mmds};
 use async_trait::async_trait;
-use kici_backends::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
-use kici_backends::logs::LogContext;
-use kici_backends::process::ProcessIdentity;
 use kici_engine::backend::ReportSender;
-use kici_engine::{Adoption, Backend, BackendError, OwnedResource, ResourceHandle, SpawnSpec};
+use kici_engine::{
+    Adoption, Backend, BackendError, BackendErrorKind, OwnedResource, ResourceHandle,
+    ScalerProblems, SpawnSpec,
+};
+use kici_host::env::{agent_env, ForwardedEnv, ForwardedEnvError, SystemEnv};
+use kici_host::logs::LogContext;
+use kici_host::process::ProcessIdentity;
 use kici_model::{
     AgentId, BackendSettings, FirecrackerNetwork, FirecrackerSettings, InstanceId, LabelSetBackend,
     ScalerEntry, ScalerType,
 };
+use kici_netpolicy::{EgressRules, EgressTarget, NetPolicyError};
 use kici_store::ipam::{AllocError, IpAllocator, Ipv4Pool, MacAddress, PoolError};
 use parking_lot::Mutex;
 use rustix::process::{Pid, Signal};
@@ -176,7 +179,7 @@ pub enum SpawnError {
     #[error("TAP: {0}")]
     Link(#[from] LinkError),
     #[error("egress rules: {0}")]
-    Egress(#[from] EgressError),
+    Egress(#[from] NetPolicyError),
     #[error("jailer {}: {detail}", path.display())]
     Jailer { path: PathBuf, detail: String },
     #[error("Firecracker API socket not ready within {0:?}: {1}")]
@@ -197,7 +200,7 @@ pub enum DestroyError {
     #[error("TAP: {0}")]
     Link(#[from] LinkError),
     #[error("egress rules: {0}")]
-    Egress(#[from] EgressError),
+    Egress(#[from] NetPolicyError),
     #[error("IP lease: {0}")]
     Lease(#[from] AllocError),
     #[error(transparent)]
@@ -209,6 +212,49 @@ pub enum DestroyError {
     },
     #[error("injected failure at {0}")]
     Injected(&'static str),
+}
+
+/// What the Firecracker backend reports to the engine, as the source of a
+/// [`BackendError`] ([`FirecrackerError::kind`] gives its kind).
+#[derive(Debug, thiserror::Error)]
+pub enum FirecrackerError {
+    #[error(transparent)]
+    Spawn(#[from] SpawnError),
+    #[error("the spawn task ended without a result")]
+    SpawnTaskLost,
+    #[error(transparent)]
+    Destroy(#[from] DestroyError),
+    #[error("{agent}: {source}")]
+    ClearMmds {
+        agent: AgentId,
+        #[source]
+        source: MmdsClearError,
+    },
+    /// The TAPs on the host could not be listed.
+    #[error(transparent)]
+    List(#[from] LinkError),
+}
+
+impl FirecrackerError {
+    pub fn kind(&self) -> BackendErrorKind {
+        match self {
+            Self::Spawn(SpawnError::Injected(_))
+            | Self::Destroy(DestroyError::Injected(_))
+            | Self::ClearMmds {
+                source: MmdsClearError::Injected(_),
+                ..
+            } => BackendErrorKind::Injected,
+            Self::Spawn(_) | Self::SpawnTaskLost => BackendErrorKind::Provision,
+            Self::Destroy(_) => BackendErrorKind::Destroy,
+            Self::ClearMmds { .. } | Self::List(_) => BackendErrorKind::Unavailable,
+        }
+    }
+}
+
+impl From<FirecrackerError> for BackendError {
+    fn from(e: FirecrackerError) -> Self {
+        BackendError::new(e.kind(), e)
+    }
 }
 
 /// Clearing MMDS after `config.ack` failed.
@@ -457,14 +503,19 @@ impl FirecrackerBackend {
         taken.timings.tap = lap.elapsed();
         lap = Instant::now();
 
-        let vm = VmMatch {
+        let vm = EgressTarget {
+            agent,
             ip: lease.ip,
-            mac,
-            tap: tap_name.clone(),
+            mac: mac.0,
+            // The TAP is bound as the agent's port: neither its address nor
+            // its MAC can be forged through another port.
+            port: Some(tap_name.clone()),
+            bridge: inner.network.bridge_name.clone(),
+            gateway: inner.network.gateway,
         };
         inner
             .egress
-            .install(&agent, &vm, spec.label_set.network_policy.as_ref())
+            .install(&vm, spec.label_set.network_policy.as_ref())
             .await?;
         step!(fp::SPAWN_RULES, SpawnError::Injected);
         taken.timings.rules = lap.elapsed();
@@ -822,7 +873,7 @@ impl FirecrackerBackend {
                 if let Err(e) = self.teardown(&agent, parts).await {
                     tracing::error!(agent_id = %agent, error = %e, "releasing a failed spawn left something behind; the sweep will retry");
                 }
-                Err(BackendError::Provision(error.to_string()))
+                Err(FirecrackerError::Spawn(error).into())
             }
         }
     }
@@ -850,11 +901,8 @@ impl FirecrackerBackend {
                 }
             }
         });
-        rx.await.unwrap_or_else(|_| {
-            Err(BackendError::Provision(
-                "the spawn task ended without a result".into(),
-            ))
-        })
+        rx.await
+            .unwrap_or_else(|_| Err(FirecrackerError::SpawnTaskLost.into()))
     }
 
     async fn destroy_inner(
@@ -1093,7 +1141,7 @@ impl Backend for FirecrackerBackend {
         ScalerType::Firecracker
     }
 
-    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), Vec<String>> {
+    async fn validate(&self, scaler: &ScalerEntry) -> Result<(), ScalerProblems> {
         crate::validate::validate(self, scaler)
     }
 
@@ -1105,7 +1153,13 @@ impl Backend for FirecrackerBackend {
         // `apiCallTimeoutSeconds`).
         self.clear_mmds(agent, Duration::from_secs(30))
             .await
-            .map_err(|e| BackendError::Unavailable(format!("{agent}: {e}")))
+            .map_err(|source| {
+                FirecrackerError::ClearMmds {
+                    agent: *agent,
+                    source,
+                }
+                .into()
+            })
     }
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ResourceHandle, BackendError> {
@@ -1120,13 +1174,13 @@ impl Backend for FirecrackerBackend {
     ) -> Result<(), BackendError> {
         self.destroy_inner(agent, handle, grace)
             .await
-            .map_err(|e| BackendError::Destroy(e.to_string()))
+            .map_err(|e| FirecrackerError::Destroy(e).into())
     }
 
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError> {
         self.owned()
             .await
-            .map_err(|e| BackendError::Unavailable(e.to_string()))
+            .map_err(|e| FirecrackerError::List(e).into())
     }
 
     async fn adopt(

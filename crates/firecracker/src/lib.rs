@@ -12,13 +12,13 @@
 //! - [`tap`]: TAP ioctls and rtnetlink (bridge port isolation, ifalias);
 //! - [`chroot`]: the VM directory, images, overlay, log files;
 //! - [`logs`]: serial and VMM logs followed for the VM's life, boot failures;
-//! - [`egress`]: the seam to per-VM egress rules;
 //! - [`sweep`]: the orphan sweep;
 //! - [`host`]: the host bridge ([`HostNetwork`]) and, with the host's
 //!   forwarding for it, `firecracker provision|verify|teardown` ([`HostSetup`]).
 //!
 //! This crate owns everything a microVM agent holds on the host — the jail
-//! and its chroot, the TAP and its bridge port, the per-VM egress rules, the
+//! and its chroot, the TAP and its bridge port, the per-VM egress rules
+//! (through `kici_netpolicy::EgressRules`), the
 //! MMDS document with the agent's bootstrap (version 2 sessions, cleared and
 //! verified before the first job: see docs/deviations.md, D-mmds-v2) — and
 //! the sweep that finds what a crashed daemon left. Each name is derived from
@@ -45,7 +45,6 @@
 pub mod api;
 pub mod backend;
 pub mod chroot;
-pub mod egress;
 pub mod host;
 pub mod jailer;
 pub mod logs;
@@ -59,39 +58,39 @@ mod validate;
 pub mod vmconfig;
 
 pub use backend::{
-    DestroyError, FirecrackerBackend, FirecrackerOptions, MmdsClearError, SetupError, SpawnError,
-    SpawnTimings, Timeouts,
+    DestroyError, FirecrackerBackend, FirecrackerError, FirecrackerOptions, MmdsClearError,
+    SetupError, SpawnError, SpawnTimings, Timeouts,
 };
-pub use egress::{EgressError, EgressRules, NetPolicyEgress, NoEgressRules, VmMatch};
 pub use host::{
     BridgeStatus, HostNetwork, HostSetup, HostSetupError, HostSetupStatus, HostTeardown,
 };
 pub use jailer::{CgroupVersion, JailerCgroups};
 pub use sweep::{SweepReport, DEFAULT_SWEEP_INTERVAL};
+pub use validate::FirecrackerProblem;
 
 /// Failpoint names, one per provisioning, release and reconcile step, each
 /// placed right after the step's side effect.
 pub mod fp {
-    pub const SPAWN_VM_DIR: &str = "firecracker::spawn::vm_dir";
-    pub const SPAWN_LEASE: &str = "firecracker::spawn::lease";
-    pub const SPAWN_TAP: &str = "firecracker::spawn::tap";
-    pub const SPAWN_ATTACH: &str = "firecracker::spawn::attach";
-    pub const SPAWN_RULES: &str = "firecracker::spawn::rules";
-    pub const SPAWN_CHROOT: &str = "firecracker::spawn::chroot";
-    pub const SPAWN_OVERLAY: &str = "firecracker::spawn::overlay";
-    pub const SPAWN_JAILER: &str = "firecracker::spawn::jailer";
-    pub const SPAWN_SOCKET: &str = "firecracker::spawn::socket";
-    pub const SPAWN_CONFIGURE: &str = "firecracker::spawn::configure";
-    pub const SPAWN_MMDS: &str = "firecracker::spawn::mmds";
-    pub const SPAWN_START: &str = "firecracker::spawn::start";
-    pub const MMDS_CLEAR: &str = "firecracker::mmds::clear";
-    pub const DESTROY_STOP: &str = "firecracker::destroy::stop";
-    pub const DESTROY_RULES: &str = "firecracker::destroy::rules";
-    pub const DESTROY_TAP: &str = "firecracker::destroy::tap";
-    pub const DESTROY_LEASE: &str = "firecracker::destroy::lease";
-    pub const DESTROY_CHROOT: &str = "firecracker::destroy::chroot";
-    pub const SWEEP_TAP: &str = "firecracker::sweep::tap";
-    pub const SWEEP_LEASES: &str = "firecracker::sweep::leases";
+    pub const SPAWN_VM_DIR: &str = "kici_firecracker::spawn::vm_dir";
+    pub const SPAWN_LEASE: &str = "kici_firecracker::spawn::lease";
+    pub const SPAWN_TAP: &str = "kici_firecracker::spawn::tap";
+    pub const SPAWN_ATTACH: &str = "kici_firecracker::spawn::attach";
+    pub const SPAWN_RULES: &str = "kici_firecracker::spawn::rules";
+    pub const SPAWN_CHROOT: &str = "kici_firecracker::spawn::chroot";
+    pub const SPAWN_OVERLAY: &str = "kici_firecracker::spawn::overlay";
+    pub const SPAWN_JAILER: &str = "kici_firecracker::spawn::jailer";
+    pub const SPAWN_SOCKET: &str = "kici_firecracker::spawn::socket";
+    pub const SPAWN_CONFIGURE: &str = "kici_firecracker::spawn::configure";
+    pub const SPAWN_MMDS: &str = "kici_firecracker::spawn::mmds";
+    pub const SPAWN_START: &str = "kici_firecracker::spawn::start";
+    pub const MMDS_CLEAR: &str = "kici_firecracker::mmds::clear";
+    pub const DESTROY_STOP: &str = "kici_firecracker::destroy::stop";
+    pub const DESTROY_RULES: &str = "kici_firecracker::destroy::rules";
+    pub const DESTROY_TAP: &str = "kici_firecracker::destroy::tap";
+    pub const DESTROY_LEASE: &str = "kici_firecracker::destroy::lease";
+    pub const DESTROY_CHROOT: &str = "kici_firecracker::destroy::chroot";
+    pub const SWEEP_TAP: &str = "kici_firecracker::sweep::tap";
+    pub const SWEEP_LEASES: &str = "kici_firecracker::sweep::leases";
 
     /// The spawn steps, in order.
     pub const SPAWN: &[&str] = &[

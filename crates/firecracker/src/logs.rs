@@ -1,6 +1,6 @@
 //! Following a VM for its whole life: serial console and VMM log forwarded
 //! as wrapped log events (sources `firecracker-serial`, `firecracker-vmm`,
-//! through [`kici_backends::logs::LogContext`]), boot failures recognised on
+//! through [`kici_host::logs::LogContext`]), boot failures recognised on
 //! the serial console, and Firecracker's exit seen through a pidfd.
 //!
 //! Under `--new-pid-ns` the jailer exits as soon as the VM starts (upstream
@@ -16,9 +16,9 @@
 //! bound the guest cannot defeat. The serial device's rate limiter bounds
 //! how fast it can fill.
 
-use kici_backends::logs::{LineSplitter, LogContext, Stream};
 use kici_engine::backend::ReportSender;
 use kici_engine::BackendReport;
+use kici_host::logs::{LineSplitter, LogContext, Stream};
 use kici_model::AgentId;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::OwnedFd;

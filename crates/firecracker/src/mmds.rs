@@ -1,6 +1,6 @@
 //! The MMDS document a guest boots with (KiCI's MMDS keys).
 //!
-//! Built from [`kici_backends::agent_env`] — the one agent environment every
+//! Built from [`kici_host::agent_env`] — the one agent environment every
 //! backend shares — so precedence and reserved names are decided there, not
 //! here. The scaler's own values go to dedicated keys under
 //! `latest/meta-data/`; every other variable goes into the `kici-env`

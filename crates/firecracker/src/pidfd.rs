@@ -1,6 +1,6 @@
 //! Firecracker's exit, seen through a pidfd registered with tokio.
 
-use kici_backends::process::ProcessIdentity;
+use kici_host::process::ProcessIdentity;
 use std::io;
 use std::os::fd::OwnedFd;
 use tokio::io::unix::AsyncFd;

@@ -25,7 +25,7 @@
 use crate::backend::{read_vmm_marker, FirecrackerBackend, Teardown};
 use crate::names::{self, JailLayout};
 use crate::tap::{Link, Netlink};
-use kici_backends::process::ProcessIdentity;
+use kici_host::process::ProcessIdentity;
 use kici_model::{AgentId, InstanceId};
 use std::collections::HashSet;
 use std::time::SystemTime;
@@ -229,8 +229,9 @@ impl FirecrackerBackend {
         // 4. Rules.
         let mut keep = protected_agents;
         keep.extend(remaining);
+        let keep: Vec<AgentId> = keep.into_iter().collect();
         match inner.egress.sweep_stale(&keep).await {
-            Ok(n) => report.rules = n,
+            Ok(gone) => report.rules = gone.len(),
             Err(e) => report.errors.push(e.to_string()),
         }
         // Every pass, even an empty one: that it ran is worth knowing.

@@ -535,14 +535,14 @@ async fn serial_firecracker_validate_names_every_problem() {
     s.jailer_path = h.dir.path().join("missing-jailer");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&s.kernel_path, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let errors = h.backend.validate(&bad).await.unwrap_err();
+    let errors = h.backend.validate(&bad).await.unwrap_err().messages();
     let all = errors.join("\n");
     for needle in ["unix socket path", "must not be root", "missing-jailer"] {
         assert!(all.contains(needle), "{needle} not in:\n{all}");
     }
     // The jailer user (10000) cannot read a root-only image, and it is never
     // chmodded for it.
-    let errors = h.backend.validate(&h.scaler).await.unwrap_err();
+    let errors = h.backend.validate(&h.scaler).await.unwrap_err().messages();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(
         errors[0].contains("not readable by the jailer user 10000:10000"),

@@ -24,7 +24,6 @@
 mod support;
 
 use kici_engine::{Backend, ResourceHandle};
-use kici_firecracker::NetPolicyEgress;
 use kici_model::AgentId;
 use kici_netpolicy::{EgressTable, HostForwarding, RuleCounters, TableOptions};
 use kici_store::ipam::MacAddress;
@@ -307,8 +306,7 @@ impl Lab {
         )
         .await
         .unwrap();
-        h.egress
-            .forward_to(Arc::new(NetPolicyEgress(table.clone())));
+        h.egress.forward_to(Arc::new(table.clone()));
         // The host side of item 8: forwarding on, NAT, forward accepts.
         let forwarding = HostForwarding {
             bridge: h.network.bridge_name.clone(),
@@ -748,15 +746,17 @@ fn serial_firecracker_isolation_dead_vms_rules_are_swept() {
         let live = lab.spawn(0).await;
         // Rules of a VM whose everything else is gone.
         let dead = random_agent();
-        let egress = NetPolicyEgress(lab.table.clone());
+        let egress = lab.table.clone();
         let ip = Ipv4Addr::from(u32::from(lab.h.network.cidr.network()) + 100);
-        kici_firecracker::EgressRules::install(
+        kici_netpolicy::EgressRules::install(
             &egress,
-            &dead,
-            &kici_firecracker::VmMatch {
+            &kici_netpolicy::EgressTarget {
+                agent: dead,
                 ip,
-                mac: MacAddress::for_ip(ip),
-                tap: kici_firecracker::names::tap_name(&dead),
+                mac: MacAddress::for_ip(ip).0,
+                port: Some(kici_firecracker::names::tap_name(&dead)),
+                bridge: lab.h.network.bridge_name.clone(),
+                gateway: lab.h.network.gateway,
             },
             None,
         )

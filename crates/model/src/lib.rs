@@ -37,6 +37,7 @@ pub mod labels;
 pub mod origin;
 pub mod resources;
 pub mod secret;
+pub mod time;
 
 pub use config::{
     BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config, ContainerRuntime,
@@ -54,3 +55,4 @@ pub use resources::{
     ResourceSpec, Resources,
 };
 pub use secret::Secret;
+pub use time::UnixMillis;

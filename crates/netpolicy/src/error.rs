@@ -43,4 +43,8 @@ pub enum NetPolicyError {
     },
     #[error("failpoint {0} injected a failure")]
     Injected(&'static str),
+    /// This process may not change nftables (it is not root); the reason
+    /// says what to do instead.
+    #[error("{reason}")]
+    NotPermitted { reason: String },
 }

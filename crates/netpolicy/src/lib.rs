@@ -42,6 +42,10 @@
 //!
 //! # How a backend uses it
 //!
+//! Backends hold an `Arc<dyn` [`EgressRules`]`>` (an [`EgressTable`], or
+//! [`NoEgressRules`]) and call it with an [`EgressTarget`]; underneath, per
+//! agent:
+//!
 //! ```no_run
 //! # async fn spawn() -> Result<(), kici_netpolicy::NetPolicyError> {
 //! use kici_model::ids::{AgentId, InstanceId, ScalerType};
@@ -87,6 +91,7 @@ mod layout;
 mod nft;
 mod nftjson;
 mod policy;
+mod rules;
 mod table;
 
 pub use docker_user::{DockerUserOutcome, DockerUserState};
@@ -94,6 +99,7 @@ pub use error::NetPolicyError;
 pub use host::{ForwardingStatus, HostForwarding, Uplink};
 pub use layout::{agent_chain_name, agent_comment};
 pub use policy::{default_blocked_v4, EgressPolicy};
+pub use rules::{EgressRules, EgressTarget, NoEgressRules};
 pub use table::{
     AgentMatch, DockerUserMode, EgressTable, InstalledRules, OwnedRules, RuleCounters, TableOptions,
 };
@@ -102,7 +108,7 @@ pub use table::{
 /// Shared by every instance on a host; rules carry their instance in comments.
 pub const TABLE_NAME: &str = "kici_scaler";
 
-/// Failpoint names (see the failpoints contract in the workspace brief).
+/// Failpoint names (docs/ARCHITECTURE.md, failpoints), each right after its step's side effect.
 pub const FAILPOINTS: &[&str] = &[
     table::FP_ENSURE_TABLE,
     table::FP_ENSURE_DOCKER_USER,

@@ -24,11 +24,11 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-pub(crate) const FP_ENSURE_TABLE: &str = "netpolicy::ensure::table";
-pub(crate) const FP_ENSURE_DOCKER_USER: &str = "netpolicy::ensure::docker_user";
-pub(crate) const FP_INSTALL_APPLIED: &str = "netpolicy::install::applied";
-pub(crate) const FP_REMOVE_DELETED: &str = "netpolicy::remove::deleted";
-pub(crate) const FP_SWEEP_DELETED: &str = "netpolicy::sweep::deleted";
+pub(crate) const FP_ENSURE_TABLE: &str = "kici_netpolicy::ensure::table";
+pub(crate) const FP_ENSURE_DOCKER_USER: &str = "kici_netpolicy::ensure::docker_user";
+pub(crate) const FP_INSTALL_APPLIED: &str = "kici_netpolicy::install::applied";
+pub(crate) const FP_REMOVE_DELETED: &str = "kici_netpolicy::remove::deleted";
+pub(crate) const FP_SWEEP_DELETED: &str = "kici_netpolicy::sweep::deleted";
 
 /// Whether [`EgressTable::ensure`] adds accepts for the subnet to dockerd's
 /// `DOCKER-USER` chain (see [`crate::docker_user`]).

@@ -3,27 +3,12 @@
 
 use kici_model::{Label, LabelSet};
 use serde::de::Error as _;
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Deserializer};
 use std::fmt::Display;
 use std::str::FromStr;
-use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Milliseconds since the Unix epoch: every `timestamp` field.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct UnixMillis(pub u64);
-
-impl UnixMillis {
-    /// The current wall-clock time. A clock before 1970 reads as 0: a
-    /// timestamp is informational and must not fail a send.
-    pub fn now() -> Self {
-        let ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            .unwrap_or(0);
-        Self(ms)
-    }
-}
+/// Every `timestamp` field: the workspace's one wall-clock type.
+pub use kici_model::UnixMillis;
 
 /// Deserializes any `FromStr` type (ids) from a JSON string; pairs with the
 /// type's own `Serialize` (which writes its `Display` form).

@@ -133,7 +133,7 @@ impl BackendRegistry {
                 Box::pin(async move {
                     // The backend keeps only `KICI_AGENT_ENV_*` and its allowlist
                     // of the daemon's environment for agents.
-                    let mut options = kici_backends::BareMetalOptions::new(
+                    let mut options = kici_bare_metal::BareMetalOptions::new(
                         ctx.instance,
                         ctx.state_dir.clone(),
                         std::env::vars().collect(),
@@ -143,8 +143,8 @@ impl BackendRegistry {
                     options.place(crate::cgroups::place_self(
                         ctx.tuning.cgroup_root.as_deref(),
                     )?);
-                    let backend =
-                        kici_backends::BareMetalBackend::new(options).map_err(|e| e.to_string())?;
+                    let backend = kici_bare_metal::BareMetalBackend::new(options)
+                        .map_err(|e| e.to_string())?;
                     let cleanup = backend.clone();
                     Ok(Started {
                         backend: Arc::new(backend),
@@ -378,7 +378,7 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         kici_netpolicy::DockerUserMode::AcceptSubnet,
     )
     .await?;
-    options.egress = Arc::new(kici_container::NftEgress::new(table.clone()));
+    options.egress = Arc::new(table.clone());
     let backend = kici_container::ContainerBackend::new(options).map_err(|e| e.to_string())?;
     let after_shutdown: Option<Box<dyn FnOnce() + Send>> = if ctx.ephemeral {
         Some(Box::new(move || teardown_table(table)))
@@ -451,23 +451,25 @@ impl NoNftablesEgress {
 }
 
 #[async_trait::async_trait]
-impl kici_container::EgressRules for NoNftablesEgress {
+impl kici_netpolicy::EgressRules for NoNftablesEgress {
     async fn install(
         &self,
-        _target: &kici_container::EgressTarget,
+        _target: &kici_netpolicy::EgressTarget,
         _policy: Option<&kici_model::NetworkPolicy>,
-    ) -> Result<(), kici_container::EgressError> {
-        Err(kici_container::EgressError(self.reason()))
+    ) -> Result<(), kici_netpolicy::NetPolicyError> {
+        Err(kici_netpolicy::NetPolicyError::NotPermitted {
+            reason: self.reason(),
+        })
     }
 
-    async fn remove(&self, _agent: &AgentId) -> Result<(), kici_container::EgressError> {
+    async fn remove(&self, _agent: &AgentId) -> Result<(), kici_netpolicy::NetPolicyError> {
         Ok(())
     }
 
     async fn sweep_stale(
         &self,
         _live: &[AgentId],
-    ) -> Result<Vec<AgentId>, kici_container::EgressError> {
+    ) -> Result<Vec<AgentId>, kici_netpolicy::NetPolicyError> {
         Ok(Vec::new())
     }
 }
@@ -527,7 +529,7 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
         ctx.instance,
         network.clone(),
         allocator(&ctx, "Firecracker")?,
-        Arc::new(kici_firecracker::NetPolicyEgress(table.clone())),
+        Arc::new(table.clone()),
         std::env::vars().collect(),
     );
     options.sweep_min_age = ctx.tuning.orphan_min_age;

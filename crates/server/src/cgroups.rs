@@ -1,10 +1,10 @@
 //! Where this process puts its bare-metal agents' cgroups, for `serve` and
-//! `run` alike: discovery ([`kici_backends::cgroup::discover`]), then, when
+//! `run` alike: discovery ([`kici_bare_metal::cgroup::discover`]), then, when
 //! the process runs in a cgroup systemd delegated to it, the move into its
 //! own leaf (`<own>/daemon`), which cgroup v2 requires before controllers
 //! can be enabled for the agents' subtree (`<own>/agents`).
 
-use kici_backends::cgroup::discover::{self, DiscoveryError, Placement};
+use kici_bare_metal::cgroup::discover::{self, DiscoveryError, Placement};
 use std::path::Path;
 
 /// Discovers the placement (`override_root` is `--cgroup-root`) and enters

@@ -15,7 +15,7 @@ pub const CRASH_AT_ENV: &str = "KICI_SCALER_CRASH_AT";
 pub fn all() -> Vec<&'static str> {
     let mut v = Vec::new();
     v.extend_from_slice(kici_engine::failpoints::FAILPOINTS);
-    v.extend_from_slice(kici_backends::failpoints::FAILPOINTS);
+    v.extend_from_slice(kici_bare_metal::failpoints::FAILPOINTS);
     v.extend_from_slice(kici_store::FAILPOINTS);
     v.extend_from_slice(kici_netpolicy::FAILPOINTS);
     v.extend_from_slice(kici_container::FAILPOINTS);

@@ -1,5 +1,5 @@
 //! `kici-scaler doctor`: what the bare-metal backend needs on this host
-//! (where its cgroups go and why — [`kici_backends::cgroup::discover`] —,
+//! (where its cgroups go and why — [`kici_bare_metal::cgroup::discover`] —,
 //! and, when a daemon holds the state dir, where the running daemon's go),
 //! for each container scaler what `serve` checks at start-up (the
 //! runtime answers, `kici-scaler-net` is as expected — created when missing,
@@ -14,7 +14,7 @@
 //!
 //! The checks reuse what the daemon itself runs: the configuration loader,
 //! [`SearchPath`] for `binaryPath`,
-//! [`kici_backends::cgroup`] for the cgroup layout and controllers, and
+//! [`kici_bare_metal::cgroup`] for the cgroup layout and controllers, and
 //! [`kici_admission::ledger::resolve_dir`] for the machine-pool ledger. They
 //! probe by doing (create and remove a cgroup, a file), but never disturb a
 //! running daemon: a state dir whose lock is held is reported as in use,
@@ -24,9 +24,9 @@ use crate::agent_binary::SearchPath;
 use crate::cli::{CliError, ConfigArgs, Outcome};
 use crate::identity::{DEFAULT_STATE_DIR, LOCK_FILE};
 use clap::Args;
-use kici_backends::cgroup::discover::{self, Case, DiscoveryError, Placement};
-use kici_backends::cgroup::{CgroupLayout, Controllers, V1Controller};
-use kici_backends::BareMetalOptions;
+use kici_bare_metal::cgroup::discover::{self, Case, DiscoveryError, Placement};
+use kici_bare_metal::cgroup::{CgroupLayout, Controllers, V1Controller};
+use kici_bare_metal::BareMetalOptions;
 use kici_model::{BackendSettings, Config, InstanceId, LabelSetBackend, ScalerType};
 use rustix::fs::Access;
 use serde::Serialize;
@@ -126,7 +126,7 @@ impl HostPaths {
         let mut host = Self {
             cgroup_v2_root: PathBuf::new(),
             cgroup_v1_root: PathBuf::from(BareMetalOptions::DEFAULT_CGROUP_V1_ROOT),
-            cgroup_tree: kici_backends::cgroup::TREE.to_owned(),
+            cgroup_tree: kici_bare_metal::cgroup::TREE.to_owned(),
             placement: None,
             cgroup_override: override_root.map(Path::to_path_buf),
             proc_locks: PathBuf::from("/proc/locks"),
@@ -401,7 +401,7 @@ pub fn container_checks(
                     ),
                 )
             } else {
-                CheckRow::new(name, Status::Fail, check.problems.join("; "))
+                CheckRow::new(name, Status::Fail, check.messages().join("; "))
             }
         })
         .collect()
@@ -446,7 +446,7 @@ pub fn firecracker_checks(config: &Config, kvm: &Path) -> Vec<CheckRow> {
         InstanceId::random(),
         config.firecracker.clone(),
         std::sync::Arc::new(NoLeases),
-        std::sync::Arc::new(kici_firecracker::NoEgressRules),
+        std::sync::Arc::new(kici_netpolicy::NoEgressRules),
         Vec::new(),
     );
     match kici_firecracker::FirecrackerBackend::new(options) {
@@ -461,7 +461,7 @@ pub fn firecracker_checks(config: &Config, kvm: &Path) -> Vec<CheckRow> {
                         Status::Ok,
                         "binaries executable, images readable by the jailer user, jailer user not root, API socket path fits sun_path",
                     ),
-                    Err(problems) => CheckRow::new(name, Status::Fail, problems.join("; ")),
+                    Err(problems) => CheckRow::new(name, Status::Fail, problems.to_string()),
                 });
             }
         }

@@ -396,7 +396,7 @@ impl Default for BackendTuning {
             container_ulimits: Vec::new(),
             bare_metal_pids_max: None,
             bare_metal_log_keep_bytes: NonZeroU64::new(
-                kici_backends::BareMetalOptions::DEFAULT_LOG_KEEP_BYTES,
+                kici_bare_metal::BareMetalOptions::DEFAULT_LOG_KEEP_BYTES,
             ),
             container_network: kici_container::NetworkSettings::default(),
             firecracker_sweep_interval: kici_firecracker::DEFAULT_SWEEP_INTERVAL,

@@ -12,7 +12,8 @@
 //! checks tokens with [`TokenStore::verify`], as `POST
 //! /v1/agents/{id}/registered` does.
 //!
-//! [`Secret`] keeps plaintext out of logs: its `Debug` and `Display` redact.
+//! Tokens are [`kici_model::Secret`]s (re-exported here as [`Secret`]): their
+//! `Debug` and `Display` redact.
 
 use kici_engine::runtime::{Bootstrap, Bootstrapper};
 use kici_engine::SpawnOrder;
@@ -26,38 +27,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
 
-/// A value that must never reach a log line, a panic message or an error
-/// string. [`Secret::expose`] is the one way to the text.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: String) -> Self {
-        Self(value)
-    }
-
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    /// Constant-time equality with `presented` (both sides hashed first, so
-    /// neither the content nor the length leaks through timing).
-    pub fn matches(&self, presented: &str) -> bool {
-        bool::from(sha256(self.0.as_bytes()).ct_eq(&sha256(presented.as_bytes())))
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
+pub use kici_model::Secret;
 
 /// The token prefix of the KiCI contract.
 pub const TOKEN_PREFIX: &str = "kat_";
@@ -166,7 +136,7 @@ impl TokenStore {
         // agents minted within one TTL even if a revoke was missed.
         tokens.retain(|_, r| r.expires > now);
         tokens.insert(agent, record);
-        Ok(Secret(token))
+        Ok(Secret::new(token))
     }
 
     /// Checks `presented` against the token minted for `agent`.
@@ -323,7 +293,7 @@ impl Bootstrapper for TokenBootstrapper {
                 .filter_map(|raw| Label::parse(raw).ok()),
         );
         let token = match self.store.mint(order.agent, ttl, scope) {
-            Ok(token) => Some(kici_model::Secret::new(token.expose())),
+            Ok(token) => Some(token),
             Err(e) => {
                 // The agent cannot register without one and is reaped by its
                 // registration deadline; nothing else can be done here.
@@ -499,7 +469,7 @@ mod tests {
 
     #[test]
     fn secrets_never_format_their_value() {
-        let s = Secret::new("kat_deadbeef".into());
+        let s = Secret::new("kat_deadbeef");
         assert_eq!(format!("{s}"), "<redacted>");
         assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
         assert!(!format!("{:?}", Some(&s)).contains("deadbeef"));

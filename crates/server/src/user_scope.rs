@@ -21,7 +21,7 @@
 //! with the discovery's message, which says what to do.
 
 use crate::run::RunArgs;
-use kici_backends::cgroup::discover::{self, DiscoveryError};
+use kici_bare_metal::cgroup::discover::{self, DiscoveryError};
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 

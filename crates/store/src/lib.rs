@@ -60,9 +60,9 @@ use std::sync::Arc;
 
 /// Every failpoint of this crate (feature `failpoints`), each placed right
 /// after its step's side effect is committed:
-/// - `store::ip::after_claim`: a lease is committed, the caller not told.
-/// - `store::ip::after_release`: leases are freed, the caller not told.
-pub const FAILPOINTS: &[&str] = &["store::ip::after_claim", "store::ip::after_release"];
+/// - `kici_store::ip::claimed`: a lease is committed, the caller not told.
+/// - `kici_store::ip::released`: leases are freed, the caller not told.
+pub const FAILPOINTS: &[&str] = &["kici_store::ip::claimed", "kici_store::ip::released"];
 
 /// Which database a store runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -4,35 +4,9 @@
 
 use kici_model::{AgentId, JobId, MemoryBytes, MilliCpu, ScalerName, ScalerType};
 use std::collections::BTreeMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// A wall-clock instant as milliseconds since the Unix epoch: the only time
-/// representation in the store (portable across both databases, sortable).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct UnixMillis(pub i64);
-
-impl UnixMillis {
-    /// Now, from the system clock (clamped to the epoch if the clock is
-    /// before 1970).
-    pub fn now() -> Self {
-        Self::from(SystemTime::now())
-    }
-
-    /// As a [`SystemTime`] (negative values clamp to the epoch).
-    pub fn to_system_time(self) -> SystemTime {
-        UNIX_EPOCH + Duration::from_millis(u64::try_from(self.0).unwrap_or(0))
-    }
-}
-
-impl From<SystemTime> for UnixMillis {
-    fn from(t: SystemTime) -> Self {
-        let ms = t
-            .duration_since(UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-            .unwrap_or(0);
-        Self(ms)
-    }
-}
+/// Every instant in the store: the workspace's one wall-clock type.
+pub use kici_model::UnixMillis;
 
 /// Backend resource names of one agent, by kind: what recovery needs to
 /// re-adopt or destroy it. Keys are free-form but conventional:

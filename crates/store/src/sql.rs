@@ -755,8 +755,8 @@ macro_rules! impl_state_store {
                         Err(e) => return Err($crate::error::classify(e).into()),
                     }
                 };
-                fail::fail_point!("store::ip::after_claim", |_| Err(
-                    $crate::AllocError::Store("failpoint store::ip::after_claim".to_owned())
+                fail::fail_point!("kici_store::ip::claimed", |_| Err(
+                    $crate::AllocError::Store("failpoint kici_store::ip::claimed".to_owned())
                 ));
                 Ok($crate::Lease {
                     network: pool.network(),
@@ -776,8 +776,8 @@ macro_rules! impl_state_store {
                     .execute(self.writer())
                     .await
                     .map_err(|e| $crate::AllocError::from($crate::error::classify(e)))?;
-                fail::fail_point!("store::ip::after_release", |_| Err(
-                    $crate::AllocError::Store("failpoint store::ip::after_release".to_owned())
+                fail::fail_point!("kici_store::ip::released", |_| Err(
+                    $crate::AllocError::Store("failpoint kici_store::ip::released".to_owned())
                 ));
                 Ok(done.rows_affected())
             }
@@ -794,8 +794,8 @@ macro_rules! impl_state_store {
                     .execute(self.writer())
                     .await
                     .map_err(|e| $crate::AllocError::from($crate::error::classify(e)))?;
-                fail::fail_point!("store::ip::after_release", |_| Err(
-                    $crate::AllocError::Store("failpoint store::ip::after_release".to_owned())
+                fail::fail_point!("kici_store::ip::released", |_| Err(
+                    $crate::AllocError::Store("failpoint kici_store::ip::released".to_owned())
                 ));
                 Ok(done.rows_affected() > 0)
             }

@@ -10,7 +10,7 @@
 //! 1. loads a `scalers.yaml` held in this file (`kici-config`);
 //! 2. routes the job's labels and prints why each label set was or was not
 //!    chosen (`kici-routing`);
-//! 3. checks every scaler with the bare-metal backend (`kici-backends`), then
+//! 3. checks every scaler with the bare-metal backend (`kici-bare-metal`), then
 //!    starts the engine (`kici-engine`) over the admission layer
 //!    (`kici-admission`) and that backend;
 //! 4. asks for an agent for the job: it is admitted and spawned as a real
@@ -37,19 +37,19 @@
 //! the lifecycle — is the daemon's.
 //!
 //! This is a workspace member rather than an example target of kici-engine:
-//! it needs kici-backends, which depends on kici-engine, so kici-engine would
-//! need kici-backends as a dev-dependency — a cycle that could not be
+//! it needs kici-bare-metal, which depends on kici-engine, so kici-engine would
+//! need kici-bare-metal as a dev-dependency — a cycle that could not be
 //! published (each would have to be on the registry before the other), and a
 //! backend compiled into every engine test build.
 
 use kici_admission::Admission;
-use kici_backends::process::ProcessIdentity;
-use kici_backends::{BareMetalBackend, BareMetalOptions};
+use kici_bare_metal::{BareMetalBackend, BareMetalOptions};
 use kici_engine::runtime::{Bootstrap, Bootstrapper, Runtime, SequencedEvent};
 use kici_engine::{
     AgentState, Backend, Engine, EngineEvent, EngineSettings, Mode, ScaleOutcome, ScaleRequest,
     SpawnOrder,
 };
+use kici_host::process::ProcessIdentity;
 use kici_model::{AgentId, Config, InstanceId, JobId, LabelSet, Secret};
 use kici_routing::{CordonSet, HostPlatform, Router};
 use std::collections::HashMap;
@@ -210,7 +210,7 @@ async fn run(started: Instant) -> Result<(), Error> {
         backend
             .validate(s)
             .await
-            .map_err(|problems| fail(format!("scaler {}: {}", s.name, problems.join("; "))))?;
+            .map_err(|problems| fail(format!("scaler {}: {}", s.name, problems)))?;
     }
     say(
         started,

@@ -12,10 +12,9 @@ mod test_support;
 pub use test_support::{scaler_from_yaml, spawn_spec};
 
 use async_trait::async_trait;
-use kici_container::{
-    ContainerBackend, ContainerOptions, EgressError, EgressRules, EgressTarget, NetworkSettings,
-};
+use kici_container::{ContainerBackend, ContainerOptions, NetworkSettings};
 use kici_model::{AgentId, InstanceId, NetworkPolicy};
+use kici_netpolicy::{EgressRules, EgressTarget, NetPolicyError};
 use kici_store::{IpAllocator, StateStore};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -41,7 +40,7 @@ impl EgressRules for RecordingEgress {
         &self,
         target: &EgressTarget,
         policy: Option<&NetworkPolicy>,
-    ) -> Result<(), EgressError> {
+    ) -> Result<(), NetPolicyError> {
         self.calls.lock().push(format!("install {}", target.agent));
         self.installed
             .lock()
@@ -49,13 +48,13 @@ impl EgressRules for RecordingEgress {
         Ok(())
     }
 
-    async fn remove(&self, agent: &AgentId) -> Result<(), EgressError> {
+    async fn remove(&self, agent: &AgentId) -> Result<(), NetPolicyError> {
         self.calls.lock().push(format!("remove {agent}"));
         self.installed.lock().remove(agent);
         Ok(())
     }
 
-    async fn sweep_stale(&self, live: &[AgentId]) -> Result<Vec<AgentId>, EgressError> {
+    async fn sweep_stale(&self, live: &[AgentId]) -> Result<Vec<AgentId>, NetPolicyError> {
         let mut installed = self.installed.lock();
         let stale: Vec<AgentId> = installed
             .keys()

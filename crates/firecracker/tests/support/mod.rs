@@ -10,16 +10,15 @@ use async_trait::async_trait;
 use ipnet::Ipv4Net;
 use kici_engine::{BackendReport, Mode, SpawnSpec};
 use kici_firecracker::tap::Netlink;
-use kici_firecracker::{
-    EgressError, EgressRules, FirecrackerBackend, FirecrackerOptions, HostNetwork, VmMatch,
-};
+use kici_firecracker::{FirecrackerBackend, FirecrackerOptions, HostNetwork};
 use kici_model::{
     AgentId, EffectiveResources, FirecrackerNetwork, InstanceId, NetworkPolicy, ScalerEntry,
     ScalerType,
 };
+use kici_netpolicy::{EgressRules, EgressTarget, NetPolicyError};
 use kici_store::ipam::{AllocError, IpAllocator, Ipv4Pool, Lease};
 use parking_lot::Mutex;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -81,6 +80,14 @@ impl IpAllocator for MemoryAllocator {
     }
 }
 
+/// What a VM's rules were installed for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmMatch {
+    pub ip: Ipv4Addr,
+    pub mac: [u8; 6],
+    pub tap: String,
+}
+
 /// Records which agents have rules installed, and passes every call on to
 /// real rules once [`RecordingEgress::forward_to`] gave it some.
 #[derive(Default)]
@@ -105,20 +112,24 @@ impl RecordingEgress {
 impl EgressRules for RecordingEgress {
     async fn install(
         &self,
-        agent: &AgentId,
-        vm: &VmMatch,
+        target: &EgressTarget,
         policy: Option<&NetworkPolicy>,
-    ) -> Result<(), EgressError> {
+    ) -> Result<(), NetPolicyError> {
         if let Some(real) = self.real() {
-            real.install(agent, vm, policy).await?;
+            real.install(target, policy).await?;
         }
+        let vm = VmMatch {
+            ip: target.ip,
+            mac: target.mac,
+            tap: target.port.clone().unwrap_or_default(),
+        };
         self.installed
             .lock()
-            .insert(*agent, (vm.clone(), policy.cloned()));
+            .insert(target.agent, (vm, policy.cloned()));
         Ok(())
     }
 
-    async fn remove(&self, agent: &AgentId) -> Result<(), EgressError> {
+    async fn remove(&self, agent: &AgentId) -> Result<(), NetPolicyError> {
         if let Some(real) = self.real() {
             real.remove(agent).await?;
         }
@@ -127,15 +138,19 @@ impl EgressRules for RecordingEgress {
         Ok(())
     }
 
-    async fn sweep_stale(&self, live: &HashSet<AgentId>) -> Result<usize, EgressError> {
+    async fn sweep_stale(&self, live: &[AgentId]) -> Result<Vec<AgentId>, NetPolicyError> {
         let real = match self.real() {
             Some(real) => Some(real.sweep_stale(live).await?),
             None => None,
         };
         let mut installed = self.installed.lock();
-        let before = installed.len();
+        let stale: Vec<AgentId> = installed
+            .keys()
+            .filter(|a| !live.contains(a))
+            .copied()
+            .collect();
         installed.retain(|a, _| live.contains(a));
-        Ok(real.unwrap_or(before - installed.len()))
+        Ok(real.unwrap_or(stale))
     }
 }
 

@@ -36,16 +36,16 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
     let nft_list = || lab::output(&["ip", "netns", "exec", &lab.host, "nft", "list", "ruleset"]);
     assert_eq!(FAILPOINTS.len(), 5);
 
-    fail::cfg("netpolicy::ensure::table", "return").unwrap();
+    fail::cfg("kici_netpolicy::ensure::table", "return").unwrap();
     injected(
         EgressTable::ensure(instance, subnet, opts.clone()).await,
-        "netpolicy::ensure::table",
+        "kici_netpolicy::ensure::table",
     );
     assert!(
         nft_list().contains(&format!("kici-scaler:{instance}:subnet")),
         "tables were made"
     );
-    fail::remove("netpolicy::ensure::table");
+    fail::remove("kici_netpolicy::ensure::table");
 
     lab::run(&[
         "ip",
@@ -57,10 +57,10 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
         "-N",
         "DOCKER-USER",
     ]);
-    fail::cfg("netpolicy::ensure::docker_user", "return").unwrap();
+    fail::cfg("kici_netpolicy::ensure::docker_user", "return").unwrap();
     injected(
         EgressTable::ensure(instance, subnet, opts.clone()).await,
-        "netpolicy::ensure::docker_user",
+        "kici_netpolicy::ensure::docker_user",
     );
     let docker_user = || {
         lab::output(&[
@@ -78,7 +78,7 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
         docker_user().contains("kici-scaler"),
         "accepts were inserted"
     );
-    fail::remove("netpolicy::ensure::docker_user");
+    fail::remove("kici_netpolicy::ensure::docker_user");
 
     let table = EgressTable::ensure(instance, subnet, opts).await.unwrap();
     let id = AgentId::random(ScalerType::Container);
@@ -87,12 +87,12 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
         mac: a.mac,
         port: Some(a.port.clone()),
     };
-    fail::cfg("netpolicy::install::applied", "return").unwrap();
+    fail::cfg("kici_netpolicy::install::applied", "return").unwrap();
     injected(
         table.install(&id, &key, &EgressPolicy::default()).await,
-        "netpolicy::install::applied",
+        "kici_netpolicy::install::applied",
     );
-    fail::remove("netpolicy::install::applied");
+    fail::remove("kici_netpolicy::install::applied");
     let owned = table.owned().await.unwrap();
     assert_eq!(owned.len(), 1, "the rules were applied");
     assert!(
@@ -105,9 +105,9 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
         .install(&id, &key, &EgressPolicy::default())
         .await
         .unwrap();
-    fail::cfg("netpolicy::remove::deleted", "return").unwrap();
-    injected(table.remove(&id).await, "netpolicy::remove::deleted");
-    fail::remove("netpolicy::remove::deleted");
+    fail::cfg("kici_netpolicy::remove::deleted", "return").unwrap();
+    injected(table.remove(&id).await, "kici_netpolicy::remove::deleted");
+    fail::remove("kici_netpolicy::remove::deleted");
     assert!(
         table.owned().await.unwrap().is_empty(),
         "the rules were deleted"
@@ -118,9 +118,12 @@ async fn every_failpoint_leaves_exactly_its_side_effect() {
         .install(&id, &key, &EgressPolicy::default())
         .await
         .unwrap();
-    fail::cfg("netpolicy::sweep::deleted", "return").unwrap();
-    injected(table.sweep_stale(&[]).await, "netpolicy::sweep::deleted");
-    fail::remove("netpolicy::sweep::deleted");
+    fail::cfg("kici_netpolicy::sweep::deleted", "return").unwrap();
+    injected(
+        table.sweep_stale(&[]).await,
+        "kici_netpolicy::sweep::deleted",
+    );
+    fail::remove("kici_netpolicy::sweep::deleted");
     assert!(
         table.owned().await.unwrap().is_empty(),
         "the stale rules were deleted"

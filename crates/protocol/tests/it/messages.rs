@@ -462,7 +462,7 @@ fn the_largest_messages_fit_the_frame_bound() {
     let dispatch = GatewayMessage::JobDispatch(JobDispatch {
         message_id: "d".into(),
         job: JobSpec::new(JobId::from_str_max(), vec![ctl], BTreeMap::new(), Some(1)).unwrap(),
-        timestamp: UnixMillis(u64::MAX),
+        timestamp: UnixMillis(i64::MAX),
     });
     let text = dispatch.to_json();
     assert!(text.len() > 6 * (MAX_JOB_SPEC_BYTES - 1));

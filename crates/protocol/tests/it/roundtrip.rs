@@ -34,7 +34,7 @@ proptest! {
         argv in proptest::collection::vec("[^\u{0}]{0,20}", 1..6),
         env in proptest::collection::btree_map("[A-Za-z_][A-Za-z0-9_]{0,10}", "[^\u{0}]{0,20}", 0..6),
         timeout in proptest::option::of(1u64..100_000),
-        ts in any::<u64>(),
+        ts in 0i64..=i64::MAX,
     ) {
         let msg = GatewayMessage::JobDispatch(JobDispatch {
             message_id: "d".into(),

@@ -139,14 +139,14 @@ const SPAWN_STEPS: &[&str] = &[
     "kici_container::spawn::pull",
     "kici_container::spawn::create",
     "kici_container::spawn::rules",
-    "netpolicy::install::applied",
+    "kici_netpolicy::install::applied",
     "kici_container::spawn::start",
 ];
 const DESTROY_STEPS: &[&str] = &[
     "kici_container::destroy::stop",
     "kici_container::destroy::remove",
     "kici_container::destroy::rules",
-    "netpolicy::remove::deleted",
+    "kici_netpolicy::remove::deleted",
     "kici_container::destroy::lease",
 ];
 
@@ -239,9 +239,9 @@ fn listed_failpoints() -> String {
 }
 
 /// Crashed at by the start-up test below.
-const ENSURE_DOCKER_USER: &str = "netpolicy::ensure::docker_user";
+const ENSURE_DOCKER_USER: &str = "kici_netpolicy::ensure::docker_user";
 /// Crashed at by the sweep test below.
-const SWEEP_DELETED: &str = "netpolicy::sweep::deleted";
+const SWEEP_DELETED: &str = "kici_netpolicy::sweep::deleted";
 
 /// kici-netpolicy's failpoints a daemon crash test of this file hits: the
 /// spawn and destroy steps above, and the start-up and sweep tests below.
@@ -250,14 +250,14 @@ fn netpolicy_crashed_here() -> BTreeSet<&'static str> {
         .iter()
         .chain(DESTROY_STEPS)
         .copied()
-        .filter(|fp| fp.starts_with("netpolicy::"))
+        .filter(|fp| fp.starts_with("kici_netpolicy::"))
         .chain([ENSURE_DOCKER_USER, SWEEP_DELETED])
         .collect()
 }
 
 /// kici-netpolicy's failpoints crash-tested in `firecracker_crash.rs`
 /// (checked against that file's text below).
-const NETPOLICY_CRASHED_IN_FIRECRACKER_CRASH: &[&str] = &["netpolicy::ensure::table"];
+const NETPOLICY_CRASHED_IN_FIRECRACKER_CRASH: &[&str] = &["kici_netpolicy::ensure::table"];
 
 /// kici-netpolicy's failpoints no daemon crash test hits, each with why
 /// (none today: the daemon reaches every one, and each is crash-tested).
@@ -286,7 +286,7 @@ fn every_netpolicy_step_has_a_daemon_crash_test_or_says_why_not() {
     }
     let netpolicy: Vec<&str> = listed
         .lines()
-        .filter(|l| l.starts_with("netpolicy::"))
+        .filter(|l| l.starts_with("kici_netpolicy::"))
         .collect();
     assert_eq!(
         netpolicy.iter().copied().collect::<BTreeSet<_>>(),

@@ -52,16 +52,19 @@ fn assert_consistent(d: &mut Daemon, world: &World, context: &str) {
 }
 
 /// The steps of other crates a Firecracker spawn goes through.
-const SPAWN_SHARED_STEPS: &[&str] = &["store::ip::after_claim", "netpolicy::install::applied"];
+const SPAWN_SHARED_STEPS: &[&str] = &[
+    "kici_store::ip::claimed",
+    "kici_netpolicy::install::applied",
+];
 
 const DESTROY_STEPS: &[&str] = &[
-    "store::ip::after_release",
-    "netpolicy::remove::deleted",
-    "firecracker::destroy::stop",
-    "firecracker::destroy::rules",
-    "firecracker::destroy::tap",
-    "firecracker::destroy::lease",
-    "firecracker::destroy::chroot",
+    "kici_store::ip::released",
+    "kici_netpolicy::remove::deleted",
+    "kici_firecracker::destroy::stop",
+    "kici_firecracker::destroy::rules",
+    "kici_firecracker::destroy::tap",
+    "kici_firecracker::destroy::lease",
+    "kici_firecracker::destroy::chroot",
 ];
 
 /// Steps no daemon crash test reaches, each with why. None now: the MMDS
@@ -70,7 +73,10 @@ const DESTROY_STEPS: &[&str] = &[
 const NOT_CRASHED_HERE: &[&str] = &[];
 
 /// The backend's own sweep, each step of which removes one orphan.
-const SWEEP_STEPS: &[&str] = &["firecracker::sweep::tap", "firecracker::sweep::leases"];
+const SWEEP_STEPS: &[&str] = &[
+    "kici_firecracker::sweep::tap",
+    "kici_firecracker::sweep::leases",
+];
 
 fn scale(d: &Daemon, job: &str) -> Option<String> {
     let (status, body) = d.scale(job, &["linux", "vm"]);
@@ -164,7 +170,7 @@ fn serial_firecracker_crash_at_each_destroy_step_leaks_nothing() {
 #[test]
 fn serial_firecracker_crash_while_ensuring_the_rules_table_at_start_up_leaks_nothing() {
     let world = World::new();
-    let fp = "netpolicy::ensure::table";
+    let fp = "kici_netpolicy::ensure::table";
     // Backends start after the API is up: the daemon may answer first.
     let status = match start(&world.dir, Some(fp)) {
         Err(status) => status,
@@ -287,7 +293,7 @@ fn crash_in_the_sweep(fp: &str, plant: impl FnOnce(&World, InstanceId) -> Orphan
 
 #[test]
 fn serial_firecracker_crash_in_the_sweep_after_removing_an_orphaned_tap_leaks_nothing() {
-    crash_in_the_sweep("firecracker::sweep::tap", |world, instance| {
+    crash_in_the_sweep("kici_firecracker::sweep::tap", |world, instance| {
         let agent = AgentId::random(ScalerType::Firecracker);
         let tag = kici_firecracker::names::owner_tag(instance, &agent);
         Orphan::Tap(PlantedTap::new(&agent, &world.bridge, &tag))
@@ -296,7 +302,7 @@ fn serial_firecracker_crash_in_the_sweep_after_removing_an_orphaned_tap_leaks_no
 
 #[test]
 fn serial_firecracker_crash_in_the_sweep_after_releasing_an_orphaned_lease_leaks_nothing() {
-    crash_in_the_sweep("firecracker::sweep::leases", |world, instance| {
+    crash_in_the_sweep("kici_firecracker::sweep::leases", |world, instance| {
         let agent = AgentId::random(ScalerType::Firecracker);
         Orphan::Lease(plant_lease(
             &world.dir.sqlite_url(),
@@ -367,7 +373,7 @@ fn every_firecracker_step_has_a_daemon_crash_test_or_says_why_not() {
         .iter()
         .chain(SPAWN_SHARED_STEPS)
         .chain(DESTROY_STEPS)
-        .chain(["netpolicy::ensure::table"].iter())
+        .chain(["kici_netpolicy::ensure::table"].iter())
         .chain(SWEEP_STEPS)
         .chain(NOT_CRASHED_HERE)
         .chain(common::firecracker::CRASHED_IN_TESTKIT_E2E)
@@ -378,7 +384,7 @@ fn every_firecracker_step_has_a_daemon_crash_test_or_says_why_not() {
     }
     for fp in listed
         .lines()
-        .filter(|l| l.starts_with("firecracker::") || l.starts_with("store::ip::"))
+        .filter(|l| l.starts_with("kici_firecracker::") || l.starts_with("kici_store::ip::"))
     {
         assert!(covered.contains(fp), "{fp} has no crash test");
     }

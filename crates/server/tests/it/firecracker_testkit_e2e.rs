@@ -234,7 +234,7 @@ fn serial_firecracker_testkit_daemon_spawn_to_config_ack_clears_mmds_and_delete_
 /// tracked once; a clean shutdown then leaves nothing.
 #[test]
 fn serial_firecracker_testkit_daemon_crash_at_mmds_clear_recovers_and_leaks_nothing() {
-    let fp = "firecracker::mmds::clear";
+    let fp = "kici_firecracker::mmds::clear";
     assert!(CRASHED_IN_TESTKIT_E2E.contains(&fp));
     let world = TestkitWorld::new();
     let mut d = world

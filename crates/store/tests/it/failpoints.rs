@@ -13,9 +13,9 @@ use kici_store::{AllocError, Ipv4Pool, StateStore, FAILPOINTS};
 
 async fn lease_survives_a_crash_after_claim(store: &dyn StateStore) {
     let pool: Ipv4Pool = "10.60.0.0/29".parse().unwrap();
-    fail::cfg("store::ip::after_claim", "return").unwrap();
+    fail::cfg("kici_store::ip::claimed", "return").unwrap();
     let failed = store.allocate(&pool, &agent_id(1)).await;
-    fail::remove("store::ip::after_claim");
+    fail::remove("kici_store::ip::claimed");
     assert!(matches!(failed, Err(AllocError::Store(_))), "{failed:?}");
     // The claim was committed: the address is held, by that agent.
     let held = store.leases().await.unwrap();
@@ -25,12 +25,12 @@ async fn lease_survives_a_crash_after_claim(store: &dyn StateStore) {
     let lease = store.allocate(&pool, &agent_id(1)).await.unwrap();
     assert_eq!(lease, held[0]);
 
-    fail::cfg("store::ip::after_release", "return").unwrap();
+    fail::cfg("kici_store::ip::released", "return").unwrap();
     let failed = store.release_agent(&agent_id(1)).await;
     assert!(matches!(failed, Err(AllocError::Store(_))), "{failed:?}");
     let failed = store.release_ip(pool.network(), lease.ip).await;
     assert!(matches!(failed, Err(AllocError::Store(_))), "{failed:?}");
-    fail::remove("store::ip::after_release");
+    fail::remove("kici_store::ip::released");
     // The release was committed before the failure.
     assert!(store.leases().await.unwrap().is_empty());
     assert_eq!(store.release_agent(&agent_id(1)).await.unwrap(), 0);
@@ -42,7 +42,7 @@ async fn crash_points_leave_recoverable_state() {
     let scenario = fail::FailScenario::setup();
     assert_eq!(
         FAILPOINTS,
-        ["store::ip::after_claim", "store::ip::after_release"]
+        ["kici_store::ip::claimed", "kici_store::ip::released"]
     );
     let dir = tempfile::tempdir().unwrap();
     let lite = open_fresh(&sqlite_url(&dir)).await;

@@ -33,7 +33,7 @@ use std::sync::OnceLock;
 /// Firecracker failpoints whose daemon crash test is in
 /// `firecracker_testkit_e2e.rs` (they are reached only once a real guest
 /// agent acknowledged its configuration, which needs the testkit's guest).
-pub const CRASHED_IN_TESTKIT_E2E: &[&str] = &["firecracker::mmds::clear"];
+pub const CRASHED_IN_TESTKIT_E2E: &[&str] = &["kici_firecracker::mmds::clear"];
 
 /// MMDS after the daemon cleared it: the contract's keys are all gone.
 pub fn cleared_mmds() -> serde_json::Value {

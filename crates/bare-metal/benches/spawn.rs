@@ -10,11 +10,11 @@
 //!
 //! Needs root and the cgroup v2 mount at `/sys/fs/cgroup/unified`; prints
 //! a note and measures nothing otherwise. Short run:
-//! `cargo bench -p kici-backends --bench spawn -- --warm-up-time 1 --measurement-time 2`
+//! `cargo bench -p kici-bare-metal --bench spawn -- --warm-up-time 1 --measurement-time 2`
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kici_backends::{BareMetalBackend, BareMetalOptions, SpawnMethod};
+use kici_bare_metal::{BareMetalBackend, BareMetalOptions, SpawnMethod};
 use kici_engine::{Backend, Mode, SpawnSpec};
 use kici_model::{AgentId, EffectiveResources, InstanceId, ScalerType};
 use std::io::Read;
@@ -68,7 +68,7 @@ fn bench(c: &mut Criterion) {
         return;
     }
     let dir = tempfile::Builder::new()
-        .prefix("kici-backends-bench-")
+        .prefix("kici-bare-metal-bench-")
         .tempdir()
         .unwrap();
     let fifo: PathBuf = dir.path().join("exec-d");

@@ -9,10 +9,10 @@
 mod common;
 
 use common::{next_report, read_fifo, simple_scaler, spec as spawn_spec, Fixture};
-use kici_backends::cgroup;
-use kici_backends::process::{ProcStat, ProcessIdentity};
-use kici_backends::{BareMetalBackend, BareMetalOptions};
+use kici_bare_metal::cgroup;
+use kici_bare_metal::{BareMetalBackend, BareMetalOptions};
 use kici_engine::{Adoption, Backend, BackendReport, ResourceHandle};
+use kici_host::process::{ProcStat, ProcessIdentity};
 use kici_model::{AgentId, InstanceId};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -190,7 +190,7 @@ async fn serial_an_adopted_agent_is_watched_and_its_logs_resume() {
     let lines: Vec<serde_json::Value> = out
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|e| e["target"] == kici_backends::logs::TARGET)
+        .filter(|e| e["target"] == kici_host::logs::TARGET)
         .collect();
     let text: Vec<&str> = lines.iter().map(|e| e["line"].as_str().unwrap()).collect();
     // Whatever the first daemon had not forwarded yet is forwarded now: the

@@ -60,7 +60,7 @@ pub const RETAINED_BYTES_PER_FILE: u64 = 64 * 1024;
 /// Retired agents whose logs are kept.
 pub const RETAINED_AGENTS: usize = 32;
 /// The `tracing` target of forwarded agent lines.
-pub const TARGET: &str = "kici_backends::agent_output";
+pub const TARGET: &str = "kici_host::agent_output";
 
 /// How often files are re-read when no inotify event came (inotify may be
 /// unavailable, or an event lost: that must cost latency, never lines).

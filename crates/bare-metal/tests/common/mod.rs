@@ -3,8 +3,8 @@
 //! with its own instance id and state dir, executable scripts, spawn specs,
 //! and a sweep on drop (so a failing test leaves no process or cgroup).
 
-use kici_backends::cgroup::{self, CgroupLayout};
-use kici_backends::{BareMetalBackend, BareMetalOptions};
+use kici_bare_metal::cgroup::{self, CgroupLayout};
+use kici_bare_metal::{BareMetalBackend, BareMetalOptions};
 use kici_engine::{BackendReport, SpawnSpec};
 use kici_model::{AgentId, EffectiveResources, InstanceId, ScalerEntry};
 use std::os::unix::fs::PermissionsExt;

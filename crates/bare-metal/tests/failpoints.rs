@@ -9,10 +9,10 @@
 mod common;
 
 use common::{read_fifo, scaler, spec as spawn_spec, Fixture};
-use kici_backends::cgroup::{self, V1Controller};
-use kici_backends::failpoints;
-use kici_backends::process::ProcessIdentity;
+use kici_bare_metal::cgroup::{self, V1Controller};
+use kici_bare_metal::failpoints;
 use kici_engine::{Adoption, Backend};
+use kici_host::process::ProcessIdentity;
 use kici_model::AgentId;
 use std::path::Path;
 use std::time::Duration;
@@ -98,14 +98,14 @@ async fn assert_nothing_left(fx: &Fixture, agent: AgentId, context: &str, destro
 
 #[test]
 fn failpoints_are_listed_once_each() {
-    let mut names = kici_backends::FAILPOINTS.to_vec();
+    let mut names = kici_bare_metal::FAILPOINTS.to_vec();
     names.sort_unstable();
     names.dedup();
-    assert_eq!(names.len(), kici_backends::FAILPOINTS.len());
+    assert_eq!(names.len(), kici_bare_metal::FAILPOINTS.len());
     for name in failpoints::SPAWN.iter().chain(failpoints::DESTROY) {
-        assert!(kici_backends::FAILPOINTS.contains(name), "{name}");
+        assert!(kici_bare_metal::FAILPOINTS.contains(name), "{name}");
     }
-    assert!(names.iter().all(|n| n.starts_with("kici_backends::")));
+    assert!(names.iter().all(|n| n.starts_with("kici_bare_metal::")));
 }
 
 #[tokio::test]

@@ -6,10 +6,10 @@
 mod common;
 
 use common::{next_report, read_fifo, scaler, simple_scaler, spec as spawn_spec, Fixture};
-use kici_backends::cgroup;
-use kici_backends::process::{ProcStat, ProcessIdentity};
-use kici_backends::SpawnMethod;
+use kici_bare_metal::cgroup;
+use kici_bare_metal::SpawnMethod;
 use kici_engine::{Backend, BackendReport};
+use kici_host::process::{ProcStat, ProcessIdentity};
 use kici_model::{AgentId, ScalerType};
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -142,7 +142,7 @@ async fn agent_runs_in_its_own_session_and_cgroup(method: SpawnMethod) {
     assert_eq!(read_fifo(ready).await, "up\n");
     if method == SpawnMethod::Auto && kernel_has_clone_into_cgroup() {
         assert_eq!(
-            kici_backends::launch::clone_into_cgroup_supported(),
+            kici_bare_metal::launch::clone_into_cgroup_supported(),
             Some(true)
         );
     }
@@ -516,7 +516,7 @@ scalers:
     assert!(!fx.backend.agent_dir(agent).exists());
     assert!(!fx.layout().instance_dir().exists());
     // And validate says so before any spawn.
-    let errors = fx.backend.validate(&scaler).await.unwrap_err();
+    let errors = fx.backend.validate(&scaler).await.unwrap_err().messages();
     assert_eq!(errors.len(), 2, "{errors:?}");
     assert!(errors[0].starts_with("enforceCgroups: no memory controller"));
     assert!(errors[1].starts_with("enforceCgroups: no cpu controller"));
@@ -658,7 +658,8 @@ scalers:
         .backend
         .validate(&scaler(&yaml, "metal"))
         .await
-        .unwrap_err();
+        .unwrap_err()
+        .messages();
     assert_eq!(
         errors,
         vec![
@@ -683,7 +684,8 @@ scalers:
         .backend
         .validate(&simple_scaler(Path::new("/bin/true")))
         .await
-        .unwrap_err();
+        .unwrap_err()
+        .messages();
     assert_eq!(errors.len(), 1);
     assert!(errors[0].ends_with(
         "is not a cgroup v2 mount: bare-metal agents need one to be tracked and killed"
@@ -745,7 +747,7 @@ async fn serial_agent_lines_are_forwarded_wrapped_never_merged() {
     let mut events: Vec<serde_json::Value> = out
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|e| e["target"] == kici_backends::logs::TARGET)
+        .filter(|e| e["target"] == kici_host::logs::TARGET)
         .collect();
     events.sort_by_key(|e| (e["stream"].to_string(), e["line"].to_string()));
     let summary: Vec<(&str, &str)> = events
@@ -839,7 +841,7 @@ async fn a_pids_limit_no_controller_can_enforce_is_refused() {
         o.pids_max = std::num::NonZeroU64::new(100);
     });
     let scaler = simple_scaler(Path::new("/bin/true"));
-    let errors = fx.backend.validate(&scaler).await.unwrap_err();
+    let errors = fx.backend.validate(&scaler).await.unwrap_err().messages();
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].starts_with("pids limit 100: no pids controller"));
     let (spec, _rx) = spawn_spec(&scaler, 0);
@@ -880,7 +882,7 @@ async fn serial_a_running_agent_s_log_file_stays_bounded_on_disk() {
     let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
     let _guard =
         tracing::subscriber::set_default(tracing_subscriber::registry().with(ForwardedLines(tx)));
-    let keep = kici_backends::logs::RETAINED_BYTES_PER_FILE;
+    let keep = kici_host::logs::RETAINED_BYTES_PER_FILE;
     let fx = Fixture::with(|o| o.log_keep_bytes = std::num::NonZeroU64::new(keep));
     // 100,000 lines of 7 bytes, then the agent keeps running.
     let binary = fx.script("chatty.sh", "seq -w 1 100000\nexec sleep 1000");

@@ -206,7 +206,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
-    use crate::test_support::{scaler_from_yaml, spawn_spec};
+    use kici_engine::testing::{scaler_from_yaml, spawn_spec};
 
     const YAML: &str = r#"
 version: 1
