@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use kici_model::{
     AgentId, EffectiveResources, JobId, LabelSetConfig, ScalerEntry, ScalerType, Secret,
 };
-use serde::Serialize;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -40,7 +40,7 @@ pub struct SpawnSpec {
 
 /// What a backend created: enough to destroy it and to find it again after
 /// a restart (container id, pid + start time, VM id, TAP, chroot, ...).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResourceHandle {
     /// The primary id (container id, `pid:<pid>:<start>`, VM id).
     pub id: String,
@@ -49,7 +49,7 @@ pub struct ResourceHandle {
 }
 
 /// A resource found on the host that carries this instance's owner marker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OwnedResource {
     pub agent: Option<AgentId>,
     pub handle: ResourceHandle,

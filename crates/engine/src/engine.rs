@@ -255,7 +255,6 @@ impl std::fmt::Display for TransitionCause {
     }
 }
 
-
 /// Ask a backend to bring an agent up.
 #[derive(Debug, Clone)]
 pub struct SpawnOrder {

@@ -122,7 +122,6 @@ pub struct SequencedEvent {
     pub event: EngineEvent,
 }
 
-
 struct Inner {
     engine: Mutex<Engine>,
     backends: HashMap<ScalerType, Arc<dyn Backend>>,
