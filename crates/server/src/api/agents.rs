@@ -11,7 +11,7 @@ use super::wire::{
     RegistrationAnswer,
 };
 use super::{parse_agent, AppState};
-use crate::enrolment::{Refusal, Via};
+use crate::gateway::enrolment::{Refusal, Via};
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;

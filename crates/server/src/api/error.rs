@@ -7,7 +7,7 @@
 //! field, a wrong type, a missing field, too large — into that shape with
 //! the field's path, instead of axum's plain-text rejections.
 
-use crate::serving::{BodyDeadline, ConnectionLimits};
+use crate::daemon::serving::{BodyDeadline, ConnectionLimits};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};

@@ -24,11 +24,11 @@ pub mod scalers;
 pub mod stream;
 pub mod wire;
 
+use crate::daemon::reload::Reload;
+use crate::events::metrics::Metrics;
 use crate::events::EventLog;
+use crate::gateway::token::{Secret, TokenStore};
 use crate::jobs::JobBook;
-use crate::metrics::Metrics;
-use crate::reload::Reload;
-use crate::token::{Secret, TokenStore};
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, Method, StatusCode};
 use axum::middleware::{self, Next};
@@ -72,8 +72,8 @@ pub struct Shared {
 
 impl AppState {
     /// The agent lifecycle policy the agent reports go through.
-    pub fn enrolment(&self) -> crate::enrolment::Enrolment {
-        crate::enrolment::Enrolment::new(self.runtime.clone(), Arc::clone(&self.tokens))
+    pub fn enrolment(&self) -> crate::gateway::enrolment::Enrolment {
+        crate::gateway::enrolment::Enrolment::new(self.runtime.clone(), Arc::clone(&self.tokens))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -4,7 +4,7 @@
 use super::error::{ApiError, ApiJson, ErrorBody};
 use super::wire::{parse_job, IntoApi, IntoRequest, ScaleAnswer, ScaleBody};
 use super::AppState;
-use crate::persist::pending_committed;
+use crate::durable::persist::pending_committed;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;

@@ -249,7 +249,7 @@ fn serial_run_runs_a_job_in_a_container_and_leaves_nothing() {
     let out = world
         .command()
         // The in-process daemon's instance id, for the checks below.
-        .env("KICI_SCALER_LOG", "error,kici_scaler::run=info")
+        .env("KICI_SCALER_LOG", "error,kici_scaler::cli::run=info")
         .args(["run", "--config"])
         .arg(&config)
         .args(["--labels", "box", "--", "sh", "-c", "echo hi; exit 3"])
@@ -762,7 +762,7 @@ fn serial_run_on_podman_with_ulimits_and_its_own_network_from_settings() {
         .command()
         .env(
             "KICI_SCALER_LOG",
-            "warn,kici_scaler::run=info,kici_container=debug",
+            "warn,kici_scaler::cli::run=info,kici_container=debug",
         )
         .env(
             "KICI_SCALER_CONTAINER_ULIMITS",

@@ -295,7 +295,7 @@ fn metrics_at_start_up_carry_every_series() {
     let d = Daemon::start(&dir, &["--memory-backends", "--listen", "127.0.0.1:0"], &[]);
     let (status, text) = http(&d.addr, "GET", "/metrics", &[], None);
     assert_eq!(status, 200);
-    for name in kici_scaler::metrics::SERIES {
+    for name in kici_scaler::events::metrics::SERIES {
         assert!(
             text.lines().any(|l| l.starts_with(name)),
             "{name} missing:\n{text}"

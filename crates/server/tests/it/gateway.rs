@@ -18,10 +18,10 @@ use kici_protocol::{
     JobProgress, JobResult, JobSpec, JobStatus, OutputChunk, OutputStream, Register, UnixMillis,
     MAX_FRAME_BYTES, PROTOCOL_VERSION,
 };
-use kici_scaler::backends::Built;
+use kici_scaler::daemon::backends::Built;
+use kici_scaler::daemon::stack::{Stack, StackOptions};
 use kici_scaler::gateway::GatewaySettings;
 use kici_scaler::jobs::{self, EndKind, JobRequest, JobState, JobView, Read};
-use kici_scaler::stack::{Stack, StackOptions};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -94,7 +94,7 @@ impl Setup {
                 engine,
                 event_replay: 100,
                 gateway: settings,
-                gateway_limits: kici_scaler::serving::ConnectionLimits::gateway(),
+                gateway_limits: kici_scaler::daemon::serving::ConnectionLimits::gateway(),
                 job_output: None,
             },
             None,

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kici_model::InstanceId;
-use kici_scaler::identity::{
+use kici_scaler::daemon::identity::{
     IdentityError, IdentitySource, LockHolder, StateDir, INSTANCE_ID_FILE, LOCK_FILE,
     MACHINE_ID_FILE,
 };

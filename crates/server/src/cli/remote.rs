@@ -8,8 +8,8 @@
 //! <code>: <message> (field: <path>)` on stderr (with `--json`, the error
 //! document on stdout) and exit 1.
 
+use crate::cli::client::{self, ClientError};
 use crate::cli::{CliError, ClientArgs, Command, Outcome};
-use crate::client::{self, ClientError};
 use kici_api::{
     AgentList, ApiError, BreakerName, Client, ErrorAnswer, ResourcesBody, ScaleAnswer, ScaleBody,
     StatusObject, UsageObject,

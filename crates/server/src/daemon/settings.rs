@@ -11,7 +11,7 @@
 //! bare-metal pids cap and log retention) are shared with `kici-scaler run`,
 //! which has flags and environment but no daemon-config file.
 
-use crate::serving::ConnectionLimits;
+use crate::daemon::serving::ConnectionLimits;
 use clap::Args;
 use kici_container::Ulimit;
 use kici_engine::EngineSettings;
@@ -598,7 +598,7 @@ impl DaemonSettings {
         let state_dir = pick(
             &args.state_dir,
             &file.state_dir,
-            PathBuf::from(crate::identity::DEFAULT_STATE_DIR),
+            PathBuf::from(crate::daemon::identity::DEFAULT_STATE_DIR),
         );
         let state = match args.state.as_ref().or(file.state.as_ref()) {
             Some(raw) => raw

@@ -3,8 +3,8 @@
 //! with the bearer token from `KICI_SCALER_API_TOKEN`. The requests and
 //! answers themselves are `kici-api`'s types.
 
-use crate::settings::API_TOKEN_ENV;
-use crate::token::Secret;
+use crate::daemon::settings::API_TOKEN_ENV;
+use crate::gateway::token::Secret;
 use kici_api::{ApiError, Client};
 use std::path::Path;
 use std::sync::Arc;
@@ -21,7 +21,7 @@ pub enum ClientError {
     )]
     NoCa(String),
     #[error("{0}")]
-    Tls(#[from] crate::tls::TlsError),
+    Tls(#[from] crate::daemon::tls::TlsError),
     /// Talking to the daemon failed (connecting, HTTP), or it answered
     /// something the CLI cannot read.
     #[error("{0}")]
@@ -37,7 +37,7 @@ pub fn connect(
 ) -> Result<Client, ClientError> {
     let client = if server.starts_with("https://") {
         let ca = ca_cert.ok_or_else(|| ClientError::NoCa(server.to_owned()))?;
-        Client::with_tls(server, Arc::new(crate::tls::client_config(ca)?))
+        Client::with_tls(server, Arc::new(crate::daemon::tls::client_config(ca)?))
     } else {
         Client::new(server)
     }

@@ -34,9 +34,12 @@
 //! released (the engine's job). Frames above [`MAX_FRAME_BYTES`] are refused
 //! by the WebSocket layer and end the connection (close 1009).
 
-use crate::enrolment::{Enrolment, Refusal, Via};
+pub mod enrolment;
+pub mod token;
+
+use crate::gateway::enrolment::{Enrolment, Refusal, Via};
+use crate::gateway::token::{TokenGrant, TokenRejection, TokenStore};
 use crate::jobs::{Action, JobBook};
-use crate::token::{TokenGrant, TokenRejection, TokenStore};
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::response::Response;

@@ -3,7 +3,7 @@
 //! all or nothing. Each attempt is logged (one line per changed field) and
 //! counted in `kici_orch_scaler_config_reloads_total{result}`.
 
-use crate::metrics::Metrics;
+use crate::events::metrics::Metrics;
 use async_trait::async_trait;
 use kici_engine::runtime::Runtime;
 use kici_engine::ReloadReport;
@@ -51,7 +51,7 @@ impl Reload for ConfigReloader {
     async fn reload(&self) -> Result<ReloadReport, Vec<String>> {
         let _serial = self.serial.lock().await;
         self.metrics.reload_attempted();
-        let result = match crate::stack::load_config(&self.main, self.dir.as_deref()) {
+        let result = match crate::daemon::stack::load_config(&self.main, self.dir.as_deref()) {
             Err(errors) => Err(errors.lines()),
             Ok(loaded) => {
                 for w in &loaded.warnings {

@@ -7,26 +7,39 @@
 //! agent gateway listeners (bound before any agent exists, so a busy port
 //! costs nothing); the backends and their validation of the configuration;
 //! the machine-pool ledger; the engine, gateway, job book and event pump
-//! ([`crate::stack`]); then the API serves and `/readyz` turns ready.
+//! ([`crate::daemon::stack`]); then the API serves and `/readyz` turns ready.
 //!
 //! SIGHUP reloads the configuration (all or nothing). SIGTERM and SIGINT stop
 //! accepting connections, destroy every agent (up to the shutdown grace) —
 //! running jobs end `failed` —, end the event and log streams and exit 0 —
 //! or 1 if agents could not all be destroyed in time.
 
+pub mod agent_binary;
+pub mod backends;
+pub mod cgroups;
+pub mod crashpoints;
+pub mod dead_runs;
+pub mod identity;
+pub mod reload;
+pub mod serving;
+pub mod settings;
+pub mod stack;
+pub mod systemd;
+pub mod tls;
+
 use crate::api::{self, AppState};
-use crate::backends::{BackendContext, BackendRegistry};
-use crate::gateway::GatewaySettings;
-use crate::identity::{IdentityError, IdentitySource, StateDir};
-use crate::reconcile::{Reaping, Reconciler, SweepReport};
-use crate::reload::{ConfigReloader, Reload};
-use crate::serving::{self, Listener, ListenerName, Server};
-use crate::settings::{
+use crate::daemon::backends::{BackendContext, BackendRegistry};
+use crate::daemon::identity::{IdentityError, IdentitySource, StateDir};
+use crate::daemon::reload::{ConfigReloader, Reload};
+use crate::daemon::serving::{Listener, ListenerName, Server};
+use crate::daemon::settings::{
     DaemonFile, DaemonSettings, ListenAddr, ServeArgs, SettingsError, API_TOKEN_ENV,
 };
-use crate::stack::{self, Stack, StackOptions};
-use crate::tls::{self, TlsError};
-use crate::token::Secret;
+use crate::daemon::stack::{Stack, StackOptions};
+use crate::daemon::tls::TlsError;
+use crate::durable::reconcile::{Reaping, Reconciler, SweepReport};
+use crate::gateway::token::Secret;
+use crate::gateway::GatewaySettings;
 use kici_admission::MachineLedger;
 use kici_store::StoreOptions;
 use std::io;
@@ -53,13 +66,13 @@ pub enum ServeError {
     Identity(#[from] IdentityError),
     /// Already one `file:line:col: path: message` per line.
     #[error("{0}")]
-    Config(crate::stack::LoadError),
+    Config(crate::daemon::stack::LoadError),
     #[error("{}", .0.join("\n"))]
     Backends(Vec<String>),
     #[error("machine-pool ledger: {0}")]
     Ledger(#[from] kici_admission::LedgerError),
     #[error("{0}")]
-    Stack(#[from] crate::stack::StackError),
+    Stack(#[from] crate::daemon::stack::StackError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: ListenAddr, source: io::Error },
     #[error("{0}")]
@@ -73,7 +86,7 @@ pub enum ServeError {
     #[error("state store: {0}")]
     Store(kici_store::StoreError),
     #[error("{0}")]
-    Crashpoints(#[from] crate::crashpoints::CrashpointError),
+    Crashpoints(#[from] crate::daemon::crashpoints::CrashpointError),
     #[error("shutdown: {0} agent(s) were not destroyed within the shutdown grace")]
     AgentsLeft(usize),
 }
@@ -86,7 +99,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), ServeError> {
         .map(DaemonFile::load)
         .transpose()?;
     let settings = DaemonSettings::resolve(args, file.as_ref())?;
-    let armed = crate::crashpoints::arm_from_env()?;
+    let armed = crate::daemon::crashpoints::arm_from_env()?;
     if !armed.is_empty() {
         tracing::warn!(failpoints = ?armed, "crash failpoints armed: this daemon kills itself when it reaches them");
     }
@@ -227,7 +240,7 @@ async fn run(
     // beside start-up (it concerns other instances only).
     let dead_run_tuning = settings.backends.clone();
     tokio::spawn(async move {
-        crate::dead_runs::sweep(&std::env::temp_dir(), &dead_run_tuning).await;
+        crate::daemon::dead_runs::sweep(&std::env::temp_dir(), &dead_run_tuning).await;
     });
 
     // Both listeners before any agent exists: a busy port costs nothing.
@@ -394,16 +407,16 @@ async fn run(
         scalers = config.scalers.len(),
         "control API listening"
     );
-    crate::systemd::ready(&format!("control API listening on {addr}"));
+    crate::daemon::systemd::ready(&format!("control API listening on {addr}"));
 
     let stop = loop {
         tokio::select! {
             _ = hangup.recv() => {
                 tracing::info!("SIGHUP: reloading the configuration");
-                crate::systemd::reloading();
+                crate::daemon::systemd::reloading();
                 // The reloader logs and counts the outcome.
                 let _ = reloader.reload().await;
-                crate::systemd::ready(&format!("control API listening on {addr}"));
+                crate::daemon::systemd::ready(&format!("control API listening on {addr}"));
             }
             _ = terminate.recv() => break "SIGTERM",
             _ = interrupt.recv() => break "SIGINT",
@@ -426,7 +439,7 @@ async fn run(
         grace_seconds = settings.shutdown_grace.as_secs(),
         "shutting down: destroying every agent"
     );
-    crate::systemd::stopping("shutting down: destroying every agent");
+    crate::daemon::systemd::stopping("shutting down: destroying every agent");
     state.set_ready(false);
     // No new connections; open ones continue, so event and log streams
     // report the shutdown's destroys and the jobs' ends.

@@ -6,8 +6,8 @@
 //! at reload, by the runtime) with a message saying so, rather than failing
 //! at the first spawn.
 
-use crate::metrics::OrphanKind;
-use crate::settings::BackendTuning;
+use crate::daemon::settings::BackendTuning;
+use crate::events::metrics::OrphanKind;
 use kici_engine::Backend;
 use kici_model::{AgentId, Config, InstanceId, ScalerType};
 use kici_store::StateStore;
@@ -140,7 +140,7 @@ impl BackendRegistry {
                     );
                     options.pids_max = ctx.tuning.bare_metal_pids_max;
                     options.log_keep_bytes = ctx.tuning.bare_metal_log_keep_bytes;
-                    options.place(crate::cgroups::place_self(
+                    options.place(crate::daemon::cgroups::place_self(
                         ctx.tuning.cgroup_root.as_deref(),
                     )?);
                     let backend = kici_bare_metal::BareMetalBackend::new(options)

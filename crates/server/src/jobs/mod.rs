@@ -25,7 +25,7 @@
 //! the daemon: its record (labels, command — never its environment —,
 //! state, agent, end) is written before the job is acknowledged and again
 //! at every change of state, through the state writer of the event stream
-//! ([`crate::persist`]), and deleted when the job is forgotten; its output
+//! ([`crate::durable::persist`]), and deleted when the job is forgotten; its output
 //! is appended to a file as it arrives (`spool`). After a restart,
 //! [`JobBook::restore`] shows every recorded job again: one that had ended
 //! as it ended, one that had not as `failed`, `end: aborted`, with why (the
@@ -40,7 +40,7 @@
 
 mod spool;
 
-use crate::persist::{JobRecorder, PendingNotRecorded, RecordAck};
+use crate::durable::persist::{JobRecorder, PendingNotRecorded, RecordAck};
 use kici_engine::runtime::Runtime;
 use kici_engine::{JobEffect, JobLost, Mode, StopCause};
 use kici_engine::{PendingEnd, ScaleError, ScaleOutcome, ScaleRequest};
@@ -673,7 +673,7 @@ impl JobBook {
                     done.aborted_unstarted.push(id.clone());
                     match state {
                         JobState::Spawning => RESTARTED_BEFORE_START,
-                        _ => crate::persist::STANDALONE_LOST,
+                        _ => crate::durable::persist::STANDALONE_LOST,
                     }
                 };
                 Some(Ending {
@@ -959,7 +959,7 @@ pub async fn submit_recorded(
         }
     }
     let (view, ack) = submit_with(runtime, jobs, request)?;
-    if let Err(e) = crate::persist::pending_committed(runtime, &id, ack).await {
+    if let Err(e) = crate::durable::persist::pending_committed(runtime, &id, ack).await {
         jobs.remove(&id);
         return Err(SubmitError::Store(store_error_text(&e)));
     }
@@ -1247,8 +1247,8 @@ mod tests {
 
     // ----- durability ----------------------------------------------------
 
+    use crate::durable::persist::Persister;
     use crate::events::EventLog;
-    use crate::persist::Persister;
     use kici_store::StateStore;
     use std::sync::Arc;
     use std::time::Duration;
@@ -1320,7 +1320,9 @@ mod tests {
         // Running, with output.
         let ran = id("job-a");
         let ack = book.insert(spec("job-a"), labels.clone()).unwrap();
-        crate::persist::JobRecorder::committed(ack).await.unwrap();
+        crate::durable::persist::JobRecorder::committed(ack)
+            .await
+            .unwrap();
         book.started(&ran, agent(1));
         book.output(
             &ran,
@@ -1424,7 +1426,7 @@ two
         let view = book.view(&pending).unwrap();
         assert_eq!(
             view.reason.as_deref(),
-            Some(crate::persist::STANDALONE_LOST)
+            Some(crate::durable::persist::STANDALONE_LOST)
         );
         let view = book.view(&done).unwrap();
         assert_eq!(

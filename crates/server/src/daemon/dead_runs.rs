@@ -17,9 +17,9 @@
 //! being created (the id is written only once the lock is held) and is left
 //! alone.
 
-use crate::backends::{BackendContext, BackendRegistry};
-use crate::identity::{IdentityError, StateDir, INSTANCE_ID_FILE};
-use crate::settings::BackendTuning;
+use crate::daemon::backends::{BackendContext, BackendRegistry};
+use crate::daemon::identity::{IdentityError, StateDir, INSTANCE_ID_FILE};
+use crate::daemon::settings::BackendTuning;
 use kici_model::InstanceId;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -153,8 +153,9 @@ async fn destroy_owned(state: &StateDir, tuning: &BackendTuning) -> Result<usize
         return Ok(0);
     }
     let drop_ins = config_dir.join(DROP_IN_DIR);
-    let loaded = crate::stack::load_config(&main, drop_ins.is_dir().then_some(drop_ins.as_path()))
-        .map_err(|e| vec![format!("its configuration snapshot: {e}")])?;
+    let loaded =
+        crate::daemon::stack::load_config(&main, drop_ins.is_dir().then_some(drop_ins.as_path()))
+            .map_err(|e| vec![format!("its configuration snapshot: {e}")])?;
     let store = kici_store::open(
         &kici_store::StoreUrl::default_in(state.path()),
         state.instance_id(),

@@ -9,7 +9,7 @@
 //! [`durable_from_record`] and [`pending_from_record`] are the way back; a
 //! row that does not decode is reported, never guessed at.
 
-use crate::token::TokenStore;
+use crate::gateway::token::TokenStore;
 use async_trait::async_trait;
 use kici_engine::{
     AgentState, DurableAgent, DurablePending, FailureReason, Journal, JournalEntry, JournalError,

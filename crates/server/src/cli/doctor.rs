@@ -20,9 +20,9 @@
 //! running daemon: a state dir whose lock is held is reported as in use,
 //! without touching the lock.
 
-use crate::agent_binary::SearchPath;
 use crate::cli::{CliError, ConfigArgs, Outcome};
-use crate::identity::{DEFAULT_STATE_DIR, LOCK_FILE};
+use crate::daemon::agent_binary::SearchPath;
+use crate::daemon::identity::{DEFAULT_STATE_DIR, LOCK_FILE};
 use clap::Args;
 use kici_bare_metal::cgroup::discover::{self, Case, DiscoveryError, Placement};
 use kici_bare_metal::cgroup::{CgroupLayout, Controllers, V1Controller};
@@ -47,7 +47,7 @@ pub struct DoctorArgs {
     pub json: bool,
     /// The daemon's backend settings (the container network is checked).
     #[command(flatten)]
-    pub backend: crate::settings::BackendArgs,
+    pub backend: crate::daemon::settings::BackendArgs,
 }
 
 /// How one check came out.
@@ -212,9 +212,10 @@ pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
         .clone()
         .unwrap_or_else(|| PathBuf::from(DEFAULT_STATE_DIR));
     let mut problems = Vec::new();
-    let tuning = args
-        .backend
-        .resolve(&crate::settings::DaemonFile::default(), &mut problems);
+    let tuning = args.backend.resolve(
+        &crate::daemon::settings::DaemonFile::default(),
+        &mut problems,
+    );
     let mut report = run_checks(
         &args.config,
         &state_dir,

@@ -20,7 +20,7 @@
 //! reachable, `run` says why and goes on, and its bare-metal backend refuses
 //! with the discovery's message, which says what to do.
 
-use crate::run::RunArgs;
+use crate::cli::run::RunArgs;
 use kici_bare_metal::cgroup::discover::{self, DiscoveryError};
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;

@@ -7,7 +7,7 @@
 //! pre-created for every label combination the configuration and the enums
 //! allow (scalers × states, backends × failure reasons, caps, ...).
 
-use crate::serving::{ListenerMetrics, ListenerName};
+use crate::daemon::serving::{ListenerMetrics, ListenerName};
 use kici_admission::Cap;
 use kici_engine::runtime::SequencedEvent;
 use kici_engine::{

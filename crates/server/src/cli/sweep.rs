@@ -8,11 +8,11 @@
 //! threshold are removed, leases of unknown agents are released. With
 //! `--dry-run` it only reports.
 
-use crate::backends::{BackendContext, BackendRegistry};
 use crate::cli::{CliError, ConfigArgs, Outcome};
-use crate::identity::StateDir;
-use crate::reconcile::{Reaping, Reconciler, SweepReport};
-use crate::settings::StoreUrl;
+use crate::daemon::backends::{BackendContext, BackendRegistry};
+use crate::daemon::identity::StateDir;
+use crate::daemon::settings::StoreUrl;
+use crate::durable::reconcile::{Reaping, Reconciler, SweepReport};
 use clap::Args;
 use kici_store::StoreOptions;
 use std::io::Write;
@@ -46,7 +46,7 @@ pub struct SweepArgs {
 #[derive(Debug, thiserror::Error)]
 pub enum SweepError {
     #[error("{0}")]
-    StateDir(#[from] crate::identity::IdentityError),
+    StateDir(#[from] crate::daemon::identity::IdentityError),
     #[error("{0}")]
     Store(#[from] kici_store::StoreError),
     #[error("{0}")]
@@ -58,7 +58,8 @@ pub enum SweepError {
 pub fn sweep(args: &SweepArgs, out: &mut dyn Write) -> Result<Outcome, CliError> {
     // Test builds: `KICI_SCALER_CRASH_AT` crashes the sweep too (the
     // offline-only steps, e.g. settling a recorded agent that is gone).
-    let armed = crate::crashpoints::arm_from_env().map_err(|e| CliError::Sweep(e.to_string()))?;
+    let armed =
+        crate::daemon::crashpoints::arm_from_env().map_err(|e| CliError::Sweep(e.to_string()))?;
     if !armed.is_empty() {
         tracing::warn!(failpoints = ?armed, "crash failpoints armed");
     }
@@ -86,7 +87,7 @@ async fn run(args: &SweepArgs) -> Result<SweepReport, SweepError> {
     let dir = args
         .state_dir
         .clone()
-        .unwrap_or_else(|| PathBuf::from(crate::identity::DEFAULT_STATE_DIR));
+        .unwrap_or_else(|| PathBuf::from(crate::daemon::identity::DEFAULT_STATE_DIR));
     // Held for the whole pass: a daemon starting meanwhile waits for it.
     let state_dir = StateDir::open(&dir, false)?;
     let instance = state_dir.instance_id();
@@ -94,8 +95,9 @@ async fn run(args: &SweepArgs) -> Result<SweepReport, SweepError> {
         Some(s) => s.parse::<StoreUrl>()?,
         None => StoreUrl::default_in(&dir),
     };
-    let loaded = crate::stack::load_config(&args.config.config, args.config.config_dir.as_deref())
-        .map_err(|e| SweepError::Config(e.to_string()))?;
+    let loaded =
+        crate::daemon::stack::load_config(&args.config.config, args.config.config_dir.as_deref())
+            .map_err(|e| SweepError::Config(e.to_string()))?;
     let store = kici_store::open(&url, instance, StoreOptions::default()).await?;
     let ctx = BackendContext {
         config: None,
@@ -105,7 +107,7 @@ async fn run(args: &SweepArgs) -> Result<SweepReport, SweepError> {
         // No agent connects during a sweep.
         gateway_port: 0,
         // Nothing is spawned.
-        tuning: crate::settings::BackendTuning::default(),
+        tuning: crate::daemon::settings::BackendTuning::default(),
         ephemeral: false,
     };
     let built = BackendRegistry::builtin()

@@ -10,7 +10,7 @@
 //! only maps a [`Refusal`] or [`ConfigAckFailed`] to an HTTP status or a
 //! close code.
 
-use crate::token::{TokenGrant, TokenRejection, TokenStore};
+use crate::gateway::token::{TokenGrant, TokenRejection, TokenStore};
 use kici_engine::runtime::Runtime;
 use kici_engine::{AgentError, AgentState, Registration};
 use kici_model::{AgentId, Label};

@@ -8,9 +8,9 @@
 //! job's end. Control — spawns, destroys, token revocation, standalone
 //! jobs' dispatch and end — flows through the engine's effects.
 
+use crate::durable::persist::Persister;
+use crate::events::metrics::Metrics;
 use crate::events::{EventLog, LoggedEvent};
-use crate::metrics::Metrics;
-use crate::persist::Persister;
 use kici_engine::runtime::{Runtime, SequencedEvent};
 use kici_engine::EngineEvent;
 use std::sync::Arc;

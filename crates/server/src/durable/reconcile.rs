@@ -20,8 +20,8 @@
 //! Each pass returns a [`SweepReport`]; reaped orphans are counted in
 //! `kici_orch_scaler_orphans_reaped_total{kind}`.
 
-use crate::backends::StaleRuleSweep;
-use crate::metrics::{Metrics, OrphanKind};
+use crate::daemon::backends::StaleRuleSweep;
+use crate::events::metrics::{Metrics, OrphanKind};
 use kici_engine::runtime::Runtime;
 use kici_engine::{Adoption, Backend, OwnedResource, ResourceHandle};
 use kici_model::{AgentId, ScalerType};

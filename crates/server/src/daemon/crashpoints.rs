@@ -20,7 +20,7 @@ pub fn all() -> Vec<&'static str> {
     v.extend_from_slice(kici_netpolicy::FAILPOINTS);
     v.extend_from_slice(kici_container::FAILPOINTS);
     v.extend_from_slice(kici_firecracker::FAILPOINTS);
-    v.extend_from_slice(crate::reconcile::FAILPOINTS);
+    v.extend_from_slice(crate::durable::reconcile::FAILPOINTS);
     v
 }
 

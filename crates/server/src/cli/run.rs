@@ -19,14 +19,14 @@
 //! 128 + the signal's number (130, 143, 129, 131). What a `run` killed with
 //! SIGKILL left behind (its agents, their cgroups, its temporary state dir)
 //! is swept by the next `run` or `serve` on the host (see
-//! [`crate::dead_runs`]).
+//! [`crate::daemon::dead_runs`]).
 
-use crate::backends::{BackendContext, BackendRegistry};
-use crate::client;
+use crate::cli::client;
+use crate::daemon::backends::{BackendContext, BackendRegistry};
+use crate::daemon::identity::StateDir;
+use crate::daemon::stack::{self, Stack, StackOptions};
 use crate::gateway::GatewaySettings;
-use crate::identity::StateDir;
 use crate::jobs::{self, EndKind, JobBook, JobRequest, JobView, Read, SubmitError};
-use crate::stack::{self, Stack, StackOptions};
 use clap::Args;
 use kici_admission::MachineLedger;
 use kici_api::{JobBody, JobLogEvent, ResourcesBody};
@@ -98,7 +98,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR", env = "KICI_MACHINE_LEDGER_DIR")]
     pub machine_ledger_dir: Option<PathBuf>,
     #[command(flatten)]
-    pub backend: crate::settings::BackendArgs,
+    pub backend: crate::daemon::settings::BackendArgs,
     /// The command and its arguments (after `--`).
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -317,11 +317,12 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
     let config = Arc::new(loaded.config);
 
     // No daemon-config file here: flags, environment, defaults.
-    let tuning = args
-        .backend
-        .resolve(&crate::settings::DaemonFile::default(), &mut Vec::new());
+    let tuning = args.backend.resolve(
+        &crate::daemon::settings::DaemonFile::default(),
+        &mut Vec::new(),
+    );
     // What an earlier `run` killed with SIGKILL left goes first.
-    for swept in crate::dead_runs::sweep(&std::env::temp_dir(), &tuning).await {
+    for swept in crate::daemon::dead_runs::sweep(&std::env::temp_dir(), &tuning).await {
         let _ = writeln!(
             std::io::stderr(),
             "kici-scaler: swept what a killed `kici-scaler run` left behind (instance {}: {} resource(s){})",
@@ -338,14 +339,14 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
     // Its own state dir and instance id: nothing here is shared with a
     // running `serve`.
     let temp = tempfile::Builder::new()
-        .prefix(crate::dead_runs::RUN_DIR_PREFIX)
+        .prefix(crate::daemon::dead_runs::RUN_DIR_PREFIX)
         .tempdir()
         .map_err(|e| Failed(format!("cannot create a temporary state dir: {e}")))?;
     let state_dir = StateDir::open(temp.path(), false)?;
     let instance = state_dir.instance_id();
     // Before any agent exists: a `run` killed from here on leaves a dir the
     // next sweep can tear down completely.
-    crate::dead_runs::RunDir::record(temp.path(), config_path, args.config_dir.as_deref())
+    crate::daemon::dead_runs::RunDir::record(temp.path(), config_path, args.config_dir.as_deref())
         .map_err(|e| {
             Failed(format!(
                 "cannot record the configuration in the state dir: {e}"
@@ -406,8 +407,8 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
             gateway: GatewaySettings::default(),
             // The gateway of one job's agent: the defaults, within this
             // process's descriptors.
-            gateway_limits: crate::serving::ConnectionLimits::gateway()
-                .within_descriptors(crate::serving::raise_open_file_limit(), 4),
+            gateway_limits: crate::daemon::serving::ConnectionLimits::gateway()
+                .within_descriptors(crate::daemon::serving::raise_open_file_limit(), 4),
             job_output: None,
         },
         // `run` lives in a temporary state dir with a fresh identity:

@@ -7,7 +7,16 @@
 //! one JSON document); diagnostics go to stderr as `file:line:col: path:
 //! message` lines; logs are JSON lines on stderr (see [`init_logging`]).
 
-use crate::settings::ServeArgs;
+pub mod client;
+pub mod doctor;
+pub mod firecracker;
+pub mod generate;
+pub mod remote;
+pub mod run;
+pub mod sweep;
+pub mod user_scope;
+
+use crate::daemon::settings::ServeArgs;
 use clap::{Args, Parser, Subcommand};
 use kici_config::{ConfigErrors, Diagnostic, Loaded};
 use kici_model::{Config, LabelError, LabelSet};
@@ -62,7 +71,7 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Run one command on a fresh agent and exit with its exit code: an
     /// in-process daemon for the job (--config), or a running one (--server).
-    Run(Box<crate::run::RunArgs>),
+    Run(Box<crate::cli::run::RunArgs>),
     /// Per-scaler status of a running daemon.
     Status(ClientArgs),
     /// The agents of a running daemon.
@@ -80,21 +89,21 @@ pub enum Command {
     Drain(ScalerArgs),
     /// Check what the bare-metal backend needs on this host: agent
     /// binaries, cgroups, the state and ledger directories.
-    Doctor(crate::doctor::DoctorArgs),
+    Doctor(crate::cli::doctor::DoctorArgs),
     /// One reconcile pass while no daemon runs: forget recorded agents whose
     /// resource is gone, remove our unowned resources older than the age
     /// threshold, release leases nobody holds.
-    Sweep(crate::sweep::SweepArgs),
+    Sweep(crate::cli::sweep::SweepArgs),
     /// The host bridge of the Firecracker backend: provision, verify,
     /// teardown (from the configuration's `firecracker` block).
-    Firecracker(crate::firecracker_cli::FirecrackerArgs),
+    Firecracker(crate::cli::firecracker::FirecrackerArgs),
     /// Every named failpoint of this binary, one per line (for the crash
     /// tests; `KICI_SCALER_CRASH_AT` arms them in `failpoints` builds).
     #[command(hide = true)]
     Failpoints,
     /// Shell completions and man pages from this definition (packaging).
     #[command(hide = true)]
-    Generate(crate::generate::GenerateArgs),
+    Generate(crate::cli::generate::GenerateArgs),
 }
 
 /// How to reach a running daemon. The bearer token, if the daemon needs
@@ -102,7 +111,7 @@ pub enum Command {
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
     /// The daemon: http://HOST:PORT, https://HOST:PORT or unix:/path.
-    #[arg(long, value_name = "URL", env = "KICI_SCALER_SERVER", default_value = crate::client::DEFAULT_SERVER)]
+    #[arg(long, value_name = "URL", env = "KICI_SCALER_SERVER", default_value = crate::cli::client::DEFAULT_SERVER)]
     pub server: String,
     /// PEM CA certificate(s) to trust for an https:// server.
     #[arg(long, value_name = "FILE", env = "KICI_SCALER_CA_CERT")]
@@ -212,7 +221,7 @@ pub enum CliError {
     #[error("cannot encode the output as JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error("{0}")]
-    Client(#[from] crate::client::ClientError),
+    Client(#[from] crate::cli::client::ClientError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(io::Error),
     #[error("serve and run are not one-shot commands")]
@@ -259,7 +268,7 @@ where
             let code = if !e.use_stderr() {
                 exit::OK
             } else if args.get(1).is_some_and(|a| a == "run") {
-                crate::run::EXIT_FAILED
+                crate::cli::run::EXIT_FAILED
             } else {
                 exit::USAGE
             };
@@ -273,12 +282,12 @@ where
         // join it unless KICI_SCALER_LOG asks for more.
         init_logging_with(RUN_LOG_FILTER);
         // Not root on a systemd host: into a delegated user scope first.
-        if crate::user_scope::wanted(args) {
-            let why = crate::user_scope::reexec(&std::env::args_os().collect::<Vec<_>>());
+        if crate::cli::user_scope::wanted(args) {
+            let why = crate::cli::user_scope::reexec(&std::env::args_os().collect::<Vec<_>>());
             // `run` logs errors only, and it is about to fail for this.
             tracing::error!(reason = %why, "cannot enter a delegated user scope");
         }
-        return ExitCode::from(crate::run::run(args));
+        return ExitCode::from(crate::cli::run::run(args));
     }
     init_logging();
     if let Command::Serve(args) = &cli.command {
@@ -317,7 +326,7 @@ fn render_error(e: &CliError) -> String {
 
 /// The log filter when [`LOG_ENV`] is unset. The engine's own per-event
 /// line (a debug dump) is left out: the daemon logs every event with
-/// `agent_id`, `scaler` and `job_id` as fields (see [`crate::pump`]).
+/// `agent_id`, `scaler` and `job_id` as fields (see [`crate::events::pump`]).
 pub const DEFAULT_LOG_FILTER: &str = "info,kici_engine::event=warn";
 
 /// `run`'s log filter when [`LOG_ENV`] is unset.
@@ -352,17 +361,17 @@ pub fn execute(
         Command::Validate(args) => validate(args, out, err),
         Command::Route(args) => route(args, out, err),
         Command::Serve(_) | Command::Run(_) => Err(CliError::NotOneShot),
-        Command::Doctor(args) => crate::doctor::doctor(args, out),
-        Command::Sweep(args) => crate::sweep::sweep(args, out),
-        Command::Firecracker(args) => crate::firecracker_cli::firecracker(args, out, err),
-        Command::Generate(args) => crate::generate::generate(args, out),
+        Command::Doctor(args) => crate::cli::doctor::doctor(args, out),
+        Command::Sweep(args) => crate::cli::sweep::sweep(args, out),
+        Command::Firecracker(args) => crate::cli::firecracker::firecracker(args, out, err),
+        Command::Generate(args) => crate::cli::generate::generate(args, out),
         Command::Failpoints => {
-            for name in crate::crashpoints::all() {
+            for name in crate::daemon::crashpoints::all() {
                 writeln!(out, "{name}")?;
             }
             Ok(Outcome::Ok)
         }
-        remote => crate::remote::execute(remote, out, err),
+        remote => crate::cli::remote::execute(remote, out, err),
     }
 }
 

@@ -12,6 +12,9 @@
 //! starts with the newest recorded events ([`EventLog::restore`]), so a
 //! client resumes across a daemon restart too.
 
+pub mod metrics;
+pub mod pump;
+
 use kici_engine::runtime::SequencedEvent;
 use kici_store::{EventRecord, UnixMillis};
 use parking_lot::Mutex;

@@ -1,6 +1,6 @@
 //! Standalone jobs and the SSE event stream in the state store: what lets
 //! them survive a daemon restart. (Agents and pending scale requests go
-//! through the engine's journal instead: [`crate::state`].)
+//! through the engine's journal instead: [`crate::durable::state`].)
 //!
 //! [`Persister`] is the one writer of these tables. Everything it writes
 //! arrives on one channel in the order it happened:
@@ -13,7 +13,7 @@
 //!   `keep` events are kept (bounded retention; never fewer than one, the
 //!   highest id is what numbering continues from);
 //! - a standalone job's record ([`JobRecorder`], sent by the
-//!   [`JobBook`] under its lock at every change, so in
+//!   [`JobBook`](crate::jobs::JobBook) under its lock at every change, so in
 //!   the order the changes happened): written before the job is
 //!   acknowledged (a job the store could not record is withdrawn and
 //!   answered 503, like a pending request), rewritten when it gets an
@@ -63,7 +63,7 @@ pub struct Persister {
 /// Answered once a job's record is committed (or failed).
 pub type RecordAck = oneshot::Receiver<Result<(), StoreError>>;
 
-/// Records standalone jobs (held by the [`JobBook`]).
+/// Records standalone jobs (held by the [`JobBook`](crate::jobs::JobBook)).
 #[derive(Clone)]
 pub struct JobRecorder {
     tx: mpsc::UnboundedSender<Op>,

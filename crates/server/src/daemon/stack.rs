@@ -12,17 +12,19 @@
 //! last events (every SSE stream closes), stops the gateway, then runs the
 //! backends' clean-up hooks.
 
-use crate::agent_binary::{self, SearchPath};
-use crate::backends::Built;
+use crate::daemon::agent_binary::{self, SearchPath};
+use crate::daemon::backends::Built;
+use crate::daemon::serving::{ConnectionLimits, Listener, ListenerName, Server};
+use crate::durable::persist::{self, Persister};
+use crate::durable::state::{
+    durable_from_record, pending_from_record, RecordedToken, StoreJournal,
+};
+use crate::events::metrics::Metrics;
+use crate::events::pump::Pump;
 use crate::events::{EventLog, LoggedEvent};
+use crate::gateway::token::{TokenBootstrapper, TokenStore};
 use crate::gateway::{Gateway, GatewaySettings, JobDriver};
 use crate::jobs::JobBook;
-use crate::metrics::Metrics;
-use crate::persist::{self, Persister};
-use crate::pump::Pump;
-use crate::serving::{ConnectionLimits, Listener, ListenerName, Server};
-use crate::state::{durable_from_record, pending_from_record, RecordedToken, StoreJournal};
-use crate::token::{TokenBootstrapper, TokenStore};
 use kici_admission::{Admission, MachineLedger};
 use kici_engine::runtime::{PendingReport, Recorded, RecoveryReport, Runtime};
 use kici_engine::{Engine, EngineSettings};
@@ -74,7 +76,7 @@ impl LoadError {
 }
 
 /// Loads and validates the configuration, then resolves every bare-metal
-/// `binaryPath` (see [`crate::agent_binary`]).
+/// `binaryPath` (see [`crate::daemon::agent_binary`]).
 pub fn load_config(main: &Path, dir: Option<&Path>) -> Result<kici_config::Loaded, LoadError> {
     let mut loaded = kici_config::load(main, dir).map_err(LoadError::Config)?;
     agent_binary::resolve_all(&mut loaded.config, &SearchPath::current())
