@@ -13,7 +13,7 @@ use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kici_engine::AgentError;
+use kici_engine::{AgentError, ScaleError};
 use serde::de::DeserializeOwned;
 
 pub use kici_api::{ErrorBody, ErrorCode, ErrorDetail, ReloadErrorBody};
@@ -132,6 +132,32 @@ pub fn agent_error(e: AgentError) -> ApiError {
         AgentError::Illegal(e) => ApiError::new(
             StatusCode::CONFLICT,
             ErrorCode::IllegalTransition,
+            e.to_string(),
+        ),
+    }
+}
+
+/// The engine's refusals of a scale request (`POST /v1/scale` and a
+/// standalone job's submission alike): one mapping to status and code.
+pub fn scale_error(e: ScaleError) -> ApiError {
+    match e {
+        ScaleError::Conflict(_) => {
+            ApiError::new(StatusCode::CONFLICT, ErrorCode::JobConflict, e.to_string())
+                .field("jobId")
+        }
+        ScaleError::QueueFull(_) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::QueueFull,
+            e.to_string(),
+        ),
+        ScaleError::ShuttingDown => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::ShuttingDown,
+            e.to_string(),
+        ),
+        ScaleError::Admission(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::AdmissionFailed,
             e.to_string(),
         ),
     }

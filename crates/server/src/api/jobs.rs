@@ -6,7 +6,7 @@
 //! exit, and destroys the agent when the job ends (see [`crate::jobs`]).
 //! These routes join the control API through [`super::router_with`].
 
-use super::error::{ApiError, ApiJson, ErrorBody};
+use super::error::{scale_error, ApiError, ApiJson, ErrorBody};
 use super::wire::{parse_job, parse_labels, IntoResourceRequest};
 use super::AppState;
 use crate::jobs::{self, JobBook, JobRequest, JobView, Read, SubmitError};
@@ -16,7 +16,6 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use kici_api::{OutputData, Truncated};
-use kici_engine::ScaleError;
 use kici_model::JobId;
 use kici_protocol::{JobSpec, JobSpecError};
 use std::collections::VecDeque;
@@ -93,19 +92,7 @@ fn submit_error(e: SubmitError) -> ApiError {
             format!("the job can never fit under {cap}: {detail}"),
         )
         .field("resources"),
-        SubmitError::Scale(e @ ScaleError::QueueFull(_)) => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "queue-full", e.to_string())
-        }
-        SubmitError::Scale(e @ ScaleError::ShuttingDown) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "shutting-down",
-            e.to_string(),
-        ),
-        SubmitError::Scale(e) => ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "admission-failed",
-            e.to_string(),
-        ),
+        SubmitError::Scale(e) => scale_error(e),
         SubmitError::Store(e) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", e)
         }

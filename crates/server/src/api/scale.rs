@@ -1,14 +1,14 @@
 //! Scale requests: `POST /v1/scale` and `DELETE /v1/scale/{jobId}`
 //! (orchestrator mode; the request's agent is destroyed on disconnect).
 
-use super::error::{ApiError, ApiJson, ErrorBody};
+use super::error::{scale_error, ApiError, ApiJson, ErrorBody};
 use super::wire::{parse_job, IntoApi, IntoRequest, ScaleAnswer, ScaleBody};
 use super::AppState;
 use crate::durable::persist::pending_committed;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use kici_engine::{ScaleError, ScaleOutcome};
+use kici_engine::ScaleOutcome;
 
 /// Ask for an agent for one job.
 ///
@@ -54,24 +54,7 @@ pub async fn request_scale(
                 error_text(&e),
             )
         })?;
-    let outcome = outcome.map_err(|e| match e {
-        ScaleError::Conflict(_) => {
-            ApiError::new(StatusCode::CONFLICT, "job-conflict", e.to_string()).field("jobId")
-        }
-        ScaleError::QueueFull(_) => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "queue-full", e.to_string())
-        }
-        ScaleError::ShuttingDown => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "shutting-down",
-            e.to_string(),
-        ),
-        ScaleError::Admission(_) => ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "admission-failed",
-            e.to_string(),
-        ),
-    })?;
+    let outcome = outcome.map_err(scale_error)?;
     let status = match outcome {
         ScaleOutcome::Spawning { .. } => StatusCode::ACCEPTED,
         _ => StatusCode::OK,
