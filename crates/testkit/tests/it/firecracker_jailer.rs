@@ -274,9 +274,14 @@ fn serial_firecracker_jailer_boots_the_simulator_in_a_chroot_as_the_jailer_user(
     );
     put_ok(&c, "/actions", json!({"action_type": "InstanceStart"}));
 
+    // Running, and the guest agent has written its report (right after it
+    // starts: the phase alone can be seen a moment before the file).
+    let report_path = root.join("agent-report.json");
     let st = c
         .wait_state(Duration::from_secs(10), |s| {
             s.guest_phase() == "agent-running"
+                && fs::read_to_string(&report_path)
+                    .is_ok_and(|t| serde_json::from_str::<Value>(&t).is_ok())
         })
         .unwrap_or_else(|e| {
             panic!(
@@ -296,7 +301,6 @@ fn serial_firecracker_jailer_boots_the_simulator_in_a_chroot_as_the_jailer_user(
     );
     assert_eq!(st.guest()["token_status"], 200);
     assert_eq!(st.guest()["metadata_status"], 200);
-    let report_path = root.join("agent-report.json");
     let report: Value = serde_json::from_str(&fs::read_to_string(&report_path).unwrap()).unwrap();
     assert_eq!(report["env"]["KICI_AGENT_ID"], id);
     assert_eq!(report["env"]["KICI_AGENT_TOKEN"], "tok-123");
