@@ -43,12 +43,7 @@ trait IntoJobRequest {
 
 impl IntoJobRequest for JobBody {
     fn into_request(self, job: JobId) -> Result<JobRequest, ApiError> {
-        if self.labels.is_empty() {
-            return Err(ApiError::invalid(
-                "labels",
-                "at least one label is required (the job's runsOn)",
-            ));
-        }
+        // As for `POST /v1/scale`: no labels routes like upstream does.
         let labels = parse_labels("labels", &self.labels)?;
         let resources = match self.resources {
             Some(r) => r.into_request("resources")?,

@@ -60,12 +60,8 @@ impl IntoRequest for ScaleBody {
             }
             None => None,
         };
-        if self.labels.is_empty() {
-            return Err(ApiError::invalid(
-                "labels",
-                "at least one label is required (the job's runsOn)",
-            ));
-        }
+        // No labels at all is a job upstream routes too (to the first label
+        // set without a gate); the router decides, not the parser.
         let labels = parse_labels("labels", &self.labels)?;
         let exclude = parse_labels(
             "excludeLabels",
@@ -87,11 +83,13 @@ impl IntoRequest for ScaleBody {
 }
 
 pub(crate) fn parse_labels(field: &str, raw: &[String]) -> Result<LabelSet, ApiError> {
+    // Trimmed and lower-cased as upstream does on every request (`" Linux"`
+    // is `linux`), each refusal naming the element.
     for (i, label) in raw.iter().enumerate() {
-        kici_model::Label::parse(label)
+        kici_model::Label::canonical(label)
             .map_err(|e| ApiError::invalid(format!("{field}[{i}]"), e.to_string()))?;
     }
-    LabelSet::parse(raw).map_err(|e| ApiError::invalid(field, e.to_string()))
+    kici_routing::request_labels(raw).map_err(|e| ApiError::invalid(field, e.to_string()))
 }
 
 /// The resources of a request body at JSON path `at`; `None` when nothing

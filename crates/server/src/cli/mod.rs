@@ -134,8 +134,9 @@ pub struct AgentsArgs {
 pub struct RequestArgs {
     #[command(flatten)]
     pub client: ClientArgs,
-    /// The job's labels (its runsOn), comma-separated.
-    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
+    /// The job's labels (its runsOn), comma-separated; none routes to the
+    /// first label set without a gate.
+    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
     pub labels: Vec<String>,
     /// Labels the agent must not have, comma-separated (repeatable).
     #[arg(long, value_name = "LABELS", value_delimiter = ',')]
@@ -194,8 +195,9 @@ pub struct ValidateArgs {
 pub struct RouteArgs {
     #[command(flatten)]
     pub config: ConfigArgs,
-    /// The job's labels (its runsOn), comma-separated.
-    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
+    /// The job's labels (its runsOn), comma-separated; none routes to the
+    /// first label set without a gate.
+    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
     pub labels: Vec<String>,
     /// Labels the job must not land on, comma-separated (repeatable).
     #[arg(long, value_name = "LABELS", value_delimiter = ',')]
@@ -509,7 +511,7 @@ impl From<&Diagnostic> for DiagnosticJson {
 fn route(args: &RouteArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<Outcome, CliError> {
     // Labels first: a typo on the command line is reported even when the
     // configuration is also broken.
-    let job = LabelSet::parse(&args.labels).map_err(|source| CliError::BadLabel {
+    let job = kici_routing::request_labels(&args.labels).map_err(|source| CliError::BadLabel {
         flag: "--labels",
         source,
     })?;

@@ -77,8 +77,9 @@ pub struct RunArgs {
     /// PEM CA certificate(s) to trust for an https:// server.
     #[arg(long, value_name = "FILE", requires = "server")]
     pub ca_cert: Option<PathBuf>,
-    /// The job's labels (its runsOn), comma-separated.
-    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
+    /// The job's labels (its runsOn), comma-separated; none routes to the
+    /// first label set without a gate.
+    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
     pub labels: Vec<String>,
     /// An environment variable for the command (repeatable); a bare NAME
     /// passes kici-scaler's own value.
@@ -154,7 +155,8 @@ struct JobInput {
 
 impl JobInput {
     fn parse(args: &RunArgs) -> Result<Self, Failed> {
-        let labels = LabelSet::parse(&args.labels).map_err(|e| Failed(format!("--labels: {e}")))?;
+        let labels = kici_routing::request_labels(&args.labels)
+            .map_err(|e| Failed(format!("--labels: {e}")))?;
         let mut env = BTreeMap::new();
         for raw in &args.env {
             let (name, value) = match raw.split_once('=') {
