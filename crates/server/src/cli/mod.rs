@@ -134,9 +134,9 @@ pub struct AgentsArgs {
 pub struct RequestArgs {
     #[command(flatten)]
     pub client: ClientArgs,
-    /// The job's labels (its runsOn), comma-separated; none routes to the
-    /// first label set without a gate.
-    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
+    /// The job's labels (its runsOn), comma-separated; `--labels ''` for
+    /// none (routes to the first label set without a gate).
+    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
     pub labels: Vec<String>,
     /// Labels the agent must not have, comma-separated (repeatable).
     #[arg(long, value_name = "LABELS", value_delimiter = ',')]
@@ -195,9 +195,9 @@ pub struct ValidateArgs {
 pub struct RouteArgs {
     #[command(flatten)]
     pub config: ConfigArgs,
-    /// The job's labels (its runsOn), comma-separated; none routes to the
-    /// first label set without a gate.
-    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
+    /// The job's labels (its runsOn), comma-separated; `--labels ''` for
+    /// none (routes to the first label set without a gate).
+    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
     pub labels: Vec<String>,
     /// Labels the job must not land on, comma-separated (repeatable).
     #[arg(long, value_name = "LABELS", value_delimiter = ',')]
@@ -511,7 +511,7 @@ impl From<&Diagnostic> for DiagnosticJson {
 fn route(args: &RouteArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<Outcome, CliError> {
     // Labels first: a typo on the command line is reported even when the
     // configuration is also broken.
-    let job = kici_routing::request_labels(&args.labels).map_err(|source| CliError::BadLabel {
+    let job = job_labels(&args.labels).map_err(|source| CliError::BadLabel {
         flag: "--labels",
         source,
     })?;
@@ -625,6 +625,15 @@ fn write_route_text(
         )?;
     }
     Ok(())
+}
+
+/// A job's `--labels` as upstream reads a request's labels (trimmed,
+/// lower-cased); `--labels ''` is a job with no labels at all.
+pub(crate) fn job_labels(raw: &[String]) -> Result<LabelSet, kici_model::LabelError> {
+    match raw {
+        [only] if only.is_empty() => Ok(LabelSet::default()),
+        _ => kici_routing::request_labels(raw),
+    }
 }
 
 fn bracketed(labels: &LabelSet) -> String {

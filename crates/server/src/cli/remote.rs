@@ -79,7 +79,8 @@ async fn run(
             let body = ScaleBody {
                 job_id: r.job_id.clone().unwrap_or_else(random_job_id),
                 run_id: None,
-                labels: r.labels.clone(),
+                // `--labels ''`: a job with no labels (the server routes it).
+                labels: r.labels.iter().filter(|l| !l.is_empty()).cloned().collect(),
                 exclude_labels: (!r.exclude.is_empty()).then(|| r.exclude.clone()),
                 resources: ResourcesBody::requests(r.cpus, r.memory.clone()),
             };

@@ -77,9 +77,9 @@ pub struct RunArgs {
     /// PEM CA certificate(s) to trust for an https:// server.
     #[arg(long, value_name = "FILE", requires = "server")]
     pub ca_cert: Option<PathBuf>,
-    /// The job's labels (its runsOn), comma-separated; none routes to the
-    /// first label set without a gate.
-    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
+    /// The job's labels (its runsOn), comma-separated; `--labels ''` for
+    /// none (routes to the first label set without a gate).
+    #[arg(long, value_name = "LABELS", value_delimiter = ',', required = true)]
     pub labels: Vec<String>,
     /// An environment variable for the command (repeatable); a bare NAME
     /// passes kici-scaler's own value.

@@ -259,6 +259,18 @@ fn route_json_names_the_chosen_scaler_and_explains_every_candidate() {
     assert_eq!(candidates[2]["reason"], "selected");
 }
 
+/// `--labels ''` is a job with no labels, which upstream routes to the first
+/// label set without a gate (the gated gpu pool is skipped).
+#[test]
+fn route_with_no_labels_picks_the_first_ungated_label_set() {
+    let cfg = ConfigDir::new(MAIN_OK, &[("10-gpu.yaml", DROP_IN_GPU)]);
+    let out = cfg.run("route", &["--labels", "", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
+    let doc = one_json_document(&out);
+    assert_eq!(doc["scaler"], "linux", "{doc}");
+    assert_eq!(doc["labelSetIndex"], 0, "{doc}");
+}
+
 #[test]
 fn route_text_shows_the_choice_and_each_reason() {
     let cfg = ConfigDir::new(MAIN_OK, &[("10-gpu.yaml", DROP_IN_GPU)]);
