@@ -865,15 +865,27 @@ fn stalled_connections_cannot_take_the_daemon_down() {
         assert!(answer.contains(r#""code":"body-timeout""#), "{answer}");
     }
 
-    let text = d.metrics();
+    let open_of = |text: &str, listener: &str| {
+        common::daemon::metric(
+            text,
+            "kici_orch_scaler_connections",
+            &format!("listener=\"{listener}\""),
+        )
+    };
+    // The daemon learns of a close when its connection task next runs: give
+    // it a moment (bounded) before reading the gauges.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut text = d.metrics();
+    while ["api", "gateway"].iter().any(|l| open_of(&text, l) > 1.0)
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        text = d.metrics();
+    }
     for listener in ["api", "gateway"] {
         // Every closed connection left the gauge: at most the scrape itself
         // is open.
-        let open = common::daemon::metric(
-            &text,
-            "kici_orch_scaler_connections",
-            &format!("listener=\"{listener}\""),
-        );
+        let open = open_of(&text, listener);
         assert!(open <= 1.0, "{listener}: {open} open\n{text}");
         let reached = common::daemon::metric(
             &text,
