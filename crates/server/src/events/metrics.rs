@@ -834,8 +834,49 @@ mod tests {
                 },
             });
         }
-        let text = m.encode();
+        // The fill gauges come from the live agents at each scrape: idle warm
+        // agents are ready, warm ones not yet registered are in flight, and an
+        // agent taken by a job (no longer warm) is neither.
+        let agent = |n: u32, state: AgentState, warm: bool, set: usize| AgentView {
+            agent_id: format!("scaler-container-{n:08x}").parse().unwrap(),
+            state,
+            scaler: ScalerName::new("pool"),
+            backend: ScalerType::Container,
+            label_set_index: set,
+            job_id: None,
+            resources: kici_model::Resources::default(),
+            warm,
+            mode: kici_engine::Mode::Orchestrator,
+            failure_reason: None,
+            exit_code: None,
+            age_seconds: 0.0,
+            state_seconds: 0.0,
+        };
+        let agents = [
+            agent(1, Idle, true, 0),
+            agent(2, Idle, true, 0),
+            agent(3, Booted, true, 0),
+            agent(4, Provisioning, true, 1),
+            agent(5, Busy, false, 1),
+        ];
+        let status = Status {
+            global: kici_admission::ScopeUsage {
+                agents: 5,
+                cpu: Default::default(),
+                memory: Default::default(),
+                caps: Default::default(),
+                configured: true,
+            },
+            global_max_agents: 10,
+            pending: 0,
+            scalers: Vec::new(),
+        };
+        let text = m.scrape(&config, &status, &agents);
         for line in [
+            "kici_orch_scaler_warm_pool_ready{scaler=\"pool\",labelSet=\"linux,x64\"} 2",
+            "kici_orch_scaler_warm_pool_in_flight{scaler=\"pool\",labelSet=\"linux,x64\"} 1",
+            "kici_orch_scaler_warm_pool_ready{scaler=\"pool\",labelSet=\"gpu\"} 0",
+            "kici_orch_scaler_warm_pool_in_flight{scaler=\"pool\",labelSet=\"gpu\"} 1",
             "kici_orch_scaler_warm_pool_spawns_total{scaler=\"pool\"} 1",
             "kici_orch_scaler_warm_pool_reaped_total{scaler=\"pool\"} 2",
             "kici_orch_scaler_redispatch_total{trigger=\"hook\"} 2",
