@@ -367,6 +367,11 @@ impl Client {
         self.call(Method::GET, "/v1/status", None::<&()>).await
     }
 
+    /// `GET /v1/fleet` (a host of a fleet only).
+    pub async fn fleet(&self) -> Result<crate::FleetObject, ApiError> {
+        self.call(Method::GET, "/v1/fleet", None::<&()>).await
+    }
+
     /// `POST /v1/reload`; a refused configuration is an [`ApiError::Api`]
     /// with code [`ErrorCode::InvalidConfig`] and every error in
     /// [`ErrorAnswer::errors`].

@@ -117,6 +117,8 @@ error_codes! {
     // Operations.
     /// `POST /v1/reload` refused the new configuration (422).
     InvalidConfig = "invalid-config",
+    /// `GET /v1/fleet` on a daemon that is not in a fleet (404).
+    NotAFleet = "not-a-fleet",
 }
 
 impl fmt::Display for ErrorCode {

@@ -62,6 +62,7 @@ pub mod agents;
 pub mod client;
 pub mod error;
 pub mod events;
+pub mod fleet;
 pub mod jobs;
 pub mod names;
 pub mod routes;
@@ -76,6 +77,7 @@ pub use agents::{
 #[cfg(feature = "client")]
 pub use client::{ApiError, Client, ErrorAnswer, Events, JobLogs, RawReply};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, ReloadErrorBody};
+pub use fleet::{FleetHostObject, FleetObject, FleetPoolObject};
 pub use events::{Event, Reset, StampedEvent, StreamEvent, RESET_EVENT};
 pub use jobs::{JobAccepted, JobBody, JobLogEvent, JobView, OutputData, Truncated};
 pub use kici_protocol::{ChunkData, OutputStream};

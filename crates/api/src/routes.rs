@@ -37,6 +37,7 @@ pub const ROUTES: &[Route] = &[
     route("GET", "/v1/status"),
     route("POST", "/v1/reload"),
     route("GET", "/v1/events"),
+    route("GET", "/v1/fleet"),
     route("GET", "/metrics"),
     route("GET", "/healthz"),
     route("GET", "/readyz"),

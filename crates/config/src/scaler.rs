@@ -79,7 +79,7 @@ const OWNED: [(&str, &[ScalerType]); 14] = [
     ("memSizeMib", FIRECRACKER),
 ];
 
-const EXT_KEYS: [&str; 9] = [
+const EXT_KEYS: [&str; 11] = [
     "provisionTimeoutSeconds",
     "registrationTimeoutSeconds",
     "pendingDispatchTimeoutSeconds",
@@ -89,6 +89,8 @@ const EXT_KEYS: [&str; 9] = [
     "idleGraceSeconds",
     "backoff",
     "ulimits",
+    "fleetMaxAgents",
+    "fleetResourceCap",
 ];
 
 const BACKOFF_KEYS: [&str; 4] = [
@@ -358,6 +360,14 @@ fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtensi
                 format!("ulimits apply to container scalers only, not to type \"{kind}\""),
             );
         }
+    }
+    // A fleet's caps of this pool, across every host serving it (each
+    // host's own capacity stays `maxAgents` / `resourceCap`).
+    if let Some(n) = cx.opt(&obj, "fleetMaxAgents", |cx, v| cx.positive_int(v)).value() {
+        ext.fleet_max_agents = Some(n);
+    }
+    if let Some(cap) = cx.opt(&obj, "fleetResourceCap", resources::cap).value() {
+        ext.fleet_resource_cap = Some(cap);
     }
     (cx.error_count() == before).then_some(ext)
 }

@@ -588,6 +588,63 @@ impl Engine {
             .map(Some)
     }
 
+    /// Where `request` would go, without admitting it: its scaler and the
+    /// resources it would reserve, or the final answer when no scaler can
+    /// take it (`NoBackend`) or it can never fit here (`TooLarge`). For a
+    /// host that records requests in a shared queue before any host serves
+    /// them.
+    pub fn classify(&self, request: &ScaleRequest) -> Result<(ScalerName, EffectiveResources), ScaleOutcome> {
+        let Some(route) = self
+            .router
+            .route(&request.labels, &request.exclude, &self.cordons)
+        else {
+            return Err(ScaleOutcome::NoBackend {
+                explanation: self.explain_no_backend(request),
+            });
+        };
+        let resources = self.resolve_resources(request, route);
+        let scaler = &self.config.scalers[route.scaler];
+        if let Some(too_large) = self.admission.too_large(
+            scaler.name.as_str(),
+            resources.requests,
+            scaler.machine_pool.as_deref(),
+        ) {
+            return Err(ScaleOutcome::TooLarge {
+                cap: too_large.cap,
+                detail: too_large.detail,
+            });
+        }
+        Ok((scaler.name.clone(), resources))
+    }
+
+    /// [`Engine::request_scale`] without the pending queue: a request that
+    /// cannot be served now is taken back out (its record too) and answered
+    /// `Pending { position: 0 }`. For requests queued elsewhere (a fleet's
+    /// shared queue), which must not also wait here.
+    pub fn request_scale_now(
+        &mut self,
+        request: ScaleRequest,
+        now: Instant,
+    ) -> Result<ScaleOutcome, ScaleError> {
+        let job = request.job.clone();
+        let known = self.jobs.contains_key(&job);
+        let outcome = self.request_scale_arrived(request, now, now, false)?;
+        if matches!(outcome, ScaleOutcome::Pending { .. }) && !known {
+            self.pending.remove(&job);
+            self.jobs.remove(&job);
+            return Ok(ScaleOutcome::Pending { position: 0 });
+        }
+        Ok(outcome)
+    }
+
+    /// The answer a repeat of `job`'s scale request would get now, if the
+    /// engine knows the job (waiting, or bound to a live agent).
+    pub fn job_outcome(&self, job: &JobId) -> Option<ScaleOutcome> {
+        self.jobs
+            .get(job)
+            .map(|record| self.current_outcome(job, record.agent))
+    }
+
     /// Whether `job` waits in the pending queue.
     pub fn is_pending(&self, job: &JobId) -> bool {
         self.pending.contains(job)

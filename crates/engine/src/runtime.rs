@@ -114,6 +114,16 @@ impl Bootstrapper for DefaultBootstrap {
     }
 }
 
+/// A last check before a backend creates an agent for a job, after the
+/// agent's record is written: a coordinator that hands jobs to several
+/// hosts refuses the spawn of a job this host no longer holds. A refusal
+/// fails the spawn before anything exists on the host.
+#[async_trait::async_trait]
+pub trait SpawnGate: Send + Sync {
+    /// `Err(reason)`: the agent must not be created.
+    async fn admit(&self, agent: AgentId, job: Option<&JobId>) -> Result<(), String>;
+}
+
 /// An event with its stream position (the SSE `id`) and wall-clock time.
 #[derive(Debug, Clone)]
 pub struct SequencedEvent {
@@ -141,6 +151,8 @@ struct Inner {
     settled: Notify,
     /// Set once by `shutdown`; every background task ends when it flips.
     stop: watch::Sender<bool>,
+    /// Consulted before every spawn (see [`SpawnGate`]); set at most once.
+    gate: std::sync::OnceLock<Arc<dyn SpawnGate>>,
 }
 
 /// A cheap, cloneable handle on the running engine.
@@ -251,6 +263,7 @@ impl Runtime {
             job_effects_rx: Mutex::new(Some(job_effects_rx)),
             settled: Notify::new(),
             stop: watch::Sender::new(false),
+            gate: std::sync::OnceLock::new(),
         });
         let rt = Self { inner };
         let reporter = rt.clone();
@@ -505,6 +518,14 @@ impl Runtime {
                 }
             }
             crate::failpoints::hit(crate::failpoints::SPAWN_RECORDED);
+            if let Some(gate) = rt.inner.gate.get() {
+                if let Err(reason) = gate.admit(agent, spec.job.as_ref()).await {
+                    rt.inner.spawns.lock().remove(&agent);
+                    let detail = format!("not spawned: {reason}");
+                    rt.call(|e2, now| e2.spawn_failed(agent, detail, now));
+                    return;
+                }
+            }
             let result = backend.spawn(spec).await;
             if result.is_ok() {
                 crate::failpoints::hit(crate::failpoints::SPAWN_BACKEND_DONE);
@@ -708,6 +729,20 @@ impl Runtime {
         });
         self.inner.wake.notify_one();
         (outcome, ack)
+    }
+
+    /// [`Runtime::request_scale`] for a request some other queue keeps:
+    /// served now (an agent spawning, or a warm one taken) or not at all —
+    /// a request that would wait is not queued here and is answered
+    /// `Pending { position: 0 }`, leaving nothing behind.
+    pub fn request_scale_now(&self, request: ScaleRequest) -> Result<ScaleOutcome, ScaleError> {
+        self.call(|e, now| e.request_scale_now(request, now))
+    }
+
+    /// Installs the check every spawn passes before its backend is called
+    /// (see [`SpawnGate`]). `false` if one was installed already.
+    pub fn set_spawn_gate(&self, gate: Arc<dyn SpawnGate>) -> bool {
+        self.inner.gate.set(gate).is_ok()
     }
 
     pub fn cancel_scale(&self, job: &JobId) -> bool {

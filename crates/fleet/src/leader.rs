@@ -47,6 +47,9 @@ pub struct LostAgent {
     pub job_id: Option<String>,
     /// Its pool.
     pub pool: String,
+    /// Whether it had registered (then its job belongs to the orchestrator
+    /// and the request is not served again).
+    pub registered: bool,
 }
 
 /// What one round of chores did.
@@ -238,7 +241,8 @@ impl Leader {
              WHERE a.fleet = $1 AND a.state = 'live' AND EXISTS ( \
                  SELECT 1 FROM fleet_hosts h WHERE h.fleet = a.fleet AND h.instance_id = a.instance_id \
                      AND h.state = 'lost') \
-             RETURNING a.agent_id AS agent_id, a.instance_id AS instance_id, a.job_id AS job_id, a.pool AS pool",
+             RETURNING a.agent_id AS agent_id, a.instance_id AS instance_id, a.job_id AS job_id, a.pool AS pool, \
+                 a.registered_at IS NOT NULL AS registered",
         )
         .bind(name)
         .fetch_all(&mut *tx)
@@ -249,6 +253,7 @@ impl Leader {
                 instance_id: r.try_get("instance_id")?,
                 job_id: r.try_get("job_id")?,
                 pool: r.try_get("pool")?,
+                registered: r.try_get("registered")?,
             });
         }
         for pool in &pools {

@@ -110,7 +110,9 @@ pub use error::{FleetError, PoolMismatch};
 pub use leader::{ChoreReport, Leader, LostAgent, LostHost};
 pub use membership::{Caps, HostSpec, HostStatus, LeaseGuard, Membership, PoolDefinition};
 pub use placement::{should_claim, HostLoad, Placement};
-pub use queue::{Adopted, Claim, Enqueued, NewRequest, Queue, RequestKind, RequestState, Waker};
+pub use queue::{
+    Adopted, Claim, Enqueued, NewRequest, Queue, RequestKind, RequestState, RequestView, Waker,
+};
 pub use schema::SCHEMA_VERSION;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};

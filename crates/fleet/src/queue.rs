@@ -141,6 +141,28 @@ pub enum Enqueued {
     },
 }
 
+/// One request, as any host reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestView {
+    /// Job id.
+    pub job_id: String,
+    /// Its pool.
+    pub pool: String,
+    /// Scale request or standalone job.
+    pub kind: RequestKind,
+    /// Where it is.
+    pub state: RequestState,
+    /// The host holding it (claimed, started, lost, or finished by it).
+    pub host: Option<String>,
+    /// Its agent, once started.
+    pub agent_id: Option<String>,
+    /// How it finished.
+    pub outcome: Option<String>,
+    /// Among its pool's queued requests, its place (1 = next); 0 when not
+    /// queued.
+    pub position: u64,
+}
+
 /// A request claimed by this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
@@ -245,9 +267,11 @@ impl Queue {
 
     /// Writes a request to the queue (committed before this returns, so the
     /// entry host may answer). A request whose job id is already in the
-    /// fleet is not written again: same body → [`Enqueued::Existing`] with
-    /// the first answer; different body → [`FleetError::Conflict`]. The
-    /// pool's listeners are notified at commit.
+    /// fleet and not finished is not written again: same body →
+    /// [`Enqueued::Existing`] with the first answer; different body →
+    /// [`FleetError::Conflict`]. The same body again after the first one
+    /// finished is a new request (queued anew, at the back). The pool's
+    /// listeners are notified at commit.
     pub async fn enqueue(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
@@ -255,7 +279,13 @@ impl Queue {
             "INSERT INTO fleet_requests (fleet, job_id, kind, pool, body, answer, milli_cpu, memory_bytes, \
                  entry_host, state, arrived_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'queued', fleet_now_ms()) \
-             ON CONFLICT (fleet, job_id) DO NOTHING RETURNING seq",
+             ON CONFLICT (fleet, job_id) DO UPDATE SET seq = nextval('fleet_request_seq'), \
+                 pool = EXCLUDED.pool, answer = EXCLUDED.answer, milli_cpu = EXCLUDED.milli_cpu, \
+                 memory_bytes = EXCLUDED.memory_bytes, entry_host = EXCLUDED.entry_host, state = 'queued', \
+                 arrived_at = fleet_now_ms(), claimed_by = NULL, claim_epoch = NULL, claim_seq = NULL, \
+                 claimed_at = NULL, agent_id = NULL, started_at = NULL, finished_at = NULL, outcome = NULL \
+               WHERE fleet_requests.state = 'finished' AND fleet_requests.body = EXCLUDED.body \
+             RETURNING seq",
         )
         .bind(name)
         .bind(&req.job_id)
@@ -726,6 +756,71 @@ impl Queue {
         notify(&mut tx, name, &pool).await?;
         tx.commit().await?;
         Ok(true)
+    }
+
+    /// Records that the agent `agent_id` of `instance` registered: from now
+    /// on its job belongs to the orchestrator, and a lost host's request
+    /// with this agent is not served again. Returns whether the row was
+    /// this host's.
+    pub async fn mark_registered(&self, instance: &str, agent_id: &str) -> Result<bool, FleetError> {
+        let n = sqlx::query(
+            "UPDATE fleet_agents SET registered_at = fleet_now_ms(), updated_at = fleet_now_ms() \
+             WHERE fleet = $1 AND agent_id = $2 AND instance_id = $3 AND registered_at IS NULL",
+        )
+        .bind(self.fleet.name())
+        .bind(agent_id)
+        .bind(instance)
+        .execute(self.fleet.pool())
+        .await?
+        .rows_affected();
+        Ok(n > 0)
+    }
+
+    /// Cancels a request still waiting in the queue (finished, outcome
+    /// `cancelled`). Returns whether it was queued; a claimed or started
+    /// request is its host's to cancel.
+    pub async fn cancel_queued(&self, job_id: &str) -> Result<bool, FleetError> {
+        let mut tx = self.fleet.pool().begin().await?;
+        let pool: Option<String> = sqlx::query_scalar(
+            "UPDATE fleet_requests SET state = 'finished', finished_at = fleet_now_ms(), outcome = 'cancelled' \
+             WHERE fleet = $1 AND job_id = $2 AND state = 'queued' RETURNING pool",
+        )
+        .bind(self.fleet.name())
+        .bind(job_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(pool) = &pool {
+            notify(&mut tx, self.fleet.name(), pool).await?;
+        }
+        tx.commit().await?;
+        Ok(pool.is_some())
+    }
+
+    /// One request as the queue knows it (None: unknown or purged), with
+    /// its place among the queued requests of its pool (1 = next).
+    pub async fn lookup(&self, job_id: &str) -> Result<Option<RequestView>, FleetError> {
+        let row = sqlx::query(
+            "SELECT r.pool, r.kind, r.state, r.claimed_by, r.agent_id, r.outcome, \
+                 CASE WHEN r.state = 'queued' THEN (SELECT count(*) FROM fleet_requests q \
+                     WHERE q.fleet = r.fleet AND q.pool = r.pool AND q.state = 'queued' AND q.seq <= r.seq) \
+                 ELSE 0 END AS position \
+             FROM fleet_requests r WHERE r.fleet = $1 AND r.job_id = $2",
+        )
+        .bind(self.fleet.name())
+        .bind(job_id)
+        .fetch_optional(self.fleet.pool())
+        .await?;
+        let Some(r) = row else { return Ok(None) };
+        Ok(Some(RequestView {
+            job_id: job_id.to_owned(),
+            pool: r.try_get("pool")?,
+            kind: RequestKind::parse(&r.try_get::<String, _>("kind")?)?,
+            state: RequestState::parse(&r.try_get::<String, _>("state")?)?,
+            host: r.try_get("claimed_by")?,
+            agent_id: r.try_get("agent_id")?,
+            outcome: r.try_get("outcome")?,
+            position: non_negative("fleet_requests", "position", r.try_get("position")?)?,
+        }))
     }
 
     /// Where a request is, and who holds it (None: unknown or purged).

@@ -22,14 +22,21 @@ struct Migration {
     sql: &'static str,
 }
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "fleet tables",
-    sql: include_str!("../migrations/0001_fleet.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "fleet tables",
+        sql: include_str!("../migrations/0001_fleet.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "agent registration time",
+        sql: include_str!("../migrations/0002_agent_registered.sql"),
+    },
+];
 
 /// The newest schema version this binary knows.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Key of the transaction-level advisory lock migrations run under
 /// ("kflt-mig" in ASCII; single-key locks live apart from kici-store's

@@ -640,6 +640,12 @@ pub struct ScalerExtension {
     /// names not set here keep the daemon's default. Empty for other types.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub ulimits: BTreeMap<UlimitName, UlimitValue>,
+    /// In a fleet: most agents of this pool across every host serving it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet_max_agents: Option<u32>,
+    /// In a fleet: CPU and memory of this pool across every host.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet_resource_cap: Option<crate::ResourceCap>,
 }
 
 impl ScalerExtension {
@@ -648,6 +654,8 @@ impl ScalerExtension {
             deadlines: Deadlines::defaults_for(kind),
             backoff: BackoffPolicy::default(),
             ulimits: BTreeMap::new(),
+            fleet_max_agents: None,
+            fleet_resource_cap: None,
         }
     }
 }

@@ -22,6 +22,8 @@
 //!   events, and the reconciler.
 //! - [`events`]: the engine's event stream to observers: the SSE replay
 //!   buffer, the fan-out pump, Prometheus metrics.
+//! - [`fleet`]: this daemon as one host of a fleet sharing a PostgreSQL
+//!   database — membership, leadership, the claim loop, handover.
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -30,5 +32,6 @@ pub mod cli;
 pub mod daemon;
 pub mod durable;
 pub mod events;
+pub mod fleet;
 pub mod gateway;
 pub mod jobs;

@@ -64,6 +64,8 @@ pub struct Shared {
     /// The durable state store (`None` in `run` and in tests without one).
     /// New scale requests need it reachable.
     store: parking_lot::RwLock<Option<Arc<dyn StateStore>>>,
+    /// This host's fleet, when it is in one (PostgreSQL state).
+    fleet: parking_lot::RwLock<Option<crate::fleet::FleetHost>>,
     /// Start-up finished and not shutting down.
     ready: AtomicBool,
     /// The OpenAPI document, serialised once.
@@ -97,6 +99,7 @@ impl AppState {
             reloader,
             api_token,
             store: parking_lot::RwLock::new(None),
+            fleet: parking_lot::RwLock::new(None),
             ready: AtomicBool::new(false),
             openapi_json: parking_lot::RwLock::new(Arc::from("{}")),
         }))
@@ -122,6 +125,16 @@ impl AppState {
                 )
             }),
         }
+    }
+
+    /// Makes this daemon answer as a host of `fleet`.
+    pub fn set_fleet(&self, fleet: crate::fleet::FleetHost) {
+        *self.0.fleet.write() = Some(fleet);
+    }
+
+    /// This host's fleet, if it is in one.
+    pub fn fleet(&self) -> Option<crate::fleet::FleetHost> {
+        self.0.fleet.read().clone()
     }
 
     pub fn set_ready(&self, ready: bool) {
@@ -193,6 +206,7 @@ pub fn api_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(ops::status))
         .routes(routes!(ops::reload))
         .routes(routes!(stream::events))
+        .routes(routes!(ops::fleet))
         .routes(routes!(ops::metrics))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))

@@ -25,6 +25,37 @@ pub async fn status(State(state): State<AppState>) -> Json<StatusObject> {
     Json(status_object(state.instance, &state.runtime.status()))
 }
 
+/// The fleet this daemon belongs to: its hosts (state, epoch, lease age,
+/// leader) and pools (hosts serving each, agents, capacity, queue depth),
+/// read from the fleet's database — the same answer from every host.
+#[utoipa::path(
+    get,
+    path = "/v1/fleet",
+    tag = "operations",
+    responses(
+        (status = 200, description = "The fleet", body = kici_api::FleetObject),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "This daemon is not in a fleet (its state store is not PostgreSQL)", body = ErrorBody),
+        (status = 503, description = "The fleet's database is unreachable", body = ErrorBody)
+    )
+)]
+pub async fn fleet(State(state): State<AppState>) -> Result<Json<kici_api::FleetObject>, ApiError> {
+    let Some(fleet) = state.fleet() else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotAFleet,
+            "this daemon is not in a fleet: a fleet is the daemons sharing one PostgreSQL state store (--state postgres://…)",
+        ));
+    };
+    fleet.view().await.map(Json).map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::StoreUnavailable,
+            format!("reading the fleet: {e}"),
+        )
+    })
+}
+
 /// Re-read the configuration files and apply them, all or nothing.
 ///
 /// The new configuration is validated (files, then every backend) before

@@ -1,7 +1,7 @@
 //! Scale requests: `POST /v1/scale` and `DELETE /v1/scale/{jobId}`
 //! (orchestrator mode; the request's agent is destroyed on disconnect).
 
-use super::error::{scale_error, ApiError, ApiJson, ErrorBody};
+use super::error::{scale_error, ApiError, ApiJson, ErrorBody, ErrorCode};
 use super::wire::{parse_job, IntoApi, IntoRequest, ScaleAnswer, ScaleBody};
 use super::AppState;
 use crate::durable::persist::pending_committed;
@@ -38,10 +38,21 @@ pub async fn request_scale(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<ScaleBody>,
 ) -> Result<(StatusCode, Json<ScaleAnswer>), ApiError> {
-    let request = body.into_request()?;
+    let request = body.clone().into_request()?;
     let job = request.job.clone();
     // A read: nothing starts while the store cannot record it.
     state.store_reachable().await?;
+    if let Some(fleet) = state.fleet() {
+        // In a fleet the shared queue records the request (committed before
+        // this answer) and whichever host serves its pool takes it.
+        let outcome = fleet.enter_scale(&body, request).await.map_err(fleet_error)?;
+        let status = match outcome {
+            ScaleOutcome::Spawning { .. } => StatusCode::ACCEPTED,
+            _ => StatusCode::OK,
+        };
+        tracing::info!(job_id = %job, result = ?outcome, "scale request (fleet)");
+        return Ok((status, Json(outcome.into_api())));
+    }
     let (outcome, recorded) = state.runtime.request_scale_recorded(request);
     // A request that waits is answered once its record (the engine's
     // journal) is committed: a crash must not forget what was acknowledged.
@@ -61,6 +72,23 @@ pub async fn request_scale(
     };
     tracing::info!(job_id = %job, result = ?outcome, "scale request");
     Ok((status, Json(outcome.into_api())))
+}
+
+fn fleet_error(e: crate::fleet::EntryError) -> ApiError {
+    use crate::fleet::EntryError;
+    match e {
+        EntryError::Conflict(job) => ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::JobConflict,
+            format!("job {job} was already requested with a different body"),
+        )
+        .field("jobId"),
+        EntryError::Unavailable(m) | EntryError::Body(m) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::StoreUnavailable,
+            m,
+        ),
+    }
 }
 
 /// An error and its sources, `: `-separated.
@@ -95,7 +123,10 @@ pub async fn cancel_scale(
     Path(job_id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let job = parse_job("jobId", &job_id)?;
-    let cancelled = state.runtime.cancel_scale(&job);
+    let cancelled = match state.fleet() {
+        Some(fleet) => fleet.cancel_scale(&job).await.map_err(fleet_error)?,
+        None => state.runtime.cancel_scale(&job),
+    };
     tracing::info!(job_id = %job, cancelled, "scale request cancelled");
     Ok(StatusCode::NO_CONTENT)
 }

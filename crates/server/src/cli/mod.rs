@@ -74,6 +74,9 @@ pub enum Command {
     Run(Box<crate::cli::run::RunArgs>),
     /// Per-scaler status of a running daemon.
     Status(ClientArgs),
+    /// The fleet a running daemon belongs to: its hosts and pools (the same
+    /// from any host).
+    Fleet(ClientArgs),
     /// The agents of a running daemon.
     Agents(AgentsArgs),
     /// Ask a running daemon for an agent for a job (POST /v1/scale).

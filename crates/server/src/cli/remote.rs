@@ -1,4 +1,4 @@
-//! The commands that talk to a running daemon: `status`, `agents`,
+//! The commands that talk to a running daemon: `status`, `fleet`, `agents`,
 //! `request`, `destroy`, `cordon`, `uncordon`, `drain`, through
 //! [`kici_api::Client`].
 //!
@@ -70,6 +70,10 @@ async fn run(
         Command::Status(args) => {
             let answer = client(args)?.status().await;
             finish(args, answer, out, err, write_status)
+        }
+        Command::Fleet(args) => {
+            let answer = client(args)?.fleet().await;
+            finish(args, answer, out, err, write_fleet)
         }
         Command::Agents(a) => {
             let answer = client(&a.client)?.agents(a.all).await;
@@ -264,6 +268,51 @@ fn write_status(doc: &StatusObject, out: &mut dyn Write) -> std::io::Result<()> 
                 )?;
             }
         }
+    }
+    Ok(())
+}
+
+/// Two tables: hosts, then pools.
+fn write_fleet(doc: &kici_api::FleetObject, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "fleet {} (answered by {})", doc.fleet, doc.answered_by)?;
+    writeln!(
+        out,
+        "{:<18} {:<20} {:<8} {:>6} {:>9} {:<6} URL",
+        "HOST", "HOSTNAME", "STATE", "EPOCH", "LEASE-AGE", "LEADER"
+    )?;
+    for h in &doc.hosts {
+        writeln!(
+            out,
+            "{:<18} {:<20} {:<8} {:>6} {:>8.1}s {:<6} {}",
+            h.instance_id,
+            h.hostname,
+            h.state,
+            h.epoch,
+            h.lease_age_seconds,
+            if h.leader { "yes" } else { "" },
+            h.url.as_deref().unwrap_or("-"),
+        )?;
+    }
+    writeln!(
+        out,
+        "{:<24} {:>6} {:>7} {:>9} {:>6} {:>6}",
+        "POOL", "HOSTS", "AGENTS", "CAPACITY", "FREE", "QUEUED"
+    )?;
+    let opt = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
+    for p in &doc.pools {
+        writeln!(
+            out,
+            "{:<24} {:>6} {:>7} {:>9} {:>6} {:>6}",
+            p.name,
+            p.hosts.len(),
+            p.agents,
+            opt(p.capacity),
+            opt(p.free),
+            p.queue_depth
+        )?;
+    }
+    for r in &doc.refused_pools {
+        writeln!(out, "refused: {r}")?;
     }
     Ok(())
 }

@@ -87,6 +87,8 @@ pub enum ServeError {
     Store(kici_store::StoreError),
     #[error("{0}")]
     Crashpoints(#[from] crate::daemon::crashpoints::CrashpointError),
+    #[error("{0}")]
+    Fleet(#[from] crate::fleet::JoinError),
     #[error("shutdown: {0} agent(s) were not destroyed within the shutdown grace")]
     AgentsLeft(usize),
 }
@@ -374,6 +376,33 @@ async fn run(
         api_token,
     );
     state.set_store(Arc::clone(&store));
+    // Joined last: the engine holds its recovered agents, so the fleet rows
+    // of those agents are taken back (or the agents destroyed) before this
+    // host claims anything.
+    let fleet = match (&settings.fleet, &settings.state) {
+        (Some(fleet_settings), kici_store::StoreUrl::Postgres(url)) => {
+            let host = crate::fleet::FleetHost::join(
+                fleet_settings.clone(),
+                url,
+                instance,
+                &config,
+                runtime.clone(),
+                Arc::clone(&stack.metrics),
+            )
+            .await;
+            match host {
+                Ok(host) => {
+                    state.set_fleet(host.clone());
+                    Some(host)
+                }
+                Err(e) => {
+                    stack.shutdown(settings.shutdown_grace).await;
+                    return Err(e.into());
+                }
+            }
+        }
+        _ => None,
+    };
     let heartbeat_task = spawn_heartbeat(Arc::clone(&store));
     let router = api::router_with(state.clone(), api::jobs::routes());
 
@@ -446,7 +475,15 @@ async fn run(
     server.graceful_shutdown(None);
     reconcile_task.abort();
     heartbeat_task.abort();
+    if let Some(fleet) = &fleet {
+        // Before any agent goes: the requests this host claimed but did not
+        // start are served by the other hosts right away.
+        fleet.hand_back().await;
+    }
     let stopped = stack.shutdown(settings.shutdown_grace).await;
+    if let Some(fleet) = &fleet {
+        fleet.leave().await;
+    }
     store.close().await;
     server.graceful_shutdown(Some(CONNECTION_DRAIN));
     match tokio::time::timeout(CONNECTION_DRAIN * 2, &mut server.task).await {

@@ -220,6 +220,8 @@ pub struct ServeArgs {
     pub reset_identity: bool,
     #[command(flatten)]
     pub backend: BackendArgs,
+    #[command(flatten)]
+    pub fleet: crate::fleet::settings::FleetArgs,
     /// Test builds only: an in-memory backend for every scaler type.
     #[cfg(feature = "memory-backends")]
     #[arg(long, hide = true)]
@@ -258,6 +260,27 @@ pub struct DaemonFile {
     pub container_subnet: Option<String>,
     pub container_bridge: Option<String>,
     pub cgroup_root: Option<PathBuf>,
+    pub fleet: Option<String>,
+    pub advertise_url: Option<String>,
+    pub fleet_lease_seconds: Option<u64>,
+    pub fleet_placement: Option<String>,
+    pub fleet_max_agents: Option<u32>,
+    pub fleet_max_cpu: Option<f64>,
+    pub fleet_max_memory: Option<String>,
+}
+
+impl DaemonFile {
+    fn fleet_file(&self) -> crate::fleet::settings::FleetFile {
+        crate::fleet::settings::FleetFile {
+            fleet: self.fleet.clone(),
+            advertise_url: self.advertise_url.clone(),
+            fleet_lease_seconds: self.fleet_lease_seconds,
+            fleet_placement: self.fleet_placement.clone(),
+            fleet_max_agents: self.fleet_max_agents,
+            fleet_max_cpu: self.fleet_max_cpu,
+            fleet_max_memory: self.fleet_max_memory.clone(),
+        }
+    }
 }
 
 /// A daemon-config value written as a number or a word (`4096`, `"max"`,
@@ -568,6 +591,8 @@ pub struct DaemonSettings {
     pub api_limits: ConnectionLimits,
     /// Each agent gateway listener's connection bounds.
     pub gateway_limits: ConnectionLimits,
+    /// The fleet this host joins (PostgreSQL state only).
+    pub fleet: Option<crate::fleet::settings::FleetSettings>,
 }
 
 impl DaemonSettings {
@@ -718,6 +743,12 @@ impl DaemonSettings {
         let mut backends = args.backend.resolve(file, &mut errors);
         backends.firecracker_sweep_interval = Duration::from_secs(firecracker_sweep);
         backends.orphan_min_age = Duration::from_secs(reconcile_age);
+        let fleet = args.fleet.resolve(
+            &file.fleet_file(),
+            matches!(state, Some(StoreUrl::Postgres(_))),
+            Some(listen_raw.as_str()),
+            &mut errors,
+        );
 
         match (config, listen, gateway_listen, state) {
             (Some(config), Some(listen), Some(gateway_listen), Some(state))
@@ -749,6 +780,7 @@ impl DaemonSettings {
                     backends,
                     api_limits,
                     gateway_limits,
+                    fleet,
                 })
             }
             _ => Err(SettingsError::Invalid(errors.join("\n"))),

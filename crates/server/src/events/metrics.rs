@@ -47,7 +47,17 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_warm_pool_spawns_total",
     "kici_orch_scaler_warm_pool_reaped_total",
     "kici_orch_scaler_redispatch_total",
+    // The fleet's families are 0 on a host serving alone.
+    "kici_orch_scaler_fleet_hosts",
+    "kici_orch_scaler_fleet_claims_total",
+    "kici_orch_scaler_fleet_failovers_total",
+    "kici_orch_scaler_fleet_leader",
 ];
+
+/// `fleet_claims_total{result}`: what became of a claim this host made.
+pub const FLEET_CLAIM_RESULTS: [&str; 4] = ["started", "released", "refused", "error"];
+/// `fleet_hosts{state}`.
+pub const FLEET_HOST_STATES: [&str; 3] = ["up", "leaving", "lost"];
 
 /// `config_reloads_total{result}`.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -137,6 +147,21 @@ struct WarmPoolLabels {
     scaler: String,
     /// The label set's canonical key (`linux,x64`).
     labelSet: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FleetResultLabels {
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FleetStateLabels {
+    state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    pool: String,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -235,6 +260,11 @@ pub struct Metrics {
     warm_pool_spawns: Family<ScalerLabels, Counter>,
     warm_pool_reaped: Family<ScalerLabels, Counter>,
     redispatch: Family<TriggerLabels, Counter>,
+    fleet_hosts: Family<FleetStateLabels, Gauge>,
+    fleet_queue_depth: Family<PoolLabels, Gauge>,
+    fleet_claims: Family<FleetResultLabels, Counter>,
+    fleet_failovers: Counter,
+    fleet_leader: Gauge,
     /// Seconds an agent spent in `requested`, until it boots (the provision
     /// phase spans requested + provisioning).
     requested_seconds: Mutex<HashMap<AgentId, f64>>,
@@ -268,6 +298,11 @@ impl Metrics {
             warm_pool_spawns: Family::default(),
             warm_pool_reaped: Family::default(),
             redispatch: Family::default(),
+            fleet_hosts: Family::default(),
+            fleet_queue_depth: Family::default(),
+            fleet_claims: Family::default(),
+            fleet_failovers: Counter::default(),
+            fleet_leader: Gauge::default(),
             requested_seconds: Mutex::new(HashMap::new()),
             scrape: Mutex::new(()),
             registry: Registry::default(),
@@ -374,6 +409,37 @@ impl Metrics {
         );
         for trigger in REDISPATCH_TRIGGERS {
             let _ = m.redispatch.get_or_create(&TriggerLabels { trigger });
+        }
+        registry.register(
+            "kici_orch_scaler_fleet_hosts",
+            "Hosts of this host's fleet per state (up, leaving, lost), as last read from the database; 0 outside a fleet",
+            m.fleet_hosts.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_fleet_queue_depth",
+            "Requests queued in the fleet per pool (scaler name), as last read from the database",
+            m.fleet_queue_depth.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_fleet_claims",
+            "Fleet requests this host claimed, by what became of them: started (an agent bound), released (local capacity busy, given back), refused (can never fit here), error",
+            m.fleet_claims.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_fleet_failovers",
+            "Hosts this host, as the fleet's leader, declared lost (their unstarted work returned to the queue)",
+            m.fleet_failovers.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_fleet_leader",
+            "1 while this host is the fleet's leader, else 0",
+            m.fleet_leader.clone(),
+        );
+        for state in FLEET_HOST_STATES {
+            let _ = m.fleet_hosts.get_or_create(&FleetStateLabels { state });
+        }
+        for result in FLEET_CLAIM_RESULTS {
+            let _ = m.fleet_claims.get_or_create(&FleetResultLabels { result });
         }
         for name in ListenerName::ALL {
             let labels = ListenerLabels {
@@ -719,6 +785,37 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition.
+    /// One claim's result (one of [`FLEET_CLAIM_RESULTS`]).
+    pub fn fleet_claim(&self, result: &'static str) {
+        self.fleet_claims
+            .get_or_create(&FleetResultLabels { result })
+            .inc();
+    }
+
+    /// Hosts this leader declared lost.
+    pub fn fleet_failovers(&self, n: usize) {
+        self.fleet_failovers.inc_by(n as u64);
+    }
+
+    pub fn set_fleet_leader(&self, leading: bool) {
+        self.fleet_leader.set(i64::from(leading));
+    }
+
+    /// The fleet's hosts per state and queue depth per pool, as just read.
+    pub fn set_fleet_view(&self, hosts: &[(&'static str, i64)], depths: &[(String, i64)]) {
+        for (state, n) in hosts {
+            self.fleet_hosts
+                .get_or_create(&FleetStateLabels { state })
+                .set(*n);
+        }
+        self.fleet_queue_depth.clear();
+        for (pool, n) in depths {
+            self.fleet_queue_depth
+                .get_or_create(&PoolLabels { pool: pool.clone() })
+                .set(*n);
+        }
+    }
+
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.

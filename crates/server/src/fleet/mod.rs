@@ -1,0 +1,812 @@
+//! This daemon as one host of a fleet: several daemons sharing one
+//! PostgreSQL database serve as one scaler (see `docs/fleet.md`).
+//!
+//! What it owns: the host's membership (join, lease renewal, rejoin after a
+//! lapse with reconciliation of its agents), leadership and the leader's
+//! chores, the claim loop that pulls the fleet's queued scale requests into
+//! the local engine, the spawn gate that binds an agent to its claim before
+//! any backend creates it, the follow-up of those agents until their
+//! requests finish, the handover on shutdown, and the fleet's view for
+//! `GET /v1/fleet`. The coordination itself (tables, locks, caps) is
+//! `kici_fleet`'s; routing, admission and provisioning stay the engine's.
+//!
+//! A scale request's path: any host routes it and writes it to the queue
+//! before answering ([`FleetHost::enter_scale`]); the hosts serving its
+//! pool are notified and one claims it (placement, then the fleet caps in
+//! the claim transaction), admits it locally ([`Runtime::request_scale_now`]:
+//! served now or released back to the queue, never queued twice), and the
+//! spawn gate records the agent against the claim under the host's lease
+//! epoch before the backend is called.
+
+pub mod settings;
+pub mod view;
+
+use crate::events::metrics::Metrics;
+use kici_engine::runtime::{Runtime, SpawnGate};
+use kici_engine::{AgentState, EngineEvent, ScaleOutcome, ScaleRequest};
+use kici_fleet::{
+    Adopted, Caps, Claim, Enqueued, Fleet, FleetError, FleetOptions, HostSpec, Leader, LeaseGuard,
+    Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
+};
+use kici_model::{AgentId, Config, InstanceId, JobId, ScalerName};
+use parking_lot::Mutex;
+use settings::FleetSettings;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{broadcast, watch, Notify};
+use tokio::task::JoinHandle;
+
+/// Finished requests, gone agents and departed hosts are purged after this.
+const RETAIN: Duration = Duration::from_secs(3600);
+/// A pool whose claim the local engine could not admit is not claimed from
+/// again until a local agent ends or this passes.
+const LOCAL_BUSY_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Why this host could not join its fleet.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("fleet {fleet:?}: {source}")]
+    Fleet {
+        fleet: String,
+        #[source]
+        source: FleetError,
+    },
+}
+
+/// This daemon's place in its fleet. Cheap to clone.
+#[derive(Clone)]
+pub struct FleetHost(Arc<Inner>);
+
+struct Inner {
+    settings: FleetSettings,
+    fleet: Fleet,
+    queue: Queue,
+    guard: LeaseGuard,
+    instance: InstanceId,
+    runtime: Runtime,
+    metrics: Arc<Metrics>,
+    /// The pools (scaler names) this host joined with.
+    pools: Vec<String>,
+    /// Pools refused at join (defined differently on live hosts), with why.
+    refused: Vec<String>,
+    /// Claims whose agent is not bound yet, by job (the spawn gate takes
+    /// them out).
+    claimed: Mutex<HashMap<JobId, Claim>>,
+    /// Agents started for this host's claims, and their jobs.
+    bound: Mutex<HashMap<AgentId, JobId>>,
+    /// Pools whose last claim the engine could not admit, and since when.
+    busy: Mutex<HashMap<String, Instant>>,
+    leading: AtomicBool,
+    /// Wakes the claim loop: local capacity freed, or a new request here.
+    wake: Notify,
+    stop: watch::Sender<bool>,
+    membership: tokio::sync::Mutex<Option<Membership>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// Each scaler of `config` as a fleet pool: what must mean the same on every
+/// host (type, label sets, fleet caps), and this host's own capacity.
+pub fn pool_definitions(config: &Config) -> Vec<PoolDefinition> {
+    config
+        .scalers
+        .iter()
+        .map(|s| {
+            let label_sets: Vec<serde_json::Value> = s
+                .label_sets
+                .iter()
+                .map(|ls| {
+                    serde_json::json!({
+                        "labels": ls.labels.key(),
+                        "resources": ls.resources,
+                    })
+                })
+                .collect();
+            let cap = s.ext.fleet_resource_cap.unwrap_or_default();
+            PoolDefinition {
+                name: s.name.as_str().to_owned(),
+                label_sets: serde_json::json!({
+                    "type": s.kind.to_string(),
+                    "mandatoryLabels": s.mandatory_labels.key(),
+                    "labelSets": label_sets,
+                }),
+                fleet_caps: Caps {
+                    max_agents: s.ext.fleet_max_agents,
+                    max_cpu: cap.max_cpu,
+                    max_memory: cap.max_memory,
+                },
+                host_max_agents: Some(s.max_agents),
+            }
+        })
+        .collect()
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+impl FleetHost {
+    /// Connects (migrating the fleet schema, refusing a newer one), joins
+    /// with every scaler of `config` as a pool — a pool defined differently
+    /// on a live host is left out, reported in the log and in
+    /// `GET /v1/fleet` —, takes back the fleet rows of the agents the
+    /// engine recovered, installs the spawn gate and starts the lease,
+    /// leader, claim and follow-up tasks.
+    pub async fn join(
+        settings: FleetSettings,
+        url: &str,
+        instance: InstanceId,
+        config: &Config,
+        runtime: Runtime,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, JoinError> {
+        let err = |source| JoinError::Fleet {
+            fleet: settings.name.clone(),
+            source,
+        };
+        let fleet = Fleet::connect(url, &settings.name, FleetOptions::default())
+            .await
+            .map_err(err)?;
+        let mut spec = HostSpec::new(instance, &hostname(), env!("CARGO_PKG_VERSION"));
+        spec.url = settings.advertise_url.clone();
+        spec.pools = pool_definitions(config);
+        spec.global_caps = settings.global_caps;
+        spec.lease = settings.lease;
+        spec.margin = settings.lease / 3;
+        spec.host_caps = serde_json::json!({
+            "maxAgents": config.global_max_agents,
+        });
+        let mut refused = Vec::new();
+        let membership = match fleet.join(spec.clone()).await {
+            Ok(m) => m,
+            Err(FleetError::PoolMismatch(mismatches)) => {
+                let names: HashSet<&str> = mismatches.iter().map(|m| m.pool.as_str()).collect();
+                for m in &mismatches {
+                    tracing::error!(pool = %m.pool, hosts = ?m.hosts, difference = %m.difference,
+                        "fleet: this host's definition of the pool differs from the live hosts'; it does not serve the pool");
+                    refused.push(m.to_string());
+                }
+                spec.pools.retain(|p| !names.contains(p.name.as_str()));
+                fleet.join(spec).await.map_err(err)?
+            }
+            Err(e) => return Err(err(e)),
+        };
+        let pools: Vec<String> = membership.spec().pools.iter().map(|p| p.name.clone()).collect();
+        let host = Self(Arc::new(Inner {
+            queue: fleet.queue(),
+            guard: membership.guard().clone(),
+            settings,
+            fleet,
+            instance,
+            runtime,
+            metrics,
+            pools,
+            refused,
+            claimed: Mutex::new(HashMap::new()),
+            bound: Mutex::new(HashMap::new()),
+            busy: Mutex::new(HashMap::new()),
+            leading: AtomicBool::new(false),
+            wake: Notify::new(),
+            stop: watch::Sender::new(false),
+            membership: tokio::sync::Mutex::new(Some(membership)),
+            tasks: Mutex::new(Vec::new()),
+        }));
+        host.reconcile().await;
+        host.0
+            .runtime
+            .set_spawn_gate(Arc::new(ClaimGate(Arc::downgrade(&host.0))));
+        let tasks = vec![
+            tokio::spawn(host.clone().lease_loop()),
+            tokio::spawn(host.clone().claim_loop()),
+            tokio::spawn(host.clone().follow_agents(host.0.runtime.subscribe())),
+        ];
+        *host.0.tasks.lock() = tasks;
+        tracing::info!(
+            fleet = %host.0.settings.name,
+            epoch = host.0.guard.epoch(),
+            pools = ?host.0.pools,
+            url = ?host.0.settings.advertise_url,
+            "joined the fleet"
+        );
+        Ok(host)
+    }
+
+    pub fn settings(&self) -> &FleetSettings {
+        &self.0.settings
+    }
+
+    pub fn fleet(&self) -> &Fleet {
+        &self.0.fleet
+    }
+
+    pub fn queue(&self) -> &Queue {
+        &self.0.queue
+    }
+
+    pub fn instance(&self) -> InstanceId {
+        self.0.instance
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.0.leading.load(Ordering::Relaxed)
+    }
+
+    pub fn refused_pools(&self) -> &[String] {
+        &self.0.refused
+    }
+
+    fn serves(&self, pool: &str) -> bool {
+        self.0.pools.iter().any(|p| p == pool)
+    }
+
+    // ------------------------------------------------------------- entry
+
+    /// A scale request arriving at this host: routed by the local engine,
+    /// written to the fleet's queue (committed before the answer), tried at
+    /// once here when this host serves its pool, and answered from where
+    /// it is now. `body` is the request as the caller sent it (its
+    /// canonical JSON is the dedupe key).
+    pub async fn enter_scale(
+        &self,
+        body: &kici_api::ScaleBody,
+        request: ScaleRequest,
+    ) -> Result<ScaleOutcome, EntryError> {
+        let job = request.job.clone();
+        let rt = &self.0.runtime;
+        let (pool, resources) = match rt.call(|e, _| e.classify(&request)) {
+            Ok(route) => route,
+            // Final answers: nothing is queued for a request no pool takes.
+            Err(outcome) => return Ok(outcome),
+        };
+        let body_json =
+            serde_json::to_string(body).map_err(|e| EntryError::Body(e.to_string()))?;
+        let new = NewRequest {
+            job_id: job.to_string(),
+            kind: RequestKind::Scale,
+            pool: pool.as_str().to_owned(),
+            body: body_json,
+            answer: String::new(),
+            cpu: resources.requests.cpu,
+            memory: resources.requests.memory,
+            entry_host: self.0.instance.to_string(),
+        };
+        match self.0.queue.enqueue(&new).await {
+            Ok(Enqueued::New { .. }) => {
+                if self.serves(pool.as_str()) {
+                    // Served here at once if placement and capacity allow;
+                    // otherwise the pool's other hosts were notified.
+                    self.claim_from(pool.as_str()).await;
+                }
+            }
+            Ok(Enqueued::Existing { .. }) => {}
+            Err(FleetError::Conflict { .. }) => {
+                return Err(EntryError::Conflict(job));
+            }
+            Err(e) => return Err(EntryError::Unavailable(e.to_string())),
+        }
+        self.answer(&job).await
+    }
+
+    /// The answer to `job`'s request as it stands: from the local engine if
+    /// this host serves it, else from the queue.
+    async fn answer(&self, job: &JobId) -> Result<ScaleOutcome, EntryError> {
+        if let Some(outcome) = self.0.runtime.call(|e, _| e.job_outcome(job)) {
+            return Ok(outcome);
+        }
+        let view = self
+            .0
+            .queue
+            .lookup(job.as_str())
+            .await
+            .map_err(|e| EntryError::Unavailable(e.to_string()))?;
+        let Some(view) = view else {
+            return Err(EntryError::Unavailable(format!(
+                "request {job} left the queue while being answered; retry"
+            )));
+        };
+        let agent = view.agent_id.as_deref().and_then(|a| a.parse::<AgentId>().ok());
+        let backend = self
+            .0
+            .runtime
+            .call(|e, _| e.config().scaler(&view.pool).map(|s| s.kind));
+        match (view.state, agent, backend) {
+            (RequestState::Started | RequestState::Lost, Some(agent_id), Some(backend)) => {
+                Ok(ScaleOutcome::Spawning {
+                    agent_id,
+                    scaler: ScalerName::new(&view.pool),
+                    backend,
+                    warm: false,
+                })
+            }
+            _ => Ok(ScaleOutcome::Pending {
+                position: usize::try_from(view.position).unwrap_or(usize::MAX),
+            }),
+        }
+    }
+
+    /// `DELETE /v1/scale/{jobId}` on a fleet host: the request is cancelled
+    /// wherever this host can reach it — in the queue, or here.
+    pub async fn cancel_scale(&self, job: &JobId) -> Result<bool, EntryError> {
+        let queued = self
+            .0
+            .queue
+            .cancel_queued(job.as_str())
+            .await
+            .map_err(|e| EntryError::Unavailable(e.to_string()))?;
+        let local = self.0.runtime.cancel_scale(job);
+        Ok(queued || local)
+    }
+
+    // ------------------------------------------------------------- claims
+
+    /// One claim attempt in `pool`: placement first, then the claim (fleet
+    /// caps in its transaction), then local admission. Returns whether a
+    /// request was claimed (served or given back).
+    async fn claim_from(&self, pool: &str) -> bool {
+        let inner = &self.0;
+        if !inner.guard.is_valid() || *inner.stop.borrow() {
+            return false;
+        }
+        if let Some(since) = inner.busy.lock().get(pool) {
+            if since.elapsed() < LOCAL_BUSY_BACKOFF {
+                return false;
+            }
+        }
+        match inner.queue.pool_loads(pool).await {
+            Ok(loads) => {
+                if !kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads) {
+                    return false;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, pool, "fleet: reading the pool's loads failed");
+                return false;
+            }
+        }
+        let claim = match inner.queue.claim(&inner.guard, &[pool.to_owned()]).await {
+            Ok(Some(claim)) => claim,
+            Ok(None) => return false,
+            Err(e) => {
+                inner.metrics.fleet_claim("error");
+                tracing::warn!(error = %e, pool, "fleet: claim failed");
+                return false;
+            }
+        };
+        self.serve(claim).await;
+        true
+    }
+
+    /// Admits a claimed request here, or gives it back.
+    async fn serve(&self, claim: Claim) {
+        let inner = &self.0;
+        let request = match serde_json::from_str::<kici_api::ScaleBody>(&claim.body)
+            .map_err(|e| e.to_string())
+            .and_then(|body| {
+                use crate::api::wire::IntoRequest;
+                body.into_request().map_err(|e| e.message)
+            }) {
+            Ok(r) => r,
+            Err(e) => {
+                // Written by a host of this fleet: unreadable means a newer
+                // host wrote what this one cannot serve. Let another try.
+                tracing::error!(job_id = %claim.job_id, error = %e, "fleet: a claimed request is unreadable here; given back");
+                self.give_back(&claim, "error").await;
+                return;
+            }
+        };
+        let job = request.job.clone();
+        // Before the engine spawns: the gate looks the claim up by job.
+        inner.claimed.lock().insert(job.clone(), claim.clone());
+        match inner.runtime.request_scale_now(request) {
+            Ok(ScaleOutcome::Spawning { agent_id, warm, .. }) => {
+                inner.bound.lock().insert(agent_id, job.clone());
+                inner.metrics.fleet_claim("started");
+                if warm {
+                    // A warm agent exists already: no spawn passes the gate,
+                    // so the claim is bound here.
+                    let claim = inner.claimed.lock().remove(&job);
+                    if let Some(claim) = claim {
+                        if let Err(e) = inner
+                            .queue
+                            .start(&inner.guard, &claim, &agent_id.to_string())
+                            .await
+                        {
+                            tracing::warn!(job_id = %job, agent_id = %agent_id, error = %e,
+                                "fleet: the warm agent could not be bound to its claim; unbinding it");
+                            inner.bound.lock().remove(&agent_id);
+                            inner.runtime.cancel_scale(&job);
+                        }
+                    }
+                }
+            }
+            Ok(ScaleOutcome::Pending { .. }) | Err(kici_engine::ScaleError::QueueFull(_)) => {
+                inner.claimed.lock().remove(&job);
+                inner.busy.lock().insert(claim.pool.clone(), Instant::now());
+                self.give_back(&claim, "released").await;
+            }
+            Ok(outcome @ (ScaleOutcome::TooLarge { .. } | ScaleOutcome::NoBackend { .. })) => {
+                inner.claimed.lock().remove(&job);
+                inner.metrics.fleet_claim("refused");
+                let text = match outcome {
+                    ScaleOutcome::TooLarge { detail, .. } => format!("too-large: {detail}"),
+                    ScaleOutcome::NoBackend { explanation } => format!("no-backend: {explanation}"),
+                    _ => String::new(),
+                };
+                if let Err(e) = inner
+                    .queue
+                    .complete(&claim.instance, &claim.job_id, &text)
+                    .await
+                {
+                    tracing::warn!(job_id = %job, error = %e, "fleet: finishing a refused request failed");
+                }
+            }
+            Err(e) => {
+                inner.claimed.lock().remove(&job);
+                tracing::warn!(job_id = %job, error = %e, "fleet: the engine refused a claimed request; given back");
+                self.give_back(&claim, "error").await;
+            }
+        }
+    }
+
+    async fn give_back(&self, claim: &Claim, result: &'static str) {
+        self.0.metrics.fleet_claim(result);
+        if let Err(e) = self.0.queue.release(claim).await {
+            // The claim stays until this host's lease lapses; the leader
+            // then returns it.
+            tracing::warn!(job_id = %claim.job_id, error = %e, "fleet: giving a claim back failed");
+        }
+    }
+
+    async fn claim_loop(self) {
+        let inner = Arc::clone(&self.0);
+        let mut stop = inner.stop.subscribe();
+        let mut waker = loop {
+            match inner.fleet.waker(&inner.pools).await {
+                Ok(w) => break w,
+                Err(e) => {
+                    tracing::warn!(error = %e, "fleet: cannot listen for arrivals; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = stop.wait_for(|s| *s) => return,
+                    }
+                }
+            }
+        };
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            let mut progressed = false;
+            for pool in &inner.pools {
+                while self.claim_from(pool).await {
+                    progressed = true;
+                    if *stop.borrow() {
+                        return;
+                    }
+                }
+            }
+            if progressed {
+                continue;
+            }
+            tokio::select! {
+                _ = waker.wait() => {}
+                _ = inner.wake.notified() => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
+    }
+
+    // -------------------------------------------------------- follow-up
+
+    /// Follows the agents of this host's claims: a registration is recorded
+    /// (the job is the orchestrator's from then on), an agent's end
+    /// finishes its request. Any agent ending wakes the claim loop (local
+    /// capacity freed).
+    async fn follow_agents(self, mut events: broadcast::Receiver<Arc<kici_engine::runtime::SequencedEvent>>) {
+        let mut stop = self.0.stop.subscribe();
+        loop {
+            let event = tokio::select! {
+                e = events.recv() => e,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            match event {
+                Ok(ev) => {
+                    if let EngineEvent::AgentTransition { agent_id, to, detail, failure_reason, .. } = &ev.event {
+                        match to {
+                            AgentState::Registered | AgentState::Idle | AgentState::Busy => {
+                                if self.0.bound.lock().contains_key(agent_id) {
+                                    let q = self.0.queue.clone();
+                                    let me = self.0.instance.to_string();
+                                    let agent = agent_id.to_string();
+                                    tokio::spawn(async move {
+                                        let _ = q.mark_registered(&me, &agent).await;
+                                    });
+                                }
+                            }
+                            AgentState::Gone => {
+                                let outcome = match (failure_reason, detail) {
+                                    (Some(r), _) => format!("agent ended: {r}"),
+                                    (None, Some(d)) => format!("agent ended: {d}"),
+                                    (None, None) => "agent ended".to_owned(),
+                                };
+                                self.finish(*agent_id, &outcome).await;
+                                self.0.busy.lock().clear();
+                                self.0.wake.notify_one();
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => self.finish_vanished().await,
+                Err(broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+
+    async fn finish(&self, agent: AgentId, outcome: &str) {
+        let Some(job) = self.0.bound.lock().remove(&agent) else {
+            return;
+        };
+        self.0.claimed.lock().remove(&job);
+        if let Err(e) = self
+            .0
+            .queue
+            .complete(&self.0.instance.to_string(), job.as_str(), outcome)
+            .await
+        {
+            // Left `started`: finished by the next sweep of vanished agents.
+            tracing::warn!(job_id = %job, error = %e, "fleet: finishing a request failed");
+            self.0.bound.lock().insert(agent, job);
+        }
+    }
+
+    /// Finishes the requests of bound agents the engine no longer has (an
+    /// event was missed, or a completion failed to reach the database).
+    async fn finish_vanished(&self) {
+        let live = self.0.runtime.live_agent_ids();
+        let gone: Vec<AgentId> = self
+            .0
+            .bound
+            .lock()
+            .keys()
+            .filter(|a| !live.contains(a))
+            .copied()
+            .collect();
+        for agent in gone {
+            self.finish(agent, "agent ended").await;
+        }
+    }
+
+    // ------------------------------------------------------ lease, leader
+
+    async fn lease_loop(self) {
+        let inner = Arc::clone(&self.0);
+        let mut stop = inner.stop.subscribe();
+        let mut leader = inner.fleet.leader(inner.instance);
+        let every = (inner.settings.lease / 3).max(Duration::from_millis(500));
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+            self.renew().await;
+            let leading = match leader.try_lead().await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::debug!(error = %e, "fleet: leadership check failed");
+                    false
+                }
+            };
+            if leading != inner.leading.swap(leading, Ordering::Relaxed) {
+                tracing::info!(leading, "fleet: leadership changed");
+            }
+            inner.metrics.set_fleet_leader(leading);
+            if leading {
+                self.chores(&leader).await;
+            }
+            self.finish_vanished().await;
+            self.refresh_view().await;
+        }
+        leader.step_down().await;
+        inner.metrics.set_fleet_leader(false);
+    }
+
+    /// Renews the lease; a lease found lost is taken anew (new epoch), then
+    /// this host's agents are reconciled against the queue.
+    async fn renew(&self) {
+        let mut guard = self.0.membership.lock().await;
+        let Some(membership) = guard.as_mut() else {
+            return;
+        };
+        match membership.renew().await {
+            Ok(()) => {}
+            Err(FleetError::LeaseLost { epoch, .. }) => {
+                tracing::warn!(epoch, "fleet: the lease was lost (this host was silent too long); rejoining");
+                match membership.rejoin().await {
+                    Ok(epoch) => {
+                        tracing::info!(epoch, "fleet: rejoined");
+                        drop(guard);
+                        self.reconcile().await;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "fleet: rejoining failed; retrying"),
+                }
+            }
+            Err(e) => {
+                // The local fence closes on its own before the database's
+                // lease could expire: claiming and starting stop meanwhile.
+                tracing::warn!(error = %e, valid = self.0.guard.is_valid(), "fleet: renewing the lease failed");
+            }
+        }
+    }
+
+    /// After a (re)join: each agent the engine runs for a job is taken back
+    /// under the current epoch if its request is still this host's, else
+    /// destroyed (another host serves it now). Claims from older epochs
+    /// went back to the queue with the rejoin.
+    async fn reconcile(&self) {
+        let inner = &self.0;
+        inner.claimed.lock().clear();
+        let agents = inner.runtime.agents(false);
+        for a in agents {
+            let Some(job) = a.job_id.clone() else { continue };
+            if a.mode == kici_engine::Mode::Standalone {
+                continue;
+            }
+            match inner.queue.adopt(&inner.guard, &a.agent_id.to_string()).await {
+                Ok(Adopted::Live) => {
+                    inner.bound.lock().insert(a.agent_id, job);
+                }
+                Ok(verdict @ (Adopted::NotOurs | Adopted::OverCap)) => {
+                    tracing::warn!(agent_id = %a.agent_id, job_id = %job, ?verdict,
+                        "fleet: an agent's request is no longer this host's; destroying it");
+                    inner.bound.lock().remove(&a.agent_id);
+                    let _ = inner.runtime.destroy_agent(a.agent_id);
+                }
+                Err(e) => tracing::warn!(agent_id = %a.agent_id, error = %e, "fleet: reconciling an agent failed"),
+            }
+        }
+    }
+
+    async fn chores(&self, leader: &Leader) {
+        let inner = &self.0;
+        let report = match leader.run_chores(RETAIN).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "fleet: the leader's chores failed");
+                return;
+            }
+        };
+        if !report.lost_hosts.is_empty() {
+            inner.metrics.fleet_failovers(report.lost_hosts.len());
+        }
+        for h in &report.lost_hosts {
+            tracing::warn!(instance = %h.instance_id, hostname = %h.hostname, epoch = h.epoch,
+                "fleet: host lost (lease expired); its unstarted requests return to the queue");
+        }
+        for job in &report.requeued {
+            tracing::info!(job_id = %job, "fleet: a lost host's claim returned to the queue");
+        }
+        for a in &report.lost_agents {
+            tracing::warn!(agent_id = %a.agent_id, instance = %a.instance_id, job_id = ?a.job_id,
+                registered = a.registered, "fleet: agent lost with its host");
+            // An agent that never registered never got its job: serve the
+            // request again elsewhere. A registered one's job belongs to the
+            // orchestrator, which sees the agent disconnect.
+            if let (false, Some(job)) = (a.registered, &a.job_id) {
+                if let Err(e) = inner.queue.requeue(&a.instance_id, job).await {
+                    tracing::warn!(job_id = %job, error = %e, "fleet: requeueing a lost agent's request failed");
+                }
+            }
+        }
+    }
+
+    /// Reads the fleet's hosts and queue depths into the metrics.
+    async fn refresh_view(&self) {
+        let Ok(hosts) = kici_fleet::membership::hosts(&self.0.fleet).await else {
+            return;
+        };
+        let count = |state: &str| hosts.iter().filter(|h| h.state == state).count() as i64;
+        let states: Vec<(&'static str, i64)> = crate::events::metrics::FLEET_HOST_STATES
+            .iter()
+            .map(|s| (*s, count(s)))
+            .collect();
+        let mut depths = Vec::new();
+        for pool in &self.0.pools {
+            if let Ok(d) = self.0.queue.depth(pool).await {
+                depths.push((pool.clone(), i64::try_from(d).unwrap_or(i64::MAX)));
+            }
+        }
+        self.0.metrics.set_fleet_view(&states, &depths);
+    }
+
+    // ---------------------------------------------------------- shutdown
+
+    /// SIGTERM, before the agents are destroyed: stop claiming and hand the
+    /// claimed-but-unstarted requests back to the queue at once (not after
+    /// the lease expires), so other hosts serve them now.
+    pub async fn hand_back(&self) {
+        self.0.stop.send_replace(true);
+        let guard = self.0.membership.lock().await;
+        if let Some(m) = guard.as_ref() {
+            match m.hand_back().await {
+                Ok(jobs) => tracing::info!(returned = jobs.len(), "fleet: claimed requests handed back"),
+                Err(e) => tracing::warn!(error = %e, "fleet: handing claims back failed; the leader returns them when the lease expires"),
+            }
+        }
+    }
+
+    /// After the agents were destroyed: the requests of this host's agents
+    /// are finished and the host leaves the fleet (its row `left`).
+    pub async fn leave(&self) {
+        self.0.stop.send_replace(true);
+        let agents: Vec<AgentId> = self.0.bound.lock().keys().copied().collect();
+        for agent in agents {
+            self.finish(agent, "host shut down").await;
+        }
+        let tasks = std::mem::take(&mut *self.0.tasks.lock());
+        for t in tasks {
+            t.abort();
+        }
+        let membership = self.0.membership.lock().await.take();
+        if let Some(m) = membership {
+            if let Err(e) = m.leave().await {
+                tracing::warn!(error = %e, "fleet: leaving failed; the leader declares this host lost when its lease expires");
+            }
+        }
+        self.0.fleet.close().await;
+        tracing::info!("left the fleet");
+    }
+}
+
+/// Why a request could not be entered into the fleet's queue.
+#[derive(Debug, thiserror::Error)]
+pub enum EntryError {
+    #[error("job {0} was already requested with a different body")]
+    Conflict(JobId),
+    #[error("the fleet's database is unavailable: {0}")]
+    Unavailable(String),
+    #[error("the request body cannot be recorded: {0}")]
+    Body(String),
+}
+
+/// The spawn gate: an agent for a fleet claim is bound to it (recorded
+/// `live` under this host's epoch, fenced) before its backend creates it.
+struct ClaimGate(std::sync::Weak<Inner>);
+
+#[async_trait::async_trait]
+impl SpawnGate for ClaimGate {
+    async fn admit(&self, agent: AgentId, job: Option<&JobId>) -> Result<(), String> {
+        let (Some(inner), Some(job)) = (self.0.upgrade(), job) else {
+            return Ok(());
+        };
+        // Not a fleet claim (a standalone job, or a warm spawn): ungated.
+        let Some(claim) = inner.claimed.lock().remove(job) else {
+            return Ok(());
+        };
+        match inner
+            .queue
+            .start(&inner.guard, &claim, &agent.to_string())
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                inner.bound.lock().remove(&agent);
+                tracing::warn!(job_id = %job, agent_id = %agent, error = %e,
+                    "fleet: the claim could not be bound; the agent is not created");
+                // Still ours under a lapsed lease: give it back at once
+                // (always safe) rather than when the leader finds it.
+                if let Err(e) = inner.queue.release(&claim).await {
+                    tracing::debug!(job_id = %job, error = %e, "fleet: giving the claim back failed");
+                }
+                Err(format!("the fleet claim could not be bound: {e}"))
+            }
+        }
+    }
+}
