@@ -14,6 +14,9 @@
 #   KICI_PG_BASE  parent dir (default /var/tmp/kici-scaler-pg); every parent
 #                 must be traversable by the postgres user.
 #   KICI_PG_BIN   server binaries (default /usr/lib/postgresql/15/bin).
+#   KICI_PG_LISTEN  extra address to listen on beside 127.0.0.1 (the fleet
+#                 tests' bridge address, reachable from their network
+#                 namespaces); its /24 gets trust auth too. Only at start.
 #
 # The server runs as `postgres` (initdb refuses root), listens on 127.0.0.1
 # only, with its socket in <dir>/sock (no /var/run/postgresql without
@@ -78,9 +81,16 @@ start() {
         as_pg "$bin/initdb" -D "$data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >"$dir/initdb.log" 2>&1 \
             || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
     fi
+    local listen="127.0.0.1"
+    if [ -n "${KICI_PG_LISTEN:-}" ]; then
+        listen="127.0.0.1,${KICI_PG_LISTEN}"
+        local net="${KICI_PG_LISTEN%.*}.0/24"
+        grep -qF "host all all $net trust" "$data/pg_hba.conf" \
+            || echo "host all all $net trust" >>"$data/pg_hba.conf"
+    fi
     # 9>&-: the server must not inherit (and so hold forever) the start lock.
     as_pg "$bin/pg_ctl" -D "$data" -l "$log" -w -t 30 start 9>&- -o \
-        "-k $sock -c listen_addresses=127.0.0.1 -p $port -c fsync=on -c synchronous_commit=on -c max_connections=300" \
+        "-k $sock -c listen_addresses=$listen -p $port -c fsync=on -c synchronous_commit=on -c max_connections=300" \
         >/dev/null || { tail -20 "$log" >&2; die "start failed"; }
     ready || die "started but not accepting connections; see $log"
     echo "postgres.sh: started on 127.0.0.1:$port (data $data)"

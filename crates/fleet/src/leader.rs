@@ -76,6 +76,9 @@ pub struct Leader {
     key: i64,
     /// The session holding the lock, while leading.
     session: Option<PgConnection>,
+    /// The server ends the leader's session after this long without a
+    /// query from it (`idle_session_timeout`).
+    idle_timeout: Option<std::time::Duration>,
 }
 
 impl std::fmt::Debug for Leader {
@@ -109,7 +112,19 @@ impl Leader {
             instance: instance.to_string(),
             key,
             session: None,
+            idle_timeout: None,
         }
+    }
+
+    /// Has the server end this leader's session — freeing the lock for the
+    /// next candidate — once it sent no query for `idle` (set it to the
+    /// lease). A leader cut off by a partition is otherwise still "alive"
+    /// to the server until TCP gives up, minutes later, and leadership
+    /// could not move. A healthy leader queries every `try_lead`, so call
+    /// that well within `idle`.
+    pub fn with_idle_timeout(mut self, idle: std::time::Duration) -> Self {
+        self.idle_timeout = Some(idle);
+        self
     }
 
     /// Whether this host held the lock at the last [`Leader::try_lead`].
@@ -124,9 +139,14 @@ impl Leader {
     /// `fleet_fleets.leader` (for status).
     pub async fn try_lead(&mut self) -> Result<bool, FleetError> {
         if let Some(session) = self.session.as_mut() {
-            let alive = tokio::time::timeout(self.fleet.acquire_timeout(), session.ping())
-                .await
-                .is_ok_and(|r| r.is_ok());
+            // A query, not a protocol ping: it must reset the server's
+            // idle-session timer.
+            let alive = tokio::time::timeout(
+                self.fleet.acquire_timeout(),
+                sqlx::query("SELECT 1").execute(&mut *session),
+            )
+            .await
+            .is_ok_and(|r| r.is_ok());
             if alive {
                 return Ok(true);
             }
@@ -139,6 +159,16 @@ impl Leader {
             .map_err(|_| {
                 FleetError::Unavailable(format!("connecting to PostgreSQL took over {timeout:?}"))
             })??;
+        if let Some(idle) = self.idle_timeout {
+            let ms = idle.as_millis().max(1);
+            // PostgreSQL 14 and later; an older server keeps TCP's timing.
+            if let Err(e) = sqlx::query(&format!("SET idle_session_timeout = {ms}"))
+                .execute(&mut conn)
+                .await
+            {
+                tracing::debug!(error = %e, "idle_session_timeout not available");
+            }
+        }
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(self.key)
             .fetch_one(&mut conn)

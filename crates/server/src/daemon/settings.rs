@@ -261,6 +261,7 @@ pub struct DaemonFile {
     pub container_bridge: Option<String>,
     pub cgroup_root: Option<PathBuf>,
     pub fleet: Option<String>,
+    pub no_fleet: Option<bool>,
     pub advertise_url: Option<String>,
     pub fleet_lease_seconds: Option<u64>,
     pub fleet_placement: Option<String>,
@@ -273,6 +274,7 @@ impl DaemonFile {
     fn fleet_file(&self) -> crate::fleet::settings::FleetFile {
         crate::fleet::settings::FleetFile {
             fleet: self.fleet.clone(),
+            no_fleet: self.no_fleet,
             advertise_url: self.advertise_url.clone(),
             fleet_lease_seconds: self.fleet_lease_seconds,
             fleet_placement: self.fleet_placement.clone(),

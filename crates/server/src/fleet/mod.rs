@@ -587,7 +587,10 @@ impl FleetHost {
     async fn lease_loop(self) {
         let inner = Arc::clone(&self.0);
         let mut stop = inner.stop.subscribe();
-        let mut leader = inner.fleet.leader(inner.instance);
+        let mut leader = inner
+            .fleet
+            .leader(inner.instance)
+            .with_idle_timeout(inner.settings.lease);
         let every = (inner.settings.lease / 3).max(Duration::from_millis(500));
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -18,6 +18,10 @@ pub struct FleetArgs {
     /// can hold several) [default: default].
     #[arg(long, value_name = "NAME", env = "KICI_SCALER_FLEET")]
     pub fleet: Option<String>,
+    /// With a PostgreSQL --state: serve alone, as with SQLite (the database
+    /// is shared, the queue and caps are this host's).
+    #[arg(long)]
+    pub no_fleet: bool,
     /// This host's control API as the fleet's other hosts reach it
     /// (http[s]://HOST:PORT); needed when --listen is not reachable from
     /// them [default: the --listen address].
@@ -47,6 +51,7 @@ pub struct FleetArgs {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FleetFile {
     pub fleet: Option<String>,
+    pub no_fleet: Option<bool>,
     pub advertise_url: Option<String>,
     pub fleet_lease_seconds: Option<u64>,
     pub fleet_placement: Option<String>,
@@ -97,7 +102,8 @@ impl FleetArgs {
             .fleet_max_memory
             .clone()
             .or_else(|| file.fleet_max_memory.clone());
-        if !postgres {
+        let alone = self.no_fleet || file.no_fleet == Some(true);
+        if !postgres || alone {
             let given: Vec<&str> = [
                 ("fleet", name.is_some()),
                 ("advertise-url", url.is_some()),
@@ -111,10 +117,14 @@ impl FleetArgs {
             .filter_map(|(n, set)| set.then_some(n))
             .collect();
             if !given.is_empty() {
-                errors.push(format!(
-                    "{}: a fleet needs a PostgreSQL state store (--state postgres://…); with SQLite this host serves alone",
-                    given.join(", ")
-                ));
+                errors.push(if alone {
+                    format!("{}: set, but no-fleet says this host serves alone", given.join(", "))
+                } else {
+                    format!(
+                        "{}: a fleet needs a PostgreSQL state store (--state postgres://…); with SQLite this host serves alone",
+                        given.join(", ")
+                    )
+                });
             }
             return None;
         }
@@ -238,6 +248,24 @@ mod tests {
     }
 
     #[test]
+    fn no_fleet_serves_alone_and_refuses_fleet_settings_beside_it() {
+        let alone = FleetArgs {
+            no_fleet: true,
+            ..FleetArgs::default()
+        };
+        assert_eq!(resolve(alone.clone(), true).unwrap(), None);
+        let errors = resolve(
+            FleetArgs {
+                fleet_placement: Some("pack".into()),
+                ..alone
+            },
+            true,
+        )
+        .unwrap_err();
+        assert_eq!(errors, ["fleet-placement: set, but no-fleet says this host serves alone"]);
+    }
+
+    #[test]
     fn every_bad_value_is_reported_with_its_setting() {
         let args = FleetArgs {
             fleet: Some(" ".into()),
@@ -247,6 +275,7 @@ mod tests {
             fleet_max_agents: Some(0),
             fleet_max_cpu: Some(-1.0),
             fleet_max_memory: Some("lots".into()),
+            no_fleet: false,
         };
         let errors = resolve(args, true).unwrap_err();
         let starts: Vec<&str> = errors.iter().map(|e| e.split(':').next().unwrap()).collect();

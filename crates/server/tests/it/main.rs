@@ -17,6 +17,7 @@ mod durable;
 mod firecracker_crash;
 mod firecracker_rootfs_cli;
 mod firecracker_testkit_e2e;
+mod fleet;
 mod gateway;
 mod postgres;
 mod reconcile;

@@ -13,10 +13,12 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// The daemon on the store at `state` (reconcile every second).
+/// The daemon on the store at `state` (reconcile every second), serving
+/// alone (`--no-fleet`): these tests are about hosts that share a database
+/// and nothing else.
 fn start(dir: &Dir, state: &str) -> Daemon {
     let mut args = FAST_RECONCILE.to_vec();
-    args.extend(["--state", state]);
+    args.extend(["--state", state, "--no-fleet"]);
     Daemon::start(dir, &args, &[])
 }
 

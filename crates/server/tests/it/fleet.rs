@@ -1,0 +1,603 @@
+//! A fleet of real `kici-scaler serve` processes, each in a network
+//! namespace of its own with its own address, state dir and instance id,
+//! sharing one PostgreSQL server reachable from all of them over a bridge
+//! the test makes (`10.213.77.0/24`; the server listens on the bridge's
+//! address). Partitions are real: nftables drops a host's packets to the
+//! database. Agents are bare-metal processes that record their own id, so
+//! "served exactly once" is counted by the agents themselves.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::common;
+
+use common::daemon::{http, pg, psql, wait_until, Daemon, Dir, BIN, PATIENCE};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A private server: the tests stop and restart it with the bridge address.
+const PG_PORT: u16 = 54349;
+const SUBNET: &str = "10.213.77";
+const TOKEN: &str = "fleet-test-token-0123456789";
+/// Short leases keep failover tests quick: renewed every second.
+const LEASE_SECONDS: &str = "3";
+
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The bridge and one namespace per host, removed on drop.
+struct Net {
+    bridge: String,
+    namespaces: Vec<String>,
+}
+
+impl Net {
+    fn new(hosts: usize) -> Net {
+        let tag = format!("{:06x}", rand::random::<u32>() & 0xff_ffff);
+        let bridge = format!("kfl{tag}");
+        sh(&["ip", "link", "add", &bridge, "type", "bridge"]);
+        let mut net = Net {
+            bridge: bridge.clone(),
+            namespaces: Vec::new(),
+        };
+        sh(&["ip", "addr", "add", &format!("{SUBNET}.1/24"), "dev", &bridge]);
+        sh(&["ip", "link", "set", &bridge, "up"]);
+        for i in 0..hosts {
+            let ns = format!("kfl{tag}-{i}");
+            sh(&["ip", "netns", "add", &ns]);
+            net.namespaces.push(ns.clone());
+            let outer = format!("kfl{tag}h{i}");
+            let inner = format!("kfl{tag}n{i}");
+            sh(&[
+                "ip", "link", "add", &outer, "type", "veth", "peer", "name", &inner, "netns", &ns,
+            ]);
+            sh(&["ip", "link", "set", &outer, "master", &bridge, "up"]);
+            let addr = format!("{}/24", net.addr(i));
+            sh(&["ip", "-n", &ns, "addr", "add", &addr, "dev", &inner]);
+            sh(&["ip", "-n", &ns, "link", "set", &inner, "up"]);
+            sh(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        }
+        net
+    }
+
+    fn addr(&self, host: usize) -> String {
+        format!("{SUBNET}.{}", 10 + host)
+    }
+
+    /// Drops every packet host `i` sends to the database (or lets them
+    /// through again).
+    fn partition(&self, host: usize, cut: bool) {
+        let ns = &self.namespaces[host];
+        if cut {
+            let rules = format!(
+                "table inet kfl_part {{ chain out {{ type filter hook output priority 0; ip daddr {SUBNET}.1 tcp dport {PG_PORT} drop; }} }}"
+            );
+            let out = Command::new("ip")
+                .args(["netns", "exec", ns, "nft", "-f", "-"])
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .and_then(|mut c| {
+                    use std::io::Write;
+                    c.stdin.take().unwrap().write_all(rules.as_bytes())?;
+                    c.wait_with_output()
+                })
+                .unwrap();
+            assert!(out.status.success());
+        } else {
+            sh(&["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "kfl_part"]);
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            let _ = Command::new("ip").args(["netns", "delete", ns]).status();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "delete", &self.bridge])
+            .status();
+    }
+}
+
+/// One host: its dir and (while it runs) its daemon.
+struct Host {
+    index: usize,
+    addr: String,
+    dir: Dir,
+    daemon: Option<Daemon>,
+}
+
+impl Host {
+    fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+        let auth = format!("Bearer {TOKEN}");
+        let (status, text) = http(
+            &format!("{}:7878", self.addr),
+            method,
+            path,
+            &[("Authorization", &auth)],
+            body,
+        );
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    fn scale(&self, job: &str) -> (u16, Value) {
+        let body = serde_json::json!({"jobId": job, "labels": ["local"]}).to_string();
+        self.call("POST", "/v1/scale", Some(&body))
+    }
+
+    /// Its live agents: id → state.
+    fn agents(&self) -> BTreeMap<String, String> {
+        let (status, v) = self.call("GET", "/v1/agents", None);
+        if status != 200 {
+            return BTreeMap::new();
+        }
+        v["agents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                (
+                    a["agentId"].as_str().unwrap().to_owned(),
+                    a["state"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    }
+
+    fn instance(&self) -> String {
+        self.dir.instance()
+    }
+}
+
+/// PostgreSQL, the network and the hosts.
+struct Fleet {
+    hosts: Vec<Host>,
+    net: Net,
+    /// The database as the hosts reach it.
+    url: String,
+    /// The same database from the test (loopback).
+    local_url: String,
+    /// Where every agent appends its id.
+    record: tempfile::TempDir,
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for h in &mut self.hosts {
+            h.daemon.take();
+        }
+        pg("stop", PG_PORT);
+    }
+}
+
+/// The agent: records its id, then waits to be destroyed.
+fn agent_script(record: &std::path::Path) -> String {
+    format!(
+        "#!/bin/sh\necho \"$KICI_AGENT_ID\" >> {}\nexec sleep 1000\n",
+        record.join("agents.log").display()
+    )
+}
+
+/// `labels` of the pool `local` on this host.
+fn config(agent: &std::path::Path, max_agents: u32, fleet_max: u32, labels: &str) -> String {
+    format!(
+        "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: {max_agents}\n    x-kici-scaler:\n      fleetMaxAgents: {fleet_max}\n    labelSets:\n      - labels: [{labels}]\n        binaryPath: {}\n",
+        agent.display()
+    )
+}
+
+impl Fleet {
+    /// `n` hosts, each with `max_agents`, the pool capped at `fleet_max`
+    /// fleet-wide; `labels[i]` overrides host i's label set.
+    fn start(n: usize, max_agents: u32, fleet_max: u32, labels: &[&str]) -> Fleet {
+        let net = Net::new(n);
+        // The server listens on the bridge address, which exists now.
+        pg("stop", PG_PORT);
+        let out = Command::new("bash")
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/postgres.sh"))
+            .arg("start")
+            .env("KICI_PG_PORT", PG_PORT.to_string())
+            .env("KICI_PG_LISTEN", format!("{SUBNET}.1"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let admin = pg("url", PG_PORT);
+        let name = format!("kici_fleet_{:08x}", rand::random::<u32>());
+        psql(&admin, &format!("CREATE DATABASE {name}"));
+        let local_url = format!("postgres://postgres@127.0.0.1:{PG_PORT}/{name}");
+        let url = format!("postgres://postgres@{SUBNET}.1:{PG_PORT}/{name}");
+        let record = tempfile::tempdir().unwrap();
+        let mut fleet = Fleet {
+            hosts: Vec::new(),
+            url,
+            local_url,
+            record,
+            net,
+        };
+        for i in 0..n {
+            let dir = Dir::with_config("");
+            let agent = dir.write_script("agent.sh", &agent_script(fleet.record.path()));
+            let labels = labels.get(i).copied().unwrap_or("local");
+            std::fs::write(
+                dir.path("scalers.yaml"),
+                config(&agent, max_agents, fleet_max, labels),
+            )
+            .unwrap();
+            fleet.hosts.push(Host {
+                index: i,
+                addr: fleet.net.addr(i),
+                dir,
+                daemon: None,
+            });
+        }
+        for i in 0..n {
+            fleet.run(i);
+        }
+        fleet
+    }
+
+    /// Starts host `i`'s daemon in its namespace.
+    fn run(&mut self, i: usize) {
+        let host = &self.hosts[i];
+        // nsenter, not `ip netns exec`: only the network namespace changes
+        // (`ip netns exec` remounts /sys, hiding the cgroup hierarchy).
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", self.net.namespaces[i]))
+            .args([BIN, "serve"]);
+        cmd.arg("--config")
+            .arg(host.dir.path("scalers.yaml"))
+            .arg("--state-dir")
+            .arg(host.dir.path("state"))
+            .arg("--machine-ledger-dir")
+            .arg(host.dir.path("ledger"))
+            .args([
+                "--gateway-listen",
+                "127.0.0.1:0",
+                "--listen",
+                &format!("{}:7878", host.addr),
+                "--state",
+                &self.url,
+                "--fleet-lease-seconds",
+                LEASE_SECONDS,
+                "--reconcile-interval-seconds",
+                "1",
+            ]);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("KICI_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env("KICI_SCALER_API_TOKEN", TOKEN);
+        let daemon = Daemon::spawn(cmd).unwrap_or_else(|s| panic!("host {i} died at start: {s:?}"));
+        self.hosts[i].daemon = Some(daemon);
+    }
+
+    fn sql(&self, query: &str) -> Vec<String> {
+        psql(&self.local_url, query)
+    }
+
+    /// Agent ids the agents recorded, with how often each recorded itself.
+    fn recorded(&self) -> BTreeMap<String, usize> {
+        let text =
+            std::fs::read_to_string(self.record.path().join("agents.log")).unwrap_or_default();
+        let mut m = BTreeMap::new();
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            *m.entry(line.to_owned()).or_insert(0) += 1;
+        }
+        m
+    }
+
+    /// job → the agents (that ran, by their own record) started for it.
+    fn agents_per_job(&self) -> BTreeMap<String, BTreeSet<String>> {
+        let recorded = self.recorded();
+        let mut per_job: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for row in self.sql("SELECT agent_id || ' ' || job_id FROM fleet_agents") {
+            let (agent, job) = row.split_once(' ').unwrap();
+            if recorded.contains_key(agent) {
+                per_job
+                    .entry(job.to_owned())
+                    .or_default()
+                    .insert(agent.to_owned());
+            }
+        }
+        per_job
+    }
+
+    /// Claimed requests + live agents of the pool, as the caps count them.
+    fn fleet_usage(&self) -> u64 {
+        self.sql(
+            "SELECT (SELECT count(*) FROM fleet_requests WHERE pool = 'local' AND state = 'claimed') \
+                  + (SELECT count(*) FROM fleet_agents WHERE pool = 'local' AND state = 'live')",
+        )[0]
+            .parse()
+            .unwrap()
+    }
+
+    /// Destroys every booted agent on every running host (their "job" is
+    /// done), through the host that runs it.
+    fn finish_booted(&self) -> usize {
+        let all: Vec<usize> = (0..self.hosts.len()).collect();
+        self.finish_booted_on(&all)
+    }
+
+    fn finish_booted_on(&self, hosts: &[usize]) -> usize {
+        let mut n = 0;
+        for h in hosts.iter().map(|i| &self.hosts[*i]).filter(|h| h.daemon.is_some()) {
+            for (agent, state) in h.agents() {
+                if state == "booted" {
+                    let (status, _) = h.call("DELETE", &format!("/v1/agents/{agent}"), None);
+                    if status == 202 {
+                        n += 1;
+                    }
+                }
+            }
+        }
+        n
+    }
+}
+
+fn wait_long(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_order() {
+    let fleet = Fleet::start(3, 3, 5, &[]);
+    // Every host sees the same fleet: three hosts up, one leader.
+    wait_until("one leader among three hosts", || {
+        let (status, v) = fleet.hosts[2].call("GET", "/v1/fleet", None);
+        status == 200
+            && v["hosts"].as_array().unwrap().len() == 3
+            && v["hosts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|h| h["leader"] == true)
+                .count()
+                == 1
+    });
+
+    const JOBS: usize = 45;
+    let jobs: Vec<String> = (0..JOBS).map(|n| format!("job-{n:03}")).collect();
+    let mut answers = BTreeMap::new();
+    let mut max_usage = 0;
+    for (n, job) in jobs.iter().enumerate() {
+        // Random entry hosts (deterministic spread over the three).
+        let entry = &fleet.hosts[(n * 7 + n / 3) % 3];
+        let (status, answer) = entry.scale(job);
+        assert!(status == 202 || status == 200, "{job}: {status} {answer}");
+        assert!(
+            matches!(answer["result"].as_str(), Some("spawning" | "pending")),
+            "{answer}"
+        );
+        // A repeat from another host is the same request: no second agent.
+        let other = &fleet.hosts[(n + 1) % 3];
+        let (status, again) = other.scale(job);
+        assert!(status == 202 || status == 200, "{again}");
+        answers.insert(job.clone(), answer);
+        max_usage = max_usage.max(fleet.fleet_usage());
+        if n % 4 == 3 {
+            fleet.finish_booted();
+        }
+    }
+    // The rest are served as capacity frees; the cap holds throughout.
+    wait_long("every request served", PATIENCE * 3, || {
+        max_usage = max_usage.max(fleet.fleet_usage());
+        for h in &fleet.hosts {
+            assert!(h.agents().len() <= 3, "host {} over its own cap", h.index);
+        }
+        fleet.finish_booted();
+        fleet.agents_per_job().len() == JOBS
+    });
+    assert!(max_usage <= 5, "the pool's fleet cap was exceeded: {max_usage}");
+
+    // Each job had exactly one agent, and each agent recorded itself once.
+    for (job, agents) in fleet.agents_per_job() {
+        assert_eq!(agents.len(), 1, "{job}: {agents:?}");
+    }
+    assert!(fleet.recorded().values().all(|n| *n == 1), "{:?}", fleet.recorded());
+    // Work went to every host (spread).
+    let per_host = fleet.sql("SELECT count(DISTINCT instance_id) FROM fleet_agents");
+    assert_eq!(per_host, ["3"], "every host served some requests");
+    // FIFO within the pool: claims follow arrival.
+    let order = fleet.sql("SELECT job_id FROM fleet_requests ORDER BY claim_seq");
+    let mut by_arrival = fleet.sql("SELECT job_id FROM fleet_requests ORDER BY seq");
+    by_arrival.retain(|j| order.contains(j));
+    assert_eq!(order, by_arrival, "claims follow arrival order");
+
+    // A body that differs for a known job id is a conflict, from any host.
+    let (status, body) = fleet.hosts[1].call(
+        "POST",
+        "/v1/scale",
+        Some(r#"{"jobId":"job-000","labels":["local"],"runId":"other"}"#),
+    );
+    assert_eq!(status, 409, "{body}");
+
+    // The metrics show the fleet.
+    let (_, text) = http(
+        &format!("{}:7878", fleet.hosts[0].addr),
+        "GET",
+        "/metrics",
+        &[("Authorization", &format!("Bearer {TOKEN}"))],
+        None,
+    );
+    assert!(text.contains("kici_orch_scaler_fleet_hosts{state=\"up\"} 3"), "{text}");
+    let claims: f64 = common::daemon::metric(&text, "kici_orch_scaler_fleet_claims_total", "result=\"started\"");
+    assert!(claims >= 1.0, "{text}");
+}
+
+#[test]
+fn serial_fleet_kill_9_of_a_host_moves_its_unregistered_work_and_fences_it_on_return() {
+    let mut fleet = Fleet::start(3, 2, 6, &[]);
+    // Two agents on every host (spread): six booted, none registered.
+    for n in 0..6 {
+        let (status, answer) = fleet.hosts[n % 3].scale(&format!("j{n}"));
+        assert!(status == 202 || status == 200, "{answer}");
+    }
+    wait_long("six agents booted", PATIENCE, || {
+        fleet
+            .hosts
+            .iter()
+            .map(|h| h.agents().values().filter(|s| *s == "booted").count())
+            .sum::<usize>()
+            == 6
+    });
+    let victim = 0;
+    let victim_id = fleet.hosts[victim].instance();
+    let victims: BTreeSet<String> = fleet.hosts[victim].agents().into_keys().collect();
+    assert_eq!(victims.len(), 2, "spread put two on each host");
+    let moved: BTreeSet<String> = fleet
+        .sql(&format!(
+            "SELECT job_id FROM fleet_agents WHERE instance_id = '{victim_id}'"
+        ))
+        .into_iter()
+        .collect();
+    // Room for them elsewhere: the other hosts' jobs end.
+    fleet.finish_booted_on(&[1, 2]);
+
+    let killed = Instant::now();
+    fleet.hosts[victim].daemon.as_mut().unwrap().kill9();
+    // Its requests (agents never registered) are served by the others.
+    wait_long("the lost host's requests are served elsewhere", PATIENCE, || {
+        fleet
+            .sql(&format!(
+                "SELECT job_id FROM fleet_agents WHERE state = 'live' AND instance_id <> '{victim_id}'"
+            ))
+            .into_iter()
+            .filter(|j| moved.contains(j))
+            .count()
+            == moved.len()
+    });
+    let took = killed.elapsed();
+    // Lease 3 s, chores every second, plus the new spawn.
+    assert!(took < Duration::from_secs(3 + 4), "failover took {took:?}");
+    let (_, v) = fleet.hosts[1].call("GET", "/v1/fleet", None);
+    let lost: Vec<&Value> = v["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h["state"] == "lost")
+        .collect();
+    assert_eq!(lost.len(), 1, "{v}");
+    assert_eq!(lost[0]["instanceId"], victim_id.as_str());
+
+    // Back: it rejoins under a new epoch and destroys the agents whose
+    // requests moved; no job ever has two live agents.
+    fleet.run(victim);
+    wait_long("the returning host destroys its moved agents", PATIENCE, || {
+        let now: BTreeSet<String> = fleet.hosts[victim].agents().into_keys().collect();
+        now.is_disjoint(&victims)
+    });
+    let doubles = fleet.sql(
+        "SELECT job_id FROM fleet_agents WHERE state = 'live' GROUP BY job_id HAVING count(*) > 1",
+    );
+    assert!(doubles.is_empty(), "jobs with two live agents: {doubles:?}");
+    let epoch = fleet.sql(&format!(
+        "SELECT epoch FROM fleet_hosts WHERE instance_id = '{victim_id}'"
+    ));
+    assert_eq!(epoch, ["2"], "rejoined under a new epoch");
+}
+
+#[test]
+fn serial_fleet_partitioned_host_stops_claiming_and_destroys_moved_agents_when_healed() {
+    let mut fleet = Fleet::start(2, 2, 4, &[]);
+    for n in 0..2 {
+        let (status, answer) = fleet.hosts[0].scale(&format!("p{n}"));
+        assert!(status == 202 || status == 200, "{answer}");
+    }
+    wait_long("two agents booted", PATIENCE, || {
+        fleet
+            .hosts
+            .iter()
+            .map(|h| h.agents().values().filter(|s| *s == "booted").count())
+            .sum::<usize>()
+            == 2
+    });
+    let cut_id = fleet.hosts[0].instance();
+    let before: BTreeSet<String> = fleet.hosts[0].agents().into_keys().collect();
+    let moved: BTreeSet<String> = fleet
+        .sql(&format!("SELECT job_id FROM fleet_agents WHERE instance_id = '{cut_id}'"))
+        .into_iter()
+        .collect();
+    assert!(!moved.is_empty());
+    fleet.net.partition(0, true);
+    // The other host serves what the cut host held, once its lease expired.
+    wait_long("the cut host's requests are served by the other", PATIENCE, || {
+        fleet
+            .sql(&format!(
+                "SELECT job_id FROM fleet_agents WHERE state = 'live' AND instance_id <> '{cut_id}'"
+            ))
+            .into_iter()
+            .filter(|j| moved.contains(j))
+            .count()
+            == moved.len()
+    });
+    // The cut host's fence closed: it answers new requests 503 (it cannot
+    // record them) rather than starting anything.
+    let (status, _) = fleet.hosts[0].scale("during-partition");
+    assert_eq!(status, 503);
+    fleet.net.partition(0, false);
+    wait_long("healed: the moved agents are destroyed", PATIENCE, || {
+        let now: BTreeSet<String> = fleet.hosts[0].agents().into_keys().collect();
+        now.is_disjoint(&before)
+    });
+    let doubles = fleet.sql(
+        "SELECT job_id FROM fleet_agents WHERE state = 'live' GROUP BY job_id HAVING count(*) > 1",
+    );
+    assert!(doubles.is_empty(), "jobs with two live agents: {doubles:?}");
+    let _ = &mut fleet;
+}
+
+#[test]
+fn serial_fleet_sigterm_hands_back_and_a_pool_defined_differently_is_refused() {
+    let mut fleet = Fleet::start(2, 1, 4, &["local, other"]);
+    // Host 1 defines `local` differently: it joined without the pool.
+    let (status, v) = fleet.hosts[1].call("GET", "/v1/fleet", None);
+    assert_eq!(status, 200, "{v}");
+    let refused = v["refusedPools"].as_array().unwrap();
+    assert_eq!(refused.len(), 1, "{v}");
+    assert!(refused[0].as_str().unwrap().contains("pool `local`"), "{v}");
+    let host1 = v["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["instanceId"] == fleet.hosts[1].instance().as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(host1["pools"], serde_json::json!([]), "{v}");
+    let pools = v["pools"].as_array().unwrap();
+    assert_eq!(pools.len(), 1);
+    assert_eq!(pools[0]["hosts"].as_array().unwrap().len(), 1, "only host 0 serves it");
+
+    // Host 0 (capacity 1) holds one agent; two more wait in the queue.
+    // SIGTERM: it leaves, its row says so, and the queue keeps the waiting
+    // requests for whoever serves the pool next.
+    for n in 0..3 {
+        let (status, _) = fleet.hosts[1].scale(&format!("t{n}"));
+        assert!(status == 200 || status == 202);
+    }
+    wait_long("one agent on host 0", PATIENCE, || fleet.hosts[0].agents().len() == 1);
+    let id0 = fleet.hosts[0].instance();
+    fleet.hosts[0].daemon.take().unwrap().terminate();
+    let state = fleet.sql(&format!("SELECT state FROM fleet_hosts WHERE instance_id = '{id0}'"));
+    assert_eq!(state, ["left"]);
+    let queued = fleet.sql("SELECT job_id FROM fleet_requests WHERE state = 'queued' ORDER BY seq");
+    assert_eq!(queued, ["t1", "t2"], "nothing acknowledged is lost");
+    // Back: it serves the queue in order.
+    fleet.run(0);
+    wait_long("t1 is served after the restart", PATIENCE, || {
+        fleet.sql("SELECT state FROM fleet_requests WHERE job_id = 't1'") == ["started"]
+    });
+}
