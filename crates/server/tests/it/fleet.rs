@@ -77,7 +77,7 @@ impl Net {
         let ns = &self.namespaces[host];
         if cut {
             let rules = format!(
-                "table inet kfl_part {{ chain out {{ type filter hook output priority 0; ip daddr {SUBNET}.1 tcp dport {PG_PORT} drop; }} }}"
+                "table inet kfl_part {{ chain out {{ type filter hook output priority 0; ip daddr {SUBNET}.1 tcp dport {PG_PORT} drop; }}; }}"
             );
             let out = Command::new("ip")
                 .args(["netns", "exec", ns, "nft", "-f", "-"])
@@ -588,13 +588,19 @@ fn serial_fleet_sigterm_hands_back_and_a_pool_defined_differently_is_refused() {
         let (status, _) = fleet.hosts[1].scale(&format!("t{n}"));
         assert!(status == 200 || status == 202);
     }
-    wait_long("one agent on host 0", PATIENCE, || fleet.hosts[0].agents().len() == 1);
+    // Started, not just claimed: a claim not yet bound to its agent would be
+    // handed back by the SIGTERM (and its agent never created).
+    wait_long("t0 started on host 0", PATIENCE, || {
+        fleet.sql("SELECT state FROM fleet_requests WHERE job_id = 't0'") == ["started"]
+    });
     let id0 = fleet.hosts[0].instance();
     fleet.hosts[0].daemon.take().unwrap().terminate();
     let state = fleet.sql(&format!("SELECT state FROM fleet_hosts WHERE instance_id = '{id0}'"));
     assert_eq!(state, ["left"]);
     let queued = fleet.sql("SELECT job_id FROM fleet_requests WHERE state = 'queued' ORDER BY seq");
     assert_eq!(queued, ["t1", "t2"], "nothing acknowledged is lost");
+    let t0 = fleet.sql("SELECT state || ' ' || outcome FROM fleet_requests WHERE job_id = 't0'");
+    assert_eq!(t0, ["finished host shut down"]);
     // Back: it serves the queue in order.
     fleet.run(0);
     wait_long("t1 is served after the restart", PATIENCE, || {
