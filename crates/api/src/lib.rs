@@ -77,8 +77,8 @@ pub use agents::{
 #[cfg(feature = "client")]
 pub use client::{ApiError, Client, ErrorAnswer, Events, JobLogs, RawReply};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, ReloadErrorBody};
-pub use fleet::{FleetHostObject, FleetObject, FleetPoolObject};
 pub use events::{Event, Reset, StampedEvent, StreamEvent, RESET_EVENT};
+pub use fleet::{FleetHostObject, FleetObject, FleetPoolObject};
 pub use jobs::{JobAccepted, JobBody, JobLogEvent, JobView, OutputData, Truncated};
 pub use kici_protocol::{ChunkData, OutputStream};
 pub use names::{

@@ -363,7 +363,10 @@ fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtensi
     }
     // A fleet's caps of this pool, across every host serving it (each
     // host's own capacity stays `maxAgents` / `resourceCap`).
-    if let Some(n) = cx.opt(&obj, "fleetMaxAgents", |cx, v| cx.positive_int(v)).value() {
+    if let Some(n) = cx
+        .opt(&obj, "fleetMaxAgents", |cx, v| cx.positive_int(v))
+        .value()
+    {
         ext.fleet_max_agents = Some(n);
     }
     if let Some(cap) = cx.opt(&obj, "fleetResourceCap", resources::cap).value() {

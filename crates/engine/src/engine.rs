@@ -593,7 +593,10 @@ impl Engine {
     /// take it (`NoBackend`) or it can never fit here (`TooLarge`). For a
     /// host that records requests in a shared queue before any host serves
     /// them.
-    pub fn classify(&self, request: &ScaleRequest) -> Result<(ScalerName, EffectiveResources), ScaleOutcome> {
+    pub fn classify(
+        &self,
+        request: &ScaleRequest,
+    ) -> Result<(ScalerName, EffectiveResources), ScaleOutcome> {
         let Some(route) = self
             .router
             .route(&request.labels, &request.exclude, &self.cordons)

@@ -762,7 +762,11 @@ impl Queue {
     /// on its job belongs to the orchestrator, and a lost host's request
     /// with this agent is not served again. Returns whether the row was
     /// this host's.
-    pub async fn mark_registered(&self, instance: &str, agent_id: &str) -> Result<bool, FleetError> {
+    pub async fn mark_registered(
+        &self,
+        instance: &str,
+        agent_id: &str,
+    ) -> Result<bool, FleetError> {
         let n = sqlx::query(
             "UPDATE fleet_agents SET registered_at = fleet_now_ms(), updated_at = fleet_now_ms() \
              WHERE fleet = $1 AND agent_id = $2 AND instance_id = $3 AND registered_at IS NULL",

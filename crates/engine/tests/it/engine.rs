@@ -1054,3 +1054,52 @@ fn a_restored_request_keeps_its_place_its_expiry_and_its_dedupe() {
         EngineEvent::PendingEnded { job_id, end: PendingEnd::Expired, .. } if *job_id == job("old")
     )));
 }
+
+/// A request some other queue keeps (a fleet's): served now or left
+/// entirely, never queued here; `classify` says where it would go without
+/// admitting anything.
+#[test]
+fn request_scale_now_serves_now_or_leaves_nothing_behind() {
+    let clock = Clock::new();
+    let now = clock.now();
+    let mut e = engine(BASIC);
+    let (scaler, resources) = e
+        .classify(&orchestrator_request("c", &["linux", "local"]))
+        .unwrap();
+    assert_eq!(scaler.as_str(), "local");
+    assert_eq!(resources.requests.cpu, MilliCpu::from_millis(1000));
+    assert_eq!(usage_of(&e, "local").agents, 0, "classify admits nothing");
+    assert!(matches!(
+        e.classify(&orchestrator_request("x", &["windows"])),
+        Err(ScaleOutcome::NoBackend { .. })
+    ));
+
+    let a1 = spawned(
+        &e.request_scale_now(orchestrator_request("n1", &["linux", "local"]), now)
+            .unwrap(),
+    );
+    let a2 = spawned(
+        &e.request_scale_now(orchestrator_request("n2", &["linux", "local"]), now)
+            .unwrap(),
+    );
+    assert_ne!(a1, a2);
+    // Full (maxAgents 2): not served, and not kept either.
+    let third = e
+        .request_scale_now(orchestrator_request("n3", &["linux", "local"]), now)
+        .unwrap();
+    assert_eq!(third, ScaleOutcome::Pending { position: 0 });
+    assert!(!e.is_pending(&job("n3")));
+    assert!(
+        e.job_outcome(&job("n3")).is_none(),
+        "no record of n3 remains"
+    );
+    // A repeat of a served job answers as before (no second agent).
+    let again = e
+        .request_scale_now(orchestrator_request("n1", &["linux", "local"]), now)
+        .unwrap();
+    assert_eq!(spawned(&again), a1);
+    assert!(
+        matches!(e.job_outcome(&job("n1")), Some(ScaleOutcome::Spawning { agent_id, .. }) if agent_id == a1)
+    );
+    assert_eq!(usage_of(&e, "local").agents, 2);
+}

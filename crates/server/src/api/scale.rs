@@ -45,7 +45,10 @@ pub async fn request_scale(
     if let Some(fleet) = state.fleet() {
         // In a fleet the shared queue records the request (committed before
         // this answer) and whichever host serves its pool takes it.
-        let outcome = fleet.enter_scale(&body, request).await.map_err(fleet_error)?;
+        let outcome = fleet
+            .enter_scale(&body, request)
+            .await
+            .map_err(fleet_error)?;
         let status = match outcome {
             ScaleOutcome::Spawning { .. } => StatusCode::ACCEPTED,
             _ => StatusCode::OK,

@@ -176,7 +176,12 @@ impl FleetHost {
             }
             Err(e) => return Err(err(e)),
         };
-        let pools: Vec<String> = membership.spec().pools.iter().map(|p| p.name.clone()).collect();
+        let pools: Vec<String> = membership
+            .spec()
+            .pools
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
         let host = Self(Arc::new(Inner {
             queue: fleet.queue(),
             guard: membership.guard().clone(),
@@ -263,8 +268,7 @@ impl FleetHost {
             // Final answers: nothing is queued for a request no pool takes.
             Err(outcome) => return Ok(outcome),
         };
-        let body_json =
-            serde_json::to_string(body).map_err(|e| EntryError::Body(e.to_string()))?;
+        let body_json = serde_json::to_string(body).map_err(|e| EntryError::Body(e.to_string()))?;
         let new = NewRequest {
             job_id: job.to_string(),
             kind: RequestKind::Scale,
@@ -309,7 +313,10 @@ impl FleetHost {
                 "request {job} left the queue while being answered; retry"
             )));
         };
-        let agent = view.agent_id.as_deref().and_then(|a| a.parse::<AgentId>().ok());
+        let agent = view
+            .agent_id
+            .as_deref()
+            .and_then(|a| a.parse::<AgentId>().ok());
         let backend = self
             .0
             .runtime
@@ -507,7 +514,10 @@ impl FleetHost {
     /// (the job is the orchestrator's from then on), an agent's end
     /// finishes its request. Any agent ending wakes the claim loop (local
     /// capacity freed).
-    async fn follow_agents(self, mut events: broadcast::Receiver<Arc<kici_engine::runtime::SequencedEvent>>) {
+    async fn follow_agents(
+        self,
+        mut events: broadcast::Receiver<Arc<kici_engine::runtime::SequencedEvent>>,
+    ) {
         let mut stop = self.0.stop.subscribe();
         loop {
             let event = tokio::select! {
@@ -515,36 +525,47 @@ impl FleetHost {
                 _ = stop.wait_for(|s| *s) => return,
             };
             match event {
-                Ok(ev) => {
-                    if let EngineEvent::AgentTransition { agent_id, to, detail, failure_reason, .. } = &ev.event {
-                        match to {
-                            AgentState::Registered | AgentState::Idle | AgentState::Busy => {
-                                if self.0.bound.lock().contains_key(agent_id) {
-                                    let q = self.0.queue.clone();
-                                    let me = self.0.instance.to_string();
-                                    let agent = agent_id.to_string();
-                                    tokio::spawn(async move {
-                                        let _ = q.mark_registered(&me, &agent).await;
-                                    });
-                                }
-                            }
-                            AgentState::Gone => {
-                                let outcome = match (failure_reason, detail) {
-                                    (Some(r), _) => format!("agent ended: {r}"),
-                                    (None, Some(d)) => format!("agent ended: {d}"),
-                                    (None, None) => "agent ended".to_owned(),
-                                };
-                                self.finish(*agent_id, &outcome).await;
-                                self.0.busy.lock().clear();
-                                self.0.wake.notify_one();
-                            }
-                            _ => {}
-                        }
-                    }
-                }
+                Ok(ev) => self.on_event(&ev.event).await,
                 Err(broadcast::error::RecvError::Lagged(_)) => self.finish_vanished().await,
                 Err(broadcast::error::RecvError::Closed) => return,
             }
+        }
+    }
+
+    async fn on_event(&self, event: &EngineEvent) {
+        let EngineEvent::AgentTransition {
+            agent_id,
+            to,
+            detail,
+            failure_reason,
+            ..
+        } = event
+        else {
+            return;
+        };
+        match to {
+            // Every agent passes through `registered` once.
+            AgentState::Registered if self.0.bound.lock().contains_key(agent_id) => {
+                let q = self.0.queue.clone();
+                let me = self.0.instance.to_string();
+                let agent = agent_id.to_string();
+                tokio::spawn(async move {
+                    if let Err(e) = q.mark_registered(&me, &agent).await {
+                        tracing::warn!(agent_id = %agent, error = %e, "fleet: recording a registration failed");
+                    }
+                });
+            }
+            AgentState::Gone => {
+                let outcome = match (failure_reason, detail) {
+                    (Some(r), _) => format!("agent ended: {r}"),
+                    (None, Some(d)) => format!("agent ended: {d}"),
+                    (None, None) => "agent ended".to_owned(),
+                };
+                self.finish(*agent_id, &outcome).await;
+                self.0.busy.lock().clear();
+                self.0.wake.notify_one();
+            }
+            _ => {}
         }
     }
 
@@ -631,7 +652,10 @@ impl FleetHost {
         match membership.renew().await {
             Ok(()) => {}
             Err(FleetError::LeaseLost { epoch, .. }) => {
-                tracing::warn!(epoch, "fleet: the lease was lost (this host was silent too long); rejoining");
+                tracing::warn!(
+                    epoch,
+                    "fleet: the lease was lost (this host was silent too long); rejoining"
+                );
                 match membership.rejoin().await {
                     Ok(epoch) => {
                         tracing::info!(epoch, "fleet: rejoined");
@@ -658,11 +682,17 @@ impl FleetHost {
         inner.claimed.lock().clear();
         let agents = inner.runtime.agents(false);
         for a in agents {
-            let Some(job) = a.job_id.clone() else { continue };
+            let Some(job) = a.job_id.clone() else {
+                continue;
+            };
             if a.mode == kici_engine::Mode::Standalone {
                 continue;
             }
-            match inner.queue.adopt(&inner.guard, &a.agent_id.to_string()).await {
+            match inner
+                .queue
+                .adopt(&inner.guard, &a.agent_id.to_string())
+                .await
+            {
                 Ok(Adopted::Live) => {
                     inner.bound.lock().insert(a.agent_id, job);
                 }
@@ -672,7 +702,9 @@ impl FleetHost {
                     inner.bound.lock().remove(&a.agent_id);
                     let _ = inner.runtime.destroy_agent(a.agent_id);
                 }
-                Err(e) => tracing::warn!(agent_id = %a.agent_id, error = %e, "fleet: reconciling an agent failed"),
+                Err(e) => {
+                    tracing::warn!(agent_id = %a.agent_id, error = %e, "fleet: reconciling an agent failed")
+                }
             }
         }
     }
@@ -739,8 +771,12 @@ impl FleetHost {
         let guard = self.0.membership.lock().await;
         if let Some(m) = guard.as_ref() {
             match m.hand_back().await {
-                Ok(jobs) => tracing::info!(returned = jobs.len(), "fleet: claimed requests handed back"),
-                Err(e) => tracing::warn!(error = %e, "fleet: handing claims back failed; the leader returns them when the lease expires"),
+                Ok(jobs) => {
+                    tracing::info!(returned = jobs.len(), "fleet: claimed requests handed back")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "fleet: handing claims back failed; the leader returns them when the lease expires")
+                }
             }
         }
     }

@@ -146,18 +146,14 @@ impl FleetArgs {
         };
         let lease = lease.unwrap_or(DEFAULT_LEASE_SECONDS);
         if !(3..=3600).contains(&lease) {
-            errors.push(format!(
-                "fleet-lease-seconds: {lease}: expected 3 to 3600"
-            ));
+            errors.push(format!("fleet-lease-seconds: {lease}: expected 3 to 3600"));
         }
         let placement = match placement {
             None => Placement::Spread,
             Some(p) => match p.parse::<Placement>() {
                 Ok(p) => p,
                 Err(_) => {
-                    errors.push(format!(
-                        "fleet-placement: {p:?}: expected spread or pack"
-                    ));
+                    errors.push(format!("fleet-placement: {p:?}: expected spread or pack"));
                     Placement::Spread
                 }
             },
@@ -196,7 +192,9 @@ fn check_url(raw: &str, errors: &mut Vec<String>) -> Option<String> {
         Ok(uri) => {
             matches!(uri.scheme_str(), Some("http" | "https"))
                 && uri.host().is_some_and(|h| !h.is_empty())
-                && uri.path_and_query().is_none_or(|p| p.as_str().is_empty() || p.as_str() == "/")
+                && uri
+                    .path_and_query()
+                    .is_none_or(|p| p.as_str().is_empty() || p.as_str() == "/")
         }
         Err(_) => false,
     };
@@ -216,7 +214,12 @@ mod tests {
 
     fn resolve(args: FleetArgs, postgres: bool) -> Result<Option<FleetSettings>, Vec<String>> {
         let mut errors = Vec::new();
-        let s = args.resolve(&FleetFile::default(), postgres, Some("10.1.0.2:7878"), &mut errors);
+        let s = args.resolve(
+            &FleetFile::default(),
+            postgres,
+            Some("10.1.0.2:7878"),
+            &mut errors,
+        );
         if errors.is_empty() {
             Ok(s)
         } else {
@@ -243,7 +246,10 @@ mod tests {
         };
         let errors = resolve(args, false).unwrap_err();
         assert_eq!(errors.len(), 1);
-        assert!(errors[0].starts_with("fleet, fleet-max-agents: a fleet needs a PostgreSQL"), "{errors:?}");
+        assert!(
+            errors[0].starts_with("fleet, fleet-max-agents: a fleet needs a PostgreSQL"),
+            "{errors:?}"
+        );
         assert_eq!(resolve(FleetArgs::default(), false).unwrap(), None);
     }
 
@@ -262,7 +268,10 @@ mod tests {
             true,
         )
         .unwrap_err();
-        assert_eq!(errors, ["fleet-placement: set, but no-fleet says this host serves alone"]);
+        assert_eq!(
+            errors,
+            ["fleet-placement: set, but no-fleet says this host serves alone"]
+        );
     }
 
     #[test]
@@ -278,7 +287,10 @@ mod tests {
             no_fleet: false,
         };
         let errors = resolve(args, true).unwrap_err();
-        let starts: Vec<&str> = errors.iter().map(|e| e.split(':').next().unwrap()).collect();
+        let starts: Vec<&str> = errors
+            .iter()
+            .map(|e| e.split(':').next().unwrap())
+            .collect();
         assert_eq!(
             starts,
             [
@@ -304,10 +316,16 @@ mod tests {
             ..FleetArgs::default()
         };
         let s = resolve(args, true).unwrap().unwrap();
-        assert_eq!(s.advertise_url.as_deref(), Some("https://host-a.example:7878"));
+        assert_eq!(
+            s.advertise_url.as_deref(),
+            Some("https://host-a.example:7878")
+        );
         assert_eq!(s.placement, Placement::Pack);
         assert_eq!(s.global_caps.max_agents, Some(40));
         assert_eq!(s.global_caps.max_cpu, Some(MilliCpu::from_millis(64_000)));
-        assert_eq!(s.global_caps.max_memory, Some(MemoryBytes::from_bytes(128 << 30)));
+        assert_eq!(
+            s.global_caps.max_memory,
+            Some(MemoryBytes::from_bytes(128 << 30))
+        );
     }
 }

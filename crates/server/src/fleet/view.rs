@@ -28,7 +28,11 @@ impl FleetHost {
             let fleet_cap = self
                 .0
                 .runtime
-                .call(|e, _| e.config().scaler(&name).and_then(|s| s.ext.fleet_max_agents))
+                .call(|e, _| {
+                    e.config()
+                        .scaler(&name)
+                        .and_then(|s| s.ext.fleet_max_agents)
+                })
                 .map(u64::from);
             let capacity = match (capacity, fleet_cap) {
                 (Some(c), Some(f)) => Some(c.min(f)),

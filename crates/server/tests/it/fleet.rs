@@ -47,7 +47,14 @@ impl Net {
             bridge: bridge.clone(),
             namespaces: Vec::new(),
         };
-        sh(&["ip", "addr", "add", &format!("{SUBNET}.1/24"), "dev", &bridge]);
+        sh(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{SUBNET}.1/24"),
+            "dev",
+            &bridge,
+        ]);
         sh(&["ip", "link", "set", &bridge, "up"]);
         for i in 0..hosts {
             let ns = format!("kfl{tag}-{i}");
@@ -91,7 +98,9 @@ impl Net {
                 .unwrap();
             assert!(out.status.success());
         } else {
-            sh(&["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "kfl_part"]);
+            sh(&[
+                "ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "kfl_part",
+            ]);
         }
     }
 }
@@ -202,13 +211,20 @@ impl Fleet {
         // The server listens on the bridge address, which exists now.
         pg("stop", PG_PORT);
         let out = Command::new("bash")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/postgres.sh"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../scripts/postgres.sh"
+            ))
             .arg("start")
             .env("KICI_PG_PORT", PG_PORT.to_string())
             .env("KICI_PG_LISTEN", format!("{SUBNET}.1"))
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let admin = pg("url", PG_PORT);
         let name = format!("kici_fleet_{:08x}", rand::random::<u32>());
         psql(&admin, &format!("CREATE DATABASE {name}"));
@@ -330,7 +346,11 @@ impl Fleet {
 
     fn finish_booted_on(&self, hosts: &[usize]) -> usize {
         let mut n = 0;
-        for h in hosts.iter().map(|i| &self.hosts[*i]).filter(|h| h.daemon.is_some()) {
+        for h in hosts
+            .iter()
+            .map(|i| &self.hosts[*i])
+            .filter(|h| h.daemon.is_some())
+        {
             for (agent, state) in h.agents() {
                 if state == "booted" {
                     let (status, _) = h.call("DELETE", &format!("/v1/agents/{agent}"), None);
@@ -401,13 +421,20 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
         fleet.finish_booted();
         fleet.agents_per_job().len() == JOBS
     });
-    assert!(max_usage <= 5, "the pool's fleet cap was exceeded: {max_usage}");
+    assert!(
+        max_usage <= 5,
+        "the pool's fleet cap was exceeded: {max_usage}"
+    );
 
     // Each job had exactly one agent, and each agent recorded itself once.
     for (job, agents) in fleet.agents_per_job() {
         assert_eq!(agents.len(), 1, "{job}: {agents:?}");
     }
-    assert!(fleet.recorded().values().all(|n| *n == 1), "{:?}", fleet.recorded());
+    assert!(
+        fleet.recorded().values().all(|n| *n == 1),
+        "{:?}",
+        fleet.recorded()
+    );
     // Work went to every host (spread).
     let per_host = fleet.sql("SELECT count(DISTINCT instance_id) FROM fleet_agents");
     assert_eq!(per_host, ["3"], "every host served some requests");
@@ -433,8 +460,15 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
         &[("Authorization", &format!("Bearer {TOKEN}"))],
         None,
     );
-    assert!(text.contains("kici_orch_scaler_fleet_hosts{state=\"up\"} 3"), "{text}");
-    let claims: f64 = common::daemon::metric(&text, "kici_orch_scaler_fleet_claims_total", "result=\"started\"");
+    assert!(
+        text.contains("kici_orch_scaler_fleet_hosts{state=\"up\"} 3"),
+        "{text}"
+    );
+    let claims: f64 = common::daemon::metric(
+        &text,
+        "kici_orch_scaler_fleet_claims_total",
+        "result=\"started\"",
+    );
     assert!(claims >= 1.0, "{text}");
 }
 
@@ -470,8 +504,11 @@ fn serial_fleet_kill_9_of_a_host_moves_its_unregistered_work_and_fences_it_on_re
     let killed = Instant::now();
     fleet.hosts[victim].daemon.as_mut().unwrap().kill9();
     // Its requests (agents never registered) are served by the others.
-    wait_long("the lost host's requests are served elsewhere", PATIENCE, || {
-        fleet
+    wait_long(
+        "the lost host's requests are served elsewhere",
+        PATIENCE,
+        || {
+            fleet
             .sql(&format!(
                 "SELECT job_id FROM fleet_agents WHERE state = 'live' AND instance_id <> '{victim_id}'"
             ))
@@ -479,7 +516,8 @@ fn serial_fleet_kill_9_of_a_host_moves_its_unregistered_work_and_fences_it_on_re
             .filter(|j| moved.contains(j))
             .count()
             == moved.len()
-    });
+        },
+    );
     let took = killed.elapsed();
     // Lease 3 s, chores every second, plus the new spawn.
     assert!(took < Duration::from_secs(3 + 4), "failover took {took:?}");
@@ -496,10 +534,14 @@ fn serial_fleet_kill_9_of_a_host_moves_its_unregistered_work_and_fences_it_on_re
     // Back: it rejoins under a new epoch and destroys the agents whose
     // requests moved; no job ever has two live agents.
     fleet.run(victim);
-    wait_long("the returning host destroys its moved agents", PATIENCE, || {
-        let now: BTreeSet<String> = fleet.hosts[victim].agents().into_keys().collect();
-        now.is_disjoint(&victims)
-    });
+    wait_long(
+        "the returning host destroys its moved agents",
+        PATIENCE,
+        || {
+            let now: BTreeSet<String> = fleet.hosts[victim].agents().into_keys().collect();
+            now.is_disjoint(&victims)
+        },
+    );
     let doubles = fleet.sql(
         "SELECT job_id FROM fleet_agents WHERE state = 'live' GROUP BY job_id HAVING count(*) > 1",
     );
@@ -528,22 +570,28 @@ fn serial_fleet_partitioned_host_stops_claiming_and_destroys_moved_agents_when_h
     let cut_id = fleet.hosts[0].instance();
     let before: BTreeSet<String> = fleet.hosts[0].agents().into_keys().collect();
     let moved: BTreeSet<String> = fleet
-        .sql(&format!("SELECT job_id FROM fleet_agents WHERE instance_id = '{cut_id}'"))
+        .sql(&format!(
+            "SELECT job_id FROM fleet_agents WHERE instance_id = '{cut_id}'"
+        ))
         .into_iter()
         .collect();
     assert!(!moved.is_empty());
     fleet.net.partition(0, true);
     // The other host serves what the cut host held, once its lease expired.
-    wait_long("the cut host's requests are served by the other", PATIENCE, || {
-        fleet
-            .sql(&format!(
+    wait_long(
+        "the cut host's requests are served by the other",
+        PATIENCE,
+        || {
+            fleet
+                .sql(&format!(
                 "SELECT job_id FROM fleet_agents WHERE state = 'live' AND instance_id <> '{cut_id}'"
             ))
-            .into_iter()
-            .filter(|j| moved.contains(j))
-            .count()
-            == moved.len()
-    });
+                .into_iter()
+                .filter(|j| moved.contains(j))
+                .count()
+                == moved.len()
+        },
+    );
     // The cut host's fence closed: it answers new requests 503 (it cannot
     // record them) rather than starting anything.
     let (status, _) = fleet.hosts[0].scale("during-partition");
@@ -579,7 +627,11 @@ fn serial_fleet_sigterm_hands_back_and_a_pool_defined_differently_is_refused() {
     assert_eq!(host1["pools"], serde_json::json!([]), "{v}");
     let pools = v["pools"].as_array().unwrap();
     assert_eq!(pools.len(), 1);
-    assert_eq!(pools[0]["hosts"].as_array().unwrap().len(), 1, "only host 0 serves it");
+    assert_eq!(
+        pools[0]["hosts"].as_array().unwrap().len(),
+        1,
+        "only host 0 serves it"
+    );
 
     // Host 0 (capacity 1) holds one agent; two more wait in the queue.
     // SIGTERM: it leaves, its row says so, and the queue keeps the waiting
@@ -595,7 +647,9 @@ fn serial_fleet_sigterm_hands_back_and_a_pool_defined_differently_is_refused() {
     });
     let id0 = fleet.hosts[0].instance();
     fleet.hosts[0].daemon.take().unwrap().terminate();
-    let state = fleet.sql(&format!("SELECT state FROM fleet_hosts WHERE instance_id = '{id0}'"));
+    let state = fleet.sql(&format!(
+        "SELECT state FROM fleet_hosts WHERE instance_id = '{id0}'"
+    ));
     assert_eq!(state, ["left"]);
     let queued = fleet.sql("SELECT job_id FROM fleet_requests WHERE state = 'queued' ORDER BY seq");
     assert_eq!(queued, ["t1", "t2"], "nothing acknowledged is lost");
