@@ -1714,3 +1714,11 @@ async fn the_typed_client_drives_an_agent_and_a_job_over_a_socket() {
     assert_eq!(status.scalers[1].name, "docker");
     server.abort();
 }
+
+#[tokio::test]
+async fn the_fleet_view_is_refused_by_name_outside_a_fleet() {
+    let h = Harness::new().await;
+    let r = h.call("GET", "/v1/fleet", None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.error().0, "not-a-fleet");
+}

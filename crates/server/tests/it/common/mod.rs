@@ -157,6 +157,7 @@ pub const DESIGN_ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/scalers/{name}/drain"),
     ("post", "/v1/reload"),
     ("get", "/v1/events"),
+    ("get", "/v1/fleet"),
     ("get", "/metrics"),
     ("get", "/healthz"),
     ("get", "/readyz"),
