@@ -119,6 +119,9 @@ error_codes! {
     InvalidConfig = "invalid-config",
     /// `GET /v1/fleet` on a daemon that is not in a fleet (404).
     NotAFleet = "not-a-fleet",
+    /// Another host of the fleet owns the agent or request and could not be
+    /// reached (502).
+    PeerUnavailable = "peer-unavailable",
 }
 
 impl fmt::Display for ErrorCode {

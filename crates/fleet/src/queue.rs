@@ -141,6 +141,15 @@ pub enum Enqueued {
     },
 }
 
+/// The host that owns an agent or a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// Its instance id.
+    pub instance: String,
+    /// Its advertised control API (None: it advertised none).
+    pub url: Option<String>,
+}
+
 /// One request, as any host reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestView {
@@ -825,6 +834,46 @@ impl Queue {
             outcome: r.try_get("outcome")?,
             position: non_negative("fleet_requests", "position", r.try_get("position")?)?,
         }))
+    }
+
+    /// The live host running agent `agent_id` — its instance id and
+    /// advertised URL — if one does (for carrying a call to the owner).
+    pub async fn agent_owner(&self, agent_id: &str) -> Result<Option<Owner>, FleetError> {
+        self.owner(
+            "SELECT h.instance_id, h.url FROM fleet_agents a JOIN fleet_hosts h \
+                 ON h.fleet = a.fleet AND h.instance_id = a.instance_id \
+             WHERE a.fleet = $1 AND a.agent_id = $2 AND a.state = 'live' AND h.state IN ('up', 'leaving')",
+            agent_id,
+        )
+        .await
+    }
+
+    /// The live host holding request `job_id` (claimed or started), if one
+    /// does.
+    pub async fn job_owner(&self, job_id: &str) -> Result<Option<Owner>, FleetError> {
+        self.owner(
+            "SELECT h.instance_id, h.url FROM fleet_requests r JOIN fleet_hosts h \
+                 ON h.fleet = r.fleet AND h.instance_id = r.claimed_by \
+             WHERE r.fleet = $1 AND r.job_id = $2 AND r.state IN ('claimed', 'started') \
+                 AND h.state IN ('up', 'leaving')",
+            job_id,
+        )
+        .await
+    }
+
+    async fn owner(&self, query: &str, key: &str) -> Result<Option<Owner>, FleetError> {
+        let row = sqlx::query(query)
+            .bind(self.fleet.name())
+            .bind(key)
+            .fetch_optional(self.fleet.pool())
+            .await?;
+        row.map(|r| {
+            Ok(Owner {
+                instance: r.try_get("instance_id")?,
+                url: r.try_get("url")?,
+            })
+        })
+        .transpose()
     }
 
     /// Where a request is, and who holds it (None: unknown or purged).

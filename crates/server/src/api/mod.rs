@@ -287,6 +287,7 @@ pub fn router_with(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(state.clone(), to_owner))
         .layer(middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
 }
@@ -339,6 +340,81 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         .into_response();
     }
     next.run(request).await
+}
+
+/// In a fleet, a call about one agent or one request that another host
+/// owns is carried to that host and answered as it answered (see
+/// [`crate::fleet::peer`]); everything else is served here.
+async fn to_owner(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    use crate::fleet::peer::{owner_only, OwnedBy};
+    let Some(fleet) = state.fleet() else {
+        return next.run(request).await;
+    };
+    let Some(what) = owner_only(request.method(), request.uri().path()) else {
+        return next.run(request).await;
+    };
+    let known_here = match &what {
+        OwnedBy::Agent(id) => id
+            .parse::<kici_model::AgentId>()
+            .is_ok_and(|a| state.runtime.agent(a).is_some()),
+        OwnedBy::Job(id) => id
+            .parse::<kici_model::JobId>()
+            .is_ok_and(|j| state.runtime.call(|e, _| e.job_outcome(&j)).is_some()),
+    };
+    if known_here {
+        return next.run(request).await;
+    }
+    let path = request.uri().path_and_query().map_or_else(
+        || request.uri().path().to_owned(),
+        |p| p.as_str().to_owned(),
+    );
+    let method = request.method().clone();
+    let (parts, body) = request.into_parts();
+    let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+        Ok(b) => b,
+        Err(_) => {
+            return ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                ErrorCode::PayloadTooLarge,
+                format!("the body is larger than {MAX_BODY_BYTES} bytes"),
+            )
+            .into_response()
+        }
+    };
+    match fleet
+        .forward(
+            &what,
+            &method,
+            &path,
+            body.clone(),
+            state.api_token.as_ref(),
+        )
+        .await
+    {
+        Ok(Some((status, answer))) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+            let mut response = Response::new(axum::body::Body::from(answer));
+            *response.status_mut() = status;
+            if !status.is_informational() && status != StatusCode::NO_CONTENT {
+                response.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    header::HeaderValue::from_static("application/json"),
+                );
+            }
+            response
+        }
+        // Nobody else owns it: answered here (a 404 when unknown).
+        Ok(None) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(body)))
+                .await
+        }
+        Err(e) => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            ErrorCode::PeerUnavailable,
+            e.to_string(),
+        )
+        .into_response(),
+    }
 }
 
 /// Parses an agent id path parameter.

@@ -18,6 +18,7 @@
 //! spawn gate records the agent against the claim under the host's lease
 //! epoch before the backend is called.
 
+pub mod peer;
 pub mod settings;
 pub mod view;
 

@@ -353,7 +353,12 @@ impl Fleet {
         {
             for (agent, state) in h.agents() {
                 if state == "booted" {
-                    let (status, _) = h.call("DELETE", &format!("/v1/agents/{agent}"), None);
+                    // Through the next host when it runs: the call is
+                    // carried to the owner.
+                    let next = &self.hosts[(h.index + 1) % self.hosts.len()];
+                    let via = if next.daemon.is_some() { next } else { h };
+                    let (status, body) = via.call("DELETE", &format!("/v1/agents/{agent}"), None);
+                    assert!(status == 202 || status == 404, "{status} {body}");
                     if status == 202 {
                         n += 1;
                     }
@@ -443,6 +448,31 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
     let mut by_arrival = fleet.sql("SELECT job_id FROM fleet_requests ORDER BY seq");
     by_arrival.retain(|j| order.contains(j));
     assert_eq!(order, by_arrival, "claims follow arrival order");
+
+    // One agent's view from a host that does not run it: carried to its
+    // owner. An unknown agent is 404 from anywhere.
+    let (owner, agent) = fleet
+        .hosts
+        .iter()
+        .find_map(|h| h.agents().into_keys().next().map(|a| (h.index, a)))
+        .unwrap_or_else(|| {
+            let (status, v) = fleet.hosts[0].scale("probe");
+            assert!(status == 202 || status == 200, "{v}");
+            wait_long("the probe's agent", PATIENCE, || {
+                fleet.hosts.iter().any(|h| !h.agents().is_empty())
+            });
+            fleet
+                .hosts
+                .iter()
+                .find_map(|h| h.agents().into_keys().next().map(|a| (h.index, a)))
+                .unwrap()
+        });
+    let (status, view) =
+        fleet.hosts[(owner + 1) % 3].call("GET", &format!("/v1/agents/{agent}"), None);
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["agentId"], agent.as_str());
+    let (status, _) = fleet.hosts[0].call("GET", "/v1/agents/scaler-bare-metal-00000000", None);
+    assert_eq!(status, 404);
 
     // A body that differs for a known job id is a conflict, from any host.
     let (status, body) = fleet.hosts[1].call(

@@ -1,0 +1,121 @@
+//! Calls only the owner can carry out — one agent's view and reports,
+//! destroying it, cancelling a request it holds — carried to the host that
+//! owns the agent or the request (its advertised URL, with the API token:
+//! every host of a fleet shares it) and answered as that host answered.
+//!
+//! A call is forwarded only when this host does not know the agent or job
+//! and the database names another live host as its owner, so a forwarded
+//! call never bounces: the owner knows it, or answers 404 itself.
+
+use super::FleetHost;
+use axum::http::Method;
+use bytes::Bytes;
+use kici_model::Secret;
+
+/// What an owner-only call is about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OwnedBy {
+    /// `/v1/agents/{id}` and its reports.
+    Agent(String),
+    /// `DELETE /v1/scale/{jobId}`.
+    Job(String),
+}
+
+/// Which owner-only call `method path` is, if any.
+pub fn owner_only(method: &Method, path: &str) -> Option<OwnedBy> {
+    if let Some(rest) = path.strip_prefix("/v1/agents/") {
+        let id = rest.split('/').next().unwrap_or_default();
+        return (!id.is_empty()).then(|| OwnedBy::Agent(id.to_owned()));
+    }
+    if method == Method::DELETE {
+        if let Some(job) = path.strip_prefix("/v1/scale/") {
+            return (!job.is_empty() && !job.contains('/')).then(|| OwnedBy::Job(job.to_owned()));
+        }
+    }
+    None
+}
+
+/// Why a call could not be carried to its owner.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error("the fleet's database is unavailable: {0}")]
+    Database(#[from] kici_fleet::FleetError),
+    #[error("host {instance} owns it but advertises no URL (--advertise-url)")]
+    NoUrl { instance: String },
+    #[error("host {instance} at {url} owns it but did not answer: {reason}")]
+    Unreachable {
+        instance: String,
+        url: String,
+        reason: String,
+    },
+}
+
+impl FleetHost {
+    /// Carries `method path` (with its JSON `body`) to the owner of `what`
+    /// when another live host owns it: its status and body. `Ok(None)`:
+    /// no other host owns it (answer here).
+    pub async fn forward(
+        &self,
+        what: &OwnedBy,
+        method: &Method,
+        path: &str,
+        body: Bytes,
+        token: Option<&Secret>,
+    ) -> Result<Option<(u16, Bytes)>, PeerError> {
+        let queue = self.queue();
+        let owner = match what {
+            OwnedBy::Agent(id) => queue.agent_owner(id).await?,
+            OwnedBy::Job(id) => queue.job_owner(id).await?,
+        };
+        let Some(owner) = owner.filter(|o| o.instance != self.instance().to_string()) else {
+            return Ok(None);
+        };
+        let Some(url) = owner.url else {
+            return Err(PeerError::NoUrl {
+                instance: owner.instance,
+            });
+        };
+        let unreachable = |reason: String| PeerError::Unreachable {
+            instance: owner.instance.clone(),
+            url: url.clone(),
+            reason,
+        };
+        let mut client = kici_api::Client::new(&url).map_err(|e| unreachable(e.to_string()))?;
+        if let Some(token) = token {
+            client = client.with_token(token.expose());
+        }
+        let body = (!body.is_empty()).then(|| body.to_vec());
+        let reply = client
+            .raw(method.as_str(), path, body)
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        tracing::debug!(owner = %owner.instance, %method, path, status = reply.status, "fleet: call carried to the owner");
+        Ok(Some((reply.status, reply.body)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_calls_about_one_agent_or_one_request_go_to_an_owner() {
+        let agent = |p| owner_only(&Method::POST, p);
+        assert_eq!(
+            agent("/v1/agents/scaler-bare-metal-0a0b0c0d/registered"),
+            Some(OwnedBy::Agent("scaler-bare-metal-0a0b0c0d".into()))
+        );
+        assert_eq!(
+            owner_only(&Method::GET, "/v1/agents/a1"),
+            Some(OwnedBy::Agent("a1".into()))
+        );
+        assert_eq!(owner_only(&Method::GET, "/v1/agents"), None);
+        assert_eq!(owner_only(&Method::GET, "/v1/agents/"), None);
+        assert_eq!(
+            owner_only(&Method::DELETE, "/v1/scale/j-1"),
+            Some(OwnedBy::Job("j-1".into()))
+        );
+        assert_eq!(owner_only(&Method::POST, "/v1/scale"), None);
+        assert_eq!(owner_only(&Method::GET, "/v1/status"), None);
+    }
+}
