@@ -79,6 +79,12 @@ struct Inner {
     bound: Mutex<HashMap<AgentId, JobId>>,
     /// Pools whose last claim the engine could not admit, and since when.
     busy: Mutex<HashMap<String, Instant>>,
+    /// One claim at a time on this host (the entry's and the loop's): the
+    /// loads it decides on and the local capacity it checks stay true until
+    /// its request is admitted, so a claim is not given back for want of a
+    /// slot another claim of this host just took — which would let a
+    /// younger request start before it.
+    claiming: tokio::sync::Mutex<()>,
     leading: AtomicBool,
     /// Wakes the claim loop: local capacity freed, or a new request here.
     wake: Notify,
@@ -196,6 +202,7 @@ impl FleetHost {
             claimed: Mutex::new(HashMap::new()),
             bound: Mutex::new(HashMap::new()),
             busy: Mutex::new(HashMap::new()),
+            claiming: tokio::sync::Mutex::new(()),
             leading: AtomicBool::new(false),
             wake: Notify::new(),
             stop: watch::Sender::new(false),
@@ -365,6 +372,10 @@ impl FleetHost {
                 return false;
             }
         }
+        let _one = inner.claiming.lock().await;
+        if !self.has_room(pool) {
+            return false;
+        }
         match inner.queue.pool_loads(pool).await {
             Ok(loads) => {
                 if !kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads) {
@@ -387,6 +398,21 @@ impl FleetHost {
         };
         self.serve(claim).await;
         true
+    }
+
+    /// Whether the engine has an agent slot free in `pool`'s scaler and
+    /// globally (the count caps; CPU and memory are checked on admission,
+    /// once the request's size is known).
+    fn has_room(&self, pool: &str) -> bool {
+        let status = self.0.runtime.status();
+        let global = status.global.agents < u64::from(status.global_max_agents);
+        let scaler = status
+            .scalers
+            .iter()
+            .find(|s| s.name.as_str() == pool)
+            .and_then(|s| s.usage.as_ref())
+            .is_some_and(|u| u.caps.max_agents.is_none_or(|max| u.agents < max));
+        global && scaler
     }
 
     /// Admits a claimed request here, or gives it back.
@@ -616,6 +642,7 @@ impl FleetHost {
         let every = (inner.settings.lease / 3).max(Duration::from_millis(500));
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut leading_since = Instant::now();
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -631,9 +658,15 @@ impl FleetHost {
             };
             if leading != inner.leading.swap(leading, Ordering::Relaxed) {
                 tracing::info!(leading, "fleet: leadership changed");
+                leading_since = Instant::now();
             }
             inner.metrics.set_fleet_leader(leading);
-            if leading {
+            // A new leader lets one lease pass before its first chores:
+            // leadership changes when sessions drop — the old leader's, or
+            // everyone's when the database restarted — and the other hosts
+            // renew (or rejoin) within a lease. Declaring them lost at once
+            // would move work that is still served.
+            if leading && leading_since.elapsed() >= inner.settings.lease {
                 self.chores(&leader).await;
             }
             self.finish_vanished().await;
