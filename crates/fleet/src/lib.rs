@@ -111,8 +111,8 @@ pub use leader::{ChoreReport, Leader, LostAgent, LostHost};
 pub use membership::{Caps, HostSpec, HostStatus, LeaseGuard, Membership, PoolDefinition};
 pub use placement::{should_claim, HostLoad, Placement};
 pub use queue::{
-    Adopted, Claim, Enqueued, NewRequest, Owner, Queue, RequestKind, RequestState, RequestView,
-    Waker,
+    Adopted, Claim, Enqueued, Entered, NewRequest, Owner, Queue, RequestKind, RequestState,
+    RequestView, Waker,
 };
 pub use schema::SCHEMA_VERSION;
 

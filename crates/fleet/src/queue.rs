@@ -172,6 +172,30 @@ pub struct RequestView {
     pub position: u64,
 }
 
+/// The outcome of [`Queue::enqueue_started`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entered {
+    /// Written, claimed and started with the caller's agent.
+    Started {
+        /// Arrival order.
+        seq: i64,
+    },
+    /// Written and queued (an older request waits, or a cap is reached):
+    /// the caller's agent must not be created.
+    Queued {
+        /// Arrival order.
+        seq: i64,
+    },
+    /// The same request was in the fleet already (see
+    /// [`Enqueued::Existing`]): the caller's agent must not be created.
+    Existing {
+        /// The answer recorded with the first.
+        answer: String,
+        /// Where it is now.
+        state: RequestState,
+    },
+}
+
 /// A request claimed by this host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
@@ -284,46 +308,30 @@ impl Queue {
     pub async fn enqueue(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
-        let seq: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO fleet_requests (fleet, job_id, kind, pool, body, answer, milli_cpu, memory_bytes, \
-                 entry_host, state, arrived_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'queued', fleet_now_ms()) \
-             ON CONFLICT (fleet, job_id) DO UPDATE SET seq = nextval('fleet_request_seq'), \
-                 pool = EXCLUDED.pool, answer = EXCLUDED.answer, milli_cpu = EXCLUDED.milli_cpu, \
-                 memory_bytes = EXCLUDED.memory_bytes, entry_host = EXCLUDED.entry_host, state = 'queued', \
-                 arrived_at = fleet_now_ms(), claimed_by = NULL, claim_epoch = NULL, claim_seq = NULL, \
-                 claimed_at = NULL, agent_id = NULL, started_at = NULL, finished_at = NULL, outcome = NULL \
-               WHERE fleet_requests.state = 'finished' AND fleet_requests.body = EXCLUDED.body \
-             RETURNING seq",
-        )
-        .bind(name)
-        .bind(&req.job_id)
-        .bind(req.kind.as_str())
-        .bind(&req.pool)
-        .bind(&req.body)
-        .bind(&req.answer)
-        .bind(to_db(req.cpu.millis()))
-        .bind(to_db(req.memory.bytes()))
-        .bind(&req.entry_host)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if let Some(seq) = seq {
+        if let Some(seq) = insert_request(&mut tx, name, req).await? {
             notify(&mut tx, name, &req.pool).await?;
             tx.commit().await?;
             return Ok(Enqueued::New { seq });
         }
-        // ON CONFLICT DO NOTHING waited for any concurrent insert of the same
-        // id to commit, so the existing row is visible to this statement.
+        tx.commit().await?;
+        let (answer, state) = self.existing(req).await?;
+        Ok(Enqueued::Existing { answer, state })
+    }
+
+    /// The request already recorded under `req`'s job id: its answer and
+    /// state if its body is `req`'s, else [`FleetError::Conflict`].
+    async fn existing(&self, req: &NewRequest) -> Result<(String, RequestState), FleetError> {
+        // The insert's ON CONFLICT waited for any concurrent insert of the
+        // same id to commit, so the existing row is visible now.
         let row = sqlx::query(
             "SELECT body, answer, state FROM fleet_requests WHERE fleet = $1 AND job_id = $2",
         )
-        .bind(name)
+        .bind(self.fleet.name())
         .bind(&req.job_id)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(self.fleet.pool())
         .await?;
-        tx.commit().await?;
         let Some(row) = row else {
-            // Purged between the two statements: rare; the caller retries.
+            // Purged in between: rare; the caller retries.
             return Err(FleetError::Unavailable(format!(
                 "request {} changed while being enqueued; retry",
                 req.job_id
@@ -335,9 +343,120 @@ impl Queue {
                 job_id: req.job_id.clone(),
             });
         }
-        Ok(Enqueued::Existing {
-            answer: row.try_get("answer")?,
-            state: RequestState::parse(&row.try_get::<String, _>("state")?)?,
+        Ok((
+            row.try_get("answer")?,
+            RequestState::parse(&row.try_get::<String, _>("state")?)?,
+        ))
+    }
+
+    /// [`Queue::enqueue`] by a host that serves the request's pool and has
+    /// already admitted it locally with agent `agent_id`: in one
+    /// transaction the request is written and — if it is the head of its
+    /// pool (FIFO), the fleet caps admit it and this host is `up` under its
+    /// epoch — claimed and started with that agent at once
+    /// ([`Entered::Started`]: create the agent). Otherwise it is only
+    /// queued ([`Entered::Queued`]: undo the local admission; the pool's
+    /// hosts are notified) or it existed already ([`Entered::Existing`]:
+    /// undo it too). One commit instead of the three of enqueue, claim and
+    /// start.
+    pub async fn enqueue_started(
+        &self,
+        guard: &LeaseGuard,
+        req: &NewRequest,
+        agent_id: &str,
+    ) -> Result<Entered, FleetError> {
+        let epoch = guard.check()?;
+        let name = self.fleet.name();
+        let mut tx = self.fleet.pool().begin().await?;
+        // The claim's lock order: fleet row, pool row, host row, request.
+        let global = fleet_caps(&mut tx, name, false).await?;
+        let global = if global.any() {
+            fleet_caps(&mut tx, name, true).await?
+        } else {
+            global
+        };
+        let pool_row = sqlx::query(
+            "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
+        )
+        .bind(name)
+        .bind(&req.pool)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let seq = insert_request(&mut tx, name, req).await?;
+        let Some(seq) = seq else {
+            tx.commit().await?;
+            return self
+                .existing(req)
+                .await
+                .map(|(answer, state)| Entered::Existing { answer, state });
+        };
+        let mut start = false;
+        if let Some(row) = pool_row {
+            let pool_caps = Caps::from_db(
+                "fleet_pools",
+                row.try_get("max_agents")?,
+                row.try_get("max_cpu")?,
+                row.try_get("max_memory")?,
+            )?;
+            fence(&mut tx, name, guard.instance(), epoch).await?;
+            let older: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM fleet_requests WHERE fleet = $1 AND pool = $2 \
+                     AND state = 'queued' AND seq < $3)",
+            )
+            .bind(name)
+            .bind(&req.pool)
+            .bind(seq)
+            .fetch_one(&mut *tx)
+            .await?;
+            start = !older
+                && caps_admit(
+                    &mut tx,
+                    name,
+                    &req.pool,
+                    &pool_caps,
+                    &global,
+                    req.cpu.millis(),
+                    req.memory.bytes(),
+                )
+                .await?;
+        }
+        if start {
+            sqlx::query(
+                "UPDATE fleet_requests SET state = 'started', claimed_by = $3, claim_epoch = $4, \
+                     claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1, \
+                     agent_id = $5, started_at = fleet_now_ms() \
+                 WHERE fleet = $1 AND job_id = $2",
+            )
+            .bind(name)
+            .bind(&req.job_id)
+            .bind(guard.instance())
+            .bind(epoch)
+            .bind(agent_id)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes, \
+                     state, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'live', fleet_now_ms(), fleet_now_ms())",
+            )
+            .bind(name)
+            .bind(agent_id)
+            .bind(guard.instance())
+            .bind(epoch)
+            .bind(&req.pool)
+            .bind(&req.job_id)
+            .bind(to_db(req.cpu.millis()))
+            .bind(to_db(req.memory.bytes()))
+            .execute(&mut *tx)
+            .await?;
+        } else {
+            notify(&mut tx, name, &req.pool).await?;
+        }
+        tx.commit().await?;
+        Ok(if start {
+            Entered::Started { seq }
+        } else {
+            Entered::Queued { seq }
         })
     }
 
@@ -431,28 +550,8 @@ impl Queue {
             "memory_bytes",
             head.try_get("memory_bytes")?,
         )?;
-        if pool_caps.any() {
-            let used = usage_row(
-                &sqlx::query(USAGE_POOL)
-                    .bind(name)
-                    .bind(pool)
-                    .fetch_one(&mut *tx)
-                    .await?,
-            )?;
-            if !used.admits(&pool_caps, cpu, memory) {
-                return Ok(PoolAttempt::AtCap);
-            }
-        }
-        if global.any() {
-            let used = usage_row(
-                &sqlx::query(USAGE_FLEET)
-                    .bind(name)
-                    .fetch_one(&mut *tx)
-                    .await?,
-            )?;
-            if !used.admits(&global, cpu, memory) {
-                return Ok(PoolAttempt::AtCap);
-            }
+        if !caps_admit(&mut tx, name, pool, &pool_caps, &global, cpu, memory).await? {
+            return Ok(PoolAttempt::AtCap);
         }
         let job_id: String = head.try_get("job_id")?;
         let claim_seq: i64 = sqlx::query_scalar(
@@ -994,6 +1093,76 @@ async fn fleet_caps(conn: &mut PgConnection, fleet: &str, lock: bool) -> Result<
 /// The database-side fence: the host row, share-locked for the rest of the
 /// transaction (the leader's "declare lost" waits for it), must be `up`
 /// under `epoch` with an unexpired lease.
+/// Writes `req` as queued (or queues a finished request with its job id and
+/// body anew); its `seq`, or `None` when a request with its job id is in the
+/// fleet and not finished.
+async fn insert_request(
+    conn: &mut PgConnection,
+    fleet: &str,
+    req: &NewRequest,
+) -> Result<Option<i64>, FleetError> {
+    Ok(sqlx::query_scalar(
+        "INSERT INTO fleet_requests (fleet, job_id, kind, pool, body, answer, milli_cpu, memory_bytes, \
+             entry_host, state, arrived_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'queued', fleet_now_ms()) \
+         ON CONFLICT (fleet, job_id) DO UPDATE SET seq = nextval('fleet_request_seq'), \
+             pool = EXCLUDED.pool, answer = EXCLUDED.answer, milli_cpu = EXCLUDED.milli_cpu, \
+             memory_bytes = EXCLUDED.memory_bytes, entry_host = EXCLUDED.entry_host, state = 'queued', \
+             arrived_at = fleet_now_ms(), claimed_by = NULL, claim_epoch = NULL, claim_seq = NULL, \
+             claimed_at = NULL, agent_id = NULL, started_at = NULL, finished_at = NULL, outcome = NULL \
+           WHERE fleet_requests.state = 'finished' AND fleet_requests.body = EXCLUDED.body \
+         RETURNING seq",
+    )
+    .bind(fleet)
+    .bind(&req.job_id)
+    .bind(req.kind.as_str())
+    .bind(&req.pool)
+    .bind(&req.body)
+    .bind(&req.answer)
+    .bind(to_db(req.cpu.millis()))
+    .bind(to_db(req.memory.bytes()))
+    .bind(&req.entry_host)
+    .fetch_optional(&mut *conn)
+    .await?)
+}
+
+/// Whether the pool's and the fleet's usage leave room for `cpu`/`memory`
+/// more (the callers hold the rows the sums depend on, locked).
+async fn caps_admit(
+    conn: &mut PgConnection,
+    fleet: &str,
+    pool: &str,
+    pool_caps: &Caps,
+    global: &Caps,
+    cpu: u64,
+    memory: u64,
+) -> Result<bool, FleetError> {
+    if pool_caps.any() {
+        let used = usage_row(
+            &sqlx::query(USAGE_POOL)
+                .bind(fleet)
+                .bind(pool)
+                .fetch_one(&mut *conn)
+                .await?,
+        )?;
+        if !used.admits(pool_caps, cpu, memory) {
+            return Ok(false);
+        }
+    }
+    if global.any() {
+        let used = usage_row(
+            &sqlx::query(USAGE_FLEET)
+                .bind(fleet)
+                .fetch_one(&mut *conn)
+                .await?,
+        )?;
+        if !used.admits(global, cpu, memory) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 async fn fence(
     conn: &mut PgConnection,
     fleet: &str,

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use kici_fleet::{Adopted, Caps, Enqueued, Fleet, FleetError, FleetOptions, RequestState};
+use kici_fleet::{Adopted, Caps, Enqueued, Entered, Fleet, FleetError, FleetOptions, RequestState};
 use kici_model::MilliCpu;
 use sqlx::Row;
 use std::collections::{BTreeMap, HashSet};
@@ -837,4 +837,65 @@ fn futures_are_spawnable(
     send(leader.run_chores(LONG));
     send(w.wait());
     send(m.leave());
+}
+
+/// The entry host's one-transaction path: the head of its pool under the
+/// caps is written started with the caller's agent; behind an older queued
+/// request, or at a cap, it is only queued; a repeat is `Existing`.
+#[tokio::test]
+async fn enqueue_started_starts_only_the_head_under_the_caps() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("entry").await;
+    let a = join(&fleet, 1, vec![pool("p", max_agents(2))], LONG).await;
+    let q = fleet.queue();
+    let first = request("e1", "p", 100);
+    assert!(matches!(
+        q.enqueue_started(a.guard(), &first, "agent-1")
+            .await
+            .unwrap(),
+        Entered::Started { .. }
+    ));
+    assert_eq!(
+        q.lookup("e1").await.unwrap().unwrap().agent_id.as_deref(),
+        Some("agent-1")
+    );
+    assert_eq!(q.pool_usage("p").await.unwrap().agents, 1);
+    assert!(matches!(
+        q.enqueue_started(a.guard(), &first, "agent-x")
+            .await
+            .unwrap(),
+        Entered::Existing {
+            state: RequestState::Started,
+            ..
+        }
+    ));
+    // An older request waits: the new one queues behind it (FIFO).
+    assert!(matches!(
+        q.enqueue(&request("e2", "p", 100)).await.unwrap(),
+        Enqueued::New { .. }
+    ));
+    assert!(matches!(
+        q.enqueue_started(a.guard(), &request("e3", "p", 100), "agent-3")
+            .await
+            .unwrap(),
+        Entered::Queued { .. }
+    ));
+    // The head starts; then the cap (2) holds the next one back.
+    let claim = q
+        .claim(a.guard(), &["p".to_owned()])
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(claim.job_id, "e2");
+    q.start(a.guard(), &claim, "agent-2").await.unwrap();
+    q.cancel_queued("e3").await.unwrap();
+    assert!(matches!(
+        q.enqueue_started(a.guard(), &request("e4", "p", 100), "agent-4")
+            .await
+            .unwrap(),
+        Entered::Queued { .. }
+    ));
+    assert_eq!(q.pool_usage("p").await.unwrap().agents, 2, "the cap held");
+    fleet.close().await;
+    db.drop_db().await;
 }

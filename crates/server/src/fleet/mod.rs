@@ -26,7 +26,7 @@ use crate::events::metrics::Metrics;
 use kici_engine::runtime::{Runtime, SpawnGate};
 use kici_engine::{AgentState, EngineEvent, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
-    Adopted, Caps, Claim, Enqueued, Fleet, FleetError, FleetOptions, HostSpec, Leader, LeaseGuard,
+    Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, FleetOptions, HostSpec, Leader, LeaseGuard,
     Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
 };
 use kici_model::{AgentId, Config, InstanceId, JobId, ScalerName};
@@ -36,7 +36,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{broadcast, watch, Notify};
+use tokio::sync::{broadcast, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
 /// Finished requests, gone agents and departed hosts are purged after this.
@@ -75,6 +75,9 @@ struct Inner {
     /// Claims whose agent is not bound yet, by job (the spawn gate takes
     /// them out).
     claimed: Mutex<HashMap<JobId, Claim>>,
+    /// Requests admitted here at entry whose spawn waits for the entry's
+    /// transaction: `true` once it started them.
+    entering: Mutex<HashMap<JobId, oneshot::Receiver<bool>>>,
     /// Agents started for this host's claims, and their jobs.
     bound: Mutex<HashMap<AgentId, JobId>>,
     /// Pools whose last claim the engine could not admit, and since when.
@@ -200,6 +203,7 @@ impl FleetHost {
             pools,
             refused,
             claimed: Mutex::new(HashMap::new()),
+            entering: Mutex::new(HashMap::new()),
             bound: Mutex::new(HashMap::new()),
             busy: Mutex::new(HashMap::new()),
             claiming: tokio::sync::Mutex::new(()),
@@ -287,21 +291,89 @@ impl FleetHost {
             memory: resources.requests.memory,
             entry_host: self.0.instance.to_string(),
         };
-        match self.0.queue.enqueue(&new).await {
-            Ok(Enqueued::New { .. }) => {
-                if self.serves(pool.as_str()) {
-                    // Served here at once if placement and capacity allow;
-                    // otherwise the pool's other hosts were notified.
-                    self.claim_from(pool.as_str()).await;
-                }
+        if self.serves(pool.as_str()) {
+            if let Some(outcome) = self.enter_here(&new, request).await? {
+                return Ok(outcome);
             }
-            Ok(Enqueued::Existing { .. }) => {}
+        }
+        // Not served here now: queued, and the pool's hosts are notified.
+        match self.0.queue.enqueue(&new).await {
+            Ok(Enqueued::New { .. } | Enqueued::Existing { .. }) => {}
             Err(FleetError::Conflict { .. }) => {
                 return Err(EntryError::Conflict(job));
             }
             Err(e) => return Err(EntryError::Unavailable(e.to_string())),
         }
         self.answer(&job).await
+    }
+
+    /// The entry host serves the request itself when placement picks it and
+    /// it has room: local admission first (the agent's spawn waits at the
+    /// gate), then one transaction writes the request already started with
+    /// that agent — if it is its pool's head and the fleet caps admit it.
+    /// Otherwise the local admission is undone and the request stays queued
+    /// (or was known already). `None`: not tried here (enqueue it).
+    async fn enter_here(
+        &self,
+        new: &NewRequest,
+        request: ScaleRequest,
+    ) -> Result<Option<ScaleOutcome>, EntryError> {
+        let inner = &self.0;
+        if !inner.guard.is_valid() || *inner.stop.borrow() {
+            return Ok(None);
+        }
+        let job = request.job.clone();
+        // Known here already: the queue has it too; answered from there.
+        if inner.runtime.call(|e, _| e.job_outcome(&job)).is_some() {
+            return Ok(None);
+        }
+        let _one = inner.claiming.lock().await;
+        if !self.has_room(&new.pool) {
+            return Ok(None);
+        }
+        match inner.queue.pool_loads(&new.pool).await {
+            Ok(loads) if kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads) => {}
+            _ => return Ok(None),
+        }
+        let (decide, decision) = oneshot::channel();
+        inner.entering.lock().insert(job.clone(), decision);
+        let outcome = inner.runtime.request_scale_now(request);
+        let (agent_id, warm) = match &outcome {
+            Ok(ScaleOutcome::Spawning { agent_id, warm, .. }) => (*agent_id, *warm),
+            _ => {
+                inner.entering.lock().remove(&job);
+                return Ok(None);
+            }
+        };
+        let entered = inner
+            .queue
+            .enqueue_started(&inner.guard, new, &agent_id.to_string())
+            .await;
+        if let Ok(Entered::Started { .. }) = entered {
+            inner.bound.lock().insert(agent_id, job.clone());
+            // A gate that has not looked yet finds no entry: ungated.
+            let _ = decide.send(true);
+            inner.entering.lock().remove(&job);
+            inner.metrics.fleet_claim("started");
+            return outcome.map(Some).map_err(|e| EntryError::Unavailable(e.to_string()));
+        }
+        // Not ours to serve: the agent is never created. Cancelling first
+        // cuts its spawn short wherever it waits (the journal or the gate);
+        // a warm agent taken for it is given up.
+        if warm {
+            let _ = inner.runtime.destroy_agent(agent_id);
+        } else {
+            inner.runtime.cancel_scale(&job);
+        }
+        let _ = decide.send(false);
+        inner.entering.lock().remove(&job);
+        match entered {
+            Ok(_) => self.answer(&job).await.map(Some),
+            Err(FleetError::Conflict { .. }) => Err(EntryError::Conflict(job)),
+            // The fence is closed or moved: queued the ordinary way.
+            Err(FleetError::LeaseLapsed { .. } | FleetError::StaleEpoch { .. }) => Ok(None),
+            Err(e) => Err(EntryError::Unavailable(e.to_string())),
+        }
     }
 
     /// The answer to `job`'s request as it stands: from the local engine if
@@ -859,6 +931,14 @@ impl SpawnGate for ClaimGate {
         let (Some(inner), Some(job)) = (self.0.upgrade(), job) else {
             return Ok(());
         };
+        // Admitted at entry: wait for the entry's transaction.
+        let entering = inner.entering.lock().remove(job);
+        if let Some(decision) = entering {
+            return match decision.await {
+                Ok(true) => Ok(()),
+                _ => Err("the request was queued for the fleet instead".to_owned()),
+            };
+        }
         // Not a fleet claim (a standalone job, or a warm spawn): ungated.
         let Some(claim) = inner.claimed.lock().remove(job) else {
             return Ok(());
