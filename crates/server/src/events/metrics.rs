@@ -14,7 +14,7 @@ use kici_engine::{
     AgentState, AgentView, BreakerState, EngineEvent, FailureReason, PendingEnd, Status, StopCause,
     TransitionCause,
 };
-use kici_model::{AgentId, Config, ScalerName, ScalerType};
+use kici_model::{Config, ScalerName, ScalerType};
 use parking_lot::Mutex;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -22,7 +22,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 
 /// Every series name, for documentation and the start-up test. Counters are
@@ -37,6 +36,8 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_warm_target",
     "kici_orch_scaler_pending_requests",
     "kici_orch_scaler_pending_age_seconds",
+    "kici_orch_scaler_spawns_in_flight",
+    "kici_orch_scaler_spawns_waiting",
     "kici_orch_scaler_provision_seconds",
     "kici_orch_scaler_breaker_open",
     "kici_orch_scaler_orphans_reaped_total",
@@ -224,6 +225,8 @@ pub struct Metrics {
     warm_target: Family<ScalerLabels, Gauge>,
     pending: Family<ScalerLabels, Gauge>,
     pending_age: Histogram,
+    spawns_in_flight: Family<ScalerLabels, Gauge>,
+    spawns_waiting: Family<ScalerLabels, Gauge>,
     provision: HistogramFamily<PhaseLabels>,
     breaker_open: Family<BreakerLabels, Gauge>,
     orphans: Family<KindLabels, Counter>,
@@ -235,9 +238,6 @@ pub struct Metrics {
     warm_pool_spawns: Family<ScalerLabels, Counter>,
     warm_pool_reaped: Family<ScalerLabels, Counter>,
     redispatch: Family<TriggerLabels, Counter>,
-    /// Seconds an agent spent in `requested`, until it boots (the provision
-    /// phase spans requested + provisioning).
-    requested_seconds: Mutex<HashMap<AgentId, f64>>,
     /// Scrapes recompute the gauges: one at a time, so none sees another's
     /// half-filled families.
     scrape: Mutex<()>,
@@ -257,6 +257,8 @@ impl Metrics {
             warm_target: Family::default(),
             pending: Family::default(),
             pending_age: seconds_histogram(),
+            spawns_in_flight: Family::default(),
+            spawns_waiting: Family::default(),
             provision: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
             breaker_open: Family::default(),
             orphans: Family::default(),
@@ -268,7 +270,6 @@ impl Metrics {
             warm_pool_spawns: Family::default(),
             warm_pool_reaped: Family::default(),
             redispatch: Family::default(),
-            requested_seconds: Mutex::new(HashMap::new()),
             scrape: Mutex::new(()),
             registry: Registry::default(),
         };
@@ -316,6 +317,16 @@ impl Metrics {
             "kici_orch_scaler_pending_age_seconds",
             "How long scale requests waited in the pending queue before leaving it",
             m.pending_age.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_spawns_in_flight",
+            "Backend spawns running now, per scaler (at most its maxConcurrentSpawns)",
+            m.spawns_in_flight.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_spawns_waiting",
+            "Admitted agents waiting for a spawn slot of their scaler (maxConcurrentSpawns), per scaler",
+            m.spawns_waiting.clone(),
         );
         registry.register(
             "kici_orch_scaler_provision_seconds",
@@ -450,6 +461,8 @@ impl Metrics {
             }
             let _ = self.warm_target.get_or_create(&scaler);
             let _ = self.pending.get_or_create(&scaler);
+            let _ = self.spawns_in_flight.get_or_create(&scaler);
+            let _ = self.spawns_waiting.get_or_create(&scaler);
             for state in LIVE_STATES {
                 let _ = self.agents.get_or_create(&AgentLabels {
                     scaler: s.name.to_string(),
@@ -505,7 +518,6 @@ impl Metrics {
     pub fn observe(&self, event: &SequencedEvent) {
         match &event.event {
             EngineEvent::AgentTransition {
-                agent_id,
                 scaler,
                 backend,
                 from,
@@ -525,7 +537,7 @@ impl Metrics {
                         })
                         .inc();
                 }
-                self.observe_phases(*agent_id, *backend, *from, *to, *seconds_in_state);
+                self.observe_phases(*backend, *from, *to, *seconds_in_state);
             }
             EngineEvent::Refused { cap, .. } => {
                 self.refusals
@@ -583,14 +595,7 @@ impl Metrics {
         }
     }
 
-    fn observe_phases(
-        &self,
-        agent: AgentId,
-        backend: ScalerType,
-        from: AgentState,
-        to: AgentState,
-        seconds: f64,
-    ) {
+    fn observe_phases(&self, backend: ScalerType, from: AgentState, to: AgentState, seconds: f64) {
         let observe = |phase, v: f64| {
             self.provision
                 .get_or_create(&PhaseLabels {
@@ -599,19 +604,15 @@ impl Metrics {
                 })
                 .observe(v);
         };
+        // The provision phase is the backend's spawn alone: the time an
+        // agent waited in `requested` for a spawn slot (maxConcurrentSpawns)
+        // is not start-up time, and `spawns_waiting` shows it.
         match (from, to) {
-            (AgentState::Requested, AgentState::Provisioning) => {
-                self.requested_seconds.lock().insert(agent, seconds);
-            }
             (AgentState::Provisioning, AgentState::Booted) => {
-                let before = self.requested_seconds.lock().remove(&agent).unwrap_or(0.0);
-                observe(Phase::provision, before + seconds);
+                observe(Phase::provision, seconds);
             }
             (AgentState::Booted, AgentState::Registered) => {
                 observe(Phase::registration, seconds);
-            }
-            (_, AgentState::Gone) | (_, AgentState::Destroying) => {
-                self.requested_seconds.lock().remove(&agent);
             }
             _ => {}
         }
@@ -627,7 +628,12 @@ impl Metrics {
     /// Recomputes every gauge from a snapshot. Scalers a reload removed
     /// disappear once they have no agent left.
     fn refresh(&self, config: &Config, status: &Status, agents: &[AgentView]) {
-        for family in [&self.warm_target, &self.pending] {
+        for family in [
+            &self.warm_target,
+            &self.pending,
+            &self.spawns_in_flight,
+            &self.spawns_waiting,
+        ] {
             family.clear();
         }
         for family in [
@@ -664,6 +670,12 @@ impl Metrics {
             self.pending
                 .get_or_create(&scaler)
                 .set(i64::try_from(s.pending).unwrap_or(i64::MAX));
+            self.spawns_in_flight
+                .get_or_create(&scaler)
+                .set(i64::try_from(s.spawns_in_flight).unwrap_or(i64::MAX));
+            self.spawns_waiting
+                .get_or_create(&scaler)
+                .set(i64::try_from(s.spawns_waiting).unwrap_or(i64::MAX));
             for ls in &s.label_sets {
                 let open = i64::from(ls.breaker == BreakerState::Open);
                 self.breaker_open
