@@ -368,7 +368,11 @@ impl Gateway {
             agent_id: agent,
             labels: register.labels.clone(),
             scaler_managed: true,
+            capabilities: RegisterAck::capabilities(),
             pending_dispatch: registration.bound_job_id.is_some(),
+            // Every agent of ours is the engine's: one with no job bound
+            // was spawned for a warm pool.
+            warm_pool: registration.bound_job_id.is_none(),
         }))
         .await?;
         Ok(Registered {
