@@ -48,6 +48,7 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_warm_pool_spawns_total",
     "kici_orch_scaler_warm_pool_reaped_total",
     "kici_orch_scaler_redispatch_total",
+    "kici_orch_scaler_agent_messages_ignored_total",
 ];
 
 /// `config_reloads_total{result}`.
@@ -145,6 +146,13 @@ struct TriggerLabels {
     trigger: &'static str,
 }
 
+/// `agent_messages_ignored_total{type}`: one of a fixed list of names, so
+/// an agent cannot grow the series.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MessageTypeLabels {
+    r#type: &'static str,
+}
+
 /// The `scaler` and `scalerType` of the daemon-wide usage row.
 const GLOBAL: &str = "__global__";
 
@@ -238,6 +246,7 @@ pub struct Metrics {
     warm_pool_spawns: Family<ScalerLabels, Counter>,
     warm_pool_reaped: Family<ScalerLabels, Counter>,
     redispatch: Family<TriggerLabels, Counter>,
+    agent_messages_ignored: Family<MessageTypeLabels, Counter>,
     /// Scrapes recompute the gauges: one at a time, so none sees another's
     /// half-filled families.
     scrape: Mutex<()>,
@@ -270,6 +279,7 @@ impl Metrics {
             warm_pool_spawns: Family::default(),
             warm_pool_reaped: Family::default(),
             redispatch: Family::default(),
+            agent_messages_ignored: Family::default(),
             scrape: Mutex::new(()),
             registry: Registry::default(),
         };
@@ -383,6 +393,16 @@ impl Metrics {
             "Waiting scale requests admitted once capacity freed, per trigger (hook: a release; sweep: never here)",
             m.redispatch.clone(),
         );
+        registry.register(
+            "kici_orch_scaler_agent_messages_ignored",
+            "Messages of KiCI's agent protocol that the gateway accepts and does not use (agent.status, agent.log, job.heartbeat, ...), per type",
+            m.agent_messages_ignored.clone(),
+        );
+        for kind in kici_protocol::IGNORED_AGENT_MESSAGES {
+            let _ = m
+                .agent_messages_ignored
+                .get_or_create(&MessageTypeLabels { r#type: kind });
+        }
         for trigger in REDISPATCH_TRIGGERS {
             let _ = m.redispatch.get_or_create(&TriggerLabels { trigger });
         }
@@ -503,6 +523,14 @@ impl Metrics {
             open: self.connections.get_or_create(&labels).clone(),
             limit_reached: self.connection_limits.get_or_create(&labels).clone(),
         }
+    }
+
+    /// The gateway accepted and ignored a message of `kind` (one of
+    /// [`kici_protocol::IGNORED_AGENT_MESSAGES`]).
+    pub fn agent_message_ignored(&self, kind: &'static str) {
+        self.agent_messages_ignored
+            .get_or_create(&MessageTypeLabels { r#type: kind })
+            .inc();
     }
 
     /// For the reconciler.
