@@ -80,13 +80,14 @@ fn start_up_refuses_a_bad_config_with_every_error() {
 #[test]
 fn start_up_refuses_a_backend_that_cannot_start_here() {
     // Every scaler type has a backend now; what can still be missing is
-    // the host side of one — here the Firecracker bridge.
+    // the host side of one — here the Firecracker bridge, which start-up
+    // only checks when told not to provision it.
     let dir = Dir::with_config(CONFIG);
     let bridge = format!("kbn{:08x}", rand::random::<u32>());
     std::fs::write(
         dir.path("scalers.yaml"),
         format!(
-            "version: 1\nfirecracker:\n  cidr: 10.214.0.0/24\n  bridgeName: {bridge}\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: /bin/true\n  - name: vm\n    type: firecracker\n    maxAgents: 1\n    firecrackerPath: /nonexistent/firecracker\n    jailerPath: /nonexistent/jailer\n    kernelPath: /nonexistent/vmlinux\n    chrootBaseDir: /srv/jailer\n    uid: 10000\n    gid: 10000\n    labelSets:\n      - labels: [vm]\n        rootfsPath: /nonexistent/rootfs.ext4\n"
+            "version: 1\nfirecracker:\n  cidr: 10.214.0.0/24\n  bridgeName: {bridge}\n  autoProvisionHost: false\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: /bin/true\n  - name: vm\n    type: firecracker\n    maxAgents: 1\n    firecrackerPath: /nonexistent/firecracker\n    jailerPath: /nonexistent/jailer\n    kernelPath: /nonexistent/vmlinux\n    chrootBaseDir: /srv/jailer\n    uid: 10000\n    gid: 10000\n    labelSets:\n      - labels: [vm]\n        rootfsPath: /nonexistent/rootfs.ext4\n"
         ),
     )
     .unwrap();
