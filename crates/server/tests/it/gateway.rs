@@ -342,8 +342,16 @@ impl Agent {
     ) -> RegisterAck {
         self.auth(&setup.token(agent)).await;
         assert!(matches!(self.recv().await, GatewayMessage::AuthSuccess(_)));
+        // What an agent reports about itself is outside the token's scope
+        // and accepted (KiCI's agent adds its container runtime).
         let labels = setup.labels(agent).union(
-            &LabelSet::parse(["kici:os:linux", "kici:arch:x64", "kici:host:test-box"]).unwrap(),
+            &LabelSet::parse([
+                "kici:os:linux",
+                "kici:arch:x64",
+                "kici:host:test-box",
+                "kici:runtime:docker",
+            ])
+            .unwrap(),
         );
         self.register_running(agent, labels.clone(), running).await;
         let ack = match self.recv().await {
