@@ -337,6 +337,7 @@ impl Agent {
         };
         let msg = match GatewayMessage::from_json(text.as_str()) {
             Ok(msg) => msg,
+            Err(_) if is_unknown_type(text.as_str()) => return Ok(()),
             Err(e) => {
                 tracing::error!(error = %e, "unreadable message from the gateway");
                 close(ws, CloseCode::InvalidMessage, "invalid message").await;
@@ -496,6 +497,7 @@ async fn next_message(ws: &mut Ws, awaiting: &str) -> Result<GatewayMessage, Out
                 None => return Err(Outcome::Reconnect(format!("closed while awaiting {awaiting}"))),
                 Some(Err(e)) => return Err(Outcome::Reconnect(format!("receive: {e}"))),
                 Some(Ok(Message::Close(frame))) => return Err(closed_by_gateway(frame.as_ref())),
+                Some(Ok(Message::Text(text))) if is_unknown_type(text.as_str()) => continue,
                 Some(Ok(Message::Text(text))) => {
                     return GatewayMessage::from_json(text.as_str()).map_err(|e| {
                         tracing::error!(error = %e, awaiting, "unreadable message from the gateway");
@@ -509,6 +511,20 @@ async fn next_message(ws: &mut Ws, awaiting: &str) -> Result<GatewayMessage, Out
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, wait).await {
         Ok(r) => r,
         Err(_) => Err(Outcome::Reconnect(format!("no {awaiting} in time"))),
+    }
+}
+
+/// A message of a type this agent does not know (KiCI's gateway also sends
+/// `rate.limit.warning` and `error`; a newer gateway may send more): read
+/// past, logged, never a reason to leave. A known type that does not parse
+/// is still a protocol violation.
+fn is_unknown_type(text: &str) -> bool {
+    match kici_protocol::message_type(text) {
+        Some(t) if !GatewayMessage::TYPES.contains(&t.as_str()) => {
+            tracing::debug!(message_type = %t, "ignoring a message this agent does not know");
+            true
+        }
+        _ => false,
     }
 }
 

@@ -78,9 +78,25 @@ pub struct ScalerStatusObject {
     pub warm_idle: usize,
     /// Scale requests waiting for capacity.
     pub pending: usize,
+    /// The spawn throttle (`maxConcurrentSpawns`).
+    pub spawns: SpawnsObject,
     pub cordoned: bool,
     pub draining: bool,
     pub label_sets: Vec<LabelSetStatusObject>,
+}
+
+/// A scaler's spawn throttle: admitted agents whose backend spawn runs,
+/// and those waiting (in admission order) for one of its slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SpawnsObject {
+    /// `maxConcurrentSpawns`: most spawns in flight at once.
+    pub max_concurrent: u32,
+    /// Spawns running now (agents in `provisioning`).
+    pub in_flight: usize,
+    /// Admitted agents waiting for a slot (in `requested`).
+    pub waiting: usize,
 }
 
 /// `GET /v1/status`.

@@ -13,7 +13,8 @@
 //! This module holds the engine's types, scale requests and admission, the
 //! transitions (with the effects they order), shutdown and the views; its
 //! submodules each add one part of [`Engine`]'s behaviour: `warm` (warm
-//! pools), `reports` (what backends and agents report), `timers`
+//! pools), `spawns` (the `maxConcurrentSpawns` throttle), `reports` (what
+//! backends and agents report), `timers`
 //! (deadlines), `switches` (cordon, drain), `reload`, and `recovery` (the
 //! journal and taking agents and pending requests back after a restart).
 
@@ -36,6 +37,7 @@ use std::time::{Duration, Instant};
 mod recovery;
 mod reload;
 mod reports;
+mod spawns;
 mod switches;
 mod timers;
 mod warm;
@@ -363,6 +365,8 @@ struct Agent {
     drain_after_job: bool,
     destroy: Option<DestroyProgress>,
     last_exit_code: Option<i32>,
+    /// Its spawn, while it waits for a slot of its scaler's spawn throttle.
+    queued_spawn: Option<SpawnOrder>,
 }
 
 /// Where an agent's destroy stands (set from its first destroy order on).
@@ -421,7 +425,11 @@ impl Agent {
         let d = &self.scaler().ext.deadlines;
         let lifetime = self.created + d.max_lifetime;
         let own = match self.state {
-            AgentState::Requested | AgentState::Provisioning => Some(self.created + d.provision),
+            // Waiting for a spawn slot: the wait is bounded by the spawns
+            // ahead of it (each bounded by its own deadline), and is not
+            // provisioning time.
+            AgentState::Requested => None,
+            AgentState::Provisioning => Some(self.since + d.provision),
             AgentState::Booted => Some(self.since + d.registration),
             AgentState::Registered => Some(self.since + d.pending_dispatch),
             AgentState::Idle => Some(self.since + self.idle_ttl(settings)),
@@ -488,6 +496,8 @@ pub struct Engine {
     breakers: HashMap<(ScalerName, LabelSet), Breaker>,
     switches: HashMap<ScalerName, ScalerSwitches>,
     cordons: CordonSet,
+    /// Per scaler name: spawns in flight and agents waiting for a slot.
+    spawn_queues: HashMap<ScalerName, spawns::SpawnQueue>,
     effects: Vec<Effect>,
     events: Vec<EngineEvent>,
     journal: Vec<JournalEntry>,
@@ -516,6 +526,7 @@ impl Engine {
             breakers: HashMap::new(),
             switches: HashMap::new(),
             cordons: CordonSet::none(),
+            spawn_queues: HashMap::new(),
             effects: Vec::new(),
             events: Vec::new(),
             journal: Vec::new(),
@@ -963,6 +974,7 @@ impl Engine {
             drain_after_job: false,
             destroy: None,
             last_exit_code: None,
+            queued_spawn: None,
         };
         self.next_seq += 1;
         self.agents.insert(id, agent);
@@ -970,8 +982,7 @@ impl Engine {
             self.effects
                 .push(Effect::Job(JobEffect::Bound { job, agent: id }));
         }
-        self.effects.push(Effect::Spawn(order));
-        self.step(id, AgentEvent::ProvisionStarted, now);
+        self.queue_spawn(order, now);
     }
 
     // ----- transitions ------------------------------------------------------
@@ -1001,9 +1012,10 @@ impl Engine {
             }
             _ => None,
         };
+        let scaler = a.name().clone();
         self.events.push(EngineEvent::AgentTransition {
             agent_id: agent,
-            scaler: a.name().clone(),
+            scaler: scaler.clone(),
             backend: a.scaler().kind,
             from,
             to,
@@ -1013,7 +1025,11 @@ impl Engine {
             detail,
             seconds_in_state,
         });
+        let freed = self.track_spawn(agent, &scaler, from, to);
         self.journal_agent(agent, now);
+        if freed {
+            self.dispatch_spawns(&scaler, now);
+        }
         Ok(to)
     }
 
@@ -1292,6 +1308,7 @@ impl Engine {
                     .filter(|a| a.name() == &s.name && a.warm && a.state == AgentState::Idle)
                     .count();
                 let switches = self.switches.get(&s.name).copied().unwrap_or_default();
+                let (spawns_in_flight, spawns_waiting) = self.spawn_counts(&s.name);
                 let label_sets = s
                     .label_sets
                     .iter()
@@ -1314,6 +1331,9 @@ impl Engine {
                     warm_target: s.warm_target() * s.label_sets.len() as u32,
                     warm_idle,
                     pending: self.pending.count_for(s.name.as_str()),
+                    max_concurrent_spawns: s.max_concurrent_spawns,
+                    spawns_in_flight,
+                    spawns_waiting,
                     cordoned: switches.cordoned,
                     draining: switches.draining,
                     label_sets,
@@ -1478,6 +1498,12 @@ pub struct ScalerStatus {
     pub warm_target: u32,
     pub warm_idle: usize,
     pub pending: usize,
+    /// `maxConcurrentSpawns`.
+    pub max_concurrent_spawns: u32,
+    /// Backend spawns running now (agents in `provisioning`).
+    pub spawns_in_flight: usize,
+    /// Admitted agents waiting for a spawn slot (in `requested`).
+    pub spawns_waiting: usize,
     pub cordoned: bool,
     pub draining: bool,
     pub label_sets: Vec<LabelSetStatus>,

@@ -595,6 +595,10 @@ impl Runtime {
             tasks.spawn(async move {
                 let _permit = limit.acquire_owned().await;
                 let alive = match &backend {
+                    // Recorded while it waited for a spawn slot: its spawn
+                    // was never ordered (an order waits for the record of
+                    // `provisioning`), so nothing of it can exist.
+                    _ if record.state == crate::AgentState::Requested => Ok(false),
                     None => Err(format!("no {} backend is running", record.backend)),
                     Some(b) => {
                         let handle = record.handle.clone().unwrap_or_else(|| ResourceHandle {

@@ -146,7 +146,14 @@ impl Bootstrap {
         let mut problems = Vec::new();
         let get = |name: &str| env.get(name).map(String::as_str);
 
-        let unknown: Vec<String> = env.keys().filter(|k| !agent_accepts(k)).cloned().collect();
+        // The reconnect cap is this agent's own knob, outside the KiCI
+        // agent's list (a label set cannot set it: the KiCI agent would
+        // refuse it); it is set only where kici-agent-lite runs.
+        let unknown: Vec<String> = env
+            .keys()
+            .filter(|k| !agent_accepts(k) && k.as_str() != MAX_RECONNECT_DELAY)
+            .cloned()
+            .collect();
         let dev = get(DEV) == Some("true");
         let tolerated_unknown = if dev || unknown.is_empty() {
             unknown

@@ -19,8 +19,13 @@ pub enum CloseCode {
     InvalidMessage,
     /// 4004: no heartbeat for 180 s.
     HeartbeatTimeout,
-    /// 4005: the agent's `protocolVersion` is below the gateway's minimum.
-    ProtocolVersionTooOld,
+    /// 4005: the agent's `protocolVersion` is outside the versions the
+    /// gateway speaks ([`crate::SUPPORTED_PROTOCOL_VERSIONS`]).
+    UnsupportedProtocolVersion,
+    /// 4009: another connection of the same agent registered (a reconnect
+    /// while this socket still looked open, e.g. half-open after a network
+    /// blip): this one is retired, the agent lives on on the new one.
+    SupersededByReconnect,
     /// 4010: bad, expired, revoked or foreign token, or a registration the
     /// token does not authorise (labels outside its scope, another agent id).
     AuthFailed,
@@ -29,13 +34,14 @@ pub enum CloseCode {
 }
 
 impl CloseCode {
-    pub const ALL: [CloseCode; 8] = [
+    pub const ALL: [CloseCode; 9] = [
         Self::Normal,
         Self::GoingAway,
         Self::HandshakeTimeout,
         Self::InvalidMessage,
         Self::HeartbeatTimeout,
-        Self::ProtocolVersionTooOld,
+        Self::UnsupportedProtocolVersion,
+        Self::SupersededByReconnect,
         Self::AuthFailed,
         Self::DispatchAckTimeout,
     ];
@@ -47,7 +53,8 @@ impl CloseCode {
             Self::HandshakeTimeout => 4002,
             Self::InvalidMessage => 4003,
             Self::HeartbeatTimeout => 4004,
-            Self::ProtocolVersionTooOld => 4005,
+            Self::UnsupportedProtocolVersion => 4005,
+            Self::SupersededByReconnect => 4009,
             Self::AuthFailed => 4010,
             Self::DispatchAckTimeout => 4031,
         }
@@ -63,7 +70,7 @@ impl CloseCode {
     pub const fn is_permanent(self) -> bool {
         matches!(
             self,
-            Self::AuthFailed | Self::ProtocolVersionTooOld | Self::InvalidMessage
+            Self::AuthFailed | Self::UnsupportedProtocolVersion | Self::InvalidMessage
         )
     }
 }
@@ -76,7 +83,8 @@ impl fmt::Display for CloseCode {
             Self::HandshakeTimeout => "auth/registration timeout",
             Self::InvalidMessage => "invalid message",
             Self::HeartbeatTimeout => "heartbeat timeout",
-            Self::ProtocolVersionTooOld => "protocol version too old",
+            Self::UnsupportedProtocolVersion => "unsupported protocol version",
+            Self::SupersededByReconnect => "superseded by reconnect",
             Self::AuthFailed => "agent auth failed",
             Self::DispatchAckTimeout => "dispatch ack timeout",
         };
@@ -91,7 +99,10 @@ mod tests {
     #[test]
     fn codes_round_trip_and_match_the_contract() {
         let codes: Vec<u16> = CloseCode::ALL.iter().map(|c| c.code()).collect();
-        assert_eq!(codes, [1000, 1001, 4002, 4003, 4004, 4005, 4010, 4031]);
+        assert_eq!(
+            codes,
+            [1000, 1001, 4002, 4003, 4004, 4005, 4009, 4010, 4031]
+        );
         for c in CloseCode::ALL {
             assert_eq!(CloseCode::from_code(c.code()), Some(c));
         }
@@ -99,6 +110,8 @@ mod tests {
         assert!(CloseCode::AuthFailed.is_permanent());
         assert!(!CloseCode::HeartbeatTimeout.is_permanent());
         assert!(!CloseCode::Normal.is_permanent());
+        // The retired socket's agent is already on its new one.
+        assert!(!CloseCode::SupersededByReconnect.is_permanent());
         assert_eq!(
             CloseCode::AuthFailed.to_string(),
             "4010 (agent auth failed)"

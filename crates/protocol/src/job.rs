@@ -114,8 +114,10 @@ impl JobSpec {
     }
 }
 
+// No `deny_unknown_fields`: the agent receives it (inside `job.dispatch`)
+// and reads the fields it knows, so a newer gateway may add some.
 #[derive(Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 struct JobSpecWire {
     #[serde(deserialize_with = "crate::wire::from_str")]
     job_id: JobId,
@@ -399,7 +401,6 @@ mod tests {
                 r#"{"jobId":"j","argv":["x"],"timeoutSeconds":0}"#,
                 "at least 1",
             ),
-            (r#"{"jobId":"j","argv":["x"],"cwd":"/"}"#, "unknown field"),
             (r#"{"jobId":"has space","argv":["x"]}"#, "job id"),
             (r#"{"argv":["x"]}"#, "missing field `jobId`"),
         ] {

@@ -13,8 +13,10 @@
 //!
 //! The handshake follows the KiCI agent protocol as KiCI's own agent speaks
 //! it: message names are KiCI's dotted names in a `type` field, fields are
-//! camelCase, and every message rejects unknown fields (each direction is
-//! received by someone). Timestamps are milliseconds since the Unix epoch.
+//! camelCase. What an agent sends rejects unknown fields (the gateway
+//! checks what it is told); what the gateway sends accepts them (the agent
+//! reads the fields it knows, so a newer gateway may add some). Timestamps
+//! are milliseconds since the Unix epoch.
 //!
 //! | direction | `type` | Rust | shape |
 //! |---|---|---|---|
@@ -45,8 +47,12 @@
 //!   [`MAX_OUTPUT_CHUNK_BYTES`] raw bytes.
 //!
 //! KiCI's `job.heartbeat`, `step.status`, `agent.status`, `agent.log`,
-//! `agent.metrics` and `rate.limit.warning` are not part of this protocol:
-//! the connection heartbeat covers liveness and a standalone job has no steps.
+//! `agent.metrics`, `run.event`, `job.context`, `job.concurrency.report` and
+//! `event.emit` are not part of this protocol (the connection heartbeat
+//! covers liveness and a standalone job has no steps); a KiCI agent sends
+//! them, so the gateway accepts and ignores them ([`IGNORED_AGENT_MESSAGES`]).
+//! Gateway messages the agent does not know (KiCI's `rate.limit.warning`,
+//! `error`) are ignored by it likewise.
 //! Why kici-scaler dispatches jobs at all: see docs/deviations.md,
 //! D-standalone-mode.
 //!
@@ -114,8 +120,15 @@ pub use token::{AgentToken, TokenError};
 pub use wire::UnixMillis;
 
 /// The protocol version an agent announces in `auth.request` (KiCI's
-/// constant, 1; the gateway refuses lower versions with close code 4005).
-pub const PROTOCOL_VERSION: std::num::NonZeroU32 = std::num::NonZeroU32::MIN;
+/// constant, 1).
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The `protocolVersion`s the gateway speaks. KiCI's minimum is 1; an agent
+/// announcing a version outside this range gets `auth.failure`
+/// ("Unsupported protocol version") and close 4005, KiCI's code for it.
+/// The upper bound is ours: a version above the one this gateway speaks
+/// would be answered in a protocol its agent does not expect.
+pub const SUPPORTED_PROTOCOL_VERSIONS: std::ops::RangeInclusive<u32> = 1..=PROTOCOL_VERSION;
 
 /// The largest text frame either side needs to accept. A `job.dispatch` is
 /// bounded by [`MAX_JOB_SPEC_BYTES`] of raw strings, which JSON escaping can
@@ -124,6 +137,33 @@ pub const PROTOCOL_VERSION: std::num::NonZeroU32 = std::num::NonZeroU32::MIN;
 /// receiver should configure its WebSocket with this limit so that a peer
 /// cannot make it buffer more.
 pub const MAX_FRAME_BYTES: usize = 6 * MAX_JOB_SPEC_BYTES + 64 * 1024;
+
+/// Agent → orchestrator messages of KiCI's protocol that this one does not
+/// use: notifications that need no answer. The gateway accepts each, does
+/// nothing with it and counts it; any other unknown `type` is an invalid
+/// message (4003).
+pub const IGNORED_AGENT_MESSAGES: [&str; 9] = [
+    "agent.status",
+    "agent.log",
+    "agent.metrics",
+    "job.heartbeat",
+    "step.status",
+    "run.event",
+    "job.context",
+    "job.concurrency.report",
+    "event.emit",
+];
+
+/// The `type` of a JSON message, when it is an object with a string `type`
+/// (read without parsing the rest: for messages a side does not know).
+pub fn message_type(text: &str) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Typed {
+        #[serde(rename = "type")]
+        kind: String,
+    }
+    serde_json::from_str::<Typed>(text).ok().map(|t| t.kind)
+}
 
 /// The endpoint path agents connect to (KiCI's; peers use `/ws/peer`).
 pub const AGENT_WS_PATH: &str = "/ws";

@@ -76,6 +76,15 @@ impl AgentMessage {
 }
 
 impl GatewayMessage {
+    /// Every `type` the gateway sends.
+    pub const TYPES: [&'static str; 5] = [
+        "auth.success",
+        "auth.failure",
+        "register.ack",
+        "job.dispatch",
+        "job.cancel",
+    ];
+
     /// The dotted `type` name.
     pub fn type_name(&self) -> &'static str {
         match self {
@@ -101,24 +110,31 @@ impl GatewayMessage {
 // Handshake
 
 /// `auth.request`: the agent's first frame when it has a token.
+///
+/// `protocolVersion` is any unsigned integer on the wire: one outside
+/// [`crate::SUPPORTED_PROTOCOL_VERSIONS`] is the gateway's to refuse with
+/// its own close code (4005), not a malformed message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AuthRequest {
     pub token: AgentToken,
-    pub protocol_version: NonZeroU32,
+    pub protocol_version: u32,
 }
 
 /// `auth.success`: the token is valid; the next frame must be
 /// `agent.register`.
+///
+/// Gateway → agent messages accept unknown fields (a newer gateway may add
+/// some; the agent reads what it knows), unlike agent → gateway ones.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct AuthSuccess {
     pub connection_id: String,
 }
 
 /// `auth.failure`: sent before the gateway closes with 4010 (or 4005).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct AuthFailure {
     pub reason: String,
 }
@@ -183,6 +199,11 @@ pub struct Register {
     pub running_as_uid: Option<u32>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub properties: BTreeMap<String, PropertyValue>,
+    /// What the agent advertises it supports (KiCI 0.9's agent sends its
+    /// flags here); read by no one here, accepted so its registration
+    /// parses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capabilities: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl Register {
@@ -207,6 +228,7 @@ impl Register {
             running_as_user: None,
             running_as_uid: None,
             properties: BTreeMap::new(),
+            capabilities: None,
         }
     }
 
@@ -218,9 +240,12 @@ impl Register {
 
 /// `register.ack`. `pendingDispatch` is only written when true (a job is
 /// bound to this agent and will follow); it then arms the agent's
-/// pending-dispatch window instead of its idle window.
+/// pending-dispatch window instead of its idle window. `warmPool` likewise,
+/// for an agent spawned for a warm pool (no job bound): KiCI's agent then
+/// keeps its idle window. `capabilities` are the flags the gateway
+/// advertises to agents (KiCI's field; see [`RegisterAck::capabilities`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct RegisterAck {
     #[serde(deserialize_with = "wire::from_str")]
     pub agent_id: AgentId,
@@ -228,8 +253,22 @@ pub struct RegisterAck {
     pub labels: LabelSet,
     #[serde(default)]
     pub scaler_managed: bool,
+    #[serde(default)]
+    pub capabilities: serde_json::Map<String, serde_json::Value>,
     #[serde(default, skip_serializing_if = "wire::is_false")]
     pub pending_dispatch: bool,
+    #[serde(default, skip_serializing_if = "wire::is_false")]
+    pub warm_pool: bool,
+}
+
+impl RegisterAck {
+    /// The capabilities this gateway advertises: none. KiCI's orchestrator
+    /// advertises flags for features of its own job protocol (artifact
+    /// upload acknowledgements); this gateway implements none of them, and
+    /// an agent must not rely on one it does not get.
+    pub fn capabilities() -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
 }
 
 /// `config.ack`: sent by a scaler-managed agent right after `register.ack`;
@@ -261,7 +300,7 @@ pub struct Heartbeat {
 
 /// `job.dispatch` (standalone shape): one job, nested under `job`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct JobDispatch {
     pub message_id: String,
     pub job: JobSpec,
@@ -271,7 +310,7 @@ pub struct JobDispatch {
 /// `job.cancel`: stop the job (the agent kills its process group and
 /// reports `job.status` `cancelled`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct JobCancel {
     #[serde(deserialize_with = "wire::from_str")]
     pub job_id: JobId,

@@ -131,6 +131,11 @@ impl Conn {
         self.ws.send(Message::text(msg.to_json())).await.unwrap();
     }
 
+    /// Any JSON text, as a gateway newer than this agent might send it.
+    async fn send_raw(&mut self, v: serde_json::Value) {
+        self.ws.send(Message::text(v.to_string())).await.unwrap();
+    }
+
     async fn close(&mut self, code: u16, reason: &str) {
         let frame = CloseFrame {
             code: WsCloseCode::from(code),
@@ -147,7 +152,7 @@ impl Conn {
             match self.recv().await {
                 AgentMessage::AuthRequest(a) => {
                     assert_eq!(a.token.expose(), TOKEN);
-                    assert_eq!(a.protocol_version.get(), 1);
+                    assert_eq!(a.protocol_version, 1);
                 }
                 other => panic!("expected auth.request, got {other:?}"),
             }
@@ -168,7 +173,9 @@ impl Conn {
             agent_id: register.agent_id,
             labels: register.labels.clone(),
             scaler_managed: true,
+            capabilities: RegisterAck::capabilities(),
             pending_dispatch,
+            warm_pool: !pending_dispatch,
         }))
         .await;
         match self.recv().await {
@@ -446,6 +453,61 @@ async fn job_ends_signal_timeout_cancel_spawn_failure_and_busy() {
     let ex = exited(child).await;
     assert_eq!(ex.status.code(), Some(0), "{}", ex.stderr);
     assert!(!gw.has_pending_connection());
+}
+
+#[tokio::test]
+async fn unknown_fields_and_message_types_from_a_newer_gateway_are_read_past() {
+    use serde_json::json;
+    let gw = Gateway::bind().await;
+    let url = gw.url();
+    // The KiCI agent's 0.9 variables are accepted like the rest of its list.
+    let child = agent(
+        &bootstrap(
+            &url,
+            &[
+                ("KICI_SCALER_IDLE_TIMEOUT", "0"),
+                ("KICI_RUNTIME_IMAGE", "registry.local/kici-runtime:1"),
+                ("KICI_JOB_IMAGE_AGENT", "1"),
+            ],
+        ),
+        &[],
+    );
+    let mut conn = gw.accept().await;
+    assert!(matches!(conn.recv().await, AgentMessage::AuthRequest(_)));
+    conn.send_raw(json!({"type":"auth.success","connectionId":"c1","region":"eu"}))
+        .await;
+    let register = match conn.recv().await {
+        AgentMessage::Register(r) => r,
+        other => panic!("expected agent.register, got {other:?}"),
+    };
+    // KiCI's gateway warns a fast sender; this agent does not know it.
+    conn.send_raw(json!({"type":"rate.limit.warning","retryAfterMs":10}))
+        .await;
+    conn.send_raw(json!({
+        "type":"register.ack","agentId":AGENT_ID,"labels":register.labels,
+        "scalerManaged":true,"capabilities":{"artifactCompleteAck":true},
+        "pendingDispatch":true,"futureField":{"nested":[1,2]}
+    }))
+    .await;
+    match conn.recv().await {
+        AgentMessage::ConfigAck(c) => assert_eq!(c.agent_id.to_string(), AGENT_ID),
+        other => panic!("expected config.ack, got {other:?}"),
+    }
+    conn.send_raw(json!({"type":"error","code":"INVALID_MESSAGE","message":"x"}))
+        .await;
+    conn.send_raw(json!({
+        "type":"job.dispatch","messageId":"d1","timestamp":1,"priority":3,
+        "job":{"jobId":"job-1","argv":["sh","-c","echo fwd"],"cwd":"/ignored"}
+    }))
+    .await;
+    conn.expect_started("job-1").await;
+    let (out, end) = conn.run_to_end("job-1").await;
+    assert_eq!(out.stdout, b"fwd\n");
+    assert_eq!(end, JobEnd::Completed(JobResult::exited(0)));
+    let (code, reason) = conn.expect_close().await;
+    assert_eq!((code, reason.as_str()), (Some(1000), "idle-timeout"));
+    let ex = exited(child).await;
+    assert_eq!(ex.status.code(), Some(0), "{}", ex.stderr);
 }
 
 #[tokio::test]

@@ -357,6 +357,7 @@ impl Engine {
             drain_after_job: false,
             destroy: None,
             last_exit_code: None,
+            queued_spawn: None,
         };
         self.next_seq += 1;
         self.agents.insert(id, agent);

@@ -114,6 +114,8 @@ impl Engine {
             removed: report.removed.clone(),
         });
         self.after_release(now);
+        // A raised `maxConcurrentSpawns` starts waiting spawns now.
+        self.dispatch_all_spawns(now);
         Ok(report)
     }
 

@@ -9,3 +9,4 @@ mod model;
 mod recovery;
 mod refusals;
 mod runtime;
+mod spawn_throttle;

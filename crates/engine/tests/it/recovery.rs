@@ -79,6 +79,14 @@ async fn start(
     journal: Arc<MemoryJournal>,
     survivors: &[AgentId],
 ) -> (Daemon, kici_engine::runtime::RecoveryReport) {
+    start_with(journal, survivors, &BASIC.replace("maxCpu: 2", "maxCpu: 4")).await
+}
+
+async fn start_with(
+    journal: Arc<MemoryJournal>,
+    survivors: &[AgentId],
+    yaml: &str,
+) -> (Daemon, kici_engine::runtime::RecoveryReport) {
     let docker = Arc::new(MemoryBackend::new(ScalerType::Container));
     let local = Arc::new(MemoryBackend::new(ScalerType::BareMetal));
     for a in survivors {
@@ -90,12 +98,7 @@ async fn start(
         pending: journal.pending.lock().values().cloned().collect(),
         unreadable_pending: Vec::new(),
     };
-    let rt = Runtime::with_journal(
-        engine(&BASIC.replace("maxCpu: 2", "maxCpu: 4")),
-        backends,
-        Arc::new(DefaultBootstrap),
-        journal,
-    );
+    let rt = Runtime::with_journal(engine(yaml), backends, Arc::new(DefaultBootstrap), journal);
     let report = rt.recover_and_start(records).await;
     (Daemon { rt, docker, local }, report)
 }
@@ -246,6 +249,39 @@ async fn restart_adopts_live_agents_and_releases_dead_ones_exactly_once() {
     settle().await;
     assert_eq!(d2.rt.agent(busy).unwrap().state, AgentState::Gone);
     assert!(d2.local.spawned().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_agent_recorded_waiting_for_a_spawn_slot_is_released_without_asking_the_backend() {
+    let yaml = BASIC.replace("maxCpu: 2", "maxCpu: 4").replace(
+        "    maxAgents: 5\n",
+        "    maxAgents: 5\n    maxConcurrentSpawns: 1\n",
+    );
+    let journal = Arc::new(MemoryJournal::default());
+    let (d, _) = start_with(journal.clone(), &[], &yaml).await;
+    d.docker.hang_spawns(true);
+    let first = spawned(&d.rt.request_scale(orchestrator("o1", &["docker"])).unwrap());
+    let waiting = spawned(&d.rt.request_scale(orchestrator("o2", &["docker"])).unwrap());
+    settle().await;
+    assert!(d.rt.flush_journal().await);
+    assert_eq!(journal.state_of(first), Some(AgentState::Provisioning));
+    assert_eq!(journal.state_of(waiting), Some(AgentState::Requested));
+    assert_eq!(d.docker.spawned(), [first], "only one spawn in flight");
+    drop(d);
+
+    // Even were something found under its name, a record of an agent that
+    // never got its spawn is not adopted: it is released and forgotten.
+    let (d2, report) = start_with(journal.clone(), &[waiting], &yaml).await;
+    settle().await;
+    assert!(report.adopted.is_empty(), "{:?}", report.adopted);
+    let mut released = report.released.clone();
+    released.sort();
+    let mut both = vec![first, waiting];
+    both.sort();
+    assert_eq!(released, both);
+    assert!(d2.rt.flush_journal().await);
+    assert!(journal.records().is_empty());
+    assert_eq!(d2.rt.status().global.agents, 0, "no capacity held");
 }
 
 #[tokio::test(start_paused = true)]

@@ -24,7 +24,7 @@ pub use kici_api::{
     FailureReasonName, FreeObject, Health, JobCompleteBody, JobStartedBody, LabelSetStatusObject,
     ModeName, PendingEndName, Readiness, RegisteredBody, RegistrationAnswer, ReloadAnswer,
     ReloadDiff, ResourceSpecBody, ResourcesBody, ResourcesObject, ScaleAnswer, ScaleBody,
-    ScalerStatusObject, StatusObject, UsageObject,
+    ScalerStatusObject, SpawnsObject, StatusObject, UsageObject,
 };
 
 // ------------------------------------------------------------------ requests
@@ -349,6 +349,11 @@ pub fn status_object(instance: InstanceId, s: &Status) -> StatusObject {
                 warm_target: sc.warm_target,
                 warm_idle: sc.warm_idle,
                 pending: sc.pending,
+                spawns: SpawnsObject {
+                    max_concurrent: sc.max_concurrent_spawns,
+                    in_flight: sc.spawns_in_flight,
+                    waiting: sc.spawns_waiting,
+                },
                 cordoned: sc.cordoned,
                 draining: sc.draining,
                 label_sets: sc

@@ -11,6 +11,7 @@ pub mod client;
 pub mod doctor;
 pub mod firecracker;
 pub mod generate;
+pub mod log_format;
 pub mod remote;
 pub mod run;
 pub mod sweep;
@@ -349,10 +350,10 @@ pub fn init_logging_with(default_filter: &str) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     // Err only when a subscriber is already installed, which is fine.
     let _ = tracing_subscriber::fmt()
-        .json()
+        .event_format(log_format::DaemonFormat::daemon())
+        .fmt_fields(log_format::DaemonFormat::fields())
         .with_writer(io::stderr)
         .with_env_filter(filter)
-        .with_current_span(false)
         .try_init();
 }
 

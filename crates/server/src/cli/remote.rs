@@ -244,7 +244,7 @@ fn write_status(doc: &StatusObject, out: &mut dyn Write) -> std::io::Result<()> 
         }
         writeln!(
             out,
-            "{} ({}): {} active ({} spawning, {} registered, {} idle, {} busy, {} draining, {} destroying); {}; warm {}/{}; {} pending{flags}",
+            "{} ({}): {} active ({} spawning, {} registered, {} idle, {} busy, {} draining, {} destroying); {}; warm {}/{}; {} pending; spawns {}/{} in flight, {} waiting{flags}",
             sc.name,
             sc.backend,
             a.active,
@@ -258,6 +258,9 @@ fn write_status(doc: &StatusObject, out: &mut dyn Write) -> std::io::Result<()> 
             sc.warm_idle,
             sc.warm_target,
             sc.pending,
+            sc.spawns.in_flight,
+            sc.spawns.max_concurrent,
+            sc.spawns.waiting,
         )?;
         for ls in &sc.label_sets {
             if ls.breaker != BreakerName::Closed {

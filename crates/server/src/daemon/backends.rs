@@ -474,6 +474,39 @@ impl kici_netpolicy::EgressRules for NoNftablesEgress {
     }
 }
 
+/// `autoProvisionHost`: the bridge and the host's forwarding for it, as
+/// `kici-scaler firecracker provision` makes them, checked first and
+/// provisioned only when something is missing (idempotent either way; the
+/// bridge's ports — running VMs' TAPs — are never touched). A provisioning
+/// failure refuses the backend, with what failed.
+async fn ensure_firecracker_host(network: &kici_model::FirecrackerNetwork) -> Result<(), String> {
+    let host = kici_firecracker::HostSetup {
+        network,
+        uplink: None,
+    };
+    let bridge = &network.bridge_name;
+    let before = host
+        .verify()
+        .await
+        .map_err(|e| format!("firecracker network {bridge}: {e}"))?;
+    if before.healthy() {
+        return Ok(());
+    }
+    let missing = before.problems(&host);
+    tracing::info!(bridge = %bridge, missing = ?missing, "provisioning the Firecracker host network (firecracker.autoProvisionHost)");
+    let after = host.provision().await.map_err(|e| {
+        format!("firecracker network {bridge}: autoProvisionHost could not provision it: {e}")
+    })?;
+    if after.healthy() {
+        tracing::info!(bridge = %bridge, "Firecracker host network provisioned");
+    } else {
+        // An existing bridge kici-scaler did not create is used as it is
+        // (never re-tagged): the check below decides whether it can serve.
+        tracing::warn!(bridge = %bridge, problems = ?after.problems(&host), "the Firecracker host network is not all in place after provisioning");
+    }
+    Ok(())
+}
+
 /// Removes the instance's subnet-level egress rules (default drops,
 /// `DOCKER-USER` accepts) once every agent is gone. Shutdown hooks are
 /// synchronous: the removal gets a runtime of its own on its own thread.
@@ -498,21 +531,26 @@ fn teardown_table(table: kici_netpolicy::EgressTable) {
     }
 }
 
-/// Jailed microVMs on the configured bridge (which `kici-scaler
-/// firecracker provision` creates; start-up only checks it).
+/// Jailed microVMs on the configured bridge: with `autoProvisionHost`
+/// (the default) start-up provisions or heals it as `kici-scaler
+/// firecracker provision` does; without, it only checks it.
 async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
     let config = ctx
         .config
         .clone()
         .ok_or_else(|| "the Firecracker backend needs the configuration".to_owned())?;
     let network = config.firecracker.clone();
+    if network.auto_provision_host {
+        ensure_firecracker_host(&network).await?;
+    }
     let status = kici_firecracker::HostNetwork { network: &network }
         .check()
         .await
         .map_err(|e| format!("bridge {}: {e}", network.bridge_name))?;
     if !status.healthy() {
         return Err(format!(
-            "bridge {}: {}; run `kici-scaler firecracker provision --config <file>` once as root",
+            "bridge {}: {}; run `kici-scaler firecracker provision --config <file>` once as root \
+             (or leave firecracker.autoProvisionHost on)",
             network.bridge_name,
             status.problems(&network).join("; ")
         ));

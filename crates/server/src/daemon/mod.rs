@@ -101,6 +101,7 @@ pub fn serve(args: &ServeArgs) -> Result<(), ServeError> {
         .map(DaemonFile::load)
         .transpose()?;
     let settings = DaemonSettings::resolve(args, file.as_ref())?;
+    crate::cli::log_format::set_agent_log_format(settings.agent_log_format);
     let armed = crate::daemon::crashpoints::arm_from_env()?;
     if !armed.is_empty() {
         tracing::warn!(failpoints = ?armed, "crash failpoints armed: this daemon kills itself when it reaches them");

@@ -11,6 +11,7 @@
 //! bare-metal pids cap and log retention) are shared with `kici-scaler run`,
 //! which has flags and environment but no daemon-config file.
 
+use crate::cli::log_format::AgentLogFormat;
 use crate::daemon::serving::ConnectionLimits;
 use clap::Args;
 use kici_container::Ulimit;
@@ -214,6 +215,18 @@ pub struct ServeArgs {
     /// open-file limit) [default: 4096].
     #[arg(long, value_name = "N", env = "KICI_SCALER_GATEWAY_MAX_CONNECTIONS")]
     pub gateway_max_connections: Option<usize>,
+    /// How forwarded agent output is logged: wrapped (the agent's line as
+    /// the string field `line` of the daemon's own event) or upstream
+    /// (KiCI's shape: a JSON line's own fields at the top level, with
+    /// service, agentId, scaler, jobId, logsSource and stream set by the
+    /// daemon over the agent's) [default: wrapped].
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        env = "KICI_SCALER_AGENT_LOG_FORMAT",
+        value_enum
+    )]
+    pub agent_log_format: Option<AgentLogFormat>,
     /// Mint a new instance id when the state dir belongs to another machine
     /// or its identity is unreadable.
     #[arg(long)]
@@ -253,6 +266,7 @@ pub struct DaemonFile {
     pub http_body_timeout_seconds: Option<u64>,
     pub max_connections: Option<usize>,
     pub gateway_max_connections: Option<usize>,
+    pub agent_log_format: Option<AgentLogFormat>,
     pub container_ulimits: Option<Vec<String>>,
     pub bare_metal_pids_max: Option<NumberOrWord>,
     pub bare_metal_log_keep_bytes: Option<NumberOrWord>,
@@ -595,6 +609,8 @@ pub struct DaemonSettings {
     pub gateway_limits: ConnectionLimits,
     /// The fleet this host joins (PostgreSQL state only).
     pub fleet: Option<crate::fleet::settings::FleetSettings>,
+    /// The shape of forwarded agent output in the log.
+    pub agent_log_format: AgentLogFormat,
 }
 
 impl DaemonSettings {
@@ -783,6 +799,11 @@ impl DaemonSettings {
                     api_limits,
                     gateway_limits,
                     fleet,
+                    agent_log_format: pick(
+                        &args.agent_log_format,
+                        &file.agent_log_format,
+                        AgentLogFormat::default(),
+                    ),
                 })
             }
             _ => Err(SettingsError::Invalid(errors.join("\n"))),

@@ -276,6 +276,7 @@ impl Stack {
             Arc::clone(&tokens),
             Arc::clone(&jobs),
             options.gateway,
+            Arc::clone(&metrics),
         );
         let job_driver = gateway.drive_jobs();
         let pump = Pump::start_recorded(

@@ -14,7 +14,7 @@ use kici_engine::{
     AgentState, AgentView, BreakerState, EngineEvent, FailureReason, PendingEnd, Status, StopCause,
     TransitionCause,
 };
-use kici_model::{AgentId, Config, ScalerName, ScalerType};
+use kici_model::{Config, ScalerName, ScalerType};
 use parking_lot::Mutex;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -22,7 +22,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 
 /// Every series name, for documentation and the start-up test. Counters are
@@ -37,6 +36,8 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_warm_target",
     "kici_orch_scaler_pending_requests",
     "kici_orch_scaler_pending_age_seconds",
+    "kici_orch_scaler_spawns_in_flight",
+    "kici_orch_scaler_spawns_waiting",
     "kici_orch_scaler_provision_seconds",
     "kici_orch_scaler_breaker_open",
     "kici_orch_scaler_orphans_reaped_total",
@@ -52,6 +53,7 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_fleet_claims_total",
     "kici_orch_scaler_fleet_failovers_total",
     "kici_orch_scaler_fleet_leader",
+    "kici_orch_scaler_agent_messages_ignored_total",
 ];
 
 /// `fleet_claims_total{result}`: what became of a claim this host made.
@@ -169,6 +171,13 @@ struct TriggerLabels {
     trigger: &'static str,
 }
 
+/// `agent_messages_ignored_total{type}`: one of a fixed list of names, so
+/// an agent cannot grow the series.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MessageTypeLabels {
+    r#type: &'static str,
+}
+
 /// The `scaler` and `scalerType` of the daemon-wide usage row.
 const GLOBAL: &str = "__global__";
 
@@ -249,6 +258,8 @@ pub struct Metrics {
     warm_target: Family<ScalerLabels, Gauge>,
     pending: Family<ScalerLabels, Gauge>,
     pending_age: Histogram,
+    spawns_in_flight: Family<ScalerLabels, Gauge>,
+    spawns_waiting: Family<ScalerLabels, Gauge>,
     provision: HistogramFamily<PhaseLabels>,
     breaker_open: Family<BreakerLabels, Gauge>,
     orphans: Family<KindLabels, Counter>,
@@ -265,9 +276,7 @@ pub struct Metrics {
     fleet_claims: Family<FleetResultLabels, Counter>,
     fleet_failovers: Counter,
     fleet_leader: Gauge,
-    /// Seconds an agent spent in `requested`, until it boots (the provision
-    /// phase spans requested + provisioning).
-    requested_seconds: Mutex<HashMap<AgentId, f64>>,
+    agent_messages_ignored: Family<MessageTypeLabels, Counter>,
     /// Scrapes recompute the gauges: one at a time, so none sees another's
     /// half-filled families.
     scrape: Mutex<()>,
@@ -287,6 +296,8 @@ impl Metrics {
             warm_target: Family::default(),
             pending: Family::default(),
             pending_age: seconds_histogram(),
+            spawns_in_flight: Family::default(),
+            spawns_waiting: Family::default(),
             provision: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
             breaker_open: Family::default(),
             orphans: Family::default(),
@@ -303,7 +314,7 @@ impl Metrics {
             fleet_claims: Family::default(),
             fleet_failovers: Counter::default(),
             fleet_leader: Gauge::default(),
-            requested_seconds: Mutex::new(HashMap::new()),
+            agent_messages_ignored: Family::default(),
             scrape: Mutex::new(()),
             registry: Registry::default(),
         };
@@ -351,6 +362,16 @@ impl Metrics {
             "kici_orch_scaler_pending_age_seconds",
             "How long scale requests waited in the pending queue before leaving it",
             m.pending_age.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_spawns_in_flight",
+            "Backend spawns running now, per scaler (at most its maxConcurrentSpawns)",
+            m.spawns_in_flight.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_spawns_waiting",
+            "Admitted agents waiting for a spawn slot of their scaler (maxConcurrentSpawns), per scaler",
+            m.spawns_waiting.clone(),
         );
         registry.register(
             "kici_orch_scaler_provision_seconds",
@@ -407,6 +428,16 @@ impl Metrics {
             "Waiting scale requests admitted once capacity freed, per trigger (hook: a release; sweep: never here)",
             m.redispatch.clone(),
         );
+        registry.register(
+            "kici_orch_scaler_agent_messages_ignored",
+            "Messages of KiCI's agent protocol that the gateway accepts and does not use (agent.status, agent.log, job.heartbeat, ...), per type",
+            m.agent_messages_ignored.clone(),
+        );
+        for kind in kici_protocol::IGNORED_AGENT_MESSAGES {
+            let _ = m
+                .agent_messages_ignored
+                .get_or_create(&MessageTypeLabels { r#type: kind });
+        }
         for trigger in REDISPATCH_TRIGGERS {
             let _ = m.redispatch.get_or_create(&TriggerLabels { trigger });
         }
@@ -516,6 +547,8 @@ impl Metrics {
             }
             let _ = self.warm_target.get_or_create(&scaler);
             let _ = self.pending.get_or_create(&scaler);
+            let _ = self.spawns_in_flight.get_or_create(&scaler);
+            let _ = self.spawns_waiting.get_or_create(&scaler);
             for state in LIVE_STATES {
                 let _ = self.agents.get_or_create(&AgentLabels {
                     scaler: s.name.to_string(),
@@ -558,6 +591,14 @@ impl Metrics {
         }
     }
 
+    /// The gateway accepted and ignored a message of `kind` (one of
+    /// [`kici_protocol::IGNORED_AGENT_MESSAGES`]).
+    pub fn agent_message_ignored(&self, kind: &'static str) {
+        self.agent_messages_ignored
+            .get_or_create(&MessageTypeLabels { r#type: kind })
+            .inc();
+    }
+
     /// For the reconciler.
     pub fn orphan_reaped(&self, kind: OrphanKind) {
         self.orphans
@@ -571,7 +612,6 @@ impl Metrics {
     pub fn observe(&self, event: &SequencedEvent) {
         match &event.event {
             EngineEvent::AgentTransition {
-                agent_id,
                 scaler,
                 backend,
                 from,
@@ -591,7 +631,7 @@ impl Metrics {
                         })
                         .inc();
                 }
-                self.observe_phases(*agent_id, *backend, *from, *to, *seconds_in_state);
+                self.observe_phases(*backend, *from, *to, *seconds_in_state);
             }
             EngineEvent::Refused { cap, .. } => {
                 self.refusals
@@ -649,14 +689,7 @@ impl Metrics {
         }
     }
 
-    fn observe_phases(
-        &self,
-        agent: AgentId,
-        backend: ScalerType,
-        from: AgentState,
-        to: AgentState,
-        seconds: f64,
-    ) {
+    fn observe_phases(&self, backend: ScalerType, from: AgentState, to: AgentState, seconds: f64) {
         let observe = |phase, v: f64| {
             self.provision
                 .get_or_create(&PhaseLabels {
@@ -665,19 +698,15 @@ impl Metrics {
                 })
                 .observe(v);
         };
+        // The provision phase is the backend's spawn alone: the time an
+        // agent waited in `requested` for a spawn slot (maxConcurrentSpawns)
+        // is not start-up time, and `spawns_waiting` shows it.
         match (from, to) {
-            (AgentState::Requested, AgentState::Provisioning) => {
-                self.requested_seconds.lock().insert(agent, seconds);
-            }
             (AgentState::Provisioning, AgentState::Booted) => {
-                let before = self.requested_seconds.lock().remove(&agent).unwrap_or(0.0);
-                observe(Phase::provision, before + seconds);
+                observe(Phase::provision, seconds);
             }
             (AgentState::Booted, AgentState::Registered) => {
                 observe(Phase::registration, seconds);
-            }
-            (_, AgentState::Gone) | (_, AgentState::Destroying) => {
-                self.requested_seconds.lock().remove(&agent);
             }
             _ => {}
         }
@@ -693,7 +722,12 @@ impl Metrics {
     /// Recomputes every gauge from a snapshot. Scalers a reload removed
     /// disappear once they have no agent left.
     fn refresh(&self, config: &Config, status: &Status, agents: &[AgentView]) {
-        for family in [&self.warm_target, &self.pending] {
+        for family in [
+            &self.warm_target,
+            &self.pending,
+            &self.spawns_in_flight,
+            &self.spawns_waiting,
+        ] {
             family.clear();
         }
         for family in [
@@ -730,6 +764,12 @@ impl Metrics {
             self.pending
                 .get_or_create(&scaler)
                 .set(i64::try_from(s.pending).unwrap_or(i64::MAX));
+            self.spawns_in_flight
+                .get_or_create(&scaler)
+                .set(i64::try_from(s.spawns_in_flight).unwrap_or(i64::MAX));
+            self.spawns_waiting
+                .get_or_create(&scaler)
+                .set(i64::try_from(s.spawns_waiting).unwrap_or(i64::MAX));
             for ls in &s.label_sets {
                 let open = i64::from(ls.breaker == BreakerState::Open);
                 self.breaker_open

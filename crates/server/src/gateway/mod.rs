@@ -6,7 +6,9 @@
 //! One connection's life ([`Gateway::session`]):
 //!
 //! 1. `auth.request` within [`GatewaySettings::auth_timeout`] (else close
-//!    4002). Its token must be one this daemon minted, unexpired and not
+//!    4002). Its `protocolVersion` must be one the gateway speaks
+//!    ([`SUPPORTED_PROTOCOL_VERSIONS`]; else `auth.failure` and close 4005).
+//!    Its token must be one this daemon minted, unexpired and not
 //!    revoked (looked up in constant time by [`TokenStore::identify`]); a
 //!    wrong, expired, revoked or malformed token gets `auth.failure` and close
 //!    4010. Anything else first: `auth.failure`, 4010 (every agent we spawn
@@ -14,20 +16,32 @@
 //! 2. `agent.register` within `register_timeout` (4002), gated: its agent id
 //!    must be the token's (4010), every label outside the `kici:os:`,
 //!    `kici:arch:`, `kici:host:` prefixes must be in the token's scope (the
-//!    `KICI_LABELS` it was given, 4010), the agent must be one the engine
-//!    follows and able to register (4010), and have no other live
-//!    connection (4003). The engine is told (`agent_registered`), then
-//!    `register.ack` (`scalerManaged`, `pendingDispatch` when a job is bound).
+//!    `KICI_LABELS` it was given, 4010), and the agent must be one the engine
+//!    follows and able to register (4010). An open connection of the same
+//!    agent is superseded: a reconnect after a network blip may find its
+//!    old socket still open (half-open), and must not be locked out by it;
+//!    the old connection is closed with 4009 and its end destroys nothing.
+//!    The engine is told (`agent_registered`, idempotent), then
+//!    `register.ack` (`scalerManaged`, `capabilities`, `pendingDispatch`
+//!    when a job is bound, `warmPool` when none is).
 //! 3. `config.ack` within `config_ack_timeout` (4002).
 //! 4. Standalone: the bound job (or one a warm agent takes later) is sent as
 //!    `job.dispatch`, after the scaler's mandatory labels are checked against
 //!    the job's; `job.ack` (or `job.status running`) within
 //!    `dispatch_ack_timeout` (else `job.cancel` and close 4031) tells the
-//!    engine `job_started`; `log.chunk`s go to the job's output; the terminal
+//!    engine `job_started`. A reconnecting agent whose job already runs is
+//!    not sent it again: it goes on with it if its registration lists it in
+//!    `inFlightJobs`, else the job ends (aborted, never run twice); `log.chunk`s go to the job's output; the terminal
 //!    `job.status` ends the job, tells the engine `job_completed` (which
 //!    destroys a standalone agent) and the gateway closes with 1000.
 //! 5. Heartbeats: any frame counts; none for `heartbeat_timeout` (KiCI's
 //!    180 s, six missed 30 s heartbeats) closes with 4004.
+//!
+//! After registration, KiCI's notifications this protocol does not use
+//! ([`IGNORED_AGENT_MESSAGES`]: `agent.status`, `agent.log`, `job.heartbeat`,
+//! …) are accepted, ignored and counted
+//! (`kici_orch_scaler_agent_messages_ignored_total{type}`); any other
+//! message that does not parse closes with 4003.
 //!
 //! When a registered connection ends, for whatever reason, the engine is
 //! told `agent_disconnected`: the agent is destroyed and everything it held
@@ -37,6 +51,7 @@
 pub mod enrolment;
 pub mod token;
 
+use crate::events::metrics::Metrics;
 use crate::gateway::enrolment::{Enrolment, Refusal, Via};
 use crate::gateway::token::{TokenGrant, TokenRejection, TokenStore};
 use crate::jobs::{Action, JobBook};
@@ -49,8 +64,9 @@ use kici_engine::runtime::Runtime;
 use kici_engine::{AgentError, JobEffect};
 use kici_model::{AgentId, JobId, Label, LabelSet};
 use kici_protocol::{
-    AgentMessage, AuthFailure, AuthSuccess, CloseCode, GatewayMessage, JobCancel, JobDispatch,
-    JobProgress, JobSpec, RegisterAck, UnixMillis, AGENT_WS_PATH, MAX_FRAME_BYTES,
+    message_type, AgentMessage, AuthFailure, AuthSuccess, CloseCode, GatewayMessage, JobCancel,
+    JobDispatch, JobProgress, JobSpec, RegisterAck, UnixMillis, AGENT_WS_PATH,
+    IGNORED_AGENT_MESSAGES, MAX_FRAME_BYTES, SUPPORTED_PROTOCOL_VERSIONS,
 };
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -120,6 +136,8 @@ const CLOSE_TOO_BIG: u16 = 1009;
 #[derive(Debug)]
 enum Command {
     Dispatch(JobSpec),
+    /// A newer connection of the same agent registered: close this one.
+    Supersede,
 }
 
 struct SessionHandle {
@@ -133,6 +151,7 @@ pub struct Gateway {
     enrolment: Enrolment,
     jobs: Arc<JobBook>,
     settings: GatewaySettings,
+    metrics: Arc<Metrics>,
     sessions: Mutex<HashMap<AgentId, SessionHandle>>,
     next_session: AtomicU64,
 }
@@ -146,12 +165,14 @@ impl Gateway {
         tokens: Arc<TokenStore>,
         jobs: Arc<JobBook>,
         settings: GatewaySettings,
+        metrics: Arc<Metrics>,
     ) -> Arc<Self> {
         Arc::new(Self {
             enrolment: Enrolment::new(runtime.clone(), tokens),
             runtime,
             jobs,
             settings,
+            metrics,
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
         })
@@ -245,14 +266,24 @@ impl Gateway {
         let agent = registered.agent;
         let span = tracing::info_span!("agent_session", agent_id = %agent);
         let _ = self.serve(&mut conn, registered, rx).instrument(span).await;
-        // Whatever ended the connection, the agent is done: the engine
-        // destroys it and releases what it held.
-        {
+        // Whatever ended the connection, the agent is done — unless a
+        // newer connection of it took over: then it lives on there.
+        let superseded = {
             let mut sessions = self.sessions.lock();
-            if sessions.get(&agent).is_some_and(|s| s.id == session_id) {
-                sessions.remove(&agent);
+            match sessions.get(&agent) {
+                Some(s) if s.id == session_id => {
+                    sessions.remove(&agent);
+                    false
+                }
+                Some(_) => true,
+                None => false,
             }
+        };
+        if superseded {
+            tracing::info!(agent_id = %agent, "connection superseded by the agent's reconnect; the agent goes on");
+            return;
         }
+        // The engine destroys it and releases what it held.
         match self.enrolment.disconnected(agent, Via::Gateway) {
             Ok(()) | Err(AgentError::NotOurs(_)) => {}
             Err(e) => tracing::warn!(agent_id = %agent, error = %e, "disconnect not applied"),
@@ -296,6 +327,20 @@ impl Gateway {
                 return Err(conn.refuse("first message must be auth.request").await);
             }
         };
+        if !SUPPORTED_PROTOCOL_VERSIONS.contains(&auth.protocol_version) {
+            tracing::warn!(
+                received = auth.protocol_version,
+                min = SUPPORTED_PROTOCOL_VERSIONS.start(),
+                max = SUPPORTED_PROTOCOL_VERSIONS.end(),
+                "agent protocol version not supported"
+            );
+            return Err(conn
+                .refuse_with(
+                    CloseCode::UnsupportedProtocolVersion,
+                    "Unsupported protocol version",
+                )
+                .await);
+        }
         match self.enrolment.identify(auth.token.expose()) {
             Ok(grant) => {
                 let connection_id = format!("conn-{}", hex::encode(rand_bytes()));
@@ -335,29 +380,29 @@ impl Gateway {
             return Err(conn.refuse(&close_reason(&refusal)).await);
         }
         // In the map before the engine hears of the registration, so a
-        // dispatch it triggers finds the session.
-        let inserted = {
-            let mut sessions = self.sessions.lock();
-            match sessions.entry(agent) {
-                std::collections::hash_map::Entry::Occupied(_) => false,
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    slot.insert(SessionHandle {
-                        id: session_id,
-                        commands,
-                    });
-                    true
-                }
-            }
-        };
-        if !inserted {
-            return Err(conn
-                .close(CloseCode::InvalidMessage, "this agent is already connected")
-                .await);
+        // dispatch it triggers finds the session. An open connection of
+        // the same agent (its token proved it is the agent) is superseded.
+        let superseded = self.sessions.lock().insert(
+            agent,
+            SessionHandle {
+                id: session_id,
+                commands,
+            },
+        );
+        if let Some(old) = superseded {
+            tracing::info!(agent_id = %agent, "the agent reconnected while its old connection was open; closing the old one");
+            // Gone already: its end finds this session in the map.
+            let _ = old.commands.send(Command::Supersede);
         }
         let registration = match self.enrolment.register(agent, Via::Gateway) {
             Ok(r) => r,
             Err(refusal) => {
-                self.sessions.lock().remove(&agent);
+                {
+                    let mut sessions = self.sessions.lock();
+                    if sessions.get(&agent).is_some_and(|s| s.id == session_id) {
+                        sessions.remove(&agent);
+                    }
+                }
                 return Err(conn.refuse(&close_reason(&refusal)).await);
             }
         };
@@ -368,13 +413,22 @@ impl Gateway {
             agent_id: agent,
             labels: register.labels.clone(),
             scaler_managed: true,
+            capabilities: RegisterAck::capabilities(),
             pending_dispatch: registration.bound_job_id.is_some(),
+            // Every agent of ours is the engine's: one with no job bound
+            // was spawned for a warm pool.
+            warm_pool: registration.bound_job_id.is_none(),
         }))
         .await?;
         Ok(Registered {
             agent,
             bound_job: registration.bound_job_id,
             mandatory_labels: registration.mandatory_labels,
+            in_flight: register
+                .in_flight_jobs
+                .iter()
+                .map(|j| j.job_id.clone())
+                .collect(),
         })
     }
 
@@ -389,16 +443,31 @@ impl Gateway {
         // the MMDS is cleared then).
         let deadline = Instant::now() + self.settings.config_ack_timeout;
         loop {
-            match conn.next_message(deadline).await? {
-                AgentMessage::ConfigAck(_) => break,
-                AgentMessage::Heartbeat(_) => continue,
-                other => {
+            let text = match conn.next_text(deadline).await {
+                Next::Text(t) => t,
+                Next::Timeout => {
+                    return Err(conn
+                        .close(CloseCode::HandshakeTimeout, "config.ack timeout")
+                        .await)
+                }
+                other => return Err(conn.end(other).await),
+            };
+            match self.parse_registered(agent, &text) {
+                Ok(Some(AgentMessage::ConfigAck(_))) => break,
+                Ok(Some(AgentMessage::Heartbeat(_)) | None) => continue,
+                Ok(Some(other)) => {
                     return Err(conn
                         .close(
                             CloseCode::InvalidMessage,
                             &format!("expected config.ack, got {}", other.type_name()),
                         )
                         .await)
+                }
+                Err(e) => {
+                    tracing::warn!(agent_id = %agent, error = %e, "invalid message from the agent");
+                    return Err(conn
+                        .close(CloseCode::InvalidMessage, "invalid message")
+                        .await);
                 }
             }
         }
@@ -417,6 +486,21 @@ impl Gateway {
         let mut job = JobTrack::default();
         if let Some(bound) = &registered.bound_job {
             match self.jobs.dispatchable(bound) {
+                // Started on an earlier connection of this agent: never
+                // sent twice. It goes on if the agent still runs it.
+                Some(_) if self.jobs.running_on(bound, agent) => {
+                    if registered.in_flight.iter().any(|j| j == bound.as_str()) {
+                        tracing::info!(agent_id = %agent, job_id = %bound, "the reconnected agent goes on with its job");
+                        job.current = Some(bound.clone());
+                        job.acked = true;
+                    } else {
+                        self.jobs.abort(
+                            bound,
+                            format!("agent {agent} reconnected without its running job"),
+                        );
+                        return Err(conn.close(CloseCode::Normal, "job lost").await);
+                    }
+                }
                 Some((spec, labels)) => {
                     self.dispatch(conn, &mut job, &registered, spec, &labels)
                         .await?;
@@ -443,8 +527,9 @@ impl Gateway {
                         Next::Other => continue,
                         other => return Err(conn.end(other).await),
                     };
-                    let msg = match AgentMessage::from_json(&text) {
-                        Ok(m) => m,
+                    let msg = match self.parse_registered(agent, &text) {
+                        Ok(Some(m)) => m,
+                        Ok(None) => continue,
                         Err(e) => {
                             tracing::warn!(agent_id = %agent, error = %e, "invalid message from the agent");
                             return Err(conn.close(CloseCode::InvalidMessage, "invalid message").await);
@@ -466,6 +551,9 @@ impl Gateway {
                                 }
                                 None => {}
                             }
+                        }
+                        Some(Command::Supersede) => {
+                            return Err(conn.close(CloseCode::SupersededByReconnect, "Superseded by reconnect").await);
                         }
                         // The gateway itself is going away.
                         None => return Err(conn.close(CloseCode::GoingAway, "gateway stopping").await),
@@ -605,6 +693,31 @@ impl Gateway {
         Ok(Flow::Continue)
     }
 
+    /// A registered agent's message: `Ok(None)` for one of KiCI's that this
+    /// protocol does not use (counted, otherwise ignored).
+    fn parse_registered(
+        &self,
+        agent: AgentId,
+        text: &str,
+    ) -> Result<Option<AgentMessage>, serde_json::Error> {
+        let e = match AgentMessage::from_json(text) {
+            Ok(m) => return Ok(Some(m)),
+            Err(e) => e,
+        };
+        let kind = message_type(text);
+        match IGNORED_AGENT_MESSAGES
+            .iter()
+            .find(|k| kind.as_deref() == Some(**k))
+        {
+            Some(kind) => {
+                tracing::debug!(agent_id = %agent, message_type = kind, "ignoring a message this gateway does not use");
+                self.metrics.agent_message_ignored(kind);
+                Ok(None)
+            }
+            None => Err(e),
+        }
+    }
+
     fn acked(&self, job: &mut JobTrack, agent: AgentId, id: &JobId) {
         if job.current.as_ref() != Some(id) || job.acked {
             return;
@@ -628,6 +741,8 @@ struct Registered {
     agent: AgentId,
     bound_job: Option<JobId>,
     mandatory_labels: LabelSet,
+    /// The jobs the agent says it still runs (`inFlightJobs`).
+    in_flight: Vec<String>,
 }
 
 /// The job this connection runs, if any.
@@ -649,12 +764,6 @@ fn close_reason(refusal: &Refusal) -> String {
         }
         other => other.to_string(),
     }
-}
-
-/// The `type` of a JSON message that did not parse as a whole.
-fn message_type(text: &str) -> Option<String> {
-    let value: serde_json::Value = serde_json::from_str(text).ok()?;
-    value["type"].as_str().map(str::to_owned)
 }
 
 fn rand_bytes() -> [u8; 8] {
@@ -757,12 +866,17 @@ impl Conn {
 
     /// `auth.failure` then close 4010.
     async fn refuse(&mut self, reason: &str) -> Closed {
+        self.refuse_with(CloseCode::AuthFailed, reason).await
+    }
+
+    /// `auth.failure` then close `code`.
+    async fn refuse_with(&mut self, code: CloseCode, reason: &str) -> Closed {
         let _ = self
             .send(&GatewayMessage::AuthFailure(AuthFailure {
                 reason: reason.to_owned(),
             }))
             .await;
-        self.close(CloseCode::AuthFailed, reason).await
+        self.close(code, reason).await
     }
 
     /// How a non-message frame ends the connection.

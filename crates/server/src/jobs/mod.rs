@@ -466,6 +466,15 @@ impl JobBook {
         (!job.state.is_terminal()).then(|| (job.spec.clone(), job.labels.clone()))
     }
 
+    /// Whether `agent` acknowledged the job and it has not ended (what a
+    /// reconnecting agent may still be running).
+    pub fn running_on(&self, id: &JobId, agent: AgentId) -> bool {
+        let b = self.books.lock();
+        b.jobs
+            .get(id)
+            .is_some_and(|job| job.state == JobState::Running && job.agent == Some(agent))
+    }
+
     /// The agent acknowledged the job.
     pub fn started(&self, id: &JobId, agent: AgentId) {
         let mut b = self.books.lock();

@@ -444,6 +444,13 @@ async fn a_full_scaler_answers_pending_and_spawns_when_capacity_frees() {
     // Cancelling job-1 (its agent has not registered) frees the slot for
     // job-2, the oldest waiting.
     h.booted(first).await;
+    // Its spawn is done: the spawn throttle (upstream's default limit) is
+    // free again.
+    let status = h.call("GET", "/v1/status", None).await.json();
+    assert_eq!(
+        status["scalers"][0]["spawns"],
+        json!({"maxConcurrent": 8, "inFlight": 0, "waiting": 0})
+    );
     let c = h.call("DELETE", "/v1/scale/job-1", None).await;
     assert_eq!(c.status, StatusCode::NO_CONTENT);
     h.settle_until("job-2 spawned", || h.bare.spawned().len() == 2)

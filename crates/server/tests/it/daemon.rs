@@ -80,13 +80,14 @@ fn start_up_refuses_a_bad_config_with_every_error() {
 #[test]
 fn start_up_refuses_a_backend_that_cannot_start_here() {
     // Every scaler type has a backend now; what can still be missing is
-    // the host side of one — here the Firecracker bridge.
+    // the host side of one — here the Firecracker bridge, which start-up
+    // only checks when told not to provision it.
     let dir = Dir::with_config(CONFIG);
     let bridge = format!("kbn{:08x}", rand::random::<u32>());
     std::fs::write(
         dir.path("scalers.yaml"),
         format!(
-            "version: 1\nfirecracker:\n  cidr: 10.214.0.0/24\n  bridgeName: {bridge}\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: /bin/true\n  - name: vm\n    type: firecracker\n    maxAgents: 1\n    firecrackerPath: /nonexistent/firecracker\n    jailerPath: /nonexistent/jailer\n    kernelPath: /nonexistent/vmlinux\n    chrootBaseDir: /srv/jailer\n    uid: 10000\n    gid: 10000\n    labelSets:\n      - labels: [vm]\n        rootfsPath: /nonexistent/rootfs.ext4\n"
+            "version: 1\nfirecracker:\n  cidr: 10.214.0.0/24\n  bridgeName: {bridge}\n  autoProvisionHost: false\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: /bin/true\n  - name: vm\n    type: firecracker\n    maxAgents: 1\n    firecrackerPath: /nonexistent/firecracker\n    jailerPath: /nonexistent/jailer\n    kernelPath: /nonexistent/vmlinux\n    chrootBaseDir: /srv/jailer\n    uid: 10000\n    gid: 10000\n    labelSets:\n      - labels: [vm]\n        rootfsPath: /nonexistent/rootfs.ext4\n"
         ),
     )
     .unwrap();
@@ -219,6 +220,57 @@ fn a_real_bare_metal_agent_registers_with_its_token_and_sigterm_kills_it() {
     assert!(
         !log.iter().any(|l| l.contains(token)),
         "the token reached the log"
+    );
+}
+
+#[test]
+fn agent_output_in_upstreams_shape_keeps_its_fields_and_never_its_forged_attribution() {
+    let dir = Dir::with_config("");
+    let script = dir.write_script(
+        "agent.sh",
+        "#!/bin/sh\n\
+         printf '%s\\n' '{\"level\":\"warn\",\"msg\":\"from the agent\",\"step\":2,\"agentId\":\"scaler-bare-metal-deadbeef\",\"scaler\":\"other\",\"jobId\":\"job-x\",\"runId\":\"run-x\",\"logsSource\":\"docker\",\"service\":\"orchestrator\"}'\n\
+         echo 'plain words' >&2\n\
+         exec sleep 1000\n",
+    );
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 1\n    labelSets:\n      - labels: [local]\n        binaryPath: {}\n",
+            script.display()
+        ),
+    )
+    .unwrap();
+    let mut d = Daemon::start(
+        &dir,
+        &["--listen", "127.0.0.1:0", "--agent-log-format", "upstream"],
+        &[],
+    );
+    let (status, body) = d.scale("j1", &["local"]);
+    assert_eq!(status, 202, "{body}");
+    let agent = body["agentId"].as_str().unwrap().to_owned();
+
+    let json = d.expect_line("the agent's JSON line", |v| v["msg"] == "from the agent");
+    assert_eq!(json["level"], "warn");
+    assert_eq!(json["step"], 2);
+    assert_eq!(json["agentId"], agent.as_str());
+    assert_eq!(json["scaler"], "local");
+    assert_eq!(json["jobId"], "j1");
+    assert_eq!(json["logsSource"], "bare-metal");
+    assert_eq!(json["service"], "agent");
+    assert_eq!(json["stream"], "stdout");
+    assert!(json.get("runId").is_none(), "{json}");
+    let plain = d.expect_line("the agent's plain line", |v| v["message"] == "plain words");
+    assert_eq!(plain["level"], "info");
+    assert_eq!(plain["agentId"], agent.as_str());
+    assert_eq!(plain["stream"], "stderr");
+    // The daemon's own lines keep their shape.
+    d.signal(rustix::process::Signal::TERM);
+    assert_eq!(d.wait_exit().code(), Some(0));
+    let rest = d.rest_of_log();
+    assert!(
+        rest.iter().any(|l| log_message(l).is_some()),
+        "daemon lines in the tracing shape: {rest:?}"
     );
 }
 

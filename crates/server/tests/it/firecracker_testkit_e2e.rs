@@ -227,6 +227,49 @@ fn serial_firecracker_testkit_daemon_spawn_to_config_ack_clears_mmds_and_delete_
     world.assert_nothing_left("after shutdown", &[pid]);
 }
 
+/// `firecracker.autoProvisionHost` (on by default): on a host where nobody
+/// ran `kici-scaler firecracker provision`, `serve` provisions the bridge
+/// and its forwarding itself, as that command does, and its VMs run on it.
+#[test]
+fn serial_firecracker_testkit_serve_provisions_the_host_network_it_finds_missing() {
+    let world = TestkitWorld::unprovisioned();
+    let verify = |world: &TestkitWorld| {
+        let out = world
+            .dir
+            .command(&["firecracker", "verify", "--json", "--config"])
+            .arg(world.dir.path("scalers.yaml"))
+            .output()
+            .unwrap();
+        let report: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("verify --json: {e}: {out:?}"));
+        (out.status.success(), report)
+    };
+    let (ok, report) = verify(&world);
+    assert!(!ok, "nothing provisioned yet: {report}");
+    assert_eq!(report["exists"], false, "{report}");
+
+    let mut d = world.start(&["--listen", "127.0.0.1:0"], &[]).unwrap();
+    let (ok, report) = verify(&world);
+    assert!(
+        ok,
+        "serve provisioned it as `firecracker provision` does: {report}"
+    );
+    assert_eq!(report["ours"], true, "{report}");
+    // And its VMs use it: spawn → boot → the guest's agent registers over
+    // the provisioned bridge.
+    let agent = scale(&d, "auto-provisioned");
+    let mut guest = world.guest(&agent);
+    assert_configured(&mut d, &world, &mut guest, &agent);
+    let pid = world.vmm_pid(&agent).unwrap();
+    d.terminate();
+    drop(guest);
+    world.assert_nothing_left("after shutdown", &[pid]);
+    // A second start finds it in place and leaves it as it is.
+    let d = world.start(&["--listen", "127.0.0.1:0"], &[]).unwrap();
+    assert!(verify(&world).0);
+    d.terminate();
+}
+
 /// The daemon dies right after its MMDS clear took effect (before reading
 /// it back): the restarted daemon adopts the VM, the guest agent reconnects
 /// to the same gateway, registers and acknowledges again, the MMDS is

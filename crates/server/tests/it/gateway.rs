@@ -14,14 +14,15 @@ use kici_engine::runtime::SequencedEvent;
 use kici_engine::{AgentState, Backend, EngineEvent, EngineSettings};
 use kici_model::{AgentId, JobId, LabelSet, ScalerType};
 use kici_protocol::{
-    AgentMessage, AuthRequest, ChunkData, ConfigAck, GatewayMessage, Heartbeat, JobAck, JobEnd,
-    JobProgress, JobResult, JobSpec, JobStatus, OutputChunk, OutputStream, Register, UnixMillis,
-    MAX_FRAME_BYTES, PROTOCOL_VERSION,
+    AgentMessage, AuthRequest, ChunkData, ConfigAck, GatewayMessage, Heartbeat, InFlightJob,
+    JobAck, JobEnd, JobProgress, JobResult, JobSpec, JobStatus, OutputChunk, OutputStream,
+    Register, RegisterAck, UnixMillis, IGNORED_AGENT_MESSAGES, MAX_FRAME_BYTES, PROTOCOL_VERSION,
 };
 use kici_scaler::daemon::backends::Built;
 use kici_scaler::daemon::stack::{Stack, StackOptions};
 use kici_scaler::gateway::GatewaySettings;
 use kici_scaler::jobs::{self, EndKind, JobRequest, JobState, JobView, Read};
+use serde_json::json;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -297,23 +298,62 @@ impl Agent {
     }
 
     async fn register(&mut self, agent: AgentId, labels: LabelSet) {
-        let r = Register::new(
+        self.register_running(agent, labels, &[]).await;
+    }
+
+    /// `agent.register` listing `running` as its `inFlightJobs` (what an
+    /// agent reconnecting mid-job reports).
+    async fn register_running(&mut self, agent: AgentId, labels: LabelSet, running: &[&JobId]) {
+        let mut r = Register::new(
             Register::message_id_for(agent, UnixMillis::now()),
             agent,
             labels,
         );
+        r.in_flight_jobs = running
+            .iter()
+            .map(|j| InFlightJob {
+                job_id: j.to_string(),
+                run_id: None,
+            })
+            .collect();
         self.send(AgentMessage::Register(Box::new(r))).await;
+    }
+
+    /// Any JSON text, as KiCI's agent might send it.
+    async fn send_raw(&mut self, v: serde_json::Value) {
+        self.ws.send(Message::text(v.to_string())).await.unwrap();
     }
 
     /// auth + register (with the scope plus host labels) + config.ack;
     /// returns `pendingDispatch`.
     async fn handshake(&mut self, setup: &Setup, agent: AgentId) -> bool {
+        self.handshake_running(setup, agent, &[])
+            .await
+            .pending_dispatch
+    }
+
+    /// [`Agent::handshake`] reporting `running` as in flight; returns the
+    /// whole `register.ack`.
+    async fn handshake_running(
+        &mut self,
+        setup: &Setup,
+        agent: AgentId,
+        running: &[&JobId],
+    ) -> RegisterAck {
         self.auth(&setup.token(agent)).await;
         assert!(matches!(self.recv().await, GatewayMessage::AuthSuccess(_)));
+        // What an agent reports about itself is outside the token's scope
+        // and accepted (KiCI's agent adds its container runtime).
         let labels = setup.labels(agent).union(
-            &LabelSet::parse(["kici:os:linux", "kici:arch:x64", "kici:host:test-box"]).unwrap(),
+            &LabelSet::parse([
+                "kici:os:linux",
+                "kici:arch:x64",
+                "kici:host:test-box",
+                "kici:runtime:docker",
+            ])
+            .unwrap(),
         );
-        self.register(agent, labels.clone()).await;
+        self.register_running(agent, labels.clone(), running).await;
         let ack = match self.recv().await {
             GatewayMessage::RegisterAck(a) => a,
             other => panic!("expected register.ack, got {other:?}"),
@@ -321,12 +361,14 @@ impl Agent {
         assert_eq!(ack.agent_id, agent);
         assert_eq!(ack.labels, labels);
         assert!(ack.scaler_managed);
+        assert_eq!(ack.capabilities, RegisterAck::capabilities());
+        assert_eq!(ack.warm_pool, !ack.pending_dispatch);
         self.send(AgentMessage::ConfigAck(ConfigAck {
             message_id: ConfigAck::message_id_for(agent, UnixMillis::now()),
             agent_id: agent,
         }))
         .await;
-        ack.pending_dispatch
+        ack
     }
 
     async fn expect_dispatch(&mut self) -> JobSpec {
@@ -477,7 +519,9 @@ async fn a_warm_agent_receives_the_job_it_takes_on_its_open_connection() {
         }
     };
     let mut a = s.connect().await;
-    assert!(!a.handshake(&s, warm).await, "no job bound yet");
+    let ack = a.handshake_running(&s, warm, &[]).await;
+    assert!(!ack.pending_dispatch, "no job bound yet");
+    assert!(ack.warm_pool, "a warm-pool spawn is told so");
     s.agent_reaches(warm, AgentState::Idle).await;
     let spec = JobSpec::new(
         kici_scaler::jobs::JobBook::mint_id(),
@@ -750,20 +794,207 @@ async fn a_revoked_token_is_refused_once_its_agent_is_gone() {
 }
 
 #[tokio::test]
-async fn a_second_connection_for_a_connected_agent_is_refused() {
+async fn a_reconnect_supersedes_the_open_connection_and_goes_on_with_its_job() {
     let mut s = Setup::new().await;
-    let (_job, agent) = s.job(&["true"]).await;
+    let (job, agent) = s.job(&["sleep", "100"]).await;
     let mut first = s.connect().await;
     first.handshake(&s, agent).await;
     first.expect_dispatch().await;
+    first.ack(&job).await;
+    s.job_until(&job, "running", |v| v.state == JobState::Running)
+        .await;
+    first.chunk(&job, 0, OutputStream::Stdout, "before\n").await;
+    s.job_until(&job, "the first output", |v| v.output_bytes > 0)
+        .await;
+    // The agent lost sight of its first socket (still open here, as a
+    // half-open one would be) and reconnects, still running the job.
     let mut second = s.connect().await;
-    second.auth(&s.token(agent)).await;
-    assert!(matches!(
-        second.recv().await,
-        GatewayMessage::AuthSuccess(_)
-    ));
-    second.register(agent, s.labels(agent)).await;
-    assert_eq!(second.expect_close().await.0, Some(4003));
+    let ack = second.handshake_running(&s, agent, &[&job]).await;
+    assert!(ack.pending_dispatch, "its job is still bound");
+    let (code, reason) = first.expect_close().await;
+    assert_eq!(
+        (code, reason.as_str()),
+        (Some(4009), "Superseded by reconnect")
+    );
+    // The old connection's end destroyed nothing: the agent is busy with
+    // its job, which is not dispatched a second time.
+    assert_eq!(
+        s.stack.runtime.agent(agent).unwrap().state,
+        AgentState::Busy
+    );
+    assert_eq!(s.stack.gateway.connected(), 1);
+    second.chunk(&job, 1, OutputStream::Stdout, "after\n").await;
+    second
+        .status(
+            &job,
+            JobProgress::Finished(JobEnd::Completed(JobResult::exited(0))),
+        )
+        .await;
+    let (code, _) = second.expect_close().await;
+    assert_eq!(code, Some(1000), "the job's end, on the new connection");
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.state, JobState::Succeeded);
+    assert_eq!(s.output(&job).0, "before\nafter\n");
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
+
+#[tokio::test]
+async fn a_reconnect_that_lost_its_running_job_ends_the_job_not_runs_it_twice() {
+    let mut s = Setup::new().await;
+    let (job, agent) = s.job(&["sleep", "100"]).await;
+    let mut first = s.connect().await;
+    first.handshake(&s, agent).await;
+    first.expect_dispatch().await;
+    first.ack(&job).await;
+    s.job_until(&job, "running", |v| v.state == JobState::Running)
+        .await;
+    // Reconnects without the job (kici-agent-lite kills a job whose
+    // connection dropped).
+    let mut second = s.connect().await;
+    second.handshake_running(&s, agent, &[]).await;
+    assert_eq!(first.expect_close().await.0, Some(4009));
+    let (code, reason) = second.expect_close().await;
+    assert_eq!((code, reason.as_str()), (Some(1000), "job lost"));
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.end, Some(EndKind::Aborted));
+    assert!(
+        view.reason
+            .as_deref()
+            .unwrap()
+            .contains("reconnected without its running job"),
+        "{view:?}"
+    );
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
+
+#[tokio::test]
+async fn a_reconnect_before_the_job_started_gets_the_job() {
+    let mut s = Setup::new().await;
+    let (job, agent) = s.job(&["true"]).await;
+    let mut first = s.connect().await;
+    first.handshake(&s, agent).await;
+    first.expect_dispatch().await;
+    // Never acknowledged on the first connection: sent again.
+    let mut second = s.connect().await;
+    second.handshake(&s, agent).await;
+    assert_eq!(first.expect_close().await.0, Some(4009));
+    assert_eq!(second.expect_dispatch().await.job_id(), &job);
+    second.ack(&job).await;
+    second
+        .status(
+            &job,
+            JobProgress::Finished(JobEnd::Completed(JobResult::exited(0))),
+        )
+        .await;
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.state, JobState::Succeeded);
+}
+
+#[tokio::test]
+async fn kici_notifications_we_do_not_use_are_ignored_and_counted_not_a_close() {
+    let mut s = Setup::new().await;
+    let (job, agent) = s.job(&["true"]).await;
+    let ignored = |s: &Setup, kind: &str| -> u64 {
+        let text = s.stack.metrics.encode();
+        let line = format!("kici_orch_scaler_agent_messages_ignored_total{{type=\"{kind}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    for kind in IGNORED_AGENT_MESSAGES {
+        assert_eq!(ignored(&s, kind), 0, "{kind} exposed at 0 from the start");
+    }
+    let mut a = s.connect().await;
+    a.auth(&s.token(agent)).await;
+    assert!(matches!(a.recv().await, GatewayMessage::AuthSuccess(_)));
+    a.register(agent, s.labels(agent)).await;
+    assert!(matches!(a.recv().await, GatewayMessage::RegisterAck(_)));
+    // Before config.ack too: KiCI's agent reports its status at once.
+    a.send_raw(
+        json!({"type":"agent.status","messageId":"s1","agentId":agent.to_string(),
+                      "activeJobs":0,"memoryUsedMb":12}),
+    )
+    .await;
+    a.send(AgentMessage::ConfigAck(ConfigAck {
+        message_id: ConfigAck::message_id_for(agent, UnixMillis::now()),
+        agent_id: agent,
+    }))
+    .await;
+    assert_eq!(a.expect_dispatch().await.job_id(), &job);
+    a.ack(&job).await;
+    for msg in [
+        json!({"type":"job.heartbeat","runId":"r","jobId":job.to_string(),"timestamp":1}),
+        json!({"type":"agent.log","agentId":agent.to_string(),"source":"agent","lines":["x"],"timestamp":1}),
+        json!({"type":"agent.metrics","metrics":[{"name":"cpu","value":0.5}]}),
+        json!({"type":"agent.status","messageId":"s2","agentId":agent.to_string(),"activeJobs":1}),
+        json!({"type":"step.status","runId":"r","jobId":job.to_string(),"stepIndex":0,"status":"running"}),
+    ] {
+        a.send_raw(msg).await;
+    }
+    a.status(
+        &job,
+        JobProgress::Finished(JobEnd::Completed(JobResult::exited(0))),
+    )
+    .await;
+    assert_eq!(a.expect_close().await.0, Some(1000), "the job's own end");
+    let view = s
+        .job_until(&job, "the end", |v| v.state.is_terminal())
+        .await;
+    assert_eq!(view.state, JobState::Succeeded);
+    assert_eq!(ignored(&s, "agent.status"), 2);
+    for kind in ["job.heartbeat", "agent.log", "agent.metrics", "step.status"] {
+        assert_eq!(ignored(&s, kind), 1, "{kind}");
+    }
+    assert_eq!(ignored(&s, "run.event"), 0);
+}
+
+#[tokio::test]
+async fn a_message_type_nobody_knows_is_still_a_4003() {
+    let mut s = Setup::new().await;
+    let (_job, agent) = s.job(&["sleep", "100"]).await;
+    let mut a = s.connect().await;
+    a.handshake(&s, agent).await;
+    a.expect_dispatch().await;
+    a.send_raw(json!({"type":"made.up","x":1})).await;
+    let (code, reason) = a.expect_close().await;
+    assert_eq!((code, reason.as_str()), (Some(4003), "invalid message"));
+    s.agent_reaches(agent, AgentState::Gone).await;
+}
+
+#[tokio::test]
+async fn a_protocol_version_outside_the_supported_range_is_a_4005() {
+    let mut s = Setup::new().await;
+    let (_job, agent) = s.job(&["true"]).await;
+    let token = s.token(agent);
+    for version in [0, PROTOCOL_VERSION + 1] {
+        let mut a = s.connect().await;
+        a.send_raw(json!({"type":"auth.request","token":token,"protocolVersion":version}))
+            .await;
+        match a.recv().await {
+            GatewayMessage::AuthFailure(f) => {
+                assert_eq!(f.reason, "Unsupported protocol version")
+            }
+            other => panic!("expected auth.failure, got {other:?}"),
+        }
+        let (code, _) = a.expect_close().await;
+        assert_eq!(code, Some(4005), "version {version}");
+    }
+    // The agent is untouched, and the supported version still works.
+    assert_eq!(
+        s.stack.runtime.agent(agent).unwrap().state,
+        AgentState::Booted
+    );
+    let mut a = s.connect().await;
+    a.handshake(&s, agent).await;
+    a.expect_dispatch().await;
 }
 
 #[tokio::test]

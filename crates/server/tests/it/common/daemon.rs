@@ -291,6 +291,32 @@ impl Daemon {
         }
     }
 
+    /// The next log line (any shape) for which `found` holds, parsed.
+    pub fn expect_line(&mut self, what: &str, found: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if self.seen.len() == 16 {
+                        self.seen.pop_front();
+                    }
+                    self.seen.push_back(line.clone());
+                    let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                        panic!("a log line that is not JSON: {line}");
+                    };
+                    if found(&v) {
+                        return v;
+                    }
+                }
+                Err(_) => panic!(
+                    "the daemon never logged {what}; last lines: {:?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
     /// [`Daemon::wait_for_log`] that must find it.
     pub fn expect_log(&mut self, message: &str) -> Value {
         self.wait_for_log(message)

@@ -101,7 +101,18 @@ pub struct TestkitWorld {
 }
 
 impl TestkitWorld {
+    /// A world whose bridge and forwarding `kici-scaler firecracker
+    /// provision` made.
     pub fn new() -> Self {
+        let world = Self::unprovisioned();
+        let out = world.firecracker("provision");
+        assert!(out.status.success(), "provision: {out:?}");
+        world
+    }
+
+    /// A world whose host network nobody provisioned yet (its drop tears
+    /// down whatever a daemon provisioned).
+    pub fn unprovisioned() -> Self {
         let paths = kici_testkit::fc::build_binaries().unwrap();
         static_agent();
         let dir = Dir::with_config("");
@@ -120,17 +131,14 @@ impl TestkitWorld {
         let gateway = Ipv4Addr::new(10, second, third, 1);
         let bridge = format!("kft{r:08x}");
         write_scalers(&dir, &subnet, &bridge, &kit.firecracker, &kit.jailer);
-        let world = TestkitWorld {
+        TestkitWorld {
             dir,
             kit,
             subnet,
             bridge,
             gateway,
             gateway_port: free_port(),
-        };
-        let out = world.firecracker("provision");
-        assert!(out.status.success(), "provision: {out:?}");
-        world
+        }
     }
 
     pub fn firecracker(&self, action: &str) -> std::process::Output {
