@@ -192,6 +192,7 @@ impl IntoApi<BackendName> for ScalerType {
             ScalerType::Container => BackendName::Container,
             ScalerType::BareMetal => BackendName::BareMetal,
             ScalerType::Firecracker => BackendName::Firecracker,
+            ScalerType::Event => BackendName::Event,
         }
     }
 }
