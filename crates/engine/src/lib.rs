@@ -113,7 +113,8 @@ pub mod runtime;
 pub mod testing;
 
 pub use backend::{
-    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, OwnedResource, ProblemKind,
+    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, DestroyReason, OwnedResource,
+    ProblemKind,
     ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
 };
 pub use breaker::{Breaker, BreakerState};

@@ -535,7 +535,7 @@ impl Runtime {
             let limit = order.grace + Duration::from_secs(30);
             let result = tokio::time::timeout(
                 limit,
-                backend.destroy(&agent, order.handle.as_ref(), order.grace),
+                backend.destroy_because(&agent, order.handle.as_ref(), order.grace, order.reason),
             )
             .await;
             match result {
