@@ -335,6 +335,34 @@ pub enum EngineEvent {
         added: Vec<String>,
         removed: Vec<String>,
     },
+    /// A `type: event` scaler's event for its external provisioner,
+    /// published by its backend ([`crate::runtime::Runtime::announce`]) so
+    /// that the event stream carries it to pull-style consumers.
+    Provision(ProvisionNotice),
+}
+
+/// One external provisioning event as the event stream shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProvisionNotice {
+    ScaleUp {
+        request_id: String,
+        agent_id: AgentId,
+        scaler: ScalerName,
+        labels: Vec<String>,
+        resources: kici_model::EffectiveResources,
+        /// Redacted in `Debug` (engine events are logged).
+        claim_code: kici_model::Secret,
+        claim_url: String,
+        /// RFC 3339, UTC, milliseconds.
+        expires_at: String,
+        job_id: Option<JobId>,
+    },
+    ScaleDown {
+        request_id: String,
+        agent_id: AgentId,
+        scaler: ScalerName,
+        reason: String,
+    },
 }
 
 /// One managed agent.

@@ -120,7 +120,8 @@ pub use backend::{
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
     AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
-    EngineSettings, JobEffect, JobLost, JournalEntry, JournalKey, PendingRecovered, RecoverError,
+    EngineSettings, JobEffect, JobLost, JournalEntry, JournalKey, PendingRecovered, ProvisionNotice,
+    RecoverError,
     Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
     TransitionCause,
 };

@@ -682,6 +682,13 @@ impl Runtime {
 
     // ----- the engine's API, async-friendly ---------------------------------
 
+    /// Publishes an event a backend produced outside the engine's state
+    /// machine (an external provisioner's event) on the event stream,
+    /// numbered like every other.
+    pub fn announce(&self, notice: crate::engine::ProvisionNotice) {
+        self.publish(EngineEvent::Provision(notice));
+    }
+
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<SequencedEvent>> {
         self.inner.events.subscribe()
     }

@@ -47,6 +47,11 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_warm_pool_spawns_total",
     "kici_orch_scaler_warm_pool_reaped_total",
     "kici_orch_scaler_redispatch_total",
+    // External provisioning (`type: event` scalers), upstream's names.
+    "kici_orch_scaler_scale_up_emitted_total",
+    "kici_orch_scaler_scale_down_emitted_total",
+    "kici_orch_scaler_external_provisioning_active",
+    "kici_orch_scaler_external_provision_timeout_total",
 ];
 
 /// `config_reloads_total{result}`.
@@ -164,6 +169,11 @@ struct CapLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FailureLabels {
     backend: &'static str,
     reason: &'static str,
@@ -235,6 +245,10 @@ pub struct Metrics {
     warm_pool_spawns: Family<ScalerLabels, Counter>,
     warm_pool_reaped: Family<ScalerLabels, Counter>,
     redispatch: Family<TriggerLabels, Counter>,
+    scale_up_emitted: Counter,
+    scale_down_emitted: Family<ReasonLabels, Counter>,
+    external_provisioning: Gauge,
+    external_timeouts: Counter,
     /// Seconds an agent spent in `requested`, until it boots (the provision
     /// phase spans requested + provisioning).
     requested_seconds: Mutex<HashMap<AgentId, f64>>,
@@ -268,6 +282,10 @@ impl Metrics {
             warm_pool_spawns: Family::default(),
             warm_pool_reaped: Family::default(),
             redispatch: Family::default(),
+            scale_up_emitted: Counter::default(),
+            scale_down_emitted: Family::default(),
+            external_provisioning: Gauge::default(),
+            external_timeouts: Counter::default(),
             requested_seconds: Mutex::new(HashMap::new()),
             scrape: Mutex::new(()),
             registry: Registry::default(),
@@ -286,6 +304,31 @@ impl Metrics {
             "kici_orch_scaler_memory_bytes_used",
             "Memory (bytes) reserved by live agents, per scaler; scaler=\"__global__\" is the daemon-wide total",
             m.memory_used.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_scale_up_emitted",
+            "Scale-up events emitted by type: event scalers (a redelivery after a restart counts again)",
+            m.scale_up_emitted.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_scale_down_emitted",
+            "Scale-down events emitted by type: event scalers, per reason",
+            m.scale_down_emitted.clone(),
+        );
+        for reason in kici_provision::ScaleDownReason::NAMED {
+            let _ = m.scale_down_emitted.get_or_create(&ReasonLabels {
+                reason: reason.as_str().to_owned(),
+            });
+        }
+        registry.register(
+            "kici_orch_scaler_external_provisioning_active",
+            "Agents of type: event scalers between their scale-up and their registration",
+            m.external_provisioning.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_external_provision_timeout",
+            "Agents of type: event scalers torn down because they never registered in time",
+            m.external_timeouts.clone(),
         );
         registry.register(
             "kici_orch_scaler_spawn_refusals",
@@ -517,6 +560,9 @@ impl Metrics {
                 ..
             } => {
                 self.observe_warm_pool(scaler, *from, *to, job_id.is_none(), *cause);
+                if *backend == kici_model::ScalerType::Event {
+                    self.observe_external(*from, *to, *failure_reason);
+                }
                 if let Some(reason) = failure_reason {
                     self.spawn_failures
                         .get_or_create(&FailureLabels {
@@ -544,9 +590,40 @@ impl Metrics {
                         .inc();
                 }
             }
+            EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleUp { .. }) => {
+                self.scale_up_emitted.inc();
+            }
+            EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleDown { reason, .. }) => {
+                self.scale_down_emitted
+                    .get_or_create(&ReasonLabels {
+                        reason: reason.clone(),
+                    })
+                    .inc();
+            }
             EngineEvent::BreakerChanged { .. }
             | EngineEvent::ScalerCordon { .. }
             | EngineEvent::Reloaded { .. } => {}
+        }
+    }
+
+    /// An event scaler's agent is "provisioning" externally from its
+    /// request until it registers (or fails); a registration deadline
+    /// passing is an external provision timeout.
+    fn observe_external(&self, from: AgentState, to: AgentState, failure: Option<FailureReason>) {
+        match (from.is_spawning(), to.is_spawning()) {
+            (false, true) => {
+                self.external_provisioning.inc();
+            }
+            (true, false) => {
+                self.external_provisioning.dec();
+            }
+            _ => {}
+        }
+        if matches!(
+            failure,
+            Some(FailureReason::RegistrationTimeout | FailureReason::ProvisionTimeout)
+        ) {
+            self.external_timeouts.inc();
         }
     }
 
