@@ -32,3 +32,4 @@ pub mod durable;
 pub mod events;
 pub mod gateway;
 pub mod jobs;
+pub mod provisioning;
