@@ -1,0 +1,463 @@
+//! `type: event` scalers end to end on a real `kici-scaler serve`: a
+//! provisioner command that boots each instance as a network namespace
+//! (`examples/provisioners/netns.sh`) where `kici-agent-lite --claim …`
+//! runs and reaches the daemon only over its veth link; claims redeemed
+//! over HTTP (single use, concurrent, expired, voided by a destroy, rate
+//! limited); provisioners that fail, and one that boots nothing.
+//!
+//! The daemon's gateway and claims listener bind an address on a dummy
+//! link of the host (`10.<x>.255.1`, random per test) that every
+//! namespace reaches through its own link; the guard removes the dummy
+//! link and any namespace a test left.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use crate::common::daemon::*;
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn sh(cmd: &str) -> (bool, String) {
+    let out = Command::new("sh").arg("-c").arg(cmd).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+fn netns_script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/provisioners/netns.sh")
+}
+
+/// A dummy host link carrying the daemon's address for the namespaces,
+/// and cleanup of everything a test's instances left.
+struct HostNet {
+    link: String,
+    /// `10.<x>`: the instances' /30 links are under it.
+    prefix: String,
+    /// `10.<x>.255.1`: where the daemon listens for them.
+    daemon_ip: String,
+}
+
+impl HostNet {
+    fn new() -> Self {
+        let r: u32 = rand_u32();
+        let x = 200 + r % 50;
+        let link = format!("kd{:08x}", r);
+        let prefix = format!("10.{x}");
+        let daemon_ip = format!("{prefix}.255.1");
+        let (ok, out) = sh(&format!(
+            "ip link add {link} type dummy && ip addr add {daemon_ip}/32 dev {link} && ip link set {link} up"
+        ));
+        assert!(ok, "cannot create the dummy link: {out}");
+        Self {
+            link,
+            prefix,
+            daemon_ip,
+        }
+    }
+
+    /// A free port on the daemon address.
+    fn port(&self) -> u16 {
+        std::net::TcpListener::bind((self.daemon_ip.as_str(), 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+}
+
+impl Drop for HostNet {
+    fn drop(&mut self) {
+        let _ = sh(&format!("ip link del {}", self.link));
+    }
+}
+
+fn rand_u32() -> u32 {
+    let mut b = [0u8; 4];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .unwrap();
+    u32::from_ne_bytes(b)
+}
+
+/// Namespaces named after agent ids of `events` (what netns.sh creates).
+fn namespaces_of(agents: &BTreeSet<String>) -> Vec<String> {
+    let (_, list) = sh("ip netns list");
+    agents
+        .iter()
+        .filter_map(|a| a.rsplit('-').next().map(|hex| format!("kici-{hex}")))
+        .filter(|ns| list.split_whitespace().any(|w| w == ns))
+        .collect()
+}
+
+/// Removes what netns.sh made for `agents`, whatever a test did.
+struct Instances(BTreeSet<String>);
+
+impl Drop for Instances {
+    fn drop(&mut self) {
+        for ns in namespaces_of(&self.0) {
+            let _ = sh(&format!(
+                "for p in $(ip netns pids {ns}); do kill -9 $p; done; ip netns del {ns}"
+            ));
+        }
+        for a in &self.0 {
+            if let Some(hex) = a.rsplit('-').next() {
+                let _ = sh(&format!("ip link del kh{hex} 2>/dev/null"));
+            }
+        }
+    }
+}
+
+/// The events a recording provisioner appended to `events.jsonl`.
+fn events(dir: &Dir) -> Vec<Value> {
+    std::fs::read_to_string(dir.path("events.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn wait_event(dir: &Dir, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if let Some(e) = events(dir).into_iter().find(|e| f(e)) {
+            return e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never: {what}; events: {:?}",
+            events(dir)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn redeem(claims: &str, code: &str) -> (u16, Value) {
+    let body = serde_json::json!({ "claimCode": code }).to_string();
+    let (status, answer) = http(claims, "POST", "/v1/claims", &[], Some(&body));
+    (status, serde_json::from_str(&answer).unwrap_or_default())
+}
+
+/// A provisioner that only records what it is told (no instance boots).
+const RECORDER: &str = "#!/bin/sh\ncat >>\"$(dirname \"$0\")/events.jsonl\"\necho >>\"$(dirname \"$0\")/events.jsonl\"\n";
+
+#[test]
+fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_down() {
+    let net = HostNet::new();
+    let (gw_port, claims_port) = (net.port(), net.port());
+    let dir = Dir::with_config("");
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 2\n    orchestratorUrl: ws://{ip}:{gw_port}/ws\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 30\n      provisioner:\n        command: [\"{script}\"]\n        timeoutSeconds: 20\n",
+            ip = net.daemon_ip,
+            script = netns_script().display()
+        ),
+    )
+    .unwrap();
+    let agent_lite = agent_lite_dir().join("kici-agent-lite");
+    let log_dir = dir.0.path().to_str().unwrap().to_owned();
+    let d = Daemon::start(
+        &dir,
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--gateway-listen",
+            &format!("{}:{gw_port}", net.daemon_ip),
+            "--claims-listen",
+            &format!("{}:{claims_port}", net.daemon_ip),
+        ],
+        &[
+            ("NETNS_PREFIX", net.prefix.as_str()),
+            ("NETNS_AGENT", agent_lite.to_str().unwrap()),
+            ("NETNS_LOG_DIR", log_dir.as_str()),
+        ],
+    );
+    let mut instances = Instances(BTreeSet::new());
+
+    let body = serde_json::json!({
+        "labels": ["cloud"],
+        "command": ["sh", "-c", "ip -4 -o addr show; echo from-the-namespace"],
+    })
+    .to_string();
+    let (status, answer) = http(&d.addr, "POST", "/v1/jobs", &[], Some(&body));
+    assert!(status == 200 || status == 201 || status == 202, "{status} {answer}");
+    let job: Value = serde_json::from_str(&answer).unwrap();
+    let id = job["jobId"].as_str().or(job["id"].as_str()).unwrap().to_owned();
+
+    let up = wait_event(&dir, "a scale-up", |e| e["event"] == "scale-up");
+    let agent = up["agentId"].as_str().unwrap().to_owned();
+    instances.0.insert(agent.clone());
+    assert_eq!(up["scaler"], "cloud");
+    assert_eq!(up["jobId"], id.as_str());
+    assert_eq!(
+        up["claimUrl"],
+        format!("http://{}:{claims_port}/v1/claims", net.daemon_ip)
+    );
+    assert!(up["claimCode"].as_str().unwrap().starts_with("kcc_"));
+    assert!(up["labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|l| l == "cloud"));
+
+    // The job ends in the namespace: its output shows the instance's own
+    // address, which only exists there.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let end = loop {
+        let (_, body) = http(&d.addr, "GET", &format!("/v1/jobs/{id}"), &[], None);
+        let v: Value = serde_json::from_str(&body).unwrap_or_default();
+        if matches!(v["state"].as_str(), Some("succeeded" | "failed" | "aborted")) {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the job never ended: {v}; agent log: {}",
+            std::fs::read_to_string(dir.path(&format!("kici-{}.log", &agent[agent.len() - 8..])))
+                .unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(end["state"], "succeeded", "{end}");
+    let (_, logs) = http(&d.addr, "GET", &format!("/v1/jobs/{id}/logs"), &[], None);
+    assert!(logs.contains("from-the-namespace"), "{logs}");
+    let hex = &agent[agent.len() - 8..];
+    let a = u8::from_str_radix(&hex[0..2], 16).unwrap();
+    let b = u8::from_str_radix(&hex[2..4], 16).unwrap() & 252;
+    let guest_ip = format!("{}.{a}.{}", net.prefix, b + 2);
+    assert!(logs.contains(&guest_ip), "the job ran elsewhere: {logs}");
+
+    // Its agent is destroyed at the job's end: a scale-down, and the
+    // namespace is gone.
+    let down = wait_event(&dir, "a scale-down", |e| e["event"] == "scale-down");
+    assert_eq!(down["agentId"], agent.as_str());
+    assert_eq!(down["reason"], "job-end", "{down}");
+    assert_eq!(
+        down["requestId"].as_str().unwrap(),
+        up["requestId"]
+            .as_str()
+            .unwrap()
+            .replace(".scale-up", ".scale-down")
+    );
+    wait_until("the namespace is deleted", || {
+        namespaces_of(&instances.0).is_empty()
+    });
+    wait_until("no agent is left", || d.agents().is_empty());
+    let m = d.metrics();
+    assert_eq!(metric(&m, "kici_orch_scaler_scale_up_emitted_total", ""), 1.0);
+    assert_eq!(
+        metric(
+            &m,
+            "kici_orch_scaler_scale_down_emitted_total",
+            "reason=\"job-end\""
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&m, "kici_orch_scaler_external_provisioning_active", ""),
+        0.0
+    );
+    // The code was consumed by the agent: a replay is refused.
+    let (status, refusal) = redeem(
+        &format!("{}:{claims_port}", net.daemon_ip),
+        up["claimCode"].as_str().unwrap(),
+    );
+    assert_eq!(status, 403, "{refusal}");
+    assert!(
+        ["consumed", "unknown"].contains(&refusal["error"]["reason"].as_str().unwrap()),
+        "{refusal}"
+    );
+    d.terminate();
+    drop(instances);
+}
+
+/// A daemon whose scalers.yaml is `config` with `RECORD` replaced by the
+/// path of a [`RECORDER`] script; a claims listener on loopback.
+fn recording_daemon(config: &str) -> (Dir, Daemon, String) {
+    let dir = Dir::with_config("");
+    let record = dir.write_script("record.sh", RECORDER);
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        config.replace("RECORD", record.to_str().unwrap()),
+    )
+    .unwrap();
+    let claims = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let d = Daemon::start(
+        &dir,
+        &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
+        &[],
+    );
+    (dir, d, claims)
+}
+
+#[test]
+fn claims_are_single_use_expire_die_with_their_agent_and_are_rate_limited() {
+    let (dir, d, claims) = recording_daemon(
+        "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 4\n    claimTtlSeconds: 2\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        command: [\"RECORD\"]\n",
+    );
+
+    let code_of = |job: &str| -> (String, String) {
+        let e = wait_event(&dir, job, |e| e["event"] == "scale-up" && e["jobId"] == job);
+        (
+            e["agentId"].as_str().unwrap().to_owned(),
+            e["claimCode"].as_str().unwrap().to_owned(),
+        )
+    };
+
+    // Six concurrent redemptions of one code: one token.
+    let (status, answer) = d.scale("j1", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    let (agent1, code1) = code_of("j1");
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..6)
+            .map(|_| s.spawn(|| redeem(&claims, &code1)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let granted: Vec<&Value> = answers
+        .iter()
+        .filter(|(s, _)| *s == 200)
+        .map(|(_, v)| v)
+        .collect();
+    assert_eq!(granted.len(), 1, "{answers:?}");
+    let creds = granted[0];
+    assert_eq!(creds["agentId"], agent1.as_str());
+    assert!(creds["agentToken"].as_str().unwrap().starts_with("kat_"));
+    assert!(creds["gatewayUrl"].as_str().unwrap().starts_with("ws://"));
+    assert!(creds["labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|l| l == "cloud"));
+    for (s, v) in answers.iter().filter(|(s, _)| *s != 200) {
+        assert_eq!(*s, 403, "{v}");
+        assert_eq!(v["error"]["reason"], "consumed", "{v}");
+    }
+    // A replay later: still consumed.
+    let (s, v) = redeem(&claims, &code1);
+    assert_eq!((s, v["error"]["reason"].as_str()), (403, Some("consumed")));
+
+    // A code whose agent was destroyed: unknown, and a scale-down went out.
+    d.scale("j2", &["cloud"]);
+    let (agent2, code2) = code_of("j2");
+    let (status, body) = d.http("DELETE", &format!("/v1/agents/{agent2}"), None);
+    assert!(status < 300, "{status} {body}");
+    let down = wait_event(&dir, "j2's scale-down", |e| {
+        e["event"] == "scale-down" && e["agentId"] == agent2.as_str()
+    });
+    assert_eq!(down["reason"], "operator");
+    let (s, v) = redeem(&claims, &code2);
+    assert_eq!((s, v["error"]["reason"].as_str()), (403, Some("unknown")));
+
+    // Expired after claimTtlSeconds.
+    d.scale("j3", &["cloud"]);
+    let (_, code3) = code_of("j3");
+    std::thread::sleep(Duration::from_millis(2_200));
+    let (s, v) = redeem(&claims, &code3);
+    assert_eq!((s, v["error"]["reason"].as_str()), (403, Some("expired")));
+
+    // Never issued: unknown; a malformed body: 400.
+    let (s, v) = redeem(&claims, &format!("kcc_{}", "0".repeat(64)));
+    assert_eq!((s, v["error"]["reason"].as_str()), (403, Some("unknown")));
+
+    // Ten attempts from one address were allowed at once; the next waits.
+    let (s, v) = redeem(&claims, "kcc_nope");
+    assert_eq!(s, 429, "{v}");
+
+    // The listener serves claims only.
+    let (s, _) = http(&claims, "GET", "/v1/agents", &[], None);
+    assert_eq!(s, 404);
+    d.terminate();
+}
+
+#[test]
+fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out() {
+    let dir = Dir::with_config("");
+    let record = dir.write_script("record.sh", RECORDER);
+    let failing = dir.write_script(
+        "failing.sh",
+        &format!(
+            "#!/bin/sh\n# Records every attempt, refuses every scale-up.\n{} <&0\n[ \"$KICI_PROVISION_EVENT\" = scale-down ] || exit 3\n",
+            record.display()
+        ),
+    );
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nscalers:\n  - name: broken\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [broken]\n    x-kici-scaler:\n      backoff: {{initialSeconds: 30, maxSeconds: 60}}\n      provisioner:\n        command: [\"{failing}\"]\n        maxAttempts: 2\n  - name: silent\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [silent]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 2\n      provisioner:\n        command: [\"{record}\"]\n",
+            failing = failing.display(),
+            record = record.display()
+        ),
+    )
+    .unwrap();
+    let claims = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let d = Daemon::start(
+        &dir,
+        &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
+        &[],
+    );
+
+    // Exits 3: retried (2 attempts), then a spawn failure; the scale-down
+    // follows anyway (the provisioner may have acted on an attempt).
+    d.scale("b1", &["broken"]);
+    let down = wait_event(&dir, "broken's scale-down", |e| {
+        e["event"] == "scale-down" && e["scaler"] == "broken"
+    });
+    assert_eq!(down["reason"], "spawn-failed", "{down}");
+    let ups = events(&dir)
+        .into_iter()
+        .filter(|e| e["event"] == "scale-up" && e["scaler"] == "broken")
+        .count();
+    assert_eq!(ups, 2, "two attempts of the one scale-up");
+
+    // Exits 0 and boots nothing: the registration deadline tears it down.
+    d.scale("s1", &["silent"]);
+    let up = wait_event(&dir, "silent's scale-up", |e| {
+        e["event"] == "scale-up" && e["scaler"] == "silent"
+    });
+    let down = wait_event(&dir, "silent's scale-down", |e| {
+        e["event"] == "scale-down" && e["scaler"] == "silent"
+    });
+    assert_eq!(down["reason"], "spawn-timeout", "{down}");
+    assert_eq!(down["agentId"], up["agentId"]);
+    let (s, v) = redeem(&claims, up["claimCode"].as_str().unwrap());
+    assert_eq!((s, v["error"]["reason"].as_str()), (403, Some("unknown")));
+    wait_until("no agent is left", || d.agents().is_empty());
+    let m = d.metrics();
+    assert_eq!(
+        metric(&m, "kici_orch_scaler_external_provision_timeout_total", ""),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "kici_orch_scaler_scale_down_emitted_total",
+            "reason=\"spawn-timeout\""
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "kici_orch_scaler_scale_down_emitted_total",
+            "reason=\"spawn-failed\""
+        ),
+        1.0
+    );
+    d.terminate();
+    // Nothing of either is left in the outbox.
+    let (_, rows) = sh(&format!(
+        "sqlite3 {} 'SELECT count(*) FROM provision_outbox' 2>&1",
+        dir.path("state/state.db").display()
+    ));
+    assert_eq!(rows.trim(), "0", "{rows}");
+}
