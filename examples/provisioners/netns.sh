@@ -51,8 +51,11 @@ scale-up)
         ip -n "$ns" route add default via "$host_ip"
     fi
     # Detached (its own session, no pipes back to the daemon): it outlives
-    # this command, like an instance outlives its provisioning call.
-    ip netns exec "$ns" setsid "$NETNS_AGENT" --claim "$code" --claim-url "$url" \
+    # this command, like an instance outlives its provisioning call. The
+    # agent refuses KICI_* variables outside its contract: this command's
+    # own do not follow it (a real instance would not have them either).
+    ip netns exec "$ns" env -u KICI_PROVISION_EVENT -u KICI_PROVISION_REQUEST_ID \
+        -u KICI_PROVISION_AGENT_ID setsid "$NETNS_AGENT" --claim "$code" --claim-url "$url" \
         </dev/null >"$log_dir/$ns.log" 2>&1 &
     ;;
 scale-down)

@@ -610,14 +610,13 @@ impl Metrics {
     /// request until it registers (or fails); a registration deadline
     /// passing is an external provision timeout.
     fn observe_external(&self, from: AgentState, to: AgentState, failure: Option<FailureReason>) {
-        match (from.is_spawning(), to.is_spawning()) {
-            (false, true) => {
-                self.external_provisioning.inc();
-            }
-            (true, false) => {
-                self.external_provisioning.dec();
-            }
-            _ => {}
+        // An agent is created `requested` without an event: its way into
+        // `provisioning` (the scale-up) is where it starts counting, and
+        // leaving the spawning states from there is where it stops.
+        if from == AgentState::Requested && to == AgentState::Provisioning {
+            self.external_provisioning.inc();
+        } else if from.is_spawning() && from != AgentState::Requested && !to.is_spawning() {
+            self.external_provisioning.dec();
         }
         if matches!(
             failure,

@@ -5,10 +5,10 @@
 //! over HTTP (single use, concurrent, expired, voided by a destroy, rate
 //! limited); provisioners that fail, and one that boots nothing.
 //!
-//! The daemon's gateway and claims listener bind an address on a dummy
-//! link of the host (`10.<x>.255.1`, random per test) that every
-//! namespace reaches through its own link; the guard removes the dummy
-//! link and any namespace a test left.
+//! The daemon's gateway and claims listener bind an address added to the
+//! host's loopback link (`10.<x>.255.1`, random per test) that every
+//! namespace reaches through its own link; guards remove the address and
+//! any namespace a test left.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crate::common::daemon::*;
@@ -31,10 +31,10 @@ fn netns_script() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/provisioners/netns.sh")
 }
 
-/// A dummy host link carrying the daemon's address for the namespaces,
-/// and cleanup of everything a test's instances left.
+/// The daemon's address for the namespaces, on the host's loopback link
+/// (a local address is reachable through any link that routes to the
+/// host), removed when the test ends.
 struct HostNet {
-    link: String,
     /// `10.<x>`: the instances' /30 links are under it.
     prefix: String,
     /// `10.<x>.255.1`: where the daemon listens for them.
@@ -45,15 +45,11 @@ impl HostNet {
     fn new() -> Self {
         let r: u32 = rand_u32();
         let x = 200 + r % 50;
-        let link = format!("kd{:08x}", r);
         let prefix = format!("10.{x}");
         let daemon_ip = format!("{prefix}.255.1");
-        let (ok, out) = sh(&format!(
-            "ip link add {link} type dummy && ip addr add {daemon_ip}/32 dev {link} && ip link set {link} up"
-        ));
-        assert!(ok, "cannot create the dummy link: {out}");
+        let (ok, out) = sh(&format!("ip addr add {daemon_ip}/32 dev lo"));
+        assert!(ok, "cannot add the daemon's address: {out}");
         Self {
-            link,
             prefix,
             daemon_ip,
         }
@@ -71,7 +67,7 @@ impl HostNet {
 
 impl Drop for HostNet {
     fn drop(&mut self) {
-        let _ = sh(&format!("ip link del {}", self.link));
+        let _ = sh(&format!("ip addr del {}/32 dev lo", self.daemon_ip));
     }
 }
 
@@ -139,6 +135,29 @@ fn redeem(claims: &str, code: &str) -> (u16, Value) {
     let body = serde_json::json!({ "claimCode": code }).to_string();
     let (status, answer) = http(claims, "POST", "/v1/claims", &[], Some(&body));
     (status, serde_json::from_str(&answer).unwrap_or_default())
+}
+
+/// The stdout of a finished job's log stream (SSE `output` events, their
+/// data base64).
+fn stdout_of(stream: &str) -> String {
+    let mut out = Vec::new();
+    for block in stream.split("\n\n") {
+        if !block.lines().any(|l| l.trim() == "event: output") {
+            continue;
+        }
+        let data: String = block
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(str::trim_start)
+            .collect();
+        let v: Value = serde_json::from_str(&data).unwrap();
+        if v["stream"] == "stdout" {
+            let chunk: kici_protocol::ChunkData =
+                serde_json::from_value(v["data"].clone()).unwrap();
+            out.extend(chunk.into_bytes());
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// A provisioner that only records what it is told (no instance boots).
@@ -221,8 +240,16 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
         );
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert_eq!(end["state"], "succeeded", "{end}");
-    let (_, logs) = http(&d.addr, "GET", &format!("/v1/jobs/{id}/logs"), &[], None);
+    assert_eq!(
+        end["state"],
+        "succeeded",
+        "{end}; agent log: {}; events: {:?}",
+        std::fs::read_to_string(dir.path(&format!("kici-{}.log", &agent[agent.len() - 8..])))
+            .unwrap_or_default(),
+        events(&dir)
+    );
+    let (_, stream) = http(&d.addr, "GET", &format!("/v1/jobs/{id}/logs"), &[], None);
+    let logs = stdout_of(&stream);
     assert!(logs.contains("from-the-namespace"), "{logs}");
     let hex = &agent[agent.len() - 8..];
     let a = u8::from_str_radix(&hex[0..2], 16).unwrap();
