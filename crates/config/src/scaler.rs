@@ -6,13 +6,14 @@ use crate::label_set::{self, required_truthy, warn_foreign, ParsedLabelSet};
 use crate::node::Node;
 use crate::resources::{self, NamedCap};
 use crate::yaml::{classify, quote, Scalar};
-use kici_provision::config::PathSegment;
 use kici_model::{
     BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime, ContainerSettings,
-    EventSettings, FirecrackerSettings, ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs, ResourceCap,
-    ResourceRequest, Role, Roles, ScalerEntry, ScalerExtension, ScalerName, ScalerPlatform,
-    ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
+    EventSettings, FirecrackerSettings, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs,
+    ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, ResourceCap, ResourceRequest, Role,
+    Roles, ScalerEntry, ScalerExtension, ScalerName, ScalerPlatform, ScalerType, UlimitName,
+    UlimitValue, WarmPoolConfig,
 };
+use kici_provision::config::PathSegment;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -344,11 +345,7 @@ fn provisioner_settings(cx: &mut Cx, v: &Val<'_>) -> Option<ProvisionerSettings>
             let path = v.path();
             for e in errors.0 {
                 let node = node_at(v.node, e.path.segments()).unwrap_or(v.node);
-                cx.error(
-                    cx.origin_at(node.mark()),
-                    e.path.under(&path),
-                    e.message,
-                );
+                cx.error(cx.origin_at(node.mark()), e.path.under(&path), e.message);
             }
             None
         }
@@ -379,9 +376,7 @@ fn to_json(node: &Node) -> serde_json::Value {
                 // Integral: as an integer, so `as_u64` reads it.
                 Value::from(n as u64)
             }
-            Scalar::Number(n) => {
-                serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number)
-            }
+            Scalar::Number(n) => serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number),
             Scalar::Str(t) => Value::String(t.to_owned()),
         },
         Node::Sequence(items) => Value::Array(items.iter().map(to_json).collect()),

@@ -177,7 +177,10 @@ pub struct EventSettings {
     pub claim_ttl: Duration,
     /// How long the token minted on redemption lives; `None`: the agent's
     /// `maxLifetimeSeconds`.
-    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "ser_opt_secs")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "ser_opt_secs"
+    )]
     pub agent_token_ttl: Option<Duration>,
     /// `x-kici-scaler.provisioner`; `None`: events go to the event stream
     /// only (a pull-style consumer).

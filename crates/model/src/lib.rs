@@ -43,9 +43,9 @@ pub use config::{
     BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config, ContainerRuntime,
     ContainerSettings, Deadlines, EnvName, EventSettings, FirecrackerLabelSet, FirecrackerNetwork,
     FirecrackerSettings, HostAccess, HostAccessError, ImagePullPolicy, LabelSetBackend,
-    LabelSetConfig, LabelSetExtension, MachinePool, NetworkPolicy, PlatformArch, PlatformOs, Role,
-    ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, Roles, ScalerEntry, ScalerExtension,
-    ScalerPlatform, UlimitName, UlimitValue, WarmPoolConfig,
+    LabelSetConfig, LabelSetExtension, MachinePool, NetworkPolicy, PlatformArch, PlatformOs,
+    ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, Role, Roles, ScalerEntry,
+    ScalerExtension, ScalerPlatform, UlimitName, UlimitValue, WarmPoolConfig,
     LEGACY_PLATFORM_TAINT_LABELS,
 };
 pub use ids::{AgentId, IdError, InstanceId, JobId, ScalerName, ScalerType};

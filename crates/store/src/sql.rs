@@ -65,7 +65,8 @@ pub(crate) const PURGE_CLAIMS: &str =
     "DELETE FROM provision_claims WHERE owner = $1 AND expires_at < $2";
 pub(crate) const PUT_OUTBOX: &str = "INSERT INTO provision_outbox (owner, request_id, agent_id, kind, body, created_at, delivered_at) \
 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (owner, request_id) DO NOTHING";
-pub(crate) const MARK_OUTBOX_DELIVERED: &str = "UPDATE provision_outbox SET delivered_at = $3 WHERE owner = $1 AND request_id = $2";
+pub(crate) const MARK_OUTBOX_DELIVERED: &str =
+    "UPDATE provision_outbox SET delivered_at = $3 WHERE owner = $1 AND request_id = $2";
 pub(crate) const DELETE_OUTBOX_AGENT: &str =
     "DELETE FROM provision_outbox WHERE owner = $1 AND agent_id = $2";
 pub(crate) const OUTBOX: &str = "SELECT request_id, agent_id, kind, body, created_at, delivered_at FROM provision_outbox WHERE owner = $1 ORDER BY created_at, request_id";

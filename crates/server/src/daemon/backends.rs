@@ -173,7 +173,10 @@ impl BackendRegistry {
             ScalerType::Firecracker,
             Box::new(|ctx| Box::pin(start_firecracker(ctx))),
         );
-        r.register(ScalerType::Event, Box::new(|ctx| Box::pin(start_event(ctx))));
+        r.register(
+            ScalerType::Event,
+            Box::new(|ctx| Box::pin(start_event(ctx))),
+        );
         r
     }
 

@@ -784,7 +784,10 @@ fn resolve_claims(
     file: &DaemonFile,
     errors: &mut Vec<String>,
 ) -> Option<ClaimsListen> {
-    let raw = args.claims_listen.clone().or_else(|| file.claims_listen.clone());
+    let raw = args
+        .claims_listen
+        .clone()
+        .or_else(|| file.claims_listen.clone());
     let url = args.claims_url.clone().or_else(|| file.claims_url.clone());
     let Some(raw) = raw else {
         if url.is_some() {
@@ -802,7 +805,9 @@ fn resolve_claims(
     let url = match url {
         Some(u) if u.starts_with("http://") || u.starts_with("https://") => u,
         Some(u) => {
-            errors.push(format!("claims-url: expected an http:// or https:// URL, got {u:?}"));
+            errors.push(format!(
+                "claims-url: expected an http:// or https:// URL, got {u:?}"
+            ));
             return None;
         }
         None if addr.ip().is_unspecified() => {

@@ -19,9 +19,8 @@
 use crate::provisioning::hub::{stored, Provisioning};
 use async_trait::async_trait;
 use kici_engine::{
-    Adoption, Backend, BackendError, BackendErrorKind, DestroyReason, FailureReason,
-    OwnedResource, ProblemKind, ResourceHandle, ScalerProblem, ScalerProblems,
-    SpawnSpec, StopCause,
+    Adoption, Backend, BackendError, BackendErrorKind, DestroyReason, FailureReason, OwnedResource,
+    ProblemKind, ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec, StopCause,
 };
 use kici_model::{AgentId, BackendSettings, ProvisionerSettings, ScalerEntry, ScalerType};
 use kici_provision::{
@@ -189,12 +188,10 @@ impl EventBackend {
                 e
             }
         };
-        let binding = hub.binding().await.ok_or_else(|| {
-            err(
-                BackendErrorKind::Unavailable,
-                EventBackendError::NotBound,
-            )
-        })?;
+        let binding = hub
+            .binding()
+            .await
+            .ok_or_else(|| err(BackendErrorKind::Unavailable, EventBackendError::NotBound))?;
         hub.announce(&binding, &event);
         // The scaler's current provisioner (a reload may have changed it;
         // one removed by a reload leaves the event stream only).
@@ -268,12 +265,7 @@ impl Backend for EventBackend {
             now,
         );
         let expires_at = record.expires_at;
-        let store_err = |e: String| {
-            err(
-                BackendErrorKind::Provision,
-                EventBackendError::Store(e),
-            )
-        };
+        let store_err = |e: String| err(BackendErrorKind::Provision, EventBackendError::Store(e));
         // Old claims go as new ones come: a day past their expiry.
         let _ = hub
             .claims
@@ -390,4 +382,3 @@ impl Backend for EventBackend {
         })
     }
 }
-

@@ -3,7 +3,9 @@
 //! `UPDATE` — atomic across every daemon sharing the database.
 
 use kici_model::{AgentId, ScalerName, UnixMillis};
-use kici_provision::{ClaimFailure, ClaimHash, ClaimRecord, ClaimStore, ClaimStoreError, Redemption, Timestamp};
+use kici_provision::{
+    ClaimFailure, ClaimHash, ClaimRecord, ClaimStore, ClaimStoreError, Redemption, Timestamp,
+};
 use kici_store::{ClaimRedemption, ClaimRow, StateStore};
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,7 +67,10 @@ fn from_row(r: ClaimRow) -> ClaimRecord {
 #[async_trait::async_trait]
 impl ClaimStore for StoreClaims {
     async fn insert(&self, record: ClaimRecord) -> Result<(), ClaimStoreError> {
-        self.0.insert_claim(&to_row(&record)?).await.map_err(backend)
+        self.0
+            .insert_claim(&to_row(&record)?)
+            .await
+            .map_err(backend)
     }
 
     async fn redeem(
@@ -97,7 +102,11 @@ impl ClaimStore for StoreClaims {
     }
 
     async fn purge(&self, horizon: Timestamp) -> Result<usize, ClaimStoreError> {
-        let n = self.0.purge_claims(millis(horizon)).await.map_err(backend)?;
+        let n = self
+            .0
+            .purge_claims(millis(horizon))
+            .await
+            .map_err(backend)?;
         Ok(usize::try_from(n).unwrap_or(usize::MAX))
     }
 }

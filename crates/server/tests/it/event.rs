@@ -22,8 +22,7 @@ fn sh(cmd: &str) -> (bool, String) {
     let out = Command::new("sh").arg("-c").arg(cmd).output().unwrap();
     (
         out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
     )
 }
 
@@ -49,10 +48,7 @@ impl HostNet {
         let daemon_ip = format!("{prefix}.255.1");
         let (ok, out) = sh(&format!("ip addr add {daemon_ip}/32 dev lo"));
         assert!(ok, "cannot add the daemon's address: {out}");
-        Self {
-            prefix,
-            daemon_ip,
-        }
+        Self { prefix, daemon_ip }
     }
 
     /// A free port on the daemon address.
@@ -203,9 +199,16 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
     })
     .to_string();
     let (status, answer) = http(&d.addr, "POST", "/v1/jobs", &[], Some(&body));
-    assert!(status == 200 || status == 201 || status == 202, "{status} {answer}");
+    assert!(
+        status == 200 || status == 201 || status == 202,
+        "{status} {answer}"
+    );
     let job: Value = serde_json::from_str(&answer).unwrap();
-    let id = job["jobId"].as_str().or(job["id"].as_str()).unwrap().to_owned();
+    let id = job["jobId"]
+        .as_str()
+        .or(job["id"].as_str())
+        .unwrap()
+        .to_owned();
 
     let up = wait_event(&dir, "a scale-up", |e| e["event"] == "scale-up");
     let agent = up["agentId"].as_str().unwrap().to_owned();
@@ -229,7 +232,10 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
     let end = loop {
         let (_, body) = http(&d.addr, "GET", &format!("/v1/jobs/{id}"), &[], None);
         let v: Value = serde_json::from_str(&body).unwrap_or_default();
-        if matches!(v["state"].as_str(), Some("succeeded" | "failed" | "aborted")) {
+        if matches!(
+            v["state"].as_str(),
+            Some("succeeded" | "failed" | "aborted")
+        ) {
             break v;
         }
         assert!(
@@ -274,7 +280,10 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
     });
     wait_until("no agent is left", || d.agents().is_empty());
     let m = d.metrics();
-    assert_eq!(metric(&m, "kici_orch_scaler_scale_up_emitted_total", ""), 1.0);
+    assert_eq!(
+        metric(&m, "kici_orch_scaler_scale_up_emitted_total", ""),
+        1.0
+    );
     assert_eq!(
         metric(
             &m,
