@@ -372,8 +372,11 @@ fn to_json(node: &Node) -> serde_json::Value {
         Node::Scalar(s) => match classify(s) {
             Scalar::Null => Value::Null,
             Scalar::Bool(b) => Value::Bool(b),
-            Scalar::Number(n) if n.fract() == 0.0 && n >= 0.0 && n < 9.007_199_254_740_992e15 => {
-                // Integral: as an integer, so `as_u64` reads it.
+            Scalar::Number(n)
+                if n.fract() == 0.0 && (0.0..9.007_199_254_740_992e15).contains(&n) =>
+            {
+                // Integral (and exact in an f64): as an integer, so
+                // `as_u64` reads it.
                 Value::from(n as u64)
             }
             Scalar::Number(n) => serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number),

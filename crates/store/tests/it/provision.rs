@@ -125,7 +125,7 @@ async fn outbox_contract(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     })
     .await
     .unwrap();
-    assert_eq!(a.outbox().await.unwrap(), [up.clone()]);
+    assert_eq!(a.outbox().await.unwrap(), std::slice::from_ref(&up));
     assert!(b.outbox().await.unwrap().is_empty(), "rows are per owner");
     assert!(a
         .mark_outbox_delivered(&up.request_id, UnixMillis(2))
