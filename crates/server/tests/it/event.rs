@@ -497,3 +497,156 @@ fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out
     ));
     assert_eq!(rows.trim(), "0", "{rows}");
 }
+
+/// Records every event; hangs (once) on the first scale-up when
+/// `hang-up` exists, on the first scale-down when `hang-down` exists,
+/// leaving its pid in `hung.pid`.
+const HANGING_RECORDER: &str = r#"#!/bin/sh
+d=$(dirname "$0")
+body=$(cat)
+printf '%s\n' "$body" >>"$d/events.jsonl"
+case "$KICI_PROVISION_EVENT" in
+scale-up) marker=hang-up ;;
+*) marker=hang-down ;;
+esac
+if [ -e "$d/$marker" ] && [ ! -e "$d/$marker.done" ]; then
+    touch "$d/$marker.done"
+    echo $$ >"$d/hung.pid"
+    exec sleep 600
+fi
+"#;
+
+fn kill_hung(dir: &Dir) {
+    wait_until("the provisioner hangs", || dir.path("hung.pid").exists());
+    let pid = std::fs::read_to_string(dir.path("hung.pid")).unwrap();
+    let _ = sh(&format!("kill -9 {}", pid.trim()));
+    std::fs::remove_file(dir.path("hung.pid")).unwrap();
+}
+
+fn outbox_rows(dir: &Dir) -> Vec<String> {
+    let (_, rows) = sh(&format!(
+        "sqlite3 {} 'SELECT kind || \":\" || (delivered_at IS NOT NULL) FROM provision_outbox ORDER BY created_at'",
+        dir.path("state/state.db").display()
+    ));
+    rows.lines().map(str::to_owned).collect()
+}
+
+fn hanging_daemon(registration_timeout: u32) -> (Dir, Daemon, String, Vec<String>) {
+    let dir = Dir::with_config("");
+    let script = dir.write_script("record.sh", HANGING_RECORDER);
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 2\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: {registration_timeout}\n      provisioner:\n        command: [\"{}\"]\n        timeoutSeconds: 120\n",
+            script.display()
+        ),
+    )
+    .unwrap();
+    let claims = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let args: Vec<String> = ["--listen", "127.0.0.1:0", "--claims-listen", &claims]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let d = Daemon::start(&dir, &argv, &[]);
+    (dir, d, claims, args)
+}
+
+#[test]
+fn a_scale_up_cut_by_kill_9_is_delivered_again_after_the_restart_with_the_same_code() {
+    let (dir, mut d, claims, args) = hanging_daemon(5);
+    std::fs::write(dir.path("hang-up"), "").unwrap();
+    let (status, answer) = d.scale("j1", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    let first = wait_event(&dir, "the scale-up", |e| e["event"] == "scale-up");
+    wait_until("the provisioner hangs", || dir.path("hung.pid").exists());
+    d.kill9();
+    kill_hung(&dir);
+    assert_eq!(
+        outbox_rows(&dir),
+        ["scale-up:0"],
+        "recorded, never confirmed"
+    );
+
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut d = Daemon::start(&dir, &argv, &[]);
+    wait_until("the scale-up is delivered again", || {
+        events(&dir)
+            .iter()
+            .filter(|e| e["event"] == "scale-up")
+            .count()
+            == 2
+    });
+    let again = events(&dir)
+        .into_iter()
+        .filter(|e| e["event"] == "scale-up")
+        .nth(1)
+        .unwrap();
+    assert_eq!(again["requestId"], first["requestId"]);
+    assert_eq!(again["agentId"], first["agentId"]);
+    assert_eq!(
+        again["claimCode"], first["claimCode"],
+        "the code is derived again, not stored"
+    );
+    // The redelivered code works (the adopted agent still waits for its
+    // instance) — once.
+    let (s, creds) = redeem(&claims, again["claimCode"].as_str().unwrap());
+    assert_eq!(s, 200, "{creds}");
+    assert_eq!(creds["agentId"], first["agentId"]);
+    // Nothing registers: the deadline tears it down, and nothing is left.
+    let down = wait_event(&dir, "the scale-down", |e| e["event"] == "scale-down");
+    assert_eq!(down["agentId"], first["agentId"]);
+    assert_eq!(down["reason"], "spawn-timeout", "{down}");
+    wait_until("no agent is left", || d.agents().is_empty());
+    wait_until("the outbox is empty", || outbox_rows(&dir).is_empty());
+    d.terminate();
+}
+
+#[test]
+fn a_scale_down_cut_by_kill_9_is_sent_after_the_restart_with_its_first_reason() {
+    let (dir, mut d, _claims, args) = hanging_daemon(60);
+    let (status, answer) = d.scale("j1", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    let up = wait_event(&dir, "the scale-up", |e| e["event"] == "scale-up");
+    let agent = up["agentId"].as_str().unwrap().to_owned();
+    wait_until("the scale-up is confirmed", || {
+        outbox_rows(&dir) == ["scale-up:1"]
+    });
+    std::fs::write(dir.path("hang-down"), "").unwrap();
+    let (status, body) = d.http("DELETE", &format!("/v1/agents/{agent}"), None);
+    assert!(status < 300, "{status} {body}");
+    let first = wait_event(&dir, "the scale-down", |e| e["event"] == "scale-down");
+    assert_eq!(first["reason"], "operator");
+    wait_until("the provisioner hangs", || dir.path("hung.pid").exists());
+    d.kill9();
+    kill_hung(&dir);
+    assert_eq!(outbox_rows(&dir), ["scale-up:1", "scale-down:0"]);
+
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut d = Daemon::start(&dir, &argv, &[]);
+    wait_until("the scale-down is sent again", || {
+        events(&dir)
+            .iter()
+            .filter(|e| e["event"] == "scale-down")
+            .count()
+            >= 2
+    });
+    for down in events(&dir).iter().filter(|e| e["event"] == "scale-down") {
+        assert_eq!(down["requestId"], first["requestId"]);
+        assert_eq!(down["reason"], "operator", "the first reason is kept");
+    }
+    wait_until("no agent is left", || d.agents().is_empty());
+    wait_until("the outbox is empty", || outbox_rows(&dir).is_empty());
+    assert!(
+        events(&dir)
+            .iter()
+            .filter(|e| e["event"] == "scale-up")
+            .count()
+            == 1,
+        "no scale-up again for an instance being torn down"
+    );
+    d.terminate();
+}
