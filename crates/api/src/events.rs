@@ -263,6 +263,23 @@ mod tests {
                 added: vec![],
                 removed: vec![],
             },
+            Event::ScaleUp {
+                request_id: "i.a.scale-up".into(),
+                agent_id: "a".into(),
+                scaler: "s".into(),
+                labels: vec![],
+                resources: serde_json::Value::Null,
+                claim_code: None,
+                claim_url: "http://h/v1/claims".into(),
+                expires_at: "2026-12-02T01:15:00.000Z".into(),
+                job_id: None,
+            },
+            Event::ScaleDown {
+                request_id: "i.a.scale-down".into(),
+                agent_id: "a".into(),
+                scaler: "s".into(),
+                reason: "job-end".into(),
+            },
         ];
         assert_eq!(events.len(), Event::NAMES.len());
         for e in events {
