@@ -1,7 +1,8 @@
 #!/bin/sh
 # A provisioner command for a `type: event` scaler that boots each
 # "instance" as a Linux network namespace on this host: its own address on
-# a veth pair to the host, and `kici-agent-lite --claim …` started inside,
+# a veth pair to the host, and `kici-agent-lite` (KICI_CLAIM_CODE,
+# KICI_CLAIM_URL) started inside,
 # reaching kici-scaler only over that link. Scale-down kills what runs in
 # the namespace and deletes it (the veth pair goes with it). It is what the
 # integration tests run; it is also a small, complete example of the
@@ -54,8 +55,11 @@ scale-up)
     # this command, like an instance outlives its provisioning call. The
     # agent refuses KICI_* variables outside its contract: this command's
     # own do not follow it (a real instance would not have them either).
-    ip netns exec "$ns" env -u KICI_PROVISION_EVENT -u KICI_PROVISION_REQUEST_ID \
-        -u KICI_PROVISION_AGENT_ID setsid "$NETNS_AGENT" --claim "$code" --claim-url "$url" \
+    # The code goes in the environment, never on a command line (which any
+    # local user can read).
+    KICI_CLAIM_CODE="$code" KICI_CLAIM_URL="$url" \
+        ip netns exec "$ns" env -u KICI_PROVISION_EVENT -u KICI_PROVISION_REQUEST_ID \
+        -u KICI_PROVISION_AGENT_ID setsid "$NETNS_AGENT" \
         </dev/null >"$log_dir/$ns.log" 2>&1 &
     ;;
 scale-down)
