@@ -306,6 +306,29 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
         ["consumed", "unknown"].contains(&refusal["error"]["reason"].as_str().unwrap()),
         "{refusal}"
     );
+
+    // Orchestrator mode: a scale request boots another instance whose
+    // agent registers over its link; an operator's delete tears it down.
+    let (status, answer) = d.scale("orch-1", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    let up2 = wait_event(&dir, "the second scale-up", |e| {
+        e["event"] == "scale-up" && e["jobId"] == "orch-1"
+    });
+    let agent2 = up2["agentId"].as_str().unwrap().to_owned();
+    instances.0.insert(agent2.clone());
+    wait_until("the second agent registers", || {
+        matches!(d.state_of(&agent2).as_str(), "registered" | "idle" | "busy")
+    });
+    assert_eq!(namespaces_of(&BTreeSet::from([agent2.clone()])).len(), 1);
+    let (status, body) = d.http("DELETE", &format!("/v1/agents/{agent2}"), None);
+    assert!(status < 300, "{status} {body}");
+    let down2 = wait_event(&dir, "the second scale-down", |e| {
+        e["event"] == "scale-down" && e["agentId"] == agent2.as_str()
+    });
+    assert_eq!(down2["reason"], "operator");
+    wait_until("the second namespace is deleted", || {
+        namespaces_of(&instances.0).is_empty()
+    });
     d.terminate();
     drop(instances);
 }
@@ -423,12 +446,22 @@ fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out
             record.display()
         ),
     );
+    // Hangs on a scale-up (past its 1 s timeout): its whole process group
+    // is killed, the `sleep` included.
+    let hanging = dir.write_script(
+        "hanging.sh",
+        &format!(
+            "#!/bin/sh\n{} <&0\n[ \"$KICI_PROVISION_EVENT\" = scale-down ] && exit 0\nsleep 977 &\necho $! >\"$(dirname \"$0\")/sleep.pid\"\nwait\n",
+            record.display()
+        ),
+    );
     std::fs::write(
         dir.path("scalers.yaml"),
         format!(
-            "version: 1\nscalers:\n  - name: broken\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [broken]\n    x-kici-scaler:\n      backoff: {{initialSeconds: 30, maxSeconds: 60}}\n      provisioner:\n        command: [\"{failing}\"]\n        maxAttempts: 2\n  - name: silent\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [silent]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 2\n      provisioner:\n        command: [\"{record}\"]\n",
+            "version: 1\nscalers:\n  - name: broken\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [broken]\n    x-kici-scaler:\n      backoff: {{initialSeconds: 30, maxSeconds: 60}}\n      provisioner:\n        command: [\"{failing}\"]\n        maxAttempts: 2\n  - name: silent\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [silent]\n    x-kici-scaler:\n      backoff: {{initialSeconds: 30, maxSeconds: 60}}\n      registrationTimeoutSeconds: 2\n      provisioner:\n        command: [\"{record}\"]\n  - name: hung\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [hung]\n    x-kici-scaler:\n      backoff: {{initialSeconds: 30, maxSeconds: 60}}\n      provisioner:\n        command: [\"{hanging}\"]\n        timeoutSeconds: 1\n        maxAttempts: 1\n",
             failing = failing.display(),
-            record = record.display()
+            record = record.display(),
+            hanging = hanging.display()
         ),
     )
     .unwrap();
@@ -467,6 +500,25 @@ fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out
     assert_eq!(down["agentId"], up["agentId"]);
     let (s, v) = redeem(&claims, up["claimCode"].as_str().unwrap());
     assert_eq!((s, v["error"]["reason"].as_str()), (403, Some("unknown")));
+
+    // Hangs: killed at its timeout, a spawn failure, and its scale-down.
+    d.scale("h1", &["hung"]);
+    let down = wait_event(&dir, "hung's scale-down", |e| {
+        e["event"] == "scale-down" && e["scaler"] == "hung"
+    });
+    assert_eq!(down["reason"], "spawn-failed", "{down}");
+    let pid = std::fs::read_to_string(dir.path("sleep.pid")).unwrap();
+    wait_until("the hung provisioner's child is killed", || {
+        !std::path::Path::new(&format!("/proc/{}", pid.trim())).exists()
+            || std::fs::read_to_string(format!("/proc/{}/stat", pid.trim()))
+                .is_ok_and(|s| s.contains(") Z "))
+    });
+
+    // Orchestrator requests go back to the queue after a failed agent
+    // (and wait out the 30 s backoff): withdraw them.
+    for job in ["b1", "s1", "h1"] {
+        d.http("DELETE", &format!("/v1/scale/{job}"), None);
+    }
     wait_until("no agent is left", || d.agents().is_empty());
     let m = d.metrics();
     assert_eq!(
@@ -487,7 +539,7 @@ fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out
             "kici_orch_scaler_scale_down_emitted_total",
             "reason=\"spawn-failed\""
         ),
-        1.0
+        2.0
     );
     d.terminate();
     // Nothing of either is left in the outbox.
