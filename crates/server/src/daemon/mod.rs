@@ -346,9 +346,14 @@ async fn run(
         });
     }
     let runtime = stack.runtime.clone();
-    let claims_task =
-        crate::provisioning::start(provisioning, claims_bound, &runtime, &stack.tokens)
-            .map_err(|e| ServeError::Backends(vec![e]))?;
+    let claims_task = crate::provisioning::start(
+        provisioning,
+        claims_bound,
+        &runtime,
+        &stack.tokens,
+        &stack.gateway,
+    )
+    .map_err(|e| ServeError::Backends(vec![e]))?;
     let reconciler = Arc::new(
         Reconciler::new(
             Arc::clone(&store),

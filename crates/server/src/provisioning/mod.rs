@@ -67,17 +67,20 @@ pub fn bind_claims(
 }
 
 /// Once the stack runs: binds the engine to the provisioning state, serves
-/// the claims listener and sends what the outbox holds undelivered.
-/// Returns the listener's task (abort it at shutdown).
+/// the claims listener (and the gateway's `scaler.claim-credentials`) and
+/// sends what the outbox holds undelivered. Returns the listener's task
+/// (abort it at shutdown).
 pub fn start(
     hub: Option<Arc<Provisioning>>,
     claims: Option<ClaimsBound>,
     runtime: &Runtime,
     tokens: &Arc<TokenStore>,
+    gateway: &Arc<crate::gateway::Gateway>,
 ) -> Result<Option<tokio::task::JoinHandle<()>>, String> {
     let (Some(hub), Some(claims)) = (hub, claims) else {
         return Ok(None);
     };
+    gateway.serve_claims(Arc::clone(&hub));
     let addr = claims.listener.local_addr().ok();
     hub.bind(hub::Binding {
         runtime: runtime.clone(),

@@ -702,3 +702,71 @@ fn a_scale_down_cut_by_kill_9_is_sent_after_the_restart_with_its_first_reason() 
     );
     d.terminate();
 }
+
+/// Upstream's pre-auth `scaler.claim-credentials` on the agent gateway:
+/// answered before `auth.request`, once per code, and the token it hands
+/// out authenticates on the same connection.
+#[test]
+fn the_gateway_redeems_a_code_before_auth_and_the_token_authenticates() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+
+    let (dir, d, _claims) = recording_daemon(
+        "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 2\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        command: [\"RECORD\"]\n",
+    );
+    let (status, answer) = d.scale("g1", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    let up = wait_event(&dir, "the scale-up", |e| e["event"] == "scale-up");
+    let code = up["claimCode"].as_str().unwrap().to_owned();
+    let url = format!("ws://{}/ws", d.gateway);
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (mut ws, _) = tokio_tungstenite::connect_async(url.as_str()).await.unwrap();
+        let mut next = async |ws: &mut tokio_tungstenite::WebSocketStream<_>| -> Value {
+            loop {
+                match tokio::time::timeout(PATIENCE, ws.next()).await.unwrap() {
+                    Some(Ok(Message::Text(t))) => return serde_json::from_str(t.as_str()).unwrap(),
+                    Some(Ok(_)) => continue,
+                    other => panic!("the gateway closed: {other:?}"),
+                }
+            }
+        };
+        let claim = |id: &str| {
+            Message::text(
+                serde_json::json!({"type": "scaler.claim-credentials", "requestId": id, "claimCode": code})
+                    .to_string(),
+            )
+        };
+        ws.send(claim("r1")).await.unwrap();
+        let first = next(&mut ws).await;
+        assert_eq!(first["type"], "scaler.claim-credentials.response");
+        assert_eq!(first["requestId"], "r1");
+        let creds = &first["credentials"];
+        assert_eq!(creds["agentId"], up["agentId"], "{first}");
+        assert!(creds["orchestratorUrl"].as_str().unwrap().starts_with("ws://"));
+        let token = creds["agentToken"].as_str().unwrap().to_owned();
+
+        // Single use over the gateway too.
+        ws.send(claim("r2")).await.unwrap();
+        let second = next(&mut ws).await;
+        assert_eq!(second["requestId"], "r2");
+        assert_eq!(second["error"], "consumed", "{second}");
+        assert!(second.get("credentials").is_none());
+
+        // The connection is still waiting for auth.request: the minted
+        // token passes it.
+        ws.send(Message::text(
+            serde_json::json!({"type": "auth.request", "token": token, "protocolVersion": 1})
+                .to_string(),
+        ))
+        .await
+        .unwrap();
+        let auth = next(&mut ws).await;
+        assert_eq!(auth["type"], "auth.success", "{auth}");
+    });
+    d.terminate();
+}
