@@ -624,7 +624,7 @@ fn a_scale_up_cut_by_kill_9_is_delivered_again_after_the_restart_with_the_same_c
     );
 
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut d = Daemon::start(&dir, &argv, &[]);
+    let d = Daemon::start(&dir, &argv, &[]);
     wait_until("the scale-up is delivered again", || {
         events(&dir)
             .iter()
@@ -678,7 +678,7 @@ fn a_scale_down_cut_by_kill_9_is_sent_after_the_restart_with_its_first_reason() 
     assert_eq!(outbox_rows(&dir), ["scale-up:1", "scale-down:0"]);
 
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut d = Daemon::start(&dir, &argv, &[]);
+    let d = Daemon::start(&dir, &argv, &[]);
     wait_until("the scale-down is sent again", || {
         events(&dir)
             .iter()
@@ -726,7 +726,7 @@ fn the_gateway_redeems_a_code_before_auth_and_the_token_authenticates() {
         .unwrap();
     rt.block_on(async {
         let (mut ws, _) = tokio_tungstenite::connect_async(url.as_str()).await.unwrap();
-        let mut next = async |ws: &mut tokio_tungstenite::WebSocketStream<_>| -> Value {
+        let next = async |ws: &mut tokio_tungstenite::WebSocketStream<_>| -> Value {
             loop {
                 match tokio::time::timeout(PATIENCE, ws.next()).await.unwrap() {
                     Some(Ok(Message::Text(t))) => return serde_json::from_str(t.as_str()).unwrap(),
