@@ -432,7 +432,19 @@ fn claims_are_single_use_expire_die_with_their_agent_and_are_rate_limited() {
     // The listener serves claims only.
     let (s, _) = http(&claims, "GET", "/v1/agents", &[], None);
     assert_eq!(s, 404);
+
+    // Shutdown tears down what is left (j1's and j3's instances), and the
+    // scale-downs go out before the daemon exits.
+    let live = d.agents();
+    assert_eq!(live.len(), 2, "{live:?}");
     d.terminate();
+    for agent in &live {
+        let down = events(&dir)
+            .into_iter()
+            .find(|e| e["event"] == "scale-down" && e["agentId"] == agent.as_str())
+            .unwrap_or_else(|| panic!("no scale-down for {agent}: {:?}", events(&dir)));
+        assert_eq!(down["reason"], "shutdown", "{down}");
+    }
 }
 
 #[test]
