@@ -782,3 +782,146 @@ fn the_gateway_redeems_a_code_before_auth_and_the_token_authenticates() {
     });
     d.terminate();
 }
+
+/// One request a [`Receiver`] took: its body and whether its signature
+/// verified with the right secret and with a wrong one.
+struct Received {
+    body: Value,
+    right: bool,
+    wrong: bool,
+}
+
+/// A webhook receiver on loopback: answers 200 when the signature verifies
+/// with the shared secret, 401 otherwise.
+fn receiver(secret: &'static str) -> (String, std::sync::mpsc::Receiver<Received>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut headers = std::collections::HashMap::new();
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                    break;
+                }
+                let line = line.trim_end();
+                if line.is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = line.split_once(':') {
+                    headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_owned());
+                }
+            }
+            let len: usize = headers
+                .get("content-length")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let mut body = vec![0u8; len];
+            reader.read_exact(&mut body).unwrap();
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let check = |key: &str| {
+                kici_provision::signature::verify_signature(
+                    key.as_bytes(),
+                    headers.get("x-kici-timestamp").map_or("", String::as_str),
+                    headers.get("x-kici-signature").map_or("", String::as_str),
+                    &body,
+                    now,
+                    kici_provision::signature::REPLAY_WINDOW,
+                )
+                .is_ok()
+            };
+            let (right, wrong) = (check(secret), check("not-the-secret"));
+            let status = if right { "200 OK" } else { "401 Unauthorized" };
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+            let _ = tx.send(Received {
+                body: serde_json::from_slice(&body).unwrap_or_default(),
+                right,
+                wrong,
+            });
+        }
+    });
+    (url, rx)
+}
+
+#[test]
+fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
+    use std::io::{Read, Write};
+    let (url, received) = receiver("s3cret-for-the-hook");
+    let dir = Dir::with_config(&format!(
+        "version: 1\nscalers:\n  - name: hooked\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [hooked]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        webhook: {{url: \"{url}\", secretEnv: HOOK_SECRET}}\n"
+    ));
+    let claims = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let d = Daemon::start(
+        &dir,
+        &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
+        &[("HOOK_SECRET", "s3cret-for-the-hook")],
+    );
+    let (status, answer) = d.scale("w1", &["hooked"]);
+    assert!(status < 300, "{status} {answer}");
+    let up = received.recv_timeout(PATIENCE).unwrap();
+    assert!(up.right, "signed with the configured secret");
+    assert!(!up.wrong, "and only with it");
+    assert_eq!(up.body["event"], "scale-up");
+    let agent = up.body["agentId"].as_str().unwrap().to_owned();
+    wait_until("the agent is booted (delivered)", || {
+        d.state_of(&agent) == "booted"
+    });
+
+    // The same event on /v1/events, with its code (the live stream).
+    let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(s, "GET /v1/events HTTP/1.0\r\nLast-Event-ID: 0\r\n\r\n").unwrap();
+    let mut raw = String::new();
+    let mut buf = [0u8; 4096];
+    let sse = loop {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        raw.push_str(std::str::from_utf8(&buf[..n]).unwrap());
+        if let Some(i) = raw.find("\r\n\r\n") {
+            if raw.starts_with("HTTP/") {
+                raw.drain(..i + 4);
+            }
+        }
+        if let Some(e) = crate::common::take_sse_events(&mut raw)
+            .into_iter()
+            .find(|e| e.event == "scale-up")
+        {
+            break e;
+        }
+    };
+    assert_eq!(sse.data["requestId"], up.body["requestId"]);
+    assert_eq!(sse.data["claimCode"], up.body["claimCode"]);
+    assert_eq!(sse.data["claimUrl"], format!("http://{claims}/v1/claims"));
+    drop(s);
+    // The store's copy of the stream never holds the code.
+    let (_, stored) = sh(&format!(
+        "sqlite3 {} \"SELECT body FROM events WHERE body LIKE '%scale-up%'\"",
+        dir.path("state/state.db").display()
+    ));
+    assert!(
+        stored.contains(up.body["requestId"].as_str().unwrap()),
+        "{stored}"
+    );
+    assert!(!stored.contains("kcc_"), "{stored}");
+
+    let (status, body) = d.http("DELETE", &format!("/v1/agents/{agent}"), None);
+    assert!(status < 300, "{status} {body}");
+    let down = received.recv_timeout(PATIENCE).unwrap();
+    assert!(down.right && !down.wrong);
+    assert_eq!(down.body["event"], "scale-down");
+    assert_eq!(down.body["reason"], "operator");
+    d.terminate();
+}
