@@ -925,3 +925,54 @@ fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
     assert_eq!(down.body["reason"], "operator");
     d.terminate();
 }
+
+#[test]
+fn the_reconciler_tears_down_an_instance_no_recorded_agent_owns() {
+    let dir = Dir::with_config("");
+    let record = dir.write_script("record.sh", RECORDER);
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        command: [\"{}\"]\n",
+            record.display()
+        ),
+    )
+    .unwrap();
+    let claims = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let mut args: Vec<&str> = FAST_RECONCILE.to_vec();
+    args.extend(["--claims-listen", claims.as_str()]);
+    let mut d = Daemon::start(&dir, &args, &[]);
+    d.scale("r1", &["cloud"]);
+    let up = wait_event(&dir, "the scale-up", |e| e["event"] == "scale-up");
+    wait_until("the scale-up is confirmed", || {
+        outbox_rows(&dir) == ["scale-up:1"]
+    });
+    d.kill9();
+    // The agent's record is lost (the instance is not): nothing owns it.
+    let (ok, out) = sh(&format!(
+        "sqlite3 {} 'DELETE FROM agents; DELETE FROM pending_requests;'",
+        dir.path("state/state.db").display()
+    ));
+    assert!(ok, "{out}");
+
+    let d = Daemon::start(&dir, &args, &[]);
+    let down = wait_event(&dir, "the orphan's scale-down", |e| {
+        e["event"] == "scale-down"
+    });
+    assert_eq!(down["agentId"], up["agentId"]);
+    assert_eq!(down["reason"], "orphaned", "{down}");
+    wait_until("the outbox is empty", || outbox_rows(&dir).is_empty());
+    let m = d.metrics();
+    assert_eq!(
+        metric(
+            &m,
+            "kici_orch_scaler_scale_down_emitted_total",
+            "reason=\"orphaned\""
+        ),
+        1.0
+    );
+    d.terminate();
+}
