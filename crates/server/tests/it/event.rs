@@ -157,7 +157,9 @@ fn stdout_of(stream: &str) -> String {
 }
 
 /// A provisioner that only records what it is told (no instance boots).
-const RECORDER: &str = "#!/bin/sh\ncat >>\"$(dirname \"$0\")/events.jsonl\"\necho >>\"$(dirname \"$0\")/events.jsonl\"\n";
+/// One `printf` per event: concurrent deliveries append whole lines.
+const RECORDER: &str =
+    "#!/bin/sh\nbody=$(cat)\nprintf '%s\\n' \"$body\" >>\"$(dirname \"$0\")/events.jsonl\"\n";
 
 #[test]
 fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_down() {
