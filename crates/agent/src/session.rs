@@ -364,7 +364,9 @@ impl Agent {
                 tracing::error!(reason = %f.reason, "the gateway revoked this agent's authentication");
                 Err(Outcome::Exit(AgentExit::Rejected))
             }
-            other @ (GatewayMessage::AuthSuccess(_) | GatewayMessage::RegisterAck(_)) => {
+            other @ (GatewayMessage::AuthSuccess(_)
+            | GatewayMessage::RegisterAck(_)
+            | GatewayMessage::ClaimCredentialsResponse(_)) => {
                 tracing::warn!(
                     r#type = other.type_name(),
                     "unexpected message after registration; ignored"

@@ -72,6 +72,34 @@ pub enum Event {
         added: Vec<String>,
         removed: Vec<String>,
     },
+    /// A `type: event` scaler asks for an instance: boot one whose agent
+    /// redeems `claimCode` at `claimUrl` (`POST {"claimCode": …}`) before
+    /// `expiresAt`. Deduplicate on `requestId`: a redelivery repeats it.
+    #[serde(rename_all = "camelCase")]
+    ScaleUp {
+        request_id: String,
+        agent_id: String,
+        scaler: String,
+        labels: Vec<String>,
+        /// `{"requests": {"cpus", "memoryBytes"}, "limits": {…}}`.
+        resources: serde_json::Value,
+        /// Absent when the event is replayed from the state store (which
+        /// never keeps a code); the redelivery after a restart carries it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        claim_code: Option<String>,
+        claim_url: String,
+        expires_at: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        job_id: Option<String>,
+    },
+    /// A `type: event` scaler's agent is destroyed: tear its instance down.
+    #[serde(rename_all = "camelCase")]
+    ScaleDown {
+        request_id: String,
+        agent_id: String,
+        scaler: String,
+        reason: String,
+    },
 }
 
 impl Event {
@@ -83,6 +111,8 @@ impl Event {
         "breaker-changed",
         "scaler-cordon",
         "reloaded",
+        "scale-up",
+        "scale-down",
     ];
 
     /// The event's type: its SSE `event:` name and its JSON `type`.
@@ -94,6 +124,8 @@ impl Event {
             Self::BreakerChanged { .. } => 3,
             Self::ScalerCordon { .. } => 4,
             Self::Reloaded { .. } => 5,
+            Self::ScaleUp { .. } => 6,
+            Self::ScaleDown { .. } => 7,
         };
         Self::NAMES[i]
     }
@@ -230,6 +262,23 @@ mod tests {
             Event::Reloaded {
                 added: vec![],
                 removed: vec![],
+            },
+            Event::ScaleUp {
+                request_id: "i.a.scale-up".into(),
+                agent_id: "a".into(),
+                scaler: "s".into(),
+                labels: vec![],
+                resources: serde_json::Value::Null,
+                claim_code: None,
+                claim_url: "http://h/v1/claims".into(),
+                expires_at: "2026-12-02T01:15:00.000Z".into(),
+                job_id: None,
+            },
+            Event::ScaleDown {
+                request_id: "i.a.scale-down".into(),
+                agent_id: "a".into(),
+                scaler: "s".into(),
+                reason: "job-end".into(),
             },
         ];
         assert_eq!(events.len(), Event::NAMES.len());

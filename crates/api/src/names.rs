@@ -75,6 +75,7 @@ wire_names! {
         Container = "container",
         BareMetal = "bare-metal",
         Firecracker = "firecracker",
+        Event = "event",
     }
 
     /// A cap admission enforces.

@@ -463,6 +463,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, kind: Option<ScalerType>) -> Parse
                     })
                 }
                 ScalerType::BareMetal => bare_metal(cx, &obj),
+                ScalerType::Event => Some(LabelSetBackend::Event),
                 ScalerType::Firecracker => {
                     required_truthy(cx, &obj, "rootfsPath", kind, true).map(|p| {
                         LabelSetBackend::Firecracker(FirecrackerLabelSet {

@@ -8,10 +8,12 @@ use crate::resources::{self, NamedCap};
 use crate::yaml::{classify, quote, Scalar};
 use kici_model::{
     BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime, ContainerSettings,
-    FirecrackerSettings, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs, ResourceCap,
-    ResourceRequest, Role, Roles, ScalerEntry, ScalerExtension, ScalerName, ScalerPlatform,
-    ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
+    EventSettings, FirecrackerSettings, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs,
+    ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, ResourceCap, ResourceRequest, Role,
+    Roles, ScalerEntry, ScalerExtension, ScalerName, ScalerPlatform, ScalerType, UlimitName,
+    UlimitValue, WarmPoolConfig,
 };
+use kici_provision::config::PathSegment;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -79,7 +81,7 @@ const OWNED: [(&str, &[ScalerType]); 14] = [
     ("memSizeMib", FIRECRACKER),
 ];
 
-const EXT_KEYS: [&str; 11] = [
+const EXT_KEYS: [&str; 12] = [
     "provisionTimeoutSeconds",
     "registrationTimeoutSeconds",
     "pendingDispatchTimeoutSeconds",
@@ -91,6 +93,7 @@ const EXT_KEYS: [&str; 11] = [
     "ulimits",
     "fleetMaxAgents",
     "fleetResourceCap",
+    "provisioner",
 ];
 
 const BACKOFF_KEYS: [&str; 4] = [
@@ -163,13 +166,6 @@ fn kind(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerType> {
     if let Ok(t) = s.parse::<ScalerType>() {
         return Some(t);
     }
-    if s == "event" {
-        cx.err(
-            v,
-            "type \"event\" (agents started by a provisioning workflow and redeemed with claim codes) is not supported by kici-scaler yet; use \"container\", \"bare-metal\" or \"firecracker\"",
-        );
-        return None;
-    }
     let why = match s.as_str() {
         "docker" => " (the legacy type \"docker\" was removed; use \"container\")",
         "kubernetes" => " (\"kubernetes\" is reserved upstream and not supported)",
@@ -178,7 +174,7 @@ fn kind(cx: &mut Cx, v: &Val<'_>) -> Option<ScalerType> {
     cx.err(
         v,
         format!(
-            "expected \"container\", \"bare-metal\" or \"firecracker\", got {}{why}",
+            "expected \"container\", \"bare-metal\", \"firecracker\" or \"event\", got {}{why}",
             quote(&s)
         ),
     );
@@ -282,6 +278,121 @@ fn platform_choice<T: Copy>(
     cx.choice(v, choices)
 }
 
+/// An event scaler's settings: upstream's fields and
+/// `x-kici-scaler.provisioner` (validated by `kici-provision`'s parser, each
+/// problem placed at the node it names).
+fn event_settings(cx: &mut Cx, obj: &Obj<'_>) -> Option<BackendSettings> {
+    let before = cx.error_count();
+    let provisioning_targets = cx
+        .opt(obj, "provisioningTargets", provisioning_targets)
+        .value()
+        .unwrap_or_default();
+    let claim_ttl = cx
+        .opt(obj, "claimTtlSeconds", |cx, v| cx.positive_int(v))
+        .value()
+        .map_or(EventSettings::DEFAULT_CLAIM_TTL, |n| {
+            Duration::from_secs(u64::from(n))
+        });
+    let agent_token_ttl = cx
+        .opt(obj, "agentTokenTtlSeconds", |cx, v| cx.positive_int(v))
+        .value()
+        .map(|n| Duration::from_secs(u64::from(n)));
+    let mut provisioner = None;
+    if let Some(ext) = cx.field(obj, "x-kici-scaler") {
+        if let Some(ext_map) = ext.node.as_mapping() {
+            let ext_obj = Obj {
+                map: ext_map,
+                val: ext,
+            };
+            if let Some(pv) = cx.field(&ext_obj, "provisioner") {
+                provisioner = provisioner_settings(cx, &pv);
+            }
+        }
+    }
+    (cx.error_count() == before).then_some(BackendSettings::Event(EventSettings {
+        provisioning_targets,
+        claim_ttl,
+        agent_token_ttl,
+        provisioner,
+    }))
+}
+
+/// `x-kici-scaler.provisioner`, through [`kici_provision::parse_provisioner`].
+fn provisioner_settings(cx: &mut Cx, v: &Val<'_>) -> Option<ProvisionerSettings> {
+    let json = to_json(v.node);
+    match kici_provision::parse_provisioner(&json) {
+        Ok(c) => {
+            let command = c.command.map(|c| c.argv);
+            let webhook = c.webhook.map(|w| ProvisionerWebhook {
+                url: w.url.to_string(),
+                secret_env: w.secret_env,
+            });
+            let target = match (command, webhook) {
+                (Some(command), Some(webhook)) => ProvisionerTarget::Both { command, webhook },
+                (Some(c), None) => ProvisionerTarget::Command(c),
+                (None, Some(w)) => ProvisionerTarget::Webhook(w),
+                // The parser refuses a block without a target.
+                (None, None) => {
+                    cx.err(v, "needs `command` or `webhook`");
+                    return None;
+                }
+            };
+            Some(ProvisionerSettings {
+                target,
+                timeout: c.timeout,
+                max_attempts: c.retry.max_attempts,
+            })
+        }
+        Err(errors) => {
+            let path = v.path();
+            for e in errors.0 {
+                let node = node_at(v.node, e.path.segments()).unwrap_or(v.node);
+                cx.error(cx.origin_at(node.mark()), e.path.under(&path), e.message);
+            }
+            None
+        }
+    }
+}
+
+/// The node at `path` below `node`, if it exists.
+fn node_at<'n>(node: &'n Node, path: &[PathSegment]) -> Option<&'n Node> {
+    let mut at = node;
+    for seg in path {
+        at = match (seg, at) {
+            (PathSegment::Key(k), Node::Mapping(m)) => m.get(k)?,
+            (PathSegment::Index(i), Node::Sequence(s)) => s.iter().nth(*i)?,
+            _ => return None,
+        };
+    }
+    Some(at)
+}
+
+/// A YAML node as JSON, scalars resolved by the core schema.
+fn to_json(node: &Node) -> serde_json::Value {
+    use serde_json::Value;
+    match node {
+        Node::Scalar(s) => match classify(s) {
+            Scalar::Null => Value::Null,
+            Scalar::Bool(b) => Value::Bool(b),
+            Scalar::Number(n)
+                if n.fract() == 0.0 && (0.0..9.007_199_254_740_992e15).contains(&n) =>
+            {
+                // Integral (and exact in an f64): as an integer, so
+                // `as_u64` reads it.
+                Value::from(n as u64)
+            }
+            Scalar::Number(n) => serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number),
+            Scalar::Str(t) => Value::String(t.to_owned()),
+        },
+        Node::Sequence(items) => Value::Array(items.iter().map(to_json).collect()),
+        Node::Mapping(m) => Value::Object(
+            m.iter()
+                .map(|(k, v)| (k.as_str().to_owned(), to_json(v)))
+                .collect(),
+        ),
+    }
+}
+
 /// `provisioningTargets`: workflow refs, each a non-empty string.
 fn provisioning_targets(cx: &mut Cx, v: &Val<'_>) -> Option<Vec<String>> {
     let items = cx.list(v)?;
@@ -349,6 +460,13 @@ fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtensi
     }
     if let Some(b) = cx.opt(&obj, "backoff", backoff).value() {
         ext.backoff = b;
+    }
+    if kind != ScalerType::Event && obj.map.get("provisioner").is_some() {
+        cx.err_field(
+            &obj,
+            "provisioner",
+            format!("provisioner applies to event scalers only, not to type \"{kind}\""),
+        );
     }
     if let Some(u) = cx.opt(&obj, "ulimits", ulimits).value() {
         if kind == ScalerType::Container {
@@ -576,6 +694,15 @@ fn backend(cx: &mut Cx, obj: &Obj<'_>, kind: Option<ScalerType>) -> Option<Backe
     };
     warn_foreign(cx, obj, kind, &OWNED);
     match kind {
+        ScalerType::Event => {
+            for key in fc_paths {
+                let _ = cx.opt(obj, key, |cx, v| cx.string(v));
+            }
+            for key in ids {
+                let _ = cx.opt(obj, key, |cx, v| cx.non_negative_int(v));
+            }
+            event_settings(cx, obj)
+        }
         ScalerType::Container | ScalerType::BareMetal => {
             for key in fc_paths {
                 let _ = cx.opt(obj, key, |cx, v| cx.string(v));
@@ -651,13 +778,16 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
     let platform_got = cx.opt(&obj, "platform", platform);
     let platform_ok = !matches!(platform_got, Got::Bad);
     let platform = platform_got.value();
-    // Type-checked on every entry, as upstream's flat schema does; used by
-    // none of the types kici-scaler supports.
-    let _ = cx.opt(&obj, "provisioningTargets", provisioning_targets);
-    for key in ["claimTtlSeconds", "agentTokenTtlSeconds"] {
-        let _ = cx.opt(&obj, key, |cx, v| cx.positive_int(v));
+    // Type-checked on every entry, as upstream's flat schema does (an event
+    // scaler's backend settings read them again); only event scalers use
+    // them.
+    if kind != Some(ScalerType::Event) {
+        let _ = cx.opt(&obj, "provisioningTargets", provisioning_targets);
+        for key in ["claimTtlSeconds", "agentTokenTtlSeconds"] {
+            let _ = cx.opt(&obj, key, |cx, v| cx.positive_int(v));
+        }
     }
-    if kind.is_some() {
+    if kind.is_some_and(|k| k != ScalerType::Event) {
         for key in EVENT_KEYS {
             if let Some(v) = cx.field(&obj, key) {
                 cx.warn_at(

@@ -2,7 +2,7 @@
 //! processes and microVMs. Backends own host resources; the engine owns
 //! lifecycle, capacity and deadlines.
 
-use crate::lifecycle::Mode;
+use crate::lifecycle::{FailureReason, Mode, StopCause};
 use async_trait::async_trait;
 use kici_model::{
     AgentId, EffectiveResources, JobId, LabelSetConfig, ScalerEntry, ScalerType, Secret,
@@ -76,6 +76,18 @@ pub enum Adoption {
     Alive,
     /// Nothing of it runs any more (what remains is for `destroy` to remove).
     Gone,
+}
+
+/// Why the engine destroys an agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DestroyReason {
+    /// A failure: a deadline, a backend error, an early exit.
+    Failed(FailureReason),
+    /// Something stopped it (its job's end in standalone mode, a disconnect,
+    /// an operator, shutdown, idle expiry, scale-in, removal, cancel).
+    Stopped(StopCause),
+    /// Its job completed and the agent is not kept.
+    JobCompleted,
 }
 
 /// What kind of failure a backend reported: the one thing its callers
@@ -320,6 +332,19 @@ pub trait Backend: Send + Sync {
         handle: Option<&ResourceHandle>,
         grace: Duration,
     ) -> Result<(), BackendError>;
+
+    /// [`Backend::destroy`], told why. Backends whose teardown is reported
+    /// to someone (an external provisioner) override it; the others ignore
+    /// the reason.
+    async fn destroy_because(
+        &self,
+        agent: &AgentId,
+        handle: Option<&ResourceHandle>,
+        grace: Duration,
+        _reason: DestroyReason,
+    ) -> Result<(), BackendError> {
+        self.destroy(agent, handle, grace).await
+    }
 
     /// Every resource carrying this instance's owner marker, for reconcile.
     async fn list_owned(&self) -> Result<Vec<OwnedResource>, BackendError>;

@@ -18,7 +18,7 @@
 //! (deadlines), `switches` (cordon, drain), `reload`, and `recovery` (the
 //! journal and taking agents and pending requests back after a restart).
 
-use crate::backend::ResourceHandle;
+use crate::backend::{DestroyReason, ResourceHandle};
 use crate::breaker::{Breaker, BreakerState};
 use crate::lifecycle::{
     transition, AgentEvent, AgentState, FailureReason, IllegalTransition, Mode, StopCause,
@@ -286,6 +286,9 @@ pub struct DestroyOrder {
     pub backend: ScalerType,
     pub handle: Option<ResourceHandle>,
     pub grace: Duration,
+    /// Why: a backend that reports teardowns elsewhere (an external
+    /// provisioner) passes it on.
+    pub reason: DestroyReason,
 }
 
 /// Something that happened; the source of SSE events, metrics and the store.
@@ -334,6 +337,34 @@ pub enum EngineEvent {
         added: Vec<String>,
         removed: Vec<String>,
     },
+    /// A `type: event` scaler's event for its external provisioner,
+    /// published by its backend ([`crate::runtime::Runtime::announce`]) so
+    /// that the event stream carries it to pull-style consumers.
+    Provision(ProvisionNotice),
+}
+
+/// One external provisioning event as the event stream shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProvisionNotice {
+    ScaleUp {
+        request_id: String,
+        agent_id: AgentId,
+        scaler: ScalerName,
+        labels: Vec<String>,
+        resources: kici_model::EffectiveResources,
+        /// Redacted in `Debug` (engine events are logged).
+        claim_code: kici_model::Secret,
+        claim_url: String,
+        /// RFC 3339, UTC, milliseconds.
+        expires_at: String,
+        job_id: Option<JobId>,
+    },
+    ScaleDown {
+        request_id: String,
+        agent_id: AgentId,
+        scaler: ScalerName,
+        reason: String,
+    },
 }
 
 /// One managed agent.
@@ -364,6 +395,8 @@ struct Agent {
     /// Destroy after the current job (scaler draining, scaler removed).
     drain_after_job: bool,
     destroy: Option<DestroyProgress>,
+    /// What stopped it, when something did (a failure is in `failure`).
+    stop_cause: Option<StopCause>,
     last_exit_code: Option<i32>,
     /// Its spawn, while it waits for a slot of its scaler's spawn throttle.
     queued_spawn: Option<SpawnOrder>,
@@ -973,6 +1006,7 @@ impl Engine {
             failure: None,
             drain_after_job: false,
             destroy: None,
+            stop_cause: None,
             last_exit_code: None,
             queued_spawn: None,
         };
@@ -1169,6 +1203,13 @@ impl Engine {
     }
 
     fn stop(&mut self, agent: AgentId, cause: StopCause, now: Instant) {
+        // The first reason sticks: a later stop of an agent already being
+        // destroyed does not change why it went.
+        if let Some(a) = self.agents.get_mut(&agent) {
+            if a.failure.is_none() && a.stop_cause.is_none() && a.destroy.is_none() {
+                a.stop_cause = Some(cause);
+            }
+        }
         if self
             .apply(
                 agent,
@@ -1207,11 +1248,17 @@ impl Engine {
             since: now,
             failures: a.destroy.map_or(0, DestroyProgress::failures),
         });
+        let reason = match (a.failure, a.stop_cause) {
+            (Some(f), _) => DestroyReason::Failed(f),
+            (None, Some(c)) => DestroyReason::Stopped(c),
+            (None, None) => DestroyReason::JobCompleted,
+        };
         self.effects.push(Effect::Destroy(DestroyOrder {
             agent,
             backend: a.scaler().kind,
             handle: a.handle.clone(),
             grace: a.scaler().ext.deadlines.destroy_grace,
+            reason,
         }));
     }
 

@@ -113,15 +113,15 @@ pub mod runtime;
 pub mod testing;
 
 pub use backend::{
-    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, OwnedResource, ProblemKind,
-    ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
+    Adoption, Backend, BackendError, BackendErrorKind, BackendReport, DestroyReason, OwnedResource,
+    ProblemKind, ResourceHandle, ScalerProblem, ScalerProblems, SpawnSpec,
 };
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
     AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
-    EngineSettings, JobEffect, JobLost, JournalEntry, JournalKey, PendingRecovered, RecoverError,
-    Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
-    TransitionCause,
+    EngineSettings, JobEffect, JobLost, JournalEntry, JournalKey, PendingRecovered,
+    ProvisionNotice, RecoverError, Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome,
+    SpawnOrder, Status, TransitionCause,
 };
 pub use journal::{Journal, JournalError, JournalErrorKind};
 pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};

@@ -556,7 +556,7 @@ impl Runtime {
             let limit = order.grace + Duration::from_secs(30);
             let result = tokio::time::timeout(
                 limit,
-                backend.destroy(&agent, order.handle.as_ref(), order.grace),
+                backend.destroy_because(&agent, order.handle.as_ref(), order.grace, order.reason),
             )
             .await;
             match result {
@@ -706,6 +706,13 @@ impl Runtime {
     }
 
     // ----- the engine's API, async-friendly ---------------------------------
+
+    /// Publishes an event a backend produced outside the engine's state
+    /// machine (an external provisioner's event) on the event stream,
+    /// numbered like every other.
+    pub fn announce(&self, notice: crate::engine::ProvisionNotice) {
+        self.publish(EngineEvent::Provision(notice));
+    }
 
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<SequencedEvent>> {
         self.inner.events.subscribe()

@@ -119,6 +119,7 @@ pub enum BackendSettings {
     Container(ContainerSettings),
     BareMetal(BareMetalSettings),
     Firecracker(FirecrackerSettings),
+    Event(EventSettings),
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -161,6 +162,86 @@ pub struct FirecrackerSettings {
 
 impl FirecrackerSettings {
     pub const DEFAULT_CHROOT_BASE_DIR: &'static str = "/srv/jailer";
+}
+
+/// A `type: event` scaler: spawning emits a scale-up event with a claim
+/// code, destroying a scale-down event; nothing runs on this host.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EventSettings {
+    /// Upstream's workflow refs (kept and reported; kici-scaler delivers to
+    /// `provisioner` and to the event stream instead).
+    pub provisioning_targets: Vec<String>,
+    /// How long a claim code can be redeemed after its scale-up.
+    #[serde(serialize_with = "ser_secs")]
+    pub claim_ttl: Duration,
+    /// How long the token minted on redemption lives; `None`: the agent's
+    /// `maxLifetimeSeconds`.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "ser_opt_secs"
+    )]
+    pub agent_token_ttl: Option<Duration>,
+    /// `x-kici-scaler.provisioner`; `None`: events go to the event stream
+    /// only (a pull-style consumer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub provisioner: Option<ProvisionerSettings>,
+}
+
+impl EventSettings {
+    /// `claimTtlSeconds` when absent (upstream's default).
+    pub const DEFAULT_CLAIM_TTL: Duration = Duration::from_secs(300);
+}
+
+/// Where a `type: event` scaler's events are delivered besides the event
+/// stream, as validated by the configuration loader. At least one target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProvisionerSettings {
+    pub target: ProvisionerTarget,
+    /// Bound on one delivery attempt.
+    #[serde(serialize_with = "ser_secs")]
+    pub timeout: Duration,
+    /// Attempts per event (≥ 1).
+    pub max_attempts: u32,
+}
+
+/// `command`, `webhook`, or both.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ProvisionerTarget {
+    Command(Vec<String>),
+    Webhook(ProvisionerWebhook),
+    Both {
+        command: Vec<String>,
+        webhook: ProvisionerWebhook,
+    },
+}
+
+impl ProvisionerTarget {
+    pub fn command(&self) -> Option<&[String]> {
+        match self {
+            Self::Command(c) | Self::Both { command: c, .. } => Some(c),
+            Self::Webhook(_) => None,
+        }
+    }
+
+    pub fn webhook(&self) -> Option<&ProvisionerWebhook> {
+        match self {
+            Self::Webhook(w) | Self::Both { webhook: w, .. } => Some(w),
+            Self::Command(_) => None,
+        }
+    }
+}
+
+/// A signed `POST` target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProvisionerWebhook {
+    /// An absolute http(s) URL without credentials.
+    pub url: String,
+    /// The environment variable holding the signing secret (never the secret).
+    pub secret_env: String,
 }
 
 /// `warmPool`.
@@ -358,6 +439,9 @@ pub enum LabelSetBackend {
         binary_path: PathBuf,
     },
     Firecracker(FirecrackerLabelSet),
+    /// An event scaler's label set has no backend fields: the provisioner
+    /// decides what to boot from the event's labels and resources.
+    Event,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -594,7 +678,7 @@ impl Deadlines {
             max_lifetime: Duration::from_secs(24 * 3600),
             destroy_grace: Duration::from_secs(match kind {
                 ScalerType::Container => 10,
-                ScalerType::BareMetal | ScalerType::Firecracker => 5,
+                ScalerType::BareMetal | ScalerType::Firecracker | ScalerType::Event => 5,
             }),
             api_call: Duration::from_secs(30),
             idle_grace: Duration::from_secs(30),
@@ -773,6 +857,13 @@ pub struct LabelSetExtension {
 
 fn ser_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64())
+}
+
+fn ser_opt_secs<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_f64(d.as_secs_f64()),
+        None => s.serialize_none(),
+    }
 }
 
 #[cfg(test)]

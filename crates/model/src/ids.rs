@@ -24,16 +24,24 @@ pub enum ScalerType {
     Container,
     BareMetal,
     Firecracker,
+    /// No local compute: an operator's provisioner boots the agent elsewhere.
+    Event,
 }
 
 impl ScalerType {
-    pub const ALL: [ScalerType; 3] = [Self::Container, Self::BareMetal, Self::Firecracker];
+    pub const ALL: [ScalerType; 4] = [
+        Self::Container,
+        Self::BareMetal,
+        Self::Firecracker,
+        Self::Event,
+    ];
 
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Container => "container",
             Self::BareMetal => "bare-metal",
             Self::Firecracker => "firecracker",
+            Self::Event => "event",
         }
     }
 }

@@ -112,7 +112,8 @@ pub use job::{
     OutputChunk, OutputStream, MAX_JOB_SPEC_BYTES, MAX_OUTPUT_CHUNK_BYTES,
 };
 pub use messages::{
-    AgentMessage, AuthFailure, AuthRequest, AuthSuccess, ConfigAck, GatewayMessage, Heartbeat,
+    AgentMessage, AuthFailure, AuthRequest, AuthSuccess, ClaimCredentials,
+    ClaimCredentialsResponse, ClaimedAgentCredentials, ConfigAck, GatewayMessage, Heartbeat,
     InFlightJob, JobAck, JobCancel, JobDispatch, JobProgress, JobReject, JobStatus, PropertyValue,
     Register, RegisterAck, RejectReason,
 };

@@ -31,6 +31,9 @@ pub enum AgentMessage {
     JobStatus(JobStatus),
     #[serde(rename = "log.chunk")]
     OutputChunk(OutputChunk),
+    /// Before `auth.request`: redeem a `type: event` scaler's claim code.
+    #[serde(rename = "scaler.claim-credentials")]
+    ClaimCredentials(ClaimCredentials),
 }
 
 /// Everything the gateway sends.
@@ -47,6 +50,8 @@ pub enum GatewayMessage {
     JobDispatch(JobDispatch),
     #[serde(rename = "job.cancel")]
     JobCancel(JobCancel),
+    #[serde(rename = "scaler.claim-credentials.response")]
+    ClaimCredentialsResponse(ClaimCredentialsResponse),
 }
 
 impl AgentMessage {
@@ -61,6 +66,7 @@ impl AgentMessage {
             Self::JobReject(_) => "job.reject",
             Self::JobStatus(_) => "job.status",
             Self::OutputChunk(_) => "log.chunk",
+            Self::ClaimCredentials(_) => "scaler.claim-credentials",
         }
     }
 
@@ -93,6 +99,7 @@ impl GatewayMessage {
             Self::RegisterAck(_) => "register.ack",
             Self::JobDispatch(_) => "job.dispatch",
             Self::JobCancel(_) => "job.cancel",
+            Self::ClaimCredentialsResponse(_) => "scaler.claim-credentials.response",
         }
     }
 
@@ -108,6 +115,63 @@ impl GatewayMessage {
 
 // ---------------------------------------------------------------------------
 // Handshake
+
+/// `scaler.claim-credentials`: exchange a claim code for credentials, on a
+/// connection that has not authenticated yet (the code is the
+/// credential). The connection stays unauthenticated: `auth.request`
+/// follows, within the same deadline.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClaimCredentials {
+    pub request_id: String,
+    /// Single use; redacted in `Debug`.
+    pub claim_code: String,
+}
+
+impl std::fmt::Debug for ClaimCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimCredentials")
+            .field("request_id", &self.request_id)
+            .field("claim_code", &"<redacted>")
+            .finish()
+    }
+}
+
+/// `scaler.claim-credentials.response`: `credentials` or `error`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClaimCredentialsResponse {
+    pub request_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<ClaimedAgentCredentials>,
+    /// Why there are none (the refusal's reason: `unknown`, `consumed`,
+    /// `expired`, or a failure's kind).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What a redeemed code yields (upstream's field names).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClaimedAgentCredentials {
+    /// Redacted in `Debug`.
+    pub agent_token: String,
+    pub agent_id: String,
+    /// The WebSocket URL to connect with the token.
+    pub orchestrator_url: String,
+    pub labels: Vec<String>,
+}
+
+impl std::fmt::Debug for ClaimedAgentCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimedAgentCredentials")
+            .field("agent_token", &"<redacted>")
+            .field("agent_id", &self.agent_id)
+            .field("orchestrator_url", &self.orchestrator_url)
+            .field("labels", &self.labels)
+            .finish()
+    }
+}
 
 /// `auth.request`: the agent's first frame when it has a token.
 ///

@@ -66,6 +66,8 @@ impl HostPlatform {
         let os = match kind {
             ScalerType::BareMetal => self.os.as_str(),
             ScalerType::Container | ScalerType::Firecracker => "linux",
+            // Not started from this host; `os_arch_labels` gives none.
+            ScalerType::Event => return Vec::new(),
         };
         // Linux (and any other OS) maps to the one label `kici:os:<os>`.
         let names: &[&str] = match os.to_ascii_lowercase().as_str() {
@@ -147,6 +149,10 @@ pub(crate) fn os_arch_labels(scaler: &ScalerEntry, host: &HostPlatform) -> Vec<L
             declared = HostPlatform::new(p.os.as_str(), p.arch.as_str());
             (&declared, ScalerType::BareMetal)
         }
+        // An event scaler's instances run elsewhere: this host says nothing
+        // about them, and without a declared platform they carry no
+        // platform labels.
+        None if scaler.kind == ScalerType::Event => return Vec::new(),
         None => (host, scaler.kind),
     };
     let mut labels = from.os_labels(kind);

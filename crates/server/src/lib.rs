@@ -35,3 +35,4 @@ pub mod events;
 pub mod fleet;
 pub mod gateway;
 pub mod jobs;
+pub mod provisioning;

@@ -51,7 +51,10 @@ pub mod url;
 
 pub use error::StoreError;
 pub use ipam::{AllocError, IpAllocator, Ipv4Pool, Lease, MacAddress, PoolError};
-pub use record::{AgentRecord, EventRecord, JobRecord, PendingRecord, ResourceNames, UnixMillis};
+pub use record::{
+    AgentRecord, ClaimRedemption, ClaimRow, EventRecord, JobRecord, OutboxRecord, PendingRecord,
+    ResourceNames, UnixMillis,
+};
 pub use url::{StoreOptions, StoreUrl};
 
 use async_trait::async_trait;
@@ -152,6 +155,43 @@ pub trait StateStore: IpAllocator {
 
     /// Deletes all but the newest `keep` events; returns how many went.
     async fn trim_events(&self, keep: u64) -> Result<u64, StoreError>;
+
+    /// Records an issued claim. A second row with the same hash is a
+    /// [`StoreError::Database`] error (a generated code never repeats).
+    async fn insert_claim(&self, claim: &ClaimRow) -> Result<(), StoreError>;
+
+    /// Decides and consumes a claim in one conditional write: of any number
+    /// of concurrent calls for one hash — on any instance sharing the store
+    /// — at most one is [`ClaimRedemption::Granted`]. A claim is found by
+    /// its hash alone, whichever instance issued it.
+    async fn redeem_claim(
+        &self,
+        code_hash: &[u8; 32],
+        now: UnixMillis,
+    ) -> Result<ClaimRedemption, StoreError>;
+
+    /// Deletes this owner's claims of `agent`; returns how many.
+    async fn invalidate_claims(&self, agent: &AgentId) -> Result<u64, StoreError>;
+
+    /// Deletes this owner's claims that expired before `horizon`.
+    async fn purge_claims(&self, horizon: UnixMillis) -> Result<u64, StoreError>;
+
+    /// Records a provisioner event unless one with its request id is
+    /// already recorded (a redelivery keeps the first record).
+    async fn put_outbox(&self, event: &OutboxRecord) -> Result<(), StoreError>;
+
+    /// Marks an event confirmed; returns whether it was recorded.
+    async fn mark_outbox_delivered(
+        &self,
+        request_id: &str,
+        at: UnixMillis,
+    ) -> Result<bool, StoreError>;
+
+    /// Forgets every event of `agent` (its scale-down was confirmed).
+    async fn delete_outbox_agent(&self, agent: &AgentId) -> Result<u64, StoreError>;
+
+    /// This owner's recorded events, oldest first.
+    async fn outbox(&self) -> Result<Vec<OutboxRecord>, StoreError>;
 
     /// Closes the pools (and on PostgreSQL releases the advisory lock) once
     /// in-flight calls finish; later calls fail with `Unavailable`.

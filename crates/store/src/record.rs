@@ -122,3 +122,57 @@ pub struct EventRecord {
     /// The event as JSON text, sent as is.
     pub body: String,
 }
+
+/// One issued claim code (table `provision_claims`): what redeeming it
+/// yields. The code itself is never stored, only its SHA-256.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRow {
+    /// SHA-256 of the code, 32 bytes.
+    pub code_hash: [u8; 32],
+    /// The agent id the instance registers with.
+    pub agent_id: AgentId,
+    /// The event scaler that issued it.
+    pub scaler: ScalerName,
+    /// The labels the minted token is bound to.
+    pub labels: Vec<String>,
+    /// Where the agent connects (`ws://…/ws`).
+    pub gateway_url: String,
+    /// Lifetime of the token minted on redemption, in milliseconds.
+    pub agent_token_ttl_ms: u64,
+    /// When the code was issued.
+    pub issued_at: UnixMillis,
+    /// The code is refused from this instant on.
+    pub expires_at: UnixMillis,
+    /// Set once, by the one redemption that succeeded.
+    pub consumed_at: Option<UnixMillis>,
+}
+
+/// What [`crate::StateStore::redeem_claim`] decided, atomically.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimRedemption {
+    /// Consumed now; the row as it is after the update.
+    Granted(ClaimRow),
+    /// No row with that hash for this owner.
+    Unknown,
+    /// Consumed earlier.
+    Consumed,
+    /// Past its expiry, never consumed.
+    Expired,
+}
+
+/// One event of an external provisioner (table `provision_outbox`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// Stable across redeliveries; unique per owner.
+    pub request_id: String,
+    /// The agent the event is about.
+    pub agent_id: AgentId,
+    /// `scale-up` or `scale-down`.
+    pub kind: String,
+    /// The event's JSON (a scale-up's without its claim code).
+    pub body: String,
+    /// When it was recorded.
+    pub created_at: UnixMillis,
+    /// Set once the provisioner confirmed it.
+    pub delivered_at: Option<UnixMillis>,
+}

@@ -49,6 +49,28 @@ pub(crate) const LAST_EVENT_SEQ: &str = "SELECT MAX(seq) FROM events WHERE owner
 /// Deletes every event at or below the (keep+1)-th newest.
 pub(crate) const TRIM_EVENTS: &str = "DELETE FROM events WHERE owner = $1 AND seq <= (SELECT seq FROM events WHERE owner = $1 ORDER BY seq DESC LIMIT 1 OFFSET $2)";
 
+pub(crate) const INSERT_CLAIM: &str = "INSERT INTO provision_claims (code_hash, owner, agent_id, scaler, labels, gateway_url, agent_token_ttl_ms, issued_at, expires_at, consumed_at) \
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+/// The atomic step of a redemption: only an unconsumed, unexpired row is
+/// updated, and the update returns it.
+pub(crate) const REDEEM_CLAIM: &str = "UPDATE provision_claims SET consumed_at = $2 \
+WHERE code_hash = $1 AND consumed_at IS NULL AND expires_at > $2 \
+RETURNING code_hash, agent_id, scaler, labels, gateway_url, agent_token_ttl_ms, issued_at, expires_at, consumed_at";
+/// Why a redemption was refused (read after the update matched nothing).
+pub(crate) const CLAIM_STATE: &str =
+    "SELECT consumed_at FROM provision_claims WHERE code_hash = $1";
+pub(crate) const INVALIDATE_CLAIMS: &str =
+    "DELETE FROM provision_claims WHERE owner = $1 AND agent_id = $2";
+pub(crate) const PURGE_CLAIMS: &str =
+    "DELETE FROM provision_claims WHERE owner = $1 AND expires_at < $2";
+pub(crate) const PUT_OUTBOX: &str = "INSERT INTO provision_outbox (owner, request_id, agent_id, kind, body, created_at, delivered_at) \
+VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (owner, request_id) DO NOTHING";
+pub(crate) const MARK_OUTBOX_DELIVERED: &str =
+    "UPDATE provision_outbox SET delivered_at = $3 WHERE owner = $1 AND request_id = $2";
+pub(crate) const DELETE_OUTBOX_AGENT: &str =
+    "DELETE FROM provision_outbox WHERE owner = $1 AND agent_id = $2";
+pub(crate) const OUTBOX: &str = "SELECT request_id, agent_id, kind, body, created_at, delivered_at FROM provision_outbox WHERE owner = $1 ORDER BY created_at, request_id";
+
 pub(crate) const PUT_INSTANCE: &str = "INSERT INTO instances (owner, hostname, started_at, heartbeat_at) VALUES ($1, $2, $3, $3) \
 ON CONFLICT (owner) DO UPDATE SET hostname = excluded.hostname, started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at";
 
@@ -350,6 +372,73 @@ impl TryFrom<EventRow> for EventRecord {
     }
 }
 
+/// A `provision_claims` row as stored.
+#[derive(sqlx::FromRow)]
+pub(crate) struct ClaimDbRow {
+    code_hash: String,
+    agent_id: String,
+    scaler: String,
+    labels: String,
+    gateway_url: String,
+    agent_token_ttl_ms: i64,
+    issued_at: i64,
+    expires_at: i64,
+    consumed_at: Option<i64>,
+}
+
+impl TryFrom<ClaimDbRow> for crate::record::ClaimRow {
+    type Error = StoreError;
+    fn try_from(r: ClaimDbRow) -> Result<Self, StoreError> {
+        const T: &str = "provision_claims";
+        let mut code_hash = [0u8; 32];
+        hex::decode_to_slice(&r.code_hash, &mut code_hash)
+            .map_err(|e| corrupt(T, format_args!("code_hash: {e}")))?;
+        Ok(Self {
+            code_hash,
+            agent_id: r
+                .agent_id
+                .parse()
+                .map_err(|e| corrupt(T, format_args!("agent_id: {e}")))?,
+            scaler: ScalerName::new(&r.scaler),
+            labels: serde_json::from_str(&r.labels)
+                .map_err(|e| corrupt(T, format_args!("labels: {e}")))?,
+            gateway_url: r.gateway_url,
+            agent_token_ttl_ms: non_negative(T, "agent_token_ttl_ms", r.agent_token_ttl_ms)?,
+            issued_at: UnixMillis(r.issued_at),
+            expires_at: UnixMillis(r.expires_at),
+            consumed_at: r.consumed_at.map(UnixMillis),
+        })
+    }
+}
+
+/// A `provision_outbox` row as stored.
+#[derive(sqlx::FromRow)]
+pub(crate) struct OutboxRow {
+    request_id: String,
+    agent_id: String,
+    kind: String,
+    body: String,
+    created_at: i64,
+    delivered_at: Option<i64>,
+}
+
+impl TryFrom<OutboxRow> for crate::record::OutboxRecord {
+    type Error = StoreError;
+    fn try_from(r: OutboxRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            request_id: r.request_id,
+            agent_id: r
+                .agent_id
+                .parse()
+                .map_err(|e| corrupt("provision_outbox", format_args!("agent_id: {e}")))?,
+            kind: r.kind,
+            body: r.body,
+            created_at: UnixMillis(r.created_at),
+            delivered_at: r.delivered_at.map(UnixMillis),
+        })
+    }
+}
+
 /// An `ip_leases` column value back to an address.
 pub(crate) fn ip_from_i64(v: i64) -> Result<Ipv4Addr, StoreError> {
     u32::try_from(v)
@@ -647,6 +736,141 @@ macro_rules! impl_state_store {
                     .await
                     .map_err($crate::error::classify)?;
                 Ok(done.rows_affected())
+            }
+
+            async fn insert_claim(
+                &self,
+                claim: &$crate::ClaimRow,
+            ) -> Result<(), $crate::StoreError> {
+                let labels = serde_json::to_string(&claim.labels)
+                    .map_err(|e| $crate::StoreError::Database(e.to_string()))?;
+                sqlx::query($crate::sql::INSERT_CLAIM)
+                    .bind(hex::encode(claim.code_hash))
+                    .bind(&self.owner_text)
+                    .bind(claim.agent_id.to_string())
+                    .bind(claim.scaler.as_str())
+                    .bind(labels)
+                    .bind(&claim.gateway_url)
+                    .bind($crate::sql::to_i64("agent_token_ttl_ms", claim.agent_token_ttl_ms)?)
+                    .bind(claim.issued_at.0)
+                    .bind(claim.expires_at.0)
+                    .bind(claim.consumed_at.map(|t| t.0))
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(())
+            }
+
+            async fn redeem_claim(
+                &self,
+                code_hash: &[u8; 32],
+                now: $crate::UnixMillis,
+            ) -> Result<$crate::ClaimRedemption, $crate::StoreError> {
+                use $crate::error::classify;
+                let hash = hex::encode(code_hash);
+                let granted: Option<$crate::sql::ClaimDbRow> =
+                    sqlx::query_as($crate::sql::REDEEM_CLAIM)
+                        .bind(&hash)
+                        .bind(now.0)
+                        .fetch_optional(self.writer())
+                        .await
+                        .map_err(classify)?;
+                if let Some(row) = granted {
+                    return Ok($crate::ClaimRedemption::Granted($crate::ClaimRow::try_from(row)?));
+                }
+                let state: Option<Option<i64>> = sqlx::query_scalar($crate::sql::CLAIM_STATE)
+                    .bind(&hash)
+                    .fetch_optional(self.writer())
+                    .await
+                    .map_err(classify)?;
+                Ok(match state {
+                    None => $crate::ClaimRedemption::Unknown,
+                    Some(Some(_)) => $crate::ClaimRedemption::Consumed,
+                    Some(None) => $crate::ClaimRedemption::Expired,
+                })
+            }
+
+            async fn invalidate_claims(
+                &self,
+                agent: &kici_model::AgentId,
+            ) -> Result<u64, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::INVALIDATE_CLAIMS)
+                    .bind(&self.owner_text)
+                    .bind(agent.to_string())
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn purge_claims(
+                &self,
+                horizon: $crate::UnixMillis,
+            ) -> Result<u64, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::PURGE_CLAIMS)
+                    .bind(&self.owner_text)
+                    .bind(horizon.0)
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn put_outbox(
+                &self,
+                event: &$crate::OutboxRecord,
+            ) -> Result<(), $crate::StoreError> {
+                sqlx::query($crate::sql::PUT_OUTBOX)
+                    .bind(&self.owner_text)
+                    .bind(&event.request_id)
+                    .bind(event.agent_id.to_string())
+                    .bind(&event.kind)
+                    .bind(&event.body)
+                    .bind(event.created_at.0)
+                    .bind(event.delivered_at.map(|t| t.0))
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(())
+            }
+
+            async fn mark_outbox_delivered(
+                &self,
+                request_id: &str,
+                at: $crate::UnixMillis,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::MARK_OUTBOX_DELIVERED)
+                    .bind(&self.owner_text)
+                    .bind(request_id)
+                    .bind(at.0)
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected() > 0)
+            }
+
+            async fn delete_outbox_agent(
+                &self,
+                agent: &kici_model::AgentId,
+            ) -> Result<u64, $crate::StoreError> {
+                let done = sqlx::query($crate::sql::DELETE_OUTBOX_AGENT)
+                    .bind(&self.owner_text)
+                    .bind(agent.to_string())
+                    .execute(self.writer())
+                    .await
+                    .map_err($crate::error::classify)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn outbox(&self) -> Result<Vec<$crate::OutboxRecord>, $crate::StoreError> {
+                let rows: Vec<$crate::sql::OutboxRow> = sqlx::query_as($crate::sql::OUTBOX)
+                    .bind(&self.owner_text)
+                    .fetch_all(self.reader())
+                    .await
+                    .map_err($crate::error::classify)?;
+                rows.into_iter()
+                    .map($crate::OutboxRecord::try_from)
+                    .collect()
             }
 
             async fn close(&self) {

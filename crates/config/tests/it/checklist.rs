@@ -335,7 +335,7 @@ fn legacy_docker_type_and_keys_rejected() {
     let text = with_scalers(&container("c", "a").replace("type: container", "type: docker"));
     assert_eq!(
         err_lines(&text),
-        ["scalers.yaml:4:11: scalers[0].type: expected \"container\", \"bare-metal\" or \"firecracker\", got \"docker\" (the legacy type \"docker\" was removed; use \"container\")"]
+        ["scalers.yaml:4:11: scalers[0].type: expected \"container\", \"bare-metal\", \"firecracker\" or \"event\", got \"docker\" (the legacy type \"docker\" was removed; use \"container\")"]
     );
     assert_error(
         &with_scalers(&container("c", "a").replace("type: container", "type: kubernetes")),

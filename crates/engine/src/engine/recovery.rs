@@ -356,6 +356,7 @@ impl Engine {
             failure: record.failure,
             drain_after_job: false,
             destroy: None,
+            stop_cause: None,
             last_exit_code: None,
             queued_spawn: None,
         };
@@ -381,7 +382,8 @@ impl Engine {
                 } else {
                     "gone-while-down"
                 };
-                if let Some(a) = self.agents.get(&id) {
+                if let Some(a) = self.agents.get_mut(&id) {
+                    a.stop_cause.get_or_insert(StopCause::Recovered);
                     tracing::info!(agent = %id, scaler = %a.name(), cause, "recovered agent is destroyed");
                 }
                 self.issue_destroy(id, now);

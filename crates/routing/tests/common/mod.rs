@@ -32,6 +32,12 @@ pub fn scaler(name: &str, kind: ScalerType) -> ScalerBuilder {
         ScalerType::BareMetal => BackendSettings::BareMetal(BareMetalSettings {
             enforce_cgroups: false,
         }),
+        ScalerType::Event => BackendSettings::Event(kici_model::EventSettings {
+            provisioning_targets: Vec::new(),
+            claim_ttl: kici_model::EventSettings::DEFAULT_CLAIM_TTL,
+            agent_token_ttl: None,
+            provisioner: None,
+        }),
         ScalerType::Firecracker => BackendSettings::Firecracker(FirecrackerSettings {
             firecracker_path: "/usr/bin/firecracker".into(),
             jailer_path: "/usr/bin/jailer".into(),
@@ -97,6 +103,7 @@ impl ScalerBuilder {
                 mem_size_mib: None,
                 overlay_drive_size_mib: None,
             }),
+            ScalerType::Event => LabelSetBackend::Event,
         };
         self.entry.label_sets.push(LabelSetConfig {
             labels: labels(raw),

@@ -203,6 +203,7 @@ fn reference(
         }
         let mut auto: Vec<String> = match &declared {
             Some((os, arch)) => [os_names(os), arch_names(arch)].concat(),
+            None if s.kind == ScalerType::Event => Vec::new(),
             None => {
                 let os = if s.kind == ScalerType::BareMetal {
                     host.os.as_str()
@@ -217,6 +218,7 @@ fn reference(
             ScalerType::Container => "container",
             ScalerType::BareMetal => "bare-metal",
             ScalerType::Firecracker => "firecracker",
+            ScalerType::Event => "event",
         };
         auto.push(format!("kici:agent:{kind}"));
         auto.push(format!("kici:scaler:{}", s.name.as_str().to_lowercase()));

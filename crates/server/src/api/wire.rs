@@ -192,6 +192,7 @@ impl IntoApi<BackendName> for ScalerType {
             ScalerType::Container => BackendName::Container,
             ScalerType::BareMetal => BackendName::BareMetal,
             ScalerType::Firecracker => BackendName::Firecracker,
+            ScalerType::Event => BackendName::Event,
         }
     }
 }
@@ -449,6 +450,39 @@ impl IntoApi<Event> for EngineEvent {
                 draining,
             },
             EngineEvent::Reloaded { added, removed } => Event::Reloaded { added, removed },
+            EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleUp {
+                request_id,
+                agent_id,
+                scaler,
+                labels,
+                resources,
+                claim_code,
+                claim_url,
+                expires_at,
+                job_id,
+            }) => Event::ScaleUp {
+                request_id,
+                agent_id: agent_id.to_string(),
+                scaler: scaler.to_string(),
+                labels,
+                resources: serde_json::to_value(kici_provision::EventResources::from(&resources))
+                    .unwrap_or(serde_json::Value::Null),
+                claim_code: Some(claim_code.expose().to_owned()),
+                claim_url,
+                expires_at,
+                job_id: job_id.map(|j| j.to_string()),
+            },
+            EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleDown {
+                request_id,
+                agent_id,
+                scaler,
+                reason,
+            }) => Event::ScaleDown {
+                request_id,
+                agent_id: agent_id.to_string(),
+                scaler: scaler.to_string(),
+                reason,
+            },
         }
     }
 }

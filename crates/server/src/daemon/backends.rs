@@ -75,6 +75,9 @@ pub struct Started {
     /// What a sweep of the backend's own removes, by kind, if it has one
     /// (the daemon counts it in `kici_orch_scaler_orphans_reaped_total`).
     pub orphan_reports: Option<OrphanReports>,
+    /// The `type: event` backend's shared state, which the daemon binds to
+    /// the engine and serves claims from.
+    pub provisioning: Option<Arc<crate::provisioning::Provisioning>>,
 }
 
 /// Orphans removed by a backend's own sweep: `(kind, how many)` per pass.
@@ -88,6 +91,7 @@ impl Started {
             agent_gateway: None,
             rule_sweep: None,
             orphan_reports: None,
+            provisioning: None,
         }
     }
 }
@@ -110,6 +114,8 @@ pub struct Built {
     pub rule_sweeps: Vec<Arc<dyn StaleRuleSweep>>,
     /// For the metrics: what the backends' own sweeps remove.
     pub orphan_reports: Vec<OrphanReports>,
+    /// Set when the configuration has `type: event` scalers.
+    pub provisioning: Option<Arc<crate::provisioning::Provisioning>>,
 }
 
 /// The backends this build knows, by scaler type.
@@ -154,6 +160,7 @@ impl BackendRegistry {
                         agent_gateway: None,
                         rule_sweep: None,
                         orphan_reports: None,
+                        provisioning: None,
                     })
                 })
             }),
@@ -165,6 +172,10 @@ impl BackendRegistry {
         r.register(
             ScalerType::Firecracker,
             Box::new(|ctx| Box::pin(start_firecracker(ctx))),
+        );
+        r.register(
+            ScalerType::Event,
+            Box::new(|ctx| Box::pin(start_event(ctx))),
         );
         r
     }
@@ -223,6 +234,9 @@ impl BackendRegistry {
                     }
                     built.rule_sweeps.extend(started.rule_sweep);
                     built.orphan_reports.extend(started.orphan_reports);
+                    if started.provisioning.is_some() {
+                        built.provisioning = started.provisioning;
+                    }
                 }
                 Err(why) => {
                     tracing::warn!(backend = %kind, error = %why, "backend unavailable");
@@ -391,6 +405,7 @@ async fn start_container(ctx: BackendContext) -> Result<Started, String> {
         agent_gateway: Some(IpAddr::V4(network.pool.gateway())),
         rule_sweep: Some(Arc::new(backend)),
         orphan_reports: None,
+        provisioning: None,
     })
 }
 
@@ -431,6 +446,7 @@ fn start_container_unprivileged(
         agent_gateway: Some(IpAddr::V4(network.pool.gateway())),
         rule_sweep: Some(Arc::new(backend)),
         orphan_reports: None,
+        provisioning: None,
     })
 }
 
@@ -622,5 +638,22 @@ async fn start_firecracker(ctx: BackendContext) -> Result<Started, String> {
         // (not wired into this reconciler yet).
         rule_sweep: None,
         orphan_reports: Some(orphan_reports),
+        provisioning: None,
     })
+}
+
+/// `type: event` scalers: nothing local; claims and the outbox live in the
+/// state store, so a daemon without one (`run`) cannot have them.
+async fn start_event(ctx: BackendContext) -> Result<Started, String> {
+    let store = ctx.store.clone().ok_or_else(|| {
+        "type: event scalers need the state store (claims and the event outbox): use `serve`"
+            .to_owned()
+    })?;
+    let hub = crate::provisioning::Provisioning::open(ctx.instance, &ctx.state_dir, store)
+        .map_err(|e| e.to_string())?;
+    let mut started = Started::new(Arc::new(crate::provisioning::EventBackend::new(
+        Arc::clone(&hub),
+    )));
+    started.provisioning = Some(hub);
+    Ok(started)
 }

@@ -254,6 +254,9 @@ async fn run(
             source,
         })?;
 
+    let claims_bound = crate::provisioning::bind_claims(settings.claims.as_ref(), &config)
+        .map_err(|e| ServeError::Backends(vec![e]))?;
+
     // The store before any backend: what it records decides what the
     // backends' resources are (ours and live, or orphans).
     let store = kici_store::open(&settings.state, instance, StoreOptions::default())
@@ -290,6 +293,7 @@ async fn run(
         );
     }
     let rule_sweeps = backends.rule_sweeps.clone();
+    let provisioning = backends.provisioning.clone();
     let orphan_reports = std::mem::take(&mut backends.orphan_reports);
     let ledger = MachineLedger::open(settings.machine_ledger_dir.as_deref(), instance)?;
     let (stack, recovery) = Stack::start(
@@ -345,6 +349,14 @@ async fn run(
         });
     }
     let runtime = stack.runtime.clone();
+    let claims_task = crate::provisioning::start(
+        provisioning,
+        claims_bound,
+        &runtime,
+        &stack.tokens,
+        &stack.gateway,
+    )
+    .map_err(|e| ServeError::Backends(vec![e]))?;
     let reconciler = Arc::new(
         Reconciler::new(
             Arc::clone(&store),
@@ -484,6 +496,9 @@ async fn run(
     let stopped = stack.shutdown(settings.shutdown_grace).await;
     if let Some(fleet) = &fleet {
         fleet.leave().await;
+    }
+    if let Some(task) = claims_task {
+        task.abort();
     }
     store.close().await;
     server.graceful_shutdown(Some(CONNECTION_DRAIN));

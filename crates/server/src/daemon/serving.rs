@@ -299,8 +299,8 @@ async fn accept_loop(
             a = accept(&listener) => a,
             _ = stopped.changed() => continue,
         };
-        let stream = match accepted {
-            Ok(stream) => stream,
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) if transient(&e) => {
                 // Out of descriptors or a connection reset before accept:
                 // back off instead of spinning.
@@ -324,14 +324,16 @@ async fn accept_loop(
                         match tokio::time::timeout(limits.header_timeout, acceptor.accept(tcp))
                             .await
                         {
-                            Ok(Ok(tls)) => serve_connection(tls, router, limits, watcher).await,
+                            Ok(Ok(tls)) => {
+                                serve_connection(tls, router, limits, watcher, peer).await
+                            }
                             Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                             Err(_) => tracing::debug!("TLS handshake timed out"),
                         }
                     }
-                    None => serve_connection(tcp, router, limits, watcher).await,
+                    None => serve_connection(tcp, router, limits, watcher, peer).await,
                 },
-                Stream::Unix(unix) => serve_connection(unix, router, limits, watcher).await,
+                Stream::Unix(unix) => serve_connection(unix, router, limits, watcher, peer).await,
             }
         });
     };
@@ -387,10 +389,12 @@ enum Stream {
     Unix(tokio::net::UnixStream),
 }
 
-async fn accept(listener: &Listener) -> io::Result<Stream> {
+/// The connection and, over TCP, its peer's address (handlers read it as
+/// `ConnectInfo<SocketAddr>`: the claim rate limit keys on it).
+async fn accept(listener: &Listener) -> io::Result<(Stream, Option<std::net::SocketAddr>)> {
     match listener {
-        Listener::Tcp(l) => l.accept().await.map(|(s, _)| Stream::Tcp(s)),
-        Listener::Unix(l) => l.accept().await.map(|(s, _)| Stream::Unix(s)),
+        Listener::Tcp(l) => l.accept().await.map(|(s, a)| (Stream::Tcp(s), Some(a))),
+        Listener::Unix(l) => l.accept().await.map(|(s, _)| (Stream::Unix(s), None)),
     }
 }
 
@@ -413,12 +417,18 @@ async fn serve_connection<IO>(
     router: Router,
     limits: ConnectionLimits,
     mut draining: watch::Receiver<bool>,
+    peer: Option<std::net::SocketAddr>,
 ) where
     IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
     let deadline = BodyDeadline(limits.body_timeout);
     let service = hyper::service::service_fn(move |mut request: Request<hyper::body::Incoming>| {
         request.extensions_mut().insert(deadline);
+        if let Some(peer) = peer {
+            request
+                .extensions_mut()
+                .insert(axum::extract::ConnectInfo(peer));
+        }
         router.clone().oneshot(request.map(axum::body::Body::new))
     });
     let mut http = hyper::server::conn::http1::Builder::new();

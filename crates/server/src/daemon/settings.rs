@@ -121,6 +121,15 @@ pub struct ServeArgs {
     /// orchestratorUrl connect here [default: 127.0.0.1:7879].
     #[arg(long, value_name = "ADDR", env = "KICI_SCALER_GATEWAY_LISTEN")]
     pub gateway_listen: Option<String>,
+    /// Claim redemption listener (POST /v1/claims only, no API token), for
+    /// the instances of type: event scalers: IP:PORT [default: none; event
+    /// scalers need it].
+    #[arg(long, value_name = "ADDR", env = "KICI_SCALER_CLAIMS_LISTEN")]
+    pub claims_listen: Option<String>,
+    /// The claimUrl scale-up events carry (how instances reach
+    /// --claims-listen) [default: http://<claims-listen>/v1/claims].
+    #[arg(long, value_name = "URL", env = "KICI_SCALER_CLAIMS_URL")]
+    pub claims_url: Option<String>,
     /// State directory: instance id, machine-id copy, lock
     /// [default: /var/lib/kici-scaler].
     #[arg(long, value_name = "DIR", env = "KICI_SCALER_STATE_DIR")]
@@ -249,6 +258,8 @@ pub struct DaemonFile {
     pub config_dir: Option<PathBuf>,
     pub listen: Option<String>,
     pub gateway_listen: Option<String>,
+    pub claims_listen: Option<String>,
+    pub claims_url: Option<String>,
     pub state_dir: Option<PathBuf>,
     pub state: Option<String>,
     pub tls_cert: Option<PathBuf>,
@@ -589,6 +600,8 @@ pub struct DaemonSettings {
     pub config_dir: Option<PathBuf>,
     pub listen: ListenAddr,
     pub gateway_listen: SocketAddr,
+    /// Where claim codes are redeemed, and the URL events name for it.
+    pub claims: Option<ClaimsListen>,
     pub state_dir: PathBuf,
     pub state: StoreUrl,
     pub tls: Option<TlsFiles>,
@@ -638,6 +651,7 @@ impl DaemonSettings {
         let gateway_listen = parse_socket_addr(&gateway_raw)
             .map_err(|e| errors.push(format!("gateway-listen: {e}")))
             .ok();
+        let claims = resolve_claims(args, file, &mut errors);
         let state_dir = pick(
             &args.state_dir,
             &file.state_dir,
@@ -777,6 +791,7 @@ impl DaemonSettings {
                     config_dir: args.config_dir.clone().or_else(|| file.config_dir.clone()),
                     listen,
                     gateway_listen,
+                    claims,
                     state_dir,
                     state,
                     tls,
@@ -809,6 +824,56 @@ impl DaemonSettings {
             _ => Err(SettingsError::Invalid(errors.join("\n"))),
         }
     }
+}
+
+/// `--claims-listen` and the URL instances reach it at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimsListen {
+    pub addr: SocketAddr,
+    /// `http(s)://…/v1/claims`, as scale-up events carry it.
+    pub url: String,
+}
+
+fn resolve_claims(
+    args: &ServeArgs,
+    file: &DaemonFile,
+    errors: &mut Vec<String>,
+) -> Option<ClaimsListen> {
+    let raw = args
+        .claims_listen
+        .clone()
+        .or_else(|| file.claims_listen.clone());
+    let url = args.claims_url.clone().or_else(|| file.claims_url.clone());
+    let Some(raw) = raw else {
+        if url.is_some() {
+            errors.push("claims-url: needs --claims-listen (the listener it points at)".to_owned());
+        }
+        return None;
+    };
+    let addr = match parse_socket_addr(&raw) {
+        Ok(a) => a,
+        Err(e) => {
+            errors.push(format!("claims-listen: {e}"));
+            return None;
+        }
+    };
+    let url = match url {
+        Some(u) if u.starts_with("http://") || u.starts_with("https://") => u,
+        Some(u) => {
+            errors.push(format!(
+                "claims-url: expected an http:// or https:// URL, got {u:?}"
+            ));
+            return None;
+        }
+        None if addr.ip().is_unspecified() => {
+            errors.push(format!(
+                "claims-listen: {addr} is not an address instances can be told; set --claims-url to the URL they reach it at"
+            ));
+            return None;
+        }
+        None => format!("http://{addr}/v1/claims"),
+    };
+    Some(ClaimsListen { addr, url })
 }
 
 fn pick<T: Clone>(flag: &Option<T>, file: &Option<T>, default: T) -> T {

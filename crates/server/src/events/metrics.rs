@@ -54,6 +54,11 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_fleet_failovers_total",
     "kici_orch_scaler_fleet_leader",
     "kici_orch_scaler_agent_messages_ignored_total",
+    // External provisioning (`type: event` scalers), upstream's names.
+    "kici_orch_scaler_scale_up_emitted_total",
+    "kici_orch_scaler_scale_down_emitted_total",
+    "kici_orch_scaler_external_provisioning_active",
+    "kici_orch_scaler_external_provision_timeout_total",
 ];
 
 /// `fleet_claims_total{result}`: what became of a claim this host made.
@@ -198,6 +203,11 @@ struct CapLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FailureLabels {
     backend: &'static str,
     reason: &'static str,
@@ -277,6 +287,10 @@ pub struct Metrics {
     fleet_failovers: Counter,
     fleet_leader: Gauge,
     agent_messages_ignored: Family<MessageTypeLabels, Counter>,
+    scale_up_emitted: Counter,
+    scale_down_emitted: Family<ReasonLabels, Counter>,
+    external_provisioning: Gauge,
+    external_timeouts: Counter,
     /// Scrapes recompute the gauges: one at a time, so none sees another's
     /// half-filled families.
     scrape: Mutex<()>,
@@ -315,6 +329,10 @@ impl Metrics {
             fleet_failovers: Counter::default(),
             fleet_leader: Gauge::default(),
             agent_messages_ignored: Family::default(),
+            scale_up_emitted: Counter::default(),
+            scale_down_emitted: Family::default(),
+            external_provisioning: Gauge::default(),
+            external_timeouts: Counter::default(),
             scrape: Mutex::new(()),
             registry: Registry::default(),
         };
@@ -332,6 +350,31 @@ impl Metrics {
             "kici_orch_scaler_memory_bytes_used",
             "Memory (bytes) reserved by live agents, per scaler; scaler=\"__global__\" is the daemon-wide total",
             m.memory_used.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_scale_up_emitted",
+            "Scale-up events emitted by type: event scalers (a redelivery after a restart counts again)",
+            m.scale_up_emitted.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_scale_down_emitted",
+            "Scale-down events emitted by type: event scalers, per reason",
+            m.scale_down_emitted.clone(),
+        );
+        for reason in kici_provision::ScaleDownReason::NAMED {
+            let _ = m.scale_down_emitted.get_or_create(&ReasonLabels {
+                reason: reason.as_str().to_owned(),
+            });
+        }
+        registry.register(
+            "kici_orch_scaler_external_provisioning_active",
+            "Agents of type: event scalers between their scale-up and their registration",
+            m.external_provisioning.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_external_provision_timeout",
+            "Agents of type: event scalers torn down because they never registered in time",
+            m.external_timeouts.clone(),
         );
         registry.register(
             "kici_orch_scaler_spawn_refusals",
@@ -623,6 +666,9 @@ impl Metrics {
                 ..
             } => {
                 self.observe_warm_pool(scaler, *from, *to, job_id.is_none(), *cause);
+                if *backend == kici_model::ScalerType::Event {
+                    self.observe_external(*from, *to, *failure_reason);
+                }
                 if let Some(reason) = failure_reason {
                     self.spawn_failures
                         .get_or_create(&FailureLabels {
@@ -650,9 +696,39 @@ impl Metrics {
                         .inc();
                 }
             }
+            EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleUp { .. }) => {
+                self.scale_up_emitted.inc();
+            }
+            EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleDown { reason, .. }) => {
+                self.scale_down_emitted
+                    .get_or_create(&ReasonLabels {
+                        reason: reason.clone(),
+                    })
+                    .inc();
+            }
             EngineEvent::BreakerChanged { .. }
             | EngineEvent::ScalerCordon { .. }
             | EngineEvent::Reloaded { .. } => {}
+        }
+    }
+
+    /// An event scaler's agent is "provisioning" externally from its
+    /// request until it registers (or fails); a registration deadline
+    /// passing is an external provision timeout.
+    fn observe_external(&self, from: AgentState, to: AgentState, failure: Option<FailureReason>) {
+        // An agent is created `requested` without an event: its way into
+        // `provisioning` (the scale-up) is where it starts counting, and
+        // leaving the spawning states from there is where it stops.
+        if from == AgentState::Requested && to == AgentState::Provisioning {
+            self.external_provisioning.inc();
+        } else if from.is_spawning() && from != AgentState::Requested && !to.is_spawning() {
+            self.external_provisioning.dec();
+        }
+        if matches!(
+            failure,
+            Some(FailureReason::RegistrationTimeout | FailureReason::ProvisionTimeout)
+        ) {
+            self.external_timeouts.inc();
         }
     }
 

@@ -61,13 +61,36 @@ impl LoggedEvent {
         }
     }
 
-    /// The store's row for it.
+    /// The store's row for it. A scale-up event's claim code is left out:
+    /// the store never holds a redeemable code (the live stream has it; a
+    /// replay from the store does not).
     pub fn to_record(&self, at: UnixMillis) -> EventRecord {
+        let body = if self.name == SCALE_UP {
+            without_claim_code(&self.json)
+        } else {
+            self.json.clone()
+        };
         EventRecord {
             seq: self.id,
             at,
-            body: self.json.clone(),
+            body,
         }
+    }
+}
+
+/// The SSE name of a scale-up event (the one that carries a secret).
+const SCALE_UP: &str = "scale-up";
+
+fn without_claim_code(json: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(json) {
+        Ok(mut v) => {
+            if let Some(o) = v.as_object_mut() {
+                o.remove("claimCode");
+            }
+            v.to_string()
+        }
+        // Not JSON: keep nothing of it rather than risk the code.
+        Err(_) => "{}".to_owned(),
     }
 }
 

@@ -174,5 +174,24 @@ fn log_event(e: &SequencedEvent) {
         EngineEvent::Reloaded { added, removed } => tracing::info!(
             event_id = e.id, added = ?added, removed = ?removed, "engine reloaded"
         ),
+        EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleUp {
+            request_id,
+            agent_id,
+            scaler,
+            job_id,
+            ..
+        }) => tracing::info!(
+            event_id = e.id, agent_id = %agent_id, scaler = %scaler, request_id = %request_id,
+            job_id = job_id.as_ref().map(|j| j.as_str()), "scale-up event emitted"
+        ),
+        EngineEvent::Provision(kici_engine::ProvisionNotice::ScaleDown {
+            request_id,
+            agent_id,
+            scaler,
+            reason,
+        }) => tracing::info!(
+            event_id = e.id, agent_id = %agent_id, scaler = %scaler, request_id = %request_id,
+            reason = %reason, "scale-down event emitted"
+        ),
     }
 }

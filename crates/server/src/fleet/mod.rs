@@ -26,8 +26,8 @@ use crate::events::metrics::Metrics;
 use kici_engine::runtime::{Runtime, SpawnGate};
 use kici_engine::{AgentState, EngineEvent, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
-    Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, FleetOptions, HostSpec, Leader, LeaseGuard,
-    Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
+    Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, FleetOptions, HostSpec, Leader,
+    LeaseGuard, Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
 };
 use kici_model::{AgentId, Config, InstanceId, JobId, ScalerName};
 use parking_lot::Mutex;
@@ -332,7 +332,8 @@ impl FleetHost {
             return Ok(None);
         }
         match inner.queue.pool_loads(&new.pool).await {
-            Ok(loads) if kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads) => {}
+            Ok(loads)
+                if kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads) => {}
             _ => return Ok(None),
         }
         let (decide, decision) = oneshot::channel();
@@ -355,7 +356,9 @@ impl FleetHost {
             let _ = decide.send(true);
             inner.entering.lock().remove(&job);
             inner.metrics.fleet_claim("started");
-            return outcome.map(Some).map_err(|e| EntryError::Unavailable(e.to_string()));
+            return outcome
+                .map(Some)
+                .map_err(|e| EntryError::Unavailable(e.to_string()));
         }
         // Not ours to serve: the agent is never created. Cancelling first
         // cuts its spawn short wherever it waits (the journal or the gate);

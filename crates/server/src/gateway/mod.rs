@@ -154,6 +154,9 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     sessions: Mutex<HashMap<AgentId, SessionHandle>>,
     next_session: AtomicU64,
+    /// Where `scaler.claim-credentials` redeems codes (set when the
+    /// configuration has `type: event` scalers).
+    claims: std::sync::OnceLock<Arc<crate::provisioning::Provisioning>>,
 }
 
 /// How a connection ends early.
@@ -175,7 +178,13 @@ impl Gateway {
             metrics,
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
+            claims: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Answers upstream's pre-auth `scaler.claim-credentials` from `hub`.
+    pub fn serve_claims(&self, hub: Arc<crate::provisioning::Provisioning>) {
+        let _ = self.claims.set(hub);
     }
 
     /// The gateway's HTTP router: `GET /ws` (WebSocket upgrade) only.
@@ -250,12 +259,12 @@ impl Gateway {
     }
 
     /// One agent connection, from upgrade to close.
-    pub async fn session(self: Arc<Self>, socket: WebSocket) {
+    pub async fn session(self: Arc<Self>, socket: WebSocket, peer: Option<std::net::IpAddr>) {
         let mut conn = Conn {
             ws: socket,
             agent: None,
         };
-        let Ok(grant) = self.authenticate(&mut conn).await else {
+        let Ok(grant) = self.authenticate(&mut conn, peer).await else {
             return;
         };
         let (tx, rx) = mpsc::unbounded_channel();
@@ -290,24 +299,85 @@ impl Gateway {
         }
     }
 
-    async fn authenticate(&self, conn: &mut Conn) -> Result<TokenGrant, Closed> {
+    async fn authenticate(
+        &self,
+        conn: &mut Conn,
+        peer: Option<std::net::IpAddr>,
+    ) -> Result<TokenGrant, Closed> {
         let deadline = Instant::now() + self.settings.auth_timeout;
-        let text = match conn.next_text(deadline).await {
-            Next::Text(t) => t,
-            Next::Timeout => {
-                return Err(conn
-                    .close(CloseCode::HandshakeTimeout, "auth timeout")
-                    .await)
+        loop {
+            let text = self.next_auth_text(conn, deadline).await?;
+            match AgentMessage::from_json(&text) {
+                // Upstream's self-bootstrap: a code redeemed before auth,
+                // under the same deadline.
+                Ok(AgentMessage::ClaimCredentials(c)) => {
+                    let answer = self.claim_credentials(c, peer).await;
+                    conn.send(&GatewayMessage::ClaimCredentialsResponse(answer))
+                        .await?;
+                }
+                _ => return self.authenticate_with(conn, &text).await,
             }
+        }
+    }
+
+    async fn claim_credentials(
+        &self,
+        c: kici_protocol::ClaimCredentials,
+        peer: Option<std::net::IpAddr>,
+    ) -> kici_protocol::ClaimCredentialsResponse {
+        use crate::provisioning::hub::Redeem;
+        let refused = |error: &str| kici_protocol::ClaimCredentialsResponse {
+            request_id: c.request_id.clone(),
+            credentials: None,
+            error: Some(error.to_owned()),
+        };
+        let Some(hub) = self.claims.get() else {
+            return refused("no type: event scaler here");
+        };
+        // Without a peer address (a unix socket) every caller shares one
+        // budget: the limit still holds.
+        let source = peer.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+        match hub.redeem(source, &c.claim_code).await {
+            Ok(creds) => {
+                tracing::info!(agent_id = %creds.agent_id, "claim code redeemed over the gateway");
+                kici_protocol::ClaimCredentialsResponse {
+                    request_id: c.request_id,
+                    credentials: Some(kici_protocol::ClaimedAgentCredentials {
+                        agent_token: creds.agent_token,
+                        agent_id: creds.agent_id,
+                        orchestrator_url: creds.gateway_url,
+                        labels: creds.labels,
+                    }),
+                    error: None,
+                }
+            }
+            Err(Redeem::Limited(_)) => refused("rate-limited"),
+            Err(Redeem::Failed(kici_provision::RedeemError::Refused(f))) => refused(f.as_str()),
+            Err(Redeem::Failed(kici_provision::RedeemError::Malformed)) => refused("malformed"),
+            Err(Redeem::Failed(e)) => {
+                tracing::warn!(error = %e, "claim over the gateway failed");
+                refused("claim-failed")
+            }
+        }
+    }
+
+    async fn next_auth_text(&self, conn: &mut Conn, deadline: Instant) -> Result<String, Closed> {
+        match conn.next_text(deadline).await {
+            Next::Text(t) => Ok(t),
+            Next::Timeout => Err(conn
+                .close(CloseCode::HandshakeTimeout, "auth timeout")
+                .await),
             // Anything but `auth.request` first is an authentication
             // failure, a binary frame included.
-            Next::Binary => {
-                return Err(conn
-                    .refuse("first message must be auth.request, not a binary frame")
-                    .await)
-            }
-            other => return Err(conn.end(other).await),
-        };
+            Next::Binary => Err(conn
+                .refuse("first message must be auth.request, not a binary frame")
+                .await),
+            other => Err(conn.end(other).await),
+        }
+    }
+
+    async fn authenticate_with(&self, conn: &mut Conn, text: &str) -> Result<TokenGrant, Closed> {
+        let text = text.to_owned();
         let auth = match AgentMessage::from_json(&text) {
             Ok(AgentMessage::AuthRequest(a)) => a,
             Ok(other) => {
@@ -681,7 +751,9 @@ impl Gateway {
                     }
                 }
             }
-            other @ (AgentMessage::AuthRequest(_) | AgentMessage::Register(_)) => {
+            other @ (AgentMessage::AuthRequest(_)
+            | AgentMessage::Register(_)
+            | AgentMessage::ClaimCredentials(_)) => {
                 return Err(conn
                     .close(
                         CloseCode::InvalidMessage,
@@ -773,10 +845,15 @@ fn rand_bytes() -> [u8; 8] {
     b
 }
 
-async fn upgrade(State(gateway): State<Arc<Gateway>>, ws: WebSocketUpgrade) -> Response {
+async fn upgrade(
+    State(gateway): State<Arc<Gateway>>,
+    peer: Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>,
+    ws: WebSocketUpgrade,
+) -> Response {
+    let peer = peer.map(|p| p.0 .0.ip());
     ws.max_message_size(MAX_FRAME_BYTES)
         .max_frame_size(MAX_FRAME_BYTES)
-        .on_upgrade(move |socket| gateway.session(socket))
+        .on_upgrade(move |socket| gateway.session(socket, peer))
 }
 
 /// What the socket gave.

@@ -14,6 +14,7 @@ mod daemon;
 mod docs;
 mod doctor;
 mod durable;
+mod event;
 mod firecracker_crash;
 mod firecracker_rootfs_cli;
 mod firecracker_testkit_e2e;

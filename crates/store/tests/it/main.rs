@@ -7,5 +7,6 @@ mod common;
 mod failpoints;
 mod outage;
 mod postgres;
+mod provision;
 mod schema;
 mod sqlite;
