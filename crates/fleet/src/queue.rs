@@ -449,6 +449,7 @@ impl Queue {
             .bind(to_db(req.memory.bytes()))
             .execute(&mut *tx)
             .await?;
+            notify_if_waiting(&mut tx, name, &req.pool).await?;
         } else {
             notify(&mut tx, name, &req.pool).await?;
         }
@@ -565,6 +566,7 @@ impl Queue {
         .bind(epoch)
         .fetch_one(&mut *tx)
         .await?;
+        notify_if_waiting(&mut tx, name, pool).await?;
         tx.commit().await?;
         Ok(PoolAttempt::Claimed(Claim {
             job_id,
@@ -1124,6 +1126,28 @@ async fn insert_request(
     .bind(&req.entry_host)
     .fetch_optional(&mut *conn)
     .await?)
+}
+
+/// Notifies `pool`'s hosts when requests still wait there after a claim:
+/// the claim changed this host's load, so a host that placement passed
+/// over a moment ago may be the one to claim now, and nothing else would
+/// wake it before its fallback poll.
+async fn notify_if_waiting(
+    conn: &mut PgConnection,
+    fleet: &str,
+    pool: &str,
+) -> Result<(), FleetError> {
+    let waiting: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM fleet_requests WHERE fleet = $1 AND pool = $2 AND state = 'queued')",
+    )
+    .bind(fleet)
+    .bind(pool)
+    .fetch_one(&mut *conn)
+    .await?;
+    if waiting {
+        notify(conn, fleet, pool).await?;
+    }
+    Ok(())
 }
 
 /// Whether the pool's and the fleet's usage leave room for `cpu`/`memory`

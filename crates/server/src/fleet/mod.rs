@@ -714,16 +714,22 @@ impl FleetHost {
             .fleet
             .leader(inner.instance)
             .with_idle_timeout(inner.settings.lease);
-        let every = (inner.settings.lease / 3).max(Duration::from_millis(500));
+        // Renewals every lease/3; the leader's checks twice as often, so a
+        // lapsed lease is acted on within lease/6 of its expiry.
+        let every = (inner.settings.lease / 6).max(Duration::from_millis(250));
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut leading_since = Instant::now();
+        let mut round: u64 = 0;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
-            self.renew().await;
+            round += 1;
+            if round % 2 == 1 {
+                self.renew().await;
+            }
             let leading = match leader.try_lead().await {
                 Ok(l) => l,
                 Err(e) => {
@@ -736,16 +742,18 @@ impl FleetHost {
                 leading_since = Instant::now();
             }
             inner.metrics.set_fleet_leader(leading);
-            // A new leader lets one lease pass before its first chores:
+            // A new leader lets half a lease pass before its first chores:
             // leadership changes when sessions drop — the old leader's, or
-            // everyone's when the database restarted — and the other hosts
-            // renew (or rejoin) within a lease. Declaring them lost at once
-            // would move work that is still served.
-            if leading && leading_since.elapsed() >= inner.settings.lease {
+            // everyone's when the database restarted — and every live host
+            // renews (or rejoins) within a third of a lease. Declaring them
+            // lost at once would move work that is still served.
+            if leading && leading_since.elapsed() >= inner.settings.lease / 2 {
                 self.chores(&leader).await;
             }
-            self.finish_vanished().await;
-            self.refresh_view().await;
+            if round % 2 == 1 {
+                self.finish_vanished().await;
+                self.refresh_view().await;
+            }
         }
         leader.step_down().await;
         inner.metrics.set_fleet_leader(false);
