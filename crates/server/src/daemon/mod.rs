@@ -355,6 +355,8 @@ async fn run(
         &runtime,
         &stack.tokens,
         &stack.gateway,
+        api_limits,
+        stack.metrics.listener(ListenerName::Claims),
     )
     .map_err(|e| ServeError::Backends(vec![e]))?;
     let reconciler = Arc::new(
@@ -497,8 +499,8 @@ async fn run(
     if let Some(fleet) = &fleet {
         fleet.leave().await;
     }
-    if let Some(task) = claims_task {
-        task.abort();
+    if let Some(claims) = claims_task {
+        claims.shutdown();
     }
     store.close().await;
     server.graceful_shutdown(Some(CONNECTION_DRAIN));

@@ -134,15 +134,18 @@ pub enum ListenerName {
     Api,
     /// The agent gateway (`--gateway-listen` and each backend network's).
     Gateway,
+    /// `POST /v1/claims` for externally provisioned agents (`--claims-listen`).
+    Claims,
 }
 
 impl ListenerName {
-    pub const ALL: [ListenerName; 2] = [Self::Api, Self::Gateway];
+    pub const ALL: [ListenerName; 3] = [Self::Api, Self::Gateway, Self::Claims];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Api => "api",
             Self::Gateway => "gateway",
+            Self::Claims => "claims",
         }
     }
 }

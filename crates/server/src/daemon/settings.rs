@@ -126,6 +126,8 @@ pub struct ServeArgs {
     /// scalers need it].
     #[arg(long, value_name = "ADDR", env = "KICI_SCALER_CLAIMS_LISTEN")]
     pub claims_listen: Option<String>,
+    // Also the --help text, where <…> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
     /// The claimUrl scale-up events carry (how instances reach
     /// --claims-listen) [default: http://<claims-listen>/v1/claims].
     #[arg(long, value_name = "URL", env = "KICI_SCALER_CLAIMS_URL")]

@@ -23,7 +23,7 @@ pub struct FleetArgs {
     #[arg(long)]
     pub no_fleet: bool,
     /// This host's control API as the fleet's other hosts reach it
-    /// (http[s]://HOST:PORT); needed when --listen is not reachable from
+    /// (http://HOST:PORT or https://HOST:PORT); needed when --listen is not reachable from
     /// them [default: the --listen address].
     #[arg(long, value_name = "URL", env = "KICI_SCALER_ADVERTISE_URL")]
     pub advertise_url: Option<String>,

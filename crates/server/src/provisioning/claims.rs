@@ -8,6 +8,7 @@
 //! refusal names its reason (`unknown`, `consumed`, `expired`) and nothing
 //! else about codes.
 
+use crate::daemon::serving::{ConnectionLimits, Listener, ListenerMetrics, ListenerName, Server};
 use crate::provisioning::hub::{Provisioning, Redeem};
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, State};
@@ -37,19 +38,23 @@ pub fn router(hub: Arc<Provisioning>) -> Router {
         .with_state(hub)
 }
 
-/// Serves [`router`] on `listener` until the task is aborted.
+/// Serves [`router`] on `listener` with the daemon's connection bounds
+/// (header and body deadlines, a cap on open connections): this is the one
+/// listener meant to face networks the operator does not control.
 pub fn serve(
     listener: std::net::TcpListener,
     hub: Arc<Provisioning>,
-) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    listener.set_nonblocking(true)?;
-    let listener = tokio::net::TcpListener::from_std(listener)?;
-    let app = router(hub).into_make_service_with_connect_info::<SocketAddr>();
-    Ok(tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "claims listener failed");
-        }
-    }))
+    limits: ConnectionLimits,
+    metrics: ListenerMetrics,
+) -> std::io::Result<Server> {
+    Ok(Server::start(
+        ListenerName::Claims,
+        Listener::tcp(listener)?,
+        None,
+        router(hub),
+        limits,
+        metrics,
+    ))
 }
 
 fn plain(status: StatusCode, code: &str, message: &str) -> Response {

@@ -14,7 +14,7 @@
 //! outbox before it is delivered and marked once a provisioner confirmed
 //! it; at start-up [`Provisioning::redeliver`] sends what was never
 //! confirmed, and an agent whose scale-down never went out keeps its
-//! outbox rows, which [`EventBackend::list_owned`] reports to the
+//! outbox rows, which `EventBackend`'s `list_owned` reports to the
 //! reconciler as a resource to tear down.
 
 pub mod backend;
@@ -76,7 +76,9 @@ pub fn start(
     runtime: &Runtime,
     tokens: &Arc<TokenStore>,
     gateway: &Arc<crate::gateway::Gateway>,
-) -> Result<Option<tokio::task::JoinHandle<()>>, String> {
+    limits: crate::daemon::serving::ConnectionLimits,
+    metrics: crate::daemon::serving::ListenerMetrics,
+) -> Result<Option<crate::daemon::serving::Server>, String> {
     let (Some(hub), Some(claims)) = (hub, claims) else {
         return Ok(None);
     };
@@ -87,7 +89,7 @@ pub fn start(
         tokens: Arc::clone(tokens),
         claim_url: claims.url.clone(),
     });
-    let task = claims::serve(claims.listener, Arc::clone(&hub))
+    let task = claims::serve(claims.listener, Arc::clone(&hub), limits, metrics)
         .map_err(|e| format!("claims listener: {e}"))?;
     tracing::info!(addr = ?addr, url = %claims.url, "claims listener serving POST /v1/claims");
     let rt = runtime.clone();
