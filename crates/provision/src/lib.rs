@@ -72,8 +72,10 @@
 
 pub mod claim;
 pub mod claim_store;
+#[cfg(feature = "delivery")]
 pub mod command;
 pub mod config;
+#[cfg(feature = "delivery")]
 pub mod deliver;
 pub mod event;
 pub mod rate_limit;
@@ -81,6 +83,7 @@ pub mod redeem;
 pub mod retry;
 pub mod signature;
 pub mod time;
+#[cfg(feature = "delivery")]
 pub mod webhook;
 
 pub use claim::{
@@ -89,6 +92,7 @@ pub use claim::{
 };
 pub use claim_store::{ClaimStore, ClaimStoreError, MemoryClaimStore, Redemption};
 pub use config::{parse_provisioner, ProvisionerConfig, ProvisionerConfigError};
+#[cfg(feature = "delivery")]
 pub use deliver::{Deliverer, DelivererError, DeliveryOutcome, TargetKind, TargetReport};
 pub use event::{
     EventKind, EventResources, ProvisionEvent, RequestId, ResourceAmount, ScaleDown,

@@ -796,7 +796,13 @@ impl FleetHost {
     /// went back to the queue with the rejoin.
     async fn reconcile(&self) {
         let inner = &self.0;
-        inner.claimed.lock().clear();
+        // Claims of the old epoch whose agent was not bound yet (waiting for
+        // a spawn slot, say) went back to the queue with the rejoin: their
+        // agents must never be created.
+        let void: Vec<JobId> = inner.claimed.lock().drain().map(|(job, _)| job).collect();
+        for job in void {
+            inner.runtime.cancel_scale(&job);
+        }
         let agents = inner.runtime.agents(false);
         for a in agents {
             let Some(job) = a.job_id.clone() else {
