@@ -664,6 +664,16 @@ impl Engine {
         Ok((scaler.name.clone(), resources))
     }
 
+    /// Whether an agent of `scaler` fits under the count caps now (the
+    /// scaler's `maxAgents` and `globalMaxAgents`; CPU and memory are
+    /// checked on admission, once a request's size is known).
+    pub fn has_agent_slot(&self, scaler: &str) -> bool {
+        let usage = self.admission.usage();
+        let free =
+            |u: &kici_admission::ScopeUsage| u.caps.max_agents.is_none_or(|max| u.agents < max);
+        free(&usage.global) && usage.scalers.get(scaler).is_some_and(free)
+    }
+
     /// [`Engine::request_scale`] without the pending queue: a request that
     /// cannot be served now is taken back out (its record too) and answered
     /// `Pending { position: 0 }`. For requests queued elsewhere (a fleet's

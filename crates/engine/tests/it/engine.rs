@@ -1083,6 +1083,9 @@ fn request_scale_now_serves_now_or_leaves_nothing_behind() {
             .unwrap(),
     );
     assert_ne!(a1, a2);
+    assert!(!e.has_agent_slot("local"), "maxAgents 2 reached");
+    assert!(e.has_agent_slot("docker"));
+    assert!(!e.has_agent_slot("unknown"));
     // Full (maxAgents 2): not served, and not kept either.
     let third = e
         .request_scale_now(orchestrator_request("n3", &["linux", "local"]), now)

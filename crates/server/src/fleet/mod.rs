@@ -233,10 +233,6 @@ impl FleetHost {
         Ok(host)
     }
 
-    pub fn settings(&self) -> &FleetSettings {
-        &self.0.settings
-    }
-
     pub fn fleet(&self) -> &Fleet {
         &self.0.fleet
     }
@@ -247,10 +243,6 @@ impl FleetHost {
 
     pub fn instance(&self) -> InstanceId {
         self.0.instance
-    }
-
-    pub fn is_leader(&self) -> bool {
-        self.0.leading.load(Ordering::Relaxed)
     }
 
     pub fn refused_pools(&self) -> &[String] {
@@ -319,23 +311,14 @@ impl FleetHost {
         request: ScaleRequest,
     ) -> Result<Option<ScaleOutcome>, EntryError> {
         let inner = &self.0;
-        if !inner.guard.is_valid() || *inner.stop.borrow() {
-            return Ok(None);
-        }
         let job = request.job.clone();
         // Known here already: the queue has it too; answered from there.
         if inner.runtime.call(|e, _| e.job_outcome(&job)).is_some() {
             return Ok(None);
         }
-        let _one = inner.claiming.lock().await;
-        if !self.has_room(&new.pool) {
+        let Some(_one) = self.may_take(&new.pool).await else {
             return Ok(None);
-        }
-        match inner.queue.pool_loads(&new.pool).await {
-            Ok(loads)
-                if kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads) => {}
-            _ => return Ok(None),
-        }
+        };
         let (decide, decision) = oneshot::channel();
         inner.entering.lock().insert(job.clone(), decision);
         let outcome = inner.runtime.request_scale_now(request);
@@ -360,14 +343,8 @@ impl FleetHost {
                 .map(Some)
                 .map_err(|e| EntryError::Unavailable(e.to_string()));
         }
-        // Not ours to serve: the agent is never created. Cancelling first
-        // cuts its spawn short wherever it waits (the journal or the gate);
-        // a warm agent taken for it is given up.
-        if warm {
-            let _ = inner.runtime.destroy_agent(agent_id);
-        } else {
-            inner.runtime.cancel_scale(&job);
-        }
+        // Not ours to serve: undone before the gate hears it.
+        self.undo_admission(&job, agent_id, warm);
         let _ = decide.send(false);
         inner.entering.lock().remove(&job);
         match entered {
@@ -439,29 +416,14 @@ impl FleetHost {
     /// request was claimed (served or given back).
     async fn claim_from(&self, pool: &str) -> bool {
         let inner = &self.0;
-        if !inner.guard.is_valid() || *inner.stop.borrow() {
-            return false;
-        }
         if let Some(since) = inner.busy.lock().get(pool) {
             if since.elapsed() < LOCAL_BUSY_BACKOFF {
                 return false;
             }
         }
-        let _one = inner.claiming.lock().await;
-        if !self.has_room(pool) {
+        let Some(_one) = self.may_take(pool).await else {
             return false;
-        }
-        match inner.queue.pool_loads(pool).await {
-            Ok(loads) => {
-                if !kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads) {
-                    return false;
-                }
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, pool, "fleet: reading the pool's loads failed");
-                return false;
-            }
-        }
+        };
         let claim = match inner.queue.claim(&inner.guard, &[pool.to_owned()]).await {
             Ok(Some(claim)) => claim,
             Ok(None) => return false,
@@ -475,19 +437,40 @@ impl FleetHost {
         true
     }
 
-    /// Whether the engine has an agent slot free in `pool`'s scaler and
-    /// globally (the count caps; CPU and memory are checked on admission,
-    /// once the request's size is known).
-    fn has_room(&self, pool: &str) -> bool {
-        let status = self.0.runtime.status();
-        let global = status.global.agents < u64::from(status.global_max_agents);
-        let scaler = status
-            .scalers
-            .iter()
-            .find(|s| s.name.as_str() == pool)
-            .and_then(|s| s.usage.as_ref())
-            .is_some_and(|u| u.caps.max_agents.is_none_or(|max| u.agents < max));
-        global && scaler
+    /// Whether this host may take a request of `pool` now — its fence is
+    /// open, the engine has a slot in the pool's scaler, and placement picks
+    /// it — holding the one claim this host makes at a time (the guard).
+    async fn may_take(&self, pool: &str) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        let inner = &self.0;
+        if !inner.guard.is_valid() || *inner.stop.borrow() {
+            return None;
+        }
+        let one = inner.claiming.lock().await;
+        if !inner.runtime.call(|e, _| e.has_agent_slot(pool)) {
+            return None;
+        }
+        match inner.queue.pool_loads(pool).await {
+            Ok(loads) => kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads)
+                .then_some(one),
+            Err(e) => {
+                tracing::debug!(error = %e, pool, "fleet: reading the pool's loads failed");
+                None
+            }
+        }
+    }
+
+    /// Takes back a local admission for a request this host does not serve
+    /// after all: an agent still to be created never is (cancelling cuts
+    /// its spawn short wherever it waits); a warm agent taken for it is
+    /// given up — it was bound to the job, and a registered agent is not
+    /// unbound by a cancel.
+    fn undo_admission(&self, job: &JobId, agent: AgentId, warm: bool) {
+        self.0.bound.lock().remove(&agent);
+        if warm {
+            let _ = self.0.runtime.destroy_agent(agent);
+        } else {
+            self.0.runtime.cancel_scale(job);
+        }
     }
 
     /// Admits a claimed request here, or gives it back.
@@ -526,9 +509,8 @@ impl FleetHost {
                             .await
                         {
                             tracing::warn!(job_id = %job, agent_id = %agent_id, error = %e,
-                                "fleet: the warm agent could not be bound to its claim; unbinding it");
-                            inner.bound.lock().remove(&agent_id);
-                            inner.runtime.cancel_scale(&job);
+                                "fleet: the warm agent could not be bound to its claim; giving it up");
+                            self.undo_admission(&job, agent_id, true);
                         }
                     }
                 }

@@ -652,6 +652,12 @@ fn serial_fleet_partitioned_host_stops_claiming_and_destroys_moved_agents_when_h
     // record them) rather than starting anything.
     let (status, _) = fleet.hosts[0].scale("during-partition");
     assert_eq!(status, 503);
+    // And it started nothing while cut off.
+    let during: BTreeSet<String> = fleet.hosts[0].agents().into_keys().collect();
+    assert!(
+        during.is_subset(&before),
+        "started while cut off: {during:?} vs {before:?}"
+    );
     fleet.net.partition(0, false);
     wait_long("healed: the moved agents are destroyed", PATIENCE, || {
         let now: BTreeSet<String> = fleet.hosts[0].agents().into_keys().collect();
@@ -665,7 +671,7 @@ fn serial_fleet_partitioned_host_stops_claiming_and_destroys_moved_agents_when_h
 }
 
 #[test]
-fn serial_fleet_sigterm_hands_back_and_a_pool_defined_differently_is_refused() {
+fn serial_fleet_sigterm_leaves_keeping_the_queue_and_a_pool_defined_differently_is_refused() {
     let mut fleet = Fleet::start(2, 1, 4, &["local, other"]);
     // Host 1 defines `local` differently: it joined without the pool.
     let (status, v) = fleet.hosts[1].call("GET", "/v1/fleet", None);
