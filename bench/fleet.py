@@ -17,6 +17,7 @@ fleet, against one host on the same server in the same run:
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -146,14 +147,22 @@ def drive(hosts: list[Daemon], url: str, n: int, clients: int) -> float:
     errors: list[str] = []
 
     def client(c: int) -> None:
-        conns = [Daemon.__new__(Daemon) for _ in hosts]
-        for k, h in enumerate(hosts):
-            conns[k].port, conns[k].conn = h.port, None
+        # A connection per host per thread (http.client is not thread-safe).
+        conns = [http.client.HTTPConnection("127.0.0.1", h.port, timeout=30) for h in hosts]
         try:
             for i in range(c, n, clients):
-                post(conns[i % len(hosts)], f"t-{i}")
+                conn = conns[i % len(hosts)]
+                body = json.dumps({"jobId": f"t-{i}", "labels": ["bench"]})
+                conn.request("POST", "/v1/scale", body=body, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                answer = resp.read()
+                if resp.status not in (200, 202):
+                    raise RuntimeError(f"POST /v1/scale t-{i}: {resp.status} {answer!r}")
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(str(e))
+        finally:
+            for conn in conns:
+                conn.close()
 
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     for t in threads:
