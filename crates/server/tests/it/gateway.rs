@@ -172,6 +172,18 @@ impl Setup {
         LabelSet::parse(self.bare.spec(agent).unwrap().agent_labels).unwrap()
     }
 
+    /// A `sleep 100` job whose agent connected, took it and runs it.
+    async fn running_job(&mut self) -> (JobId, AgentId, Agent) {
+        let (job, agent) = self.job(&["sleep", "100"]).await;
+        let mut a = self.connect().await;
+        a.handshake(self, agent).await;
+        a.expect_dispatch().await;
+        a.ack(&job).await;
+        self.job_until(&job, "running", |v| v.state == JobState::Running)
+            .await;
+        (job, agent, a)
+    }
+
     async fn connect(&self) -> Agent {
         let mut config = WebSocketConfig::default();
         config.max_message_size = Some(MAX_FRAME_BYTES);
@@ -479,13 +491,7 @@ async fn a_command_that_cannot_start_fails_the_job_with_the_reason() {
 #[tokio::test]
 async fn an_agent_lost_mid_job_fails_the_job_and_is_destroyed() {
     let mut s = Setup::new().await;
-    let (job, agent) = s.job(&["sleep", "100"]).await;
-    let mut a = s.connect().await;
-    a.handshake(&s, agent).await;
-    a.expect_dispatch().await;
-    a.ack(&job).await;
-    s.job_until(&job, "running", |v| v.state == JobState::Running)
-        .await;
+    let (job, agent, mut a) = s.running_job().await;
     drop(a);
     let view = s
         .job_until(&job, "the end", |v| v.state.is_terminal())
@@ -796,13 +802,7 @@ async fn a_revoked_token_is_refused_once_its_agent_is_gone() {
 #[tokio::test]
 async fn a_reconnect_supersedes_the_open_connection_and_goes_on_with_its_job() {
     let mut s = Setup::new().await;
-    let (job, agent) = s.job(&["sleep", "100"]).await;
-    let mut first = s.connect().await;
-    first.handshake(&s, agent).await;
-    first.expect_dispatch().await;
-    first.ack(&job).await;
-    s.job_until(&job, "running", |v| v.state == JobState::Running)
-        .await;
+    let (job, agent, mut first) = s.running_job().await;
     first.chunk(&job, 0, OutputStream::Stdout, "before\n").await;
     s.job_until(&job, "the first output", |v| v.output_bytes > 0)
         .await;
@@ -843,13 +843,7 @@ async fn a_reconnect_supersedes_the_open_connection_and_goes_on_with_its_job() {
 #[tokio::test]
 async fn a_reconnect_that_lost_its_running_job_ends_the_job_not_runs_it_twice() {
     let mut s = Setup::new().await;
-    let (job, agent) = s.job(&["sleep", "100"]).await;
-    let mut first = s.connect().await;
-    first.handshake(&s, agent).await;
-    first.expect_dispatch().await;
-    first.ack(&job).await;
-    s.job_until(&job, "running", |v| v.state == JobState::Running)
-        .await;
+    let (job, agent, mut first) = s.running_job().await;
     // Reconnects without the job (kici-agent-lite kills a job whose
     // connection dropped).
     let mut second = s.connect().await;
