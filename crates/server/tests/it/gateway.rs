@@ -491,7 +491,7 @@ async fn a_command_that_cannot_start_fails_the_job_with_the_reason() {
 #[tokio::test]
 async fn an_agent_lost_mid_job_fails_the_job_and_is_destroyed() {
     let mut s = Setup::new().await;
-    let (job, agent, mut a) = s.running_job().await;
+    let (job, agent, a) = s.running_job().await;
     drop(a);
     let view = s
         .job_until(&job, "the end", |v| v.state.is_terminal())
