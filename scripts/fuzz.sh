@@ -61,6 +61,19 @@ if [ -n "${CARGO_TARGET_DIR:-}" ]; then
     target_dir_args=(--target-dir "$CARGO_TARGET_DIR/fuzz")
 fi
 
+# libFuzzer prints a line per corpus change (tens of thousands in a minute):
+# that goes to a log, and only the closing statistics are shown, or the log's
+# last 200 lines when the run fails (the crash report and its input's path).
+log="$(mktemp "${TMPDIR:-/tmp}/kici-fuzz.XXXXXX")"
+trap 'rm -f "$log"' EXIT
 echo "fuzz: running $target for ${seconds}s" >&2
+rc=0
 cargo +nightly fuzz run --debug-assertions "${target_dir_args[@]}" "$target" "$corpus" -- \
-    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
+    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 >"$log" 2>&1 || rc=$?
+if [ "$rc" -eq 0 ]; then
+    grep -E '^(#[0-9]+[[:space:]]+DONE|Done |stat::)' "$log" || true
+else
+    tail -n 200 "$log"
+    echo "fuzz: FAILED (exit $rc)" >&2
+fi
+exit "$rc"

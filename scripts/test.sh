@@ -44,6 +44,7 @@ failed=0
 skipped=0
 summary=()
 failed_stages=0
+failed_tests=()
 
 fmt_duration() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 
@@ -99,6 +100,11 @@ run_nextest() {
     elif [ "$rc" -ne 0 ]; then
         failed=$((failed + 1)) # did not even get to run (build error)
     fi
+    # "        FAIL [  12.345s] kici-scaler::it fleet::some_test": repeated in
+    # the summary, since a long run's log is often read from its end only.
+    while IFS= read -r line; do
+        failed_tests+=("$line")
+    done < <(grep -E '^ *(FAIL|TIMEOUT|SIGKILL|SIGSEGV|SIGABRT|LEAK-FAIL) \[' "$logs/nextest.log" | sed -E 's/^ +//' | sort -u || true)
     return "$rc"
 }
 
@@ -178,6 +184,9 @@ printf '\n===== test summary\n'
 printf '%s\n' "${summary[@]}"
 if [ "$failed_stages" -gt 0 ]; then
     printf '%d stage(s) failed\n' "$failed_stages"
+fi
+if [ ${#failed_tests[@]} -gt 0 ]; then
+    printf 'failed test: %s\n' "${failed_tests[@]}"
 fi
 counts="$(printf 'tests: %d passed, %d failed, %d skipped' "$passed" "$failed" "$skipped")"
 printf '%s\n' "$counts"

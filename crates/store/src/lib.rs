@@ -55,7 +55,7 @@ pub use record::{
     AgentRecord, ClaimRedemption, ClaimRow, EventRecord, JobRecord, OutboxRecord, PendingRecord,
     ResourceNames, UnixMillis,
 };
-pub use url::{StoreOptions, StoreUrl};
+pub use url::{AddressScope, AddressScopeError, StoreOptions, StoreUrl};
 
 use async_trait::async_trait;
 use kici_model::{AgentId, InstanceId, JobId};

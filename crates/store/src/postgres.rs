@@ -44,6 +44,8 @@ pub(crate) struct PgStore {
     /// The connection holding the advisory lock (`None` once lost).
     lock: tokio::sync::Mutex<Option<PgConnection>>,
     filled: tokio::sync::Mutex<HashSet<Ipv4Net>>,
+    /// [`StoreOptions::address_scope`].
+    address_scope: Option<crate::AddressScope>,
     /// Bounds (re)connecting the lock connection, like pool acquires.
     connect_timeout: Duration,
 }
@@ -99,6 +101,7 @@ impl PgStore {
             connect,
             lock: tokio::sync::Mutex::new(Some(lock)),
             filled: tokio::sync::Mutex::new(HashSet::new()),
+            address_scope: options.address_scope.clone(),
             connect_timeout: options.acquire_timeout,
         })
     }

@@ -14,6 +14,7 @@ use crate::error::StoreError;
 use crate::record::{
     AgentRecord, EventRecord, JobRecord, PendingRecord, ResourceNames, UnixMillis,
 };
+use ipnet::Ipv4Net;
 use kici_model::{AgentId, JobId, MemoryBytes, MilliCpu, ScalerName, ScalerType};
 use std::net::Ipv4Addr;
 
@@ -96,6 +97,30 @@ pub(crate) const RELEASE_AGENT: &str = "UPDATE ip_leases SET agent_id = NULL, ow
 pub(crate) const RELEASE_IP: &str = "UPDATE ip_leases SET agent_id = NULL, owner = NULL, leased_at = NULL WHERE owner = $1 AND network = $2 AND ip = $3";
 pub(crate) const LEASES: &str =
     "SELECT network, ip, agent_id FROM ip_leases WHERE owner = $1 ORDER BY network, ip";
+/// This owner's leases in pool key `$1` (to move them into a scoped key).
+pub(crate) const OWNED_IN: &str =
+    "SELECT ip, agent_id, leased_at FROM ip_leases WHERE network = $1 AND owner = $2 AND agent_id IS NOT NULL";
+/// Takes address `$2` of pool key `$1` for an agent moving in, if free.
+pub(crate) const TAKE_IP: &str = "UPDATE ip_leases SET agent_id = $3, owner = $4, leased_at = $5 WHERE network = $1 AND ip = $2 AND agent_id IS NULL";
+
+/// The `network` column's value for `network` in `scope`: the CIDR alone
+/// (unscoped, one pool per network for the whole database) or
+/// `CIDR@scope`. A scope never contains `/` or `@`, so the two forms cannot
+/// collide, and a stored key always parses back into its CIDR.
+pub(crate) fn pool_key(network: Ipv4Net, scope: Option<&crate::AddressScope>) -> String {
+    match scope {
+        None => network.to_string(),
+        Some(scope) => format!("{network}@{scope}"),
+    }
+}
+
+/// The CIDR of a stored pool key (either form of [`pool_key`]).
+pub(crate) fn network_of_key(key: &str) -> Option<Ipv4Net> {
+    key.split_once('@')
+        .map_or(key, |(cidr, _)| cidr)
+        .parse()
+        .ok()
+}
 
 /// An `agents` row as stored.
 #[derive(sqlx::FromRow)]
@@ -879,11 +904,21 @@ macro_rules! impl_state_store {
         }
 
         impl $store {
+            /// The `network` column's value for `pool` in this store's
+            /// address scope.
+            fn pool_key(&self, network: ipnet::Ipv4Net) -> String {
+                $crate::sql::pool_key(network, self.address_scope.as_ref())
+            }
+
             /// Inserts a row per assignable address of `pool` unless this
             /// store (or any instance, per `ip_networks`) already did. The
             /// in-process mutex keeps concurrent first allocations from all
             /// inserting the same rows; across processes the inserts are
-            /// idempotent (`ON CONFLICT DO NOTHING`).
+            /// idempotent (`ON CONFLICT DO NOTHING`). In a scoped store, the
+            /// addresses this instance still holds in the unscoped pool (an
+            /// earlier version's leases, their agents adopted) move into
+            /// the scoped one in the same transaction, so no address is
+            /// handed out twice across the upgrade.
             async fn ensure_pool(&self, pool: &$crate::Ipv4Pool) -> Result<(), $crate::StoreError> {
                 use $crate::error::classify;
                 if pool.capacity() > $crate::sql::MAX_PREFILL {
@@ -898,30 +933,73 @@ macro_rules! impl_state_store {
                 if filled.contains(&pool.network()) {
                     return Ok(());
                 }
-                let network = pool.network().to_string();
+                let network = self.pool_key(pool.network());
                 let known: Option<i64> = sqlx::query_scalar($crate::sql::NETWORK_FILLED)
                     .bind(&network)
                     .fetch_optional(self.writer())
                     .await
                     .map_err(classify)?;
-                if known.is_none() {
-                    let first = pool.assignable().next().map(u32::from).unwrap_or(0);
-                    let last = pool.assignable().last().map(u32::from).unwrap_or(0);
+                let unscoped = pool.network().to_string();
+                let moving: Vec<(i64, String, Option<i64>)> = if self.address_scope.is_some() {
+                    sqlx::query_as($crate::sql::OWNED_IN)
+                        .bind(&unscoped)
+                        .bind(&self.owner_text)
+                        .fetch_all(self.writer())
+                        .await
+                        .map_err(classify)?
+                } else {
+                    Vec::new()
+                };
+                if known.is_none() || !moving.is_empty() {
                     let mut tx = self.begin_write().await.map_err(classify)?;
-                    sqlx::query($crate::sql::FILL_NETWORK)
-                        .bind(&network)
-                        .bind(i64::from(first))
-                        .bind(i64::from(last))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(classify)?;
-                    sqlx::query($crate::sql::MARK_FILLED)
-                        .bind(&network)
-                        .bind(i64::from(pool.capacity()))
-                        .bind($crate::UnixMillis::now().0)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(classify)?;
+                    if known.is_none() {
+                        let first = pool.assignable().next().map(u32::from).unwrap_or(0);
+                        let last = pool.assignable().last().map(u32::from).unwrap_or(0);
+                        sqlx::query($crate::sql::FILL_NETWORK)
+                            .bind(&network)
+                            .bind(i64::from(first))
+                            .bind(i64::from(last))
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(classify)?;
+                        sqlx::query($crate::sql::MARK_FILLED)
+                            .bind(&network)
+                            .bind(i64::from(pool.capacity()))
+                            .bind($crate::UnixMillis::now().0)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(classify)?;
+                    }
+                    for (ip, agent, leased_at) in &moving {
+                        let taken = sqlx::query($crate::sql::TAKE_IP)
+                            .bind(&network)
+                            .bind(ip)
+                            .bind(agent)
+                            .bind(&self.owner_text)
+                            .bind(leased_at)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(classify)?;
+                        if taken.rows_affected() == 0 {
+                            // Another daemon of this scope (this machine)
+                            // holds it: the lease stays where it is, still
+                            // counted, and the operator is told.
+                            tracing::warn!(
+                                network = %pool.network(),
+                                ip = %$crate::sql::ip_from_i64(*ip)?,
+                                agent = %agent,
+                                "an address this instance leased before address pools were scoped is held by another daemon of this machine; its old lease is kept"
+                            );
+                            continue;
+                        }
+                        sqlx::query($crate::sql::RELEASE_IP)
+                            .bind(&self.owner_text)
+                            .bind(&unscoped)
+                            .bind(ip)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(classify)?;
+                    }
                     tx.commit().await.map_err(classify)?;
                 }
                 filled.insert(pool.network());
@@ -937,7 +1015,7 @@ macro_rules! impl_state_store {
                 agent: &kici_model::AgentId,
             ) -> Result<$crate::Lease, $crate::AllocError> {
                 self.ensure_pool(pool).await?;
-                let network = pool.network().to_string();
+                let network = self.pool_key(pool.network());
                 let agent_text = agent.to_string();
                 // Retries: a unique violation means a concurrent call for the
                 // same agent claimed first (the retry returns that lease); no
@@ -1013,7 +1091,7 @@ macro_rules! impl_state_store {
             ) -> Result<bool, $crate::AllocError> {
                 let done = sqlx::query($crate::sql::RELEASE_IP)
                     .bind(&self.owner_text)
-                    .bind(network.to_string())
+                    .bind(self.pool_key(network))
                     .bind(i64::from(u32::from(ip)))
                     .execute(self.writer())
                     .await
@@ -1039,9 +1117,8 @@ macro_rules! impl_state_store {
                             })
                         };
                         Ok($crate::Lease {
-                            network: network
-                                .parse()
-                                .map_err(|_| bad(format!("network {network:?}")))?,
+                            network: $crate::sql::network_of_key(&network)
+                                .ok_or_else(|| bad(format!("network {network:?}")))?,
                             ip: $crate::sql::ip_from_i64(ip)?,
                             agent: agent.parse().map_err(|_| bad(format!("agent {agent:?}")))?,
                             owner: self.owner,

@@ -38,6 +38,8 @@ pub(crate) struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
     filled: tokio::sync::Mutex<HashSet<Ipv4Net>>,
+    /// [`StoreOptions::address_scope`].
+    address_scope: Option<crate::AddressScope>,
 }
 
 impl SqliteStore {
@@ -102,6 +104,7 @@ impl SqliteStore {
             writer,
             reader,
             filled: tokio::sync::Mutex::new(HashSet::new()),
+            address_scope: options.address_scope.clone(),
         })
     }
 

@@ -100,6 +100,54 @@ pub struct StoreOptions {
     /// SQLite only: how long a statement waits for the file lock held by
     /// another process before failing with `Unavailable`. Default 5 s.
     pub sqlite_busy_timeout: Duration,
+    /// What guest address pools are keyed by besides their network:
+    /// stores with different scopes lease the same network's addresses
+    /// independently. A machine's bridge (and the guests behind it) is its
+    /// own, so the daemon passes its machine id: ten hosts on the default
+    /// network each get all of its addresses, while two daemons on one
+    /// machine still share one pool. `None` (the default): one pool per
+    /// network for every store of the database.
+    pub address_scope: Option<AddressScope>,
+}
+
+/// A scope of guest address pools (see [`StoreOptions::address_scope`]):
+/// 1 to 64 ASCII letters, digits, `-`, `_` or `.`, so that it can never be
+/// mistaken for part of the network it qualifies.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AddressScope(String);
+
+/// A string that cannot be an [`AddressScope`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{0}` cannot scope address pools: expected 1 to 64 ASCII letters, digits, `-`, `_` or `.`"
+)]
+pub struct AddressScopeError(pub String);
+
+impl AddressScope {
+    /// The scope as stored.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for AddressScope {
+    type Err = AddressScopeError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let ok = (1..=64).contains(&s.len())
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if ok {
+            Ok(Self(s.to_owned()))
+        } else {
+            Err(AddressScopeError(s.to_owned()))
+        }
+    }
+}
+
+impl std::fmt::Display for AddressScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 impl Default for StoreOptions {
@@ -108,6 +156,7 @@ impl Default for StoreOptions {
             acquire_timeout: Duration::from_secs(1),
             max_connections: 16,
             sqlite_busy_timeout: Duration::from_secs(5),
+            address_scope: None,
         }
     }
 }

@@ -204,6 +204,20 @@ fn remove_stale_socket(path: &std::path::Path) -> io::Result<()> {
     }
 }
 
+/// A PostgreSQL database may be shared by daemons on several machines, each
+/// with its own bridges: guest address pools are scoped by machine id there
+/// (SQLite is one machine's file, so nothing to scope).
+fn store_options(state: &kici_store::StoreUrl, state_dir: &StateDir) -> StoreOptions {
+    let address_scope = match state {
+        kici_store::StoreUrl::Postgres(_) => state_dir.machine_id().parse().ok(),
+        _ => None,
+    };
+    StoreOptions {
+        address_scope,
+        ..StoreOptions::default()
+    }
+}
+
 async fn run(
     settings: DaemonSettings,
     registry: BackendRegistry,
@@ -259,9 +273,13 @@ async fn run(
 
     // The store before any backend: what it records decides what the
     // backends' resources are (ours and live, or orphans).
-    let store = kici_store::open(&settings.state, instance, StoreOptions::default())
-        .await
-        .map_err(ServeError::Store)?;
+    let store = kici_store::open(
+        &settings.state,
+        instance,
+        store_options(&settings.state, &state_dir),
+    )
+    .await
+    .map_err(ServeError::Store)?;
 
     let ctx = BackendContext {
         config: None,
@@ -595,4 +613,24 @@ fn spawn_heartbeat(store: Arc<dyn kici_store::StateStore>) -> JoinHandle<()> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn address_pools_are_scoped_by_machine_on_postgres_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let machine = dir.path().join("machine-id");
+        std::fs::write(&machine, "0123456789abcdef0123456789abcdef\n").unwrap();
+        let state_dir =
+            StateDir::open_with_machine_id(&dir.path().join("state"), &machine, false).unwrap();
+        let pg: kici_store::StoreUrl = "postgres://u@localhost/db".parse().unwrap();
+        let scope = store_options(&pg, &state_dir).address_scope.unwrap();
+        assert_eq!(scope.as_str(), "0123456789abcdef0123456789abcdef");
+        let sqlite: kici_store::StoreUrl = "sqlite:/tmp/x.db".parse().unwrap();
+        assert_eq!(store_options(&sqlite, &state_dir).address_scope, None);
+    }
 }

@@ -296,6 +296,23 @@ impl Fleet {
         self.hosts[i].daemon = Some(daemon);
     }
 
+    /// Fails the test on `what`, with every host's warnings and errors
+    /// (and fleet messages) logged so far.
+    fn fail(&mut self, what: &str) -> ! {
+        for (i, h) in self.hosts.iter_mut().enumerate() {
+            let Some(d) = h.daemon.as_mut() else { continue };
+            for line in d.lines_so_far() {
+                let notable = line.contains("\"WARN\"")
+                    || line.contains("\"ERROR\"")
+                    || line.contains("fleet:");
+                if notable {
+                    eprintln!("host {i}: {line}");
+                }
+            }
+        }
+        panic!("never: {what}");
+    }
+
     fn sql(&self, query: &str) -> Vec<String> {
         psql(&self.local_url, query)
     }
@@ -369,12 +386,20 @@ impl Fleet {
     }
 }
 
-fn wait_long(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+fn wait_long(what: &str, limit: Duration, f: impl FnMut() -> bool) {
+    assert!(poll_until(limit, f), "never: {what}");
+}
+
+/// Whether `f` held within `limit` (polled every 50 ms).
+fn poll_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
     while !f() {
-        assert!(Instant::now() < deadline, "never: {what}");
+        if Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
+    true
 }
 
 #[test]
@@ -770,7 +795,7 @@ fn serial_fleet_rolling_restart_under_load_loses_nothing_and_serves_nothing_twic
 
 #[test]
 fn serial_fleet_database_restart_answers_503_fast_and_heals_without_restarting_hosts() {
-    let fleet = Fleet::start(2, 2, 4, &[]);
+    let mut fleet = Fleet::start(2, 2, 4, &[]);
     let (status, answer) = fleet.hosts[0].scale("before");
     assert!(status == 202 || status == 200, "{answer}");
     wait_long("before's agent boots", PATIENCE, || {
@@ -807,11 +832,19 @@ fn serial_fleet_database_restart_answers_503_fast_and_heals_without_restarting_h
     );
     // Both hosts serve again, without a restart; the agent that ran through
     // the outage is still the only one of its job.
-    wait_long("after is served", PATIENCE, || {
+    let served = poll_until(PATIENCE, || {
         let (status, _) = fleet.hosts[1].scale("after");
         (status == 200 || status == 202)
             && fleet.sql("SELECT state FROM fleet_requests WHERE job_id = 'after'") == ["started"]
     });
+    if !served {
+        let row = fleet.sql("SELECT state || ' ' || coalesce(claimed_by, '-') FROM fleet_requests WHERE job_id = 'after'");
+        let hosts =
+            fleet.sql("SELECT instance_id || ' ' || state || ' ' || epoch FROM fleet_hosts");
+        fleet.fail(&format!(
+            "after is served (request: {row:?}; hosts: {hosts:?})"
+        ));
+    }
     let before =
         fleet.sql("SELECT count(*) FROM fleet_agents WHERE job_id = 'before' AND state = 'live'");
     assert_eq!(before, ["1"]);

@@ -80,3 +80,10 @@ async fn one_instance_id_one_session() {
     other.close().await;
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn address_pools_are_scoped_by_machine() {
+    let db = TestDb::new().await;
+    address_pools_are_scoped(&db.url).await;
+    db.drop_db().await;
+}

@@ -112,3 +112,9 @@ async fn wal_and_a_clear_error_for_pools_too_large_to_prefill() {
     assert!(!host.is_empty());
     assert!(beat >= started && started > 0, "{started} {beat}");
 }
+
+#[tokio::test]
+async fn address_pools_are_scoped_by_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    address_pools_are_scoped(&sqlite_url(&dir)).await;
+}

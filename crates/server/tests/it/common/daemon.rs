@@ -323,6 +323,11 @@ impl Daemon {
             .unwrap_or_else(|| panic!("the daemon died before logging {message:?}"))
     }
 
+    /// The log lines written since the last read, without waiting.
+    pub fn lines_so_far(&mut self) -> Vec<String> {
+        self.lines.try_iter().collect()
+    }
+
     /// Every log line not read yet, up to the end of the log (the process
     /// must have exited, or be about to).
     pub fn rest_of_log(&mut self) -> Vec<String> {

@@ -476,3 +476,84 @@ pub async fn two_owners_share_a_pool(
         assert_eq!(b.release_agent(&l.agent).await.unwrap(), 1);
     }
 }
+
+/// A store of `url` with owner `owner` and address scope `scope`.
+pub async fn open_scoped(
+    url: &StoreUrl,
+    owner: InstanceId,
+    scope: Option<&str>,
+) -> Arc<dyn StateStore> {
+    let options = kici_store::StoreOptions {
+        address_scope: scope.map(|s| s.parse().unwrap()),
+        ..kici_store::StoreOptions::default()
+    };
+    kici_store::open(url, owner, options).await.unwrap()
+}
+
+/// Address pools are keyed by scope and network: two machines' stores on
+/// one database each get every address of the same network, while stores
+/// of one scope share its pool; an instance's leases from before it was
+/// scoped move into its scope when it first uses the network (so the agents
+/// it adopted keep their addresses and no address is handed out twice),
+/// leaving them free in the unscoped pool.
+pub async fn address_pools_are_scoped(url: &StoreUrl) {
+    let pool: Ipv4Pool = "10.45.0.0/29".parse().unwrap();
+    let first = Ipv4Addr::new(10, 45, 0, 2);
+    // One instance leases two addresses before it is scoped...
+    let owner = InstanceId::random();
+    let unscoped = open_scoped(url, owner, None).await;
+    assert_eq!(
+        unscoped.allocate(&pool, &agent_id(1)).await.unwrap().ip,
+        first
+    );
+    assert_eq!(
+        unscoped.allocate(&pool, &agent_id(2)).await.unwrap().ip,
+        Ipv4Addr::new(10, 45, 0, 3)
+    );
+    unscoped.close().await;
+    drop(unscoped);
+
+    // ...and is then opened in scope `machine-a`: its agents keep their
+    // addresses, a new agent gets the next one.
+    let a = open_scoped(url, owner, Some("machine-a")).await;
+    let again = a.allocate(&pool, &agent_id(1)).await.unwrap();
+    assert_eq!((again.ip, again.network), (first, pool.network()));
+    assert_eq!(
+        a.allocate(&pool, &agent_id(3)).await.unwrap().ip,
+        Ipv4Addr::new(10, 45, 0, 4)
+    );
+    let held: Vec<Ipv4Addr> = a.leases().await.unwrap().iter().map(|l| l.ip).collect();
+    assert_eq!(
+        held,
+        [
+            first,
+            Ipv4Addr::new(10, 45, 0, 3),
+            Ipv4Addr::new(10, 45, 0, 4)
+        ]
+    );
+
+    // Another machine's store starts from the first address of its own pool.
+    let b = open_scoped(url, InstanceId::random(), Some("machine-b")).await;
+    assert_eq!(b.allocate(&pool, &agent_id(10)).await.unwrap().ip, first);
+    // A second daemon of machine a shares a's pool.
+    let a2 = open_scoped(url, InstanceId::random(), Some("machine-a")).await;
+    assert_eq!(
+        a2.allocate(&pool, &agent_id(20)).await.unwrap().ip,
+        Ipv4Addr::new(10, 45, 0, 5)
+    );
+    // The moved leases were freed in the unscoped pool.
+    let other = open_scoped(url, InstanceId::random(), None).await;
+    assert_eq!(
+        other.allocate(&pool, &agent_id(30)).await.unwrap().ip,
+        first
+    );
+
+    // Releasing works per scope: b's release frees b's address only.
+    assert!(b.release_ip(pool.network(), first).await.unwrap());
+    assert!(a.leases().await.unwrap().iter().any(|l| l.ip == first));
+    assert_eq!(a.release_agent(&agent_id(1)).await.unwrap(), 1);
+    assert_eq!(a2.allocate(&pool, &agent_id(21)).await.unwrap().ip, first);
+    for s in [a, a2, b, other] {
+        s.close().await;
+    }
+}
