@@ -78,11 +78,31 @@ pub struct AgentObject {
     pub age_seconds: f64,
     /// Seconds in the current state.
     pub state_seconds: f64,
+    /// In a fleet: the instance id of the host that runs the agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 /// `GET /v1/agents`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
 pub struct AgentList {
     pub agents: Vec<AgentObject>,
+    /// In a fleet: the live hosts whose agents are missing from the list
+    /// because they did not answer in time, each with why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreachable_hosts: Vec<UnreachableHost>,
+}
+
+/// A fleet host a fleet-wide read could not reach.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct UnreachableHost {
+    pub instance_id: String,
+    /// Its advertised URL, if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    pub reason: String,
 }

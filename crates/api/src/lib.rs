@@ -72,7 +72,7 @@ pub mod status;
 
 pub use agents::{
     AgentList, AgentObject, JobCompleteBody, JobStartedBody, RegisteredBody, RegistrationAnswer,
-    ResourcesObject,
+    ResourcesObject, UnreachableHost,
 };
 #[cfg(feature = "client")]
 pub use client::{ApiError, Client, ErrorAnswer, Events, JobLogs, RawReply};

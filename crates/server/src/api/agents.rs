@@ -8,7 +8,7 @@
 use super::error::{agent_error, ApiError, ApiJson, ErrorBody, ErrorCode};
 use super::wire::{
     parse_job, AgentList, AgentObject, IntoApi, JobCompleteBody, JobStartedBody, RegisteredBody,
-    RegistrationAnswer,
+    RegistrationAnswer, UnreachableHost,
 };
 use super::{parse_agent, AppState};
 use crate::gateway::enrolment::{Refusal, Via};
@@ -223,12 +223,17 @@ pub async fn disconnected(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Every live agent (`?all=true`: also the recently gone ones).
+/// Every live agent (`?all=true`: also the recently gone ones). In a fleet,
+/// every host's agents, each with its `host` (`?local=true`: this host's
+/// only).
 #[utoipa::path(
     get,
     path = "/v1/agents",
     tag = "agents",
-    params(("all" = Option<bool>, Query, description = "Include gone agents")),
+    params(
+        ("all" = Option<bool>, Query, description = "Include gone agents"),
+        ("local" = Option<bool>, Query, description = "In a fleet: only this host's agents")
+    ),
     responses(
         (status = 200, description = "The agents, oldest first", body = AgentList),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
@@ -239,38 +244,99 @@ pub async fn list_agents(
     State(state): State<AppState>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<AgentList>, ApiError> {
-    let all = parse_all(query.as_deref())?;
-    let agents = state.runtime.agents(all);
+    let query = AgentsQuery::parse(query.as_deref())?;
+    let mut agents: Vec<AgentObject> = state
+        .runtime
+        .agents(query.all)
+        .into_iter()
+        .map(IntoApi::into_api)
+        .collect();
+    let mut unreachable_hosts = Vec::new();
+    if let Some(fleet) = state.fleet() {
+        let me = state.instance.to_string();
+        for a in &mut agents {
+            a.host = Some(me.clone());
+        }
+        if !query.local {
+            let path = if query.all {
+                "/v1/agents?all=true&local=true"
+            } else {
+                "/v1/agents?local=true"
+            };
+            match fleet
+                .gather::<AgentList>(path, state.api_token.as_ref())
+                .await
+            {
+                Ok(parts) => {
+                    for part in parts {
+                        match part.answer {
+                            Ok(list) => agents.extend(list.agents),
+                            Err(reason) => unreachable_hosts.push(UnreachableHost {
+                                instance_id: part.instance,
+                                url: part.url,
+                                reason,
+                            }),
+                        }
+                    }
+                }
+                Err(e) => unreachable_hosts.push(UnreachableHost {
+                    instance_id: "*".to_owned(),
+                    url: None,
+                    reason: format!("the fleet's hosts cannot be read: {e}"),
+                }),
+            }
+            agents.sort_by(|a, b| {
+                b.age_seconds
+                    .total_cmp(&a.age_seconds)
+                    .then_with(|| a.agent_id.cmp(&b.agent_id))
+            });
+        }
+    }
     Ok(Json(AgentList {
-        agents: agents.into_iter().map(IntoApi::into_api).collect(),
+        agents,
+        unreachable_hosts,
     }))
 }
 
-/// `all=true|false` (or a bare `all`); anything else is refused by name.
-fn parse_all(query: Option<&str>) -> Result<bool, ApiError> {
-    let mut all = false;
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
-        if key != "all" {
-            return Err(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                ErrorCode::UnknownField,
-                format!("unknown query parameter {key:?}: the only one is `all`"),
-            )
-            .field(key));
+/// The query of `GET /v1/agents`.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct AgentsQuery {
+    all: bool,
+    local: bool,
+}
+
+impl AgentsQuery {
+    /// `all` and `local`, each `true|false|1|0` (or bare: true); anything
+    /// else is refused by name.
+    fn parse(query: Option<&str>) -> Result<Self, ApiError> {
+        let mut q = Self::default();
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
+            let slot = match key {
+                "all" => &mut q.all,
+                "local" => &mut q.local,
+                _ => {
+                    return Err(ApiError::new(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        ErrorCode::UnknownField,
+                        format!("unknown query parameter {key:?}: expected `all` or `local`"),
+                    )
+                    .field(key))
+                }
+            };
+            *slot = match value {
+                "true" | "1" | "" => true,
+                "false" | "0" => false,
+                other => {
+                    return Err(ApiError::invalid(
+                        key,
+                        format!("{key} must be true or false, got {other:?}"),
+                    ))
+                }
+            };
         }
-        all = match value {
-            "true" | "1" | "" => true,
-            "false" | "0" => false,
-            other => {
-                return Err(ApiError::invalid(
-                    "all",
-                    format!("all must be true or false, got {other:?}"),
-                ))
-            }
-        };
+        Ok(q)
     }
-    Ok(all)
 }
 
 /// One agent (live or recently gone).
@@ -331,15 +397,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_all_parameter() {
-        assert!(!parse_all(None).unwrap());
-        assert!(parse_all(Some("all=true")).unwrap());
-        assert!(parse_all(Some("all")).unwrap());
-        assert!(!parse_all(Some("all=false")).unwrap());
+    fn the_all_and_local_parameters() {
+        let q = |s| AgentsQuery::parse(s);
+        assert_eq!(q(None).unwrap(), AgentsQuery::default());
+        assert!(q(Some("all=true")).unwrap().all);
+        assert!(q(Some("all")).unwrap().all);
+        assert!(!q(Some("all=false")).unwrap().all);
         assert_eq!(
-            parse_all(Some("all=yes")).unwrap_err().field.as_deref(),
+            q(Some("all=true&local=1")).unwrap(),
+            AgentsQuery {
+                all: true,
+                local: true
+            }
+        );
+        assert_eq!(
+            q(Some("all=yes")).unwrap_err().field.as_deref(),
             Some("all")
         );
-        assert_eq!(parse_all(Some("al=1")).unwrap_err().code, "unknown-field");
+        assert_eq!(
+            q(Some("local=maybe")).unwrap_err().field.as_deref(),
+            Some("local")
+        );
+        assert_eq!(q(Some("al=1")).unwrap_err().code, "unknown-field");
     }
 }

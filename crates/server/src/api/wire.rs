@@ -24,7 +24,7 @@ pub use kici_api::{
     FailureReasonName, FreeObject, Health, JobCompleteBody, JobStartedBody, LabelSetStatusObject,
     ModeName, PendingEndName, Readiness, RegisteredBody, RegistrationAnswer, ReloadAnswer,
     ReloadDiff, ResourceSpecBody, ResourcesBody, ResourcesObject, ScaleAnswer, ScaleBody,
-    ScalerStatusObject, SpawnsObject, StatusObject, UsageObject,
+    ScalerStatusObject, SpawnsObject, StatusObject, UnreachableHost, UsageObject,
 };
 
 // ------------------------------------------------------------------ requests
@@ -298,6 +298,7 @@ impl IntoApi<AgentObject> for AgentView {
             exit_code: self.exit_code,
             age_seconds: self.age_seconds,
             state_seconds: self.state_seconds,
+            host: None,
         }
     }
 }

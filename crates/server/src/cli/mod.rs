@@ -24,7 +24,7 @@ use kici_model::{Config, LabelError, LabelSet};
 use kici_routing::{CordonSet, Explanation, HostPlatform, Router};
 use serde::Serialize;
 use std::io::{self, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Exit codes of every command.
@@ -209,6 +209,14 @@ pub struct RouteArgs {
     /// Print one JSON document instead of the text explanation.
     #[arg(long)]
     pub json: bool,
+    /// Also ask this daemon, a host of a fleet, which hosts serve the chosen
+    /// scaler (http://HOST:PORT, https://HOST:PORT or unix:/path; the token
+    /// from KICI_SCALER_API_TOKEN). Without it, routing reads the file only.
+    #[arg(long, value_name = "URL")]
+    pub server: Option<String>,
+    /// PEM CA certificate(s) to trust for an https:// --server.
+    #[arg(long, value_name = "FILE", requires = "server")]
+    pub ca_cert: Option<PathBuf>,
 }
 
 /// Why a command failed (exit code [`exit::ERROR`]).
@@ -234,6 +242,8 @@ pub enum CliError {
     NotOneShot,
     #[error("sweep: {0}")]
     Sweep(String),
+    #[error("{server}: {message}")]
+    Fleet { server: String, message: String },
 }
 
 /// How a command that did not fail ended.
@@ -534,17 +544,57 @@ fn route(args: &RouteArgs, out: &mut dyn Write, err: &mut dyn Write) -> Result<O
         "routed"
     );
 
+    let chosen = explanation
+        .chosen
+        .and_then(|r| config.scalers.get(r.scaler))
+        .map(|s| s.name.to_string());
+    let hosts = match (&args.server, &chosen) {
+        (Some(server), Some(pool)) => Some(fleet_hosts(server, args.ca_cert.as_deref(), pool)?),
+        _ => None,
+    };
     if args.json {
-        serde_json::to_writer(&mut *out, &RouteJson::new(config, &explanation))?;
+        let mut doc = RouteJson::new(config, &explanation);
+        doc.hosts = hosts;
+        serde_json::to_writer(&mut *out, &doc)?;
         writeln!(out)?;
     } else {
         write_route_text(out, config, &job, &exclude, &explanation)?;
+        if let (Some(hosts), Some(pool)) = (&hosts, &chosen) {
+            if hosts.is_empty() {
+                writeln!(out, "no live host of the fleet serves {pool}")?;
+            } else {
+                writeln!(out, "served by hosts: {}", hosts.join(", "))?;
+            }
+        }
     }
     Ok(if explanation.chosen.is_some() {
         Outcome::Ok
     } else {
         Outcome::NoBackend
     })
+}
+
+/// The live hosts of the fleet `server` belongs to that serve `pool` (their
+/// instance ids), as its `GET /v1/fleet` says.
+fn fleet_hosts(server: &str, ca_cert: Option<&Path>, pool: &str) -> Result<Vec<String>, CliError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    let client =
+        crate::cli::client::connect(server, ca_cert, crate::cli::client::token_from_env())?;
+    let fleet = runtime
+        .block_on(client.fleet())
+        .map_err(|e| CliError::Fleet {
+            server: server.to_owned(),
+            message: e.to_string(),
+        })?;
+    Ok(fleet
+        .pools
+        .into_iter()
+        .find(|p| p.name == pool)
+        .map(|p| p.hosts)
+        .unwrap_or_default())
 }
 
 /// `route --json`: exactly this shape.
@@ -554,6 +604,9 @@ pub struct RouteJson {
     pub scaler: Option<String>,
     pub label_set_index: Option<usize>,
     pub candidates: Vec<CandidateJson>,
+    /// With `--server`: the fleet's live hosts serving the chosen scaler.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hosts: Option<Vec<String>>,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -581,6 +634,7 @@ impl RouteJson {
                     reason: c.reason.to_string(),
                 })
                 .collect(),
+            hosts: None,
         }
     }
 }

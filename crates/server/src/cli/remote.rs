@@ -322,22 +322,47 @@ fn write_fleet(doc: &kici_api::FleetObject, out: &mut dyn Write) -> std::io::Res
 
 fn write_agents(doc: &AgentList, out: &mut dyn Write) -> std::io::Result<()> {
     if doc.agents.is_empty() {
-        return writeln!(out, "no agents");
-    }
-    writeln!(
-        out,
-        "{:<30} {:<13} {:<16} {:<24} {:>8}",
-        "AGENT", "STATE", "SCALER", "JOB", "AGE"
-    )?;
-    for a in &doc.agents {
+        writeln!(out, "no agents")?;
+    } else {
+        // A fleet's agents carry their host: one more column then.
+        let fleet = doc.agents.iter().any(|a| a.host.is_some());
+        let host = |h: &str| {
+            if fleet {
+                format!("{h:<10} ")
+            } else {
+                String::new()
+            }
+        };
         writeln!(
             out,
-            "{:<30} {:<13} {:<16} {:<24} {:>7.0}s",
-            a.agent_id,
-            a.state.as_str(),
-            a.scaler,
-            a.job_id.as_deref().unwrap_or("-"),
-            a.age_seconds
+            "{}{:<30} {:<13} {:<16} {:<24} {:>8}",
+            host("HOST"),
+            "AGENT",
+            "STATE",
+            "SCALER",
+            "JOB",
+            "AGE"
+        )?;
+        for a in &doc.agents {
+            writeln!(
+                out,
+                "{}{:<30} {:<13} {:<16} {:<24} {:>7.0}s",
+                host(a.host.as_deref().unwrap_or("-")),
+                a.agent_id,
+                a.state.as_str(),
+                a.scaler,
+                a.job_id.as_deref().unwrap_or("-"),
+                a.age_seconds
+            )?;
+        }
+    }
+    for h in &doc.unreachable_hosts {
+        writeln!(
+            out,
+            "unreachable: host {} ({}): {}",
+            h.instance_id,
+            h.url.as_deref().unwrap_or("no URL"),
+            h.reason
         )?;
     }
     Ok(())

@@ -312,13 +312,16 @@ impl FleetHost {
     ) -> Result<Option<ScaleOutcome>, EntryError> {
         let inner = &self.0;
         let job = request.job.clone();
-        // Known here already: the queue has it too; answered from there.
-        if inner.runtime.call(|e, _| e.job_outcome(&job)).is_some() {
-            return Ok(None);
-        }
         let Some(_one) = self.may_take(&new.pool).await else {
             return Ok(None);
         };
+        // Known here already — also when the claim loop served it while
+        // this call waited for the claim guard: the queue has it too, and
+        // the admission below would be the engine's answer for that claim's
+        // agent, which this call must not undo. Answered from the queue.
+        if inner.runtime.call(|e, _| e.job_outcome(&job)).is_some() {
+            return Ok(None);
+        }
         let (decide, decision) = oneshot::channel();
         inner.entering.lock().insert(job.clone(), decision);
         let outcome = inner.runtime.request_scale_now(request);
@@ -670,6 +673,29 @@ impl FleetHost {
         }
     }
 
+    /// Gives back the claims no agent will bind: their job is no longer the
+    /// engine's (its admission was cancelled or its agent ended before the
+    /// spawn gate took the claim). Under the claim guard, so a claim being
+    /// served right now (recorded just before the engine admits it) is not
+    /// taken for one.
+    async fn release_orphaned_claims(&self) {
+        let inner = &self.0;
+        let _one = inner.claiming.lock().await;
+        let jobs: Vec<JobId> = inner.claimed.lock().keys().cloned().collect();
+        let unknown: Vec<JobId> = jobs
+            .into_iter()
+            .filter(|job| inner.runtime.call(|e, _| e.job_outcome(job)).is_none())
+            .collect();
+        let orphaned: Vec<Claim> = {
+            let mut claimed = inner.claimed.lock();
+            unknown.iter().filter_map(|j| claimed.remove(j)).collect()
+        };
+        for claim in orphaned {
+            tracing::warn!(job_id = %claim.job_id, "fleet: a claim no agent took is given back");
+            self.give_back(&claim, "released").await;
+        }
+    }
+
     /// Finishes the requests of bound agents the engine no longer has (an
     /// event was missed, or a completion failed to reach the database).
     async fn finish_vanished(&self) {
@@ -734,6 +760,7 @@ impl FleetHost {
             }
             if round % 2 == 1 {
                 self.finish_vanished().await;
+                self.release_orphaned_claims().await;
                 self.refresh_view().await;
             }
         }

@@ -6,11 +6,31 @@
 //! A call is forwarded only when this host does not know the agent or job
 //! and the database names another live host as its owner, so a forwarded
 //! call never bounces: the owner knows it, or answers 404 itself.
+//!
+//! Fleet-wide reads ([`FleetHost::gather`]) ask every other live host for
+//! its own part (`local=true`, so a peer never fans out again) at once, each
+//! within [`PEER_READ_TIMEOUT`]; a host that does not answer is named in
+//! the reply instead of failing it.
 
 use super::FleetHost;
 use axum::http::Method;
 use bytes::Bytes;
 use kici_model::Secret;
+use serde::de::DeserializeOwned;
+use std::time::Duration;
+
+/// How long a fleet-wide read waits for each peer: a read must stay fast
+/// when a host hangs, and the host's lease names it lost soon anyway.
+pub const PEER_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One peer's part of a fleet-wide read.
+#[derive(Debug)]
+pub struct PeerPart<T> {
+    pub instance: String,
+    pub url: Option<String>,
+    /// Its answer, or why there is none.
+    pub answer: Result<T, String>,
+}
 
 /// What an owner-only call is about.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +112,58 @@ impl FleetHost {
         tracing::debug!(owner = %owner.instance, %method, path, status = reply.status, "fleet: call carried to the owner");
         Ok(Some((reply.status, reply.body)))
     }
+}
+
+impl FleetHost {
+    /// `GET path` on every other live (`up` or `leaving`) host of the
+    /// fleet, concurrently, each decoded as `T`. Fails only when the
+    /// fleet's hosts cannot be read.
+    pub async fn gather<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        token: Option<&Secret>,
+    ) -> Result<Vec<PeerPart<T>>, kici_fleet::FleetError> {
+        let me = self.instance().to_string();
+        let hosts = kici_fleet::membership::hosts(self.fleet()).await?;
+        let asks = hosts
+            .into_iter()
+            .filter(|h| h.instance_id != me && (h.state == "up" || h.state == "leaving"))
+            .map(|h| async move {
+                let answer = match &h.url {
+                    None => Err("it advertises no URL (--advertise-url)".to_owned()),
+                    Some(url) => read_peer(url, path, token).await,
+                };
+                PeerPart {
+                    instance: h.instance_id,
+                    url: h.url,
+                    answer,
+                }
+            });
+        Ok(futures_util::future::join_all(asks).await)
+    }
+}
+
+async fn read_peer<T: DeserializeOwned>(
+    url: &str,
+    path: &str,
+    token: Option<&Secret>,
+) -> Result<T, String> {
+    let mut client = kici_api::Client::new(url).map_err(|e| e.to_string())?;
+    if let Some(token) = token {
+        client = client.with_token(token.expose());
+    }
+    let reply = tokio::time::timeout(PEER_READ_TIMEOUT, client.raw("GET", path, None))
+        .await
+        .map_err(|_| format!("no answer within {PEER_READ_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())?;
+    if reply.status != 200 {
+        return Err(format!(
+            "answered {}: {}",
+            reply.status,
+            String::from_utf8_lossy(&reply.body)
+        ));
+    }
+    serde_json::from_slice(&reply.body).map_err(|e| format!("unreadable answer: {e}"))
 }
 
 #[cfg(test)]

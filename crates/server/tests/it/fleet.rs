@@ -40,6 +40,7 @@ struct Net {
 
 impl Net {
     fn new(hosts: usize) -> Net {
+        Self::remove_leftovers();
         let tag = format!("{:06x}", rand::random::<u32>() & 0xff_ffff);
         let bridge = format!("kfl{tag}");
         sh(&["ip", "link", "add", &bridge, "type", "bridge"]);
@@ -72,6 +73,29 @@ impl Net {
             sh(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
         }
         net
+    }
+
+    /// The namespaces and bridge of an earlier fleet test killed before it
+    /// could remove them (fleet tests run one at a time, so any found is
+    /// dead): its bridge holds the subnet's gateway address, which would
+    /// leave this test's hosts unable to reach the database.
+    fn remove_leftovers() {
+        let list = |args: &[&str]| {
+            let out = Command::new("ip").args(args).output().unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        for line in list(&["netns", "list"]).lines() {
+            let ns = line.split_whitespace().next().unwrap_or_default();
+            if ns.starts_with("kfl") {
+                sh(&["ip", "netns", "delete", ns]);
+            }
+        }
+        for line in list(&["-br", "link", "show", "type", "bridge"]).lines() {
+            let dev = line.split_whitespace().next().unwrap_or_default();
+            if dev.starts_with("kfl") {
+                sh(&["ip", "link", "delete", dev]);
+            }
+        }
     }
 
     fn addr(&self, host: usize) -> String {
@@ -142,9 +166,9 @@ impl Host {
         self.call("POST", "/v1/scale", Some(&body))
     }
 
-    /// Its live agents: id → state.
+    /// Its own live agents: id → state.
     fn agents(&self) -> BTreeMap<String, String> {
-        let (status, v) = self.call("GET", "/v1/agents", None);
+        let (status, v) = self.call("GET", "/v1/agents?local=true", None);
         if status != 200 {
             return BTreeMap::new();
         }
@@ -292,19 +316,27 @@ impl Fleet {
             }
         }
         cmd.env("KICI_SCALER_API_TOKEN", TOKEN);
+        // What a failure dump needs: the claim path's decisions.
+        cmd.env(
+            "KICI_SCALER_LOG",
+            "info,kici_scaler::fleet=debug,kici_engine=debug",
+        );
         let daemon = Daemon::spawn(cmd).unwrap_or_else(|s| panic!("host {i} died at start: {s:?}"));
         self.hosts[i].daemon = Some(daemon);
     }
 
-    /// Fails the test on `what`, with every host's warnings and errors
-    /// (and fleet messages) logged so far.
-    fn fail(&mut self, what: &str) -> ! {
+    /// Fails the test on `what`, with every host's warnings, errors, fleet
+    /// messages and lines about `job` logged so far, and its own agents.
+    fn fail(&mut self, what: &str, job: &str) -> ! {
         for (i, h) in self.hosts.iter_mut().enumerate() {
+            let (_, agents) = h.call("GET", "/v1/agents?local=true&all=true", None);
+            eprintln!("host {i} agents: {agents}");
             let Some(d) = h.daemon.as_mut() else { continue };
             for line in d.lines_so_far() {
                 let notable = line.contains("\"WARN\"")
                     || line.contains("\"ERROR\"")
-                    || line.contains("fleet:");
+                    || line.contains("fleet")
+                    || line.contains(job);
                 if notable {
                     eprintln!("host {i}: {line}");
                 }
@@ -513,6 +545,32 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
     assert_eq!(view["agentId"], agent.as_str());
     let (status, _) = fleet.hosts[0].call("GET", "/v1/agents/scaler-bare-metal-00000000", None);
     assert_eq!(status, 404);
+
+    // Any host lists the whole fleet's agents, each with its host; with
+    // `local=true`, only its own.
+    let other = &fleet.hosts[(owner + 1) % 3];
+    let (status, list) = other.call("GET", "/v1/agents", None);
+    assert_eq!(status, 200, "{list}");
+    assert!(list.get("unreachableHosts").is_none(), "{list}");
+    let hosts: BTreeMap<String, String> = list["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["agentId"].as_str().unwrap().to_owned(),
+                a["host"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        hosts.get(&agent),
+        Some(&fleet.hosts[owner].dir.instance()),
+        "{list}"
+    );
+    let instances: Vec<String> = fleet.hosts.iter().map(|h| h.dir.instance()).collect();
+    assert!(hosts.values().all(|h| instances.contains(h)), "{list}");
+    assert!(!other.agents().contains_key(&agent));
 
     // A body that differs for a known job id is a conflict, from any host.
     let (status, body) = fleet.hosts[1].call(
@@ -793,6 +851,78 @@ fn serial_fleet_rolling_restart_under_load_loses_nothing_and_serves_nothing_twic
     assert_eq!(unknown, ["0"]);
 }
 
+/// The same request sent to one host by several clients at once, while
+/// that host's claim loop may be serving it: whichever path admits it
+/// first, the other never undoes that admission, and every request ends
+/// with exactly one agent — none is left claimed with no agent.
+#[test]
+fn serial_fleet_concurrent_repeats_of_one_request_start_it_once() {
+    let mut fleet = Fleet::start(2, 2, 4, &[]);
+    const JOBS: usize = 40;
+    const CLIENTS: usize = 8;
+    let addrs: Vec<String> = fleet
+        .hosts
+        .iter()
+        .map(|h| format!("{}:7878", h.addr))
+        .collect();
+    std::thread::scope(|scope| {
+        for _ in 0..CLIENTS {
+            let addrs = &addrs;
+            scope.spawn(move || {
+                for n in 0..JOBS {
+                    let job = format!("race-{n:02}");
+                    let body = serde_json::json!({"jobId": job, "labels": ["local"]}).to_string();
+                    let auth = format!("Bearer {TOKEN}");
+                    let headers = [("Authorization", auth.as_str())];
+                    let (status, answer) =
+                        http(&addrs[n % 2], "POST", "/v1/scale", &headers, Some(&body));
+                    assert!(status == 202 || status == 200, "{job}: {status} {answer}");
+                }
+            });
+        }
+    });
+    // Only now are agents' "jobs" ended: a repeat arriving after its
+    // request finished would rightly be a new request.
+    let served = poll_until(PATIENCE, || {
+        fleet.finish_booted();
+        fleet.agents_per_job().len() == JOBS
+    });
+    if !served {
+        let ran = fleet.agents_per_job();
+        let left: Vec<String> = fleet
+            .sql(
+                "SELECT job_id || ' ' || state || ' ' || coalesce(claimed_by, '-') || ' ' \
+                 || coalesce(agent_id, '-') || ' ' || coalesce(outcome, '-') FROM fleet_requests",
+            )
+            .into_iter()
+            .filter(|row| !ran.contains_key(row.split(' ').next().unwrap_or_default()))
+            .collect();
+        fleet.fail(
+            &format!("every request ran an agent (not: {left:?})"),
+            "race-",
+        );
+    }
+    for (job, agents) in fleet.agents_per_job() {
+        assert_eq!(agents.len(), 1, "{job}: {agents:?}");
+    }
+    assert!(
+        fleet.recorded().values().all(|n| *n == 1),
+        "{:?}",
+        fleet.recorded()
+    );
+    // Served by the entry and claim paths themselves, not healed by the
+    // sweep that gives back claims no agent took.
+    for h in &mut fleet.hosts {
+        let d = h.daemon.as_mut().unwrap();
+        let orphaned: Vec<String> = d
+            .lines_so_far()
+            .into_iter()
+            .filter(|l| l.contains("a claim no agent took is given back"))
+            .collect();
+        assert!(orphaned.is_empty(), "host {}: {orphaned:?}", h.index);
+    }
+}
+
 #[test]
 fn serial_fleet_database_restart_answers_503_fast_and_heals_without_restarting_hosts() {
     let mut fleet = Fleet::start(2, 2, 4, &[]);
@@ -841,9 +971,10 @@ fn serial_fleet_database_restart_answers_503_fast_and_heals_without_restarting_h
         let row = fleet.sql("SELECT state || ' ' || coalesce(claimed_by, '-') FROM fleet_requests WHERE job_id = 'after'");
         let hosts =
             fleet.sql("SELECT instance_id || ' ' || state || ' ' || epoch FROM fleet_hosts");
-        fleet.fail(&format!(
-            "after is served (request: {row:?}; hosts: {hosts:?})"
-        ));
+        fleet.fail(
+            &format!("after is served (request: {row:?}; hosts: {hosts:?})"),
+            "after",
+        );
     }
     let before =
         fleet.sql("SELECT count(*) FROM fleet_agents WHERE job_id = 'before' AND state = 'live'");
