@@ -166,6 +166,28 @@ impl Host {
         self.call("POST", "/v1/scale", Some(&body))
     }
 
+    /// Its own live agents: id → (state, job id or "").
+    fn agents_with_jobs(&self) -> BTreeMap<String, (String, String)> {
+        let (status, v) = self.call("GET", "/v1/agents?local=true", None);
+        if status != 200 {
+            return BTreeMap::new();
+        }
+        v["agents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                (
+                    a["agentId"].as_str().unwrap().to_owned(),
+                    (
+                        a["state"].as_str().unwrap().to_owned(),
+                        a["jobId"].as_str().unwrap_or_default().to_owned(),
+                    ),
+                )
+            })
+            .collect()
+    }
+
     /// Its own live agents: id → state.
     fn agents(&self) -> BTreeMap<String, String> {
         let (status, v) = self.call("GET", "/v1/agents?local=true", None);
@@ -376,6 +398,19 @@ impl Fleet {
         per_job
     }
 
+    /// The requests no agent ran for, each as `job state host agent
+    /// outcome`.
+    fn unserved(&self) -> Vec<String> {
+        let ran = self.agents_per_job();
+        self.sql(
+            "SELECT job_id || ' ' || state || ' ' || coalesce(claimed_by, '-') || ' ' \
+             || coalesce(agent_id, '-') || ' ' || coalesce(outcome, '-') FROM fleet_requests",
+        )
+        .into_iter()
+        .filter(|row| !ran.contains_key(row.split(' ').next().unwrap_or_default()))
+        .collect()
+    }
+
     /// Claimed requests + live agents of the pool, as the caps count them.
     fn fleet_usage(&self) -> u64 {
         self.sql(
@@ -389,19 +424,29 @@ impl Fleet {
     /// Destroys every booted agent on every running host (their "job" is
     /// done), through the host that runs it.
     fn finish_booted(&self) -> usize {
+        self.finish_booted_if(|_| true)
+    }
+
+    /// [`Fleet::finish_booted`] for the agents whose job `done` accepts:
+    /// a repeat of a request sent after its agent ended is a new request.
+    fn finish_booted_if(&self, done: impl Fn(&str) -> bool) -> usize {
         let all: Vec<usize> = (0..self.hosts.len()).collect();
-        self.finish_booted_on(&all)
+        self.finish_booted_on_if(&all, done)
     }
 
     fn finish_booted_on(&self, hosts: &[usize]) -> usize {
+        self.finish_booted_on_if(hosts, |_| true)
+    }
+
+    fn finish_booted_on_if(&self, hosts: &[usize], done: impl Fn(&str) -> bool) -> usize {
         let mut n = 0;
         for h in hosts
             .iter()
             .map(|i| &self.hosts[*i])
             .filter(|h| h.daemon.is_some())
         {
-            for (agent, state) in h.agents() {
-                if state == "booted" {
+            for (agent, (state, job)) in h.agents_with_jobs() {
+                if state == "booted" && done(&job) {
                     // Through the next host when it runs: the call is
                     // carried to the owner.
                     let next = &self.hosts[(h.index + 1) % self.hosts.len()];
@@ -436,7 +481,7 @@ fn poll_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_order() {
-    let fleet = Fleet::start(3, 3, 5, &[]);
+    let mut fleet = Fleet::start(3, 3, 5, &[]);
     // Every host sees the same fleet: three hosts up, one leader.
     wait_until("one leader among three hosts", || {
         let (status, v) = fleet.hosts[2].call("GET", "/v1/fleet", None);
@@ -464,9 +509,12 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
     // host is the same request: no second agent. Meanwhile this thread
     // ends the agents' "jobs" and samples the pool's usage in the database.
     let done = std::sync::atomic::AtomicUsize::new(0);
+    // Jobs whose two sends are both answered: only their agents are ended
+    // while clients still send.
+    let posted = std::sync::Mutex::new(BTreeSet::new());
     std::thread::scope(|scope| {
         for client in 0..CLIENTS {
-            let (addrs, done) = (&addrs, &done);
+            let (addrs, done, posted) = (&addrs, &done, &posted);
             scope.spawn(move || {
                 for n in (client..JOBS).step_by(CLIENTS) {
                     let job = format!("job-{n:03}");
@@ -483,17 +531,18 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
                             "{answer}"
                         );
                     }
+                    posted.lock().unwrap().insert(job);
                     done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             });
         }
         while done.load(std::sync::atomic::Ordering::Relaxed) < JOBS {
             max_usage = max_usage.max(fleet.fleet_usage());
-            fleet.finish_booted();
+            fleet.finish_booted_if(|job| posted.lock().unwrap().contains(job));
         }
     });
     // The rest are served as capacity frees; the cap holds throughout.
-    wait_long("every request served", PATIENCE * 6, || {
+    let served = poll_until(PATIENCE * 6, || {
         max_usage = max_usage.max(fleet.fleet_usage());
         for h in &fleet.hosts {
             assert!(h.agents().len() <= 3, "host {} over its own cap", h.index);
@@ -501,6 +550,10 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
         fleet.finish_booted();
         fleet.agents_per_job().len() == JOBS
     });
+    if !served {
+        let left = fleet.unserved();
+        fleet.fail(&format!("every request served (not: {left:?})"), "job-");
+    }
     assert!(
         max_usage <= 5,
         "the pool's fleet cap was exceeded: {max_usage}"
@@ -571,6 +624,33 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
     let instances: Vec<String> = fleet.hosts.iter().map(|h| h.dir.instance()).collect();
     assert!(hosts.values().all(|h| instances.contains(h)), "{list}");
     assert!(!other.agents().contains_key(&agent));
+
+    // `route --server` names the hosts that serve the chosen scaler.
+    let out = fleet.hosts[0]
+        .dir
+        .command(&["route", "--labels", "local", "--json", "--server"])
+        .arg(format!("http://{}:7878", fleet.hosts[2].addr))
+        .arg("--config")
+        .arg(fleet.hosts[0].dir.path("scalers.yaml"))
+        .env("KICI_SCALER_API_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let route: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut served_by: Vec<String> = route["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_str().unwrap().to_owned())
+        .collect();
+    served_by.sort();
+    let mut expected = instances.clone();
+    expected.sort();
+    assert_eq!(served_by, expected, "{route}");
 
     // A body that differs for a known job id is a conflict, from any host.
     let (status, body) = fleet.hosts[1].call(
@@ -888,15 +968,7 @@ fn serial_fleet_concurrent_repeats_of_one_request_start_it_once() {
         fleet.agents_per_job().len() == JOBS
     });
     if !served {
-        let ran = fleet.agents_per_job();
-        let left: Vec<String> = fleet
-            .sql(
-                "SELECT job_id || ' ' || state || ' ' || coalesce(claimed_by, '-') || ' ' \
-                 || coalesce(agent_id, '-') || ' ' || coalesce(outcome, '-') FROM fleet_requests",
-            )
-            .into_iter()
-            .filter(|row| !ran.contains_key(row.split(' ').next().unwrap_or_default()))
-            .collect();
+        let left = fleet.unserved();
         fleet.fail(
             &format!("every request ran an agent (not: {left:?})"),
             "race-",
