@@ -197,6 +197,31 @@ pub(crate) fn statements(planned: &PlannedRule) -> Vec<Vec<Statement<'static>>> 
             counter(),
             Statement::Accept(None),
         ]],
+        PlannedRule::HostService { net, port } => {
+            let to = || net.map(|n| matches(payload("ip", "daddr"), Operator::EQ, v4net(n)));
+            let accept = |head: Vec<Statement<'static>>| {
+                let mut expr = head;
+                expr.extend([counter(), Statement::Accept(None)]);
+                expr
+            };
+            match port {
+                None => vec![accept(to().into_iter().collect())],
+                Some(port) => ["tcp", "udp"]
+                    .into_iter()
+                    .map(|proto| {
+                        accept(
+                            to().into_iter()
+                                .chain([matches(
+                                    payload(proto, "dport"),
+                                    Operator::EQ,
+                                    Expression::Number(u32::from(port)),
+                                )])
+                                .collect(),
+                        )
+                    })
+                    .collect(),
+            }
+        }
         PlannedRule::Destination { net, verdict: v } => vec![vec![
             matches(payload("ip", "daddr"), Operator::EQ, v4net(net)),
             counter(),

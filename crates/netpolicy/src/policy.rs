@@ -2,7 +2,7 @@
 //! `networkPolicy` turned into an ordered list of destination verdicts.
 
 use ipnet::{IpNet, Ipv4Net};
-use kici_model::config::NetworkPolicy;
+use kici_model::config::{HostAccess, NetworkPolicy};
 use std::net::{IpAddr, Ipv4Addr};
 
 /// Destinations blocked unless an allowlist entry at least as specific
@@ -40,6 +40,7 @@ pub fn default_blocked_v4() -> Vec<Ipv4Net> {
 pub struct EgressPolicy {
     allowlist: Vec<IpNet>,
     deny_all: bool,
+    host_access: Option<Vec<HostAccess>>,
 }
 
 impl EgressPolicy {
@@ -47,7 +48,18 @@ impl EgressPolicy {
         Self {
             allowlist: allowlist.into_iter().map(|n| n.trunc()).collect(),
             deny_all,
+            host_access: None,
         }
+    }
+
+    /// The host services the agent may reach (`networkPolicy.hostAccess`):
+    /// `None` keeps the default (DNS to the host's resolvers unless
+    /// `denyAll`); `Some` replaces it outright, `Some(vec![])` opening no
+    /// host service. The agent gateway's port stays open either way: an
+    /// agent that cannot reach it cannot register.
+    pub fn with_host_access(mut self, host_access: Option<Vec<HostAccess>>) -> Self {
+        self.host_access = host_access;
+        self
     }
 
     /// `None` (the label set has no `networkPolicy`) is the default policy:
@@ -55,8 +67,15 @@ impl EgressPolicy {
     pub fn from_config(config: Option<&NetworkPolicy>) -> Self {
         match config {
             None => Self::default(),
-            Some(p) => Self::new(p.allowlist.clone(), p.deny_all),
+            Some(p) => {
+                Self::new(p.allowlist.clone(), p.deny_all).with_host_access(p.host_access.clone())
+            }
         }
+    }
+
+    /// The explicit `hostAccess`, if any.
+    pub fn host_access(&self) -> Option<&[HostAccess]> {
+        self.host_access.as_deref()
     }
 
     pub fn allowlist(&self) -> &[IpNet] {
@@ -102,6 +121,13 @@ pub(crate) enum PlannedRule {
     Established,
     /// `ip daddr <net> accept|drop`.
     Destination { net: Ipv4Net, verdict: Verdict },
+    /// One `hostAccess` entry: tcp and udp to `port` (any port when
+    /// `None`) on `net` (any host address when `None`), accepted (input
+    /// hook only).
+    HostService {
+        net: Option<Ipv4Net>,
+        port: Option<u16>,
+    },
     /// The chain's last word, so evaluation never falls through to the
     /// subnet's default drop.
     Final(Verdict),
@@ -130,7 +156,8 @@ pub(crate) fn is_blocked_by_default(ip: Ipv4Addr) -> bool {
 /// (ties go to the allowlist: it is the operator's explicit word), DNS to a
 /// private resolver is allowed, the rest is accepted. Input (the host itself):
 /// only the gateway port and DNS to a resolver; the allowlist does not open the
-/// host. `denyAll` leaves only the gateway port.
+/// host. `denyAll` leaves only the gateway port. An explicit `hostAccess`
+/// replaces the DNS default with its entries (the gateway port stays).
 pub(crate) fn plan(
     policy: &EgressPolicy,
     hook: Hook,
@@ -153,8 +180,15 @@ pub(crate) fn plan(
             if let Some((address, port)) = gateway {
                 rules.push(PlannedRule::GatewayPort { address, port });
             }
-            if !policy.deny_all {
-                rules.extend(v4_resolvers.map(|resolver| PlannedRule::Dns { resolver }));
+            match policy.host_access() {
+                Some(entries) => rules.extend(entries.iter().map(|e| PlannedRule::HostService {
+                    net: e.addr,
+                    port: e.port,
+                })),
+                None if !policy.deny_all => {
+                    rules.extend(v4_resolvers.map(|resolver| PlannedRule::Dns { resolver }))
+                }
+                None => {}
             }
             rules.push(PlannedRule::Final(Verdict::Drop));
         }
@@ -198,6 +232,63 @@ mod tests {
 
     fn net(s: &str) -> Ipv4Net {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn host_access_replaces_the_dns_default_and_keeps_the_gateway_port() {
+        let resolver: IpAddr = "10.255.255.53".parse().unwrap();
+        let entry = |s: &str| s.parse::<HostAccess>().unwrap();
+        let gateway = Some((Some(Ipv4Addr::new(172, 29, 0, 1)), 9000));
+        let default = plan(
+            &EgressPolicy::default(),
+            Hook::Input,
+            gateway,
+            &[resolver],
+            true,
+        );
+        assert!(default.iter().any(|r| matches!(r, PlannedRule::Dns { .. })));
+
+        let named = EgressPolicy::default()
+            .with_host_access(Some(vec![entry("172.29.0.1:5432"), entry("*:8080")]));
+        let rules = plan(&named, Hook::Input, gateway, &[resolver], true);
+        assert_eq!(
+            rules,
+            [
+                PlannedRule::Established,
+                PlannedRule::GatewayPort {
+                    address: Some(Ipv4Addr::new(172, 29, 0, 1)),
+                    port: 9000
+                },
+                PlannedRule::HostService {
+                    net: Some(net("172.29.0.1/32")),
+                    port: Some(5432)
+                },
+                PlannedRule::HostService {
+                    net: None,
+                    port: Some(8080)
+                },
+                PlannedRule::Final(Verdict::Drop),
+            ]
+        );
+        // Even under denyAll the operator's named services open; none when
+        // the list is empty.
+        let none = EgressPolicy::new(vec![], true).with_host_access(Some(vec![]));
+        assert_eq!(
+            plan(&none, Hook::Input, gateway, &[resolver], true).len(),
+            3,
+            "established, gateway port, drop"
+        );
+        // The forward hooks do not look at it.
+        assert_eq!(
+            plan(&named, Hook::Forward, gateway, &[resolver], true),
+            plan(
+                &EgressPolicy::default(),
+                Hook::Forward,
+                gateway,
+                &[resolver],
+                true
+            )
+        );
     }
 
     #[test]

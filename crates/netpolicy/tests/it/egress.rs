@@ -803,3 +803,78 @@ async fn a_reused_address_replaces_stale_rules_of_this_instance_only() {
     }
     assert!(t_other.owned().await.unwrap().is_empty());
 }
+
+/// `hostAccess` opens exactly the host services it names (an address and
+/// port, or a port on every host address) and replaces the DNS default; the
+/// agent gateway's port stays open; `hostAccess: []` opens no host service.
+#[tokio::test]
+async fn host_access_opens_only_the_named_host_services() {
+    const THIRD_PORT: u16 = 3333;
+    let mut lab = Lab::new();
+    let a = lab.agent(5);
+    let b = lab.agent(6);
+    let _s = services(&lab);
+    let any = std::net::Ipv4Addr::UNSPECIFIED;
+    let _third = Lab::listen_tcp(&lab.host, any, THIRD_PORT);
+    let dns = Lab::udp_socket(&lab.internet, RESOLVER, 53);
+    let t = table(&lab, InstanceId::random()).await;
+    let (ida, idb) = (
+        AgentId::random(ScalerType::Container),
+        AgentId::random(ScalerType::Container),
+    );
+    let entries = |list: &[&str]| {
+        Some(
+            list.iter()
+                .map(|e| e.parse::<kici_model::config::HostAccess>().unwrap())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let open = EgressPolicy::default().with_host_access(entries(&[
+        &format!("{GATEWAY}:{OTHER_HOST_PORT}"),
+        &format!("*:{THIRD_PORT}"),
+    ]));
+    let closed = EgressPolicy::default().with_host_access(entries(&[]));
+    t.install(&ida, &key(&a), &open).await.unwrap();
+    t.install(&idb, &key(&b), &closed).await.unwrap();
+    for bridge_nf in [false, true] {
+        lab.set_bridge_nf(bridge_nf);
+        let ctx = format!("bridge-nf-call-iptables={}", u8::from(bridge_nf));
+        for (ns, who) in [(&a.ns, "a"), (&b.ns, "b")] {
+            assert!(
+                tcp_reaches(ns, None, GATEWAY, GATEWAY_PORT),
+                "{ctx}: {who}: the gateway port stays open"
+            );
+        }
+        assert!(
+            tcp_reaches(&a.ns, None, GATEWAY, OTHER_HOST_PORT),
+            "{ctx}: the named address and port"
+        );
+        assert!(
+            tcp_reaches(&a.ns, None, HOST_PUBLIC, THIRD_PORT),
+            "{ctx}: a port named on every host address"
+        );
+        assert_blocked_by_us(
+            &t,
+            Some(&ida),
+            || tcp_reaches(&a.ns, None, HOST_PUBLIC, OTHER_HOST_PORT),
+            &format!("{ctx}: the named port on another host address"),
+        )
+        .await;
+        assert_blocked_by_us(
+            &t,
+            Some(&idb),
+            || tcp_reaches(&b.ns, None, GATEWAY, OTHER_HOST_PORT),
+            &format!("{ctx}: hostAccess [] opens nothing"),
+        )
+        .await;
+        assert_blocked_by_us(
+            &t,
+            Some(&idb),
+            || tcp_reaches(&b.ns, None, HOST_PUBLIC, THIRD_PORT),
+            &format!("{ctx}: hostAccess [] opens nothing"),
+        )
+        .await;
+        // Egress is unchanged: the internet's resolver is a forward flow.
+        assert!(udp_round_trip(&a.ns, &dns), "{ctx}: public DNS");
+    }
+}
