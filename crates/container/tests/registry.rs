@@ -190,4 +190,29 @@ async fn serial_pull_policies_and_credentials_against_a_local_registry() {
     assert!(err.starts_with(&format!("pull {remote}")), "{err}");
     assert!(anonymous.containers().is_empty());
     assert!(anonymous.held().await.is_empty());
+
+    // No policy written: IfNotPresent, upstream 0.9's default. Absent, the
+    // image is pulled (good credentials)...
+    let yaml = scaler_yaml("boxes", &remote, "", "")
+        .replace("        imagePullPolicy: IfNotPresent\n", "");
+    assert!(!yaml.contains("imagePullPolicy"), "{yaml}");
+    let default = scaler_from_yaml(&yaml, "boxes");
+    assert!(inspect("image", &remote).is_none());
+    let (spec, _rx) = spawn_spec(&default, 0);
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    assert!(inspect("image", &remote).is_some(), "pulled by default");
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+    // ...present, it is not (the wrong credentials never matter).
+    let (spec, _rx) = spawn_spec(&default, 0);
+    let agent = spec.agent;
+    let handle = wrong.backend.spawn(spec).await.unwrap();
+    wrong
+        .backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
 }
