@@ -376,6 +376,11 @@ struct Agent {
     config: Arc<Config>,
     scaler_index: usize,
     label_set: usize,
+    /// Every label a job must carry to run on it: its scaler's
+    /// `mandatoryLabels` plus its label set's platform taints (the
+    /// router's gate when it was created), told to it at registration so
+    /// that later jobs are held to the same gate.
+    gate: LabelSet,
     state: AgentState,
     since: Instant,
     created: Instant,
@@ -1002,6 +1007,7 @@ impl Engine {
             config,
             scaler_index,
             label_set,
+            gate: self.router.gate(scaler_index, label_set).clone(),
             state: AgentState::Requested,
             since: now,
             created: now,

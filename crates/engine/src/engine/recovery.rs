@@ -342,6 +342,7 @@ impl Engine {
             config: Arc::clone(&config),
             scaler_index,
             label_set,
+            gate: self.router.gate(scaler_index, label_set).clone(),
             state: AgentState::Requested,
             since: now,
             created,

@@ -56,7 +56,7 @@ impl Engine {
         let state = a.state;
         let registration = Registration {
             bound_job_id: a.job.clone(),
-            mandatory_labels: a.scaler().mandatory_labels.clone(),
+            mandatory_labels: a.gate.clone(),
         };
         match state {
             // Idempotent: a retried call gets the same answer.

@@ -1106,3 +1106,35 @@ fn request_scale_now_serves_now_or_leaves_nothing_behind() {
     );
     assert_eq!(usage_of(&e, "local").agents, 2);
 }
+
+/// A registering agent is told its whole gate — the scaler's
+/// `mandatoryLabels` and its label set's platform taints — so the
+/// orchestrator holds later jobs to it: a macOS pool's agent on a Linux host
+/// is never given a job that does not ask for macos.
+#[test]
+fn registration_tells_the_agent_its_platform_taints_too() {
+    let clock = Clock::new();
+    let now = clock.now();
+    let mut e = engine(
+        "version: 1\nscalers:\n  - name: mac\n    type: bare-metal\n    maxAgents: 2\n    mandatoryLabels: [trusted]\n    labelSets:\n      - labels: [trusted, macos, arm64]\n        binaryPath: /bin/true\n",
+    );
+    let out = e
+        .request_scale(
+            orchestrator_request("j1", &["trusted", "macos", "arm64"]),
+            now,
+        )
+        .unwrap();
+    let a = spawned(&out);
+    e.spawn_succeeded(
+        a,
+        ResourceHandle {
+            id: "p1".into(),
+            ..Default::default()
+        },
+        now,
+    );
+    let reg = e.agent_registered(a, now).unwrap();
+    let told: Vec<&str> = reg.mandatory_labels.iter().map(|l| l.as_str()).collect();
+    assert_eq!(told, ["arm64", "macos", "trusted"]);
+    assert_eq!(&reg.mandatory_labels, e.router().gate(0, 0));
+}
