@@ -384,6 +384,11 @@ struct Agent {
     state: AgentState,
     since: Instant,
     created: Instant,
+    /// When an external (`event`) agent's scale-up was delivered: the
+    /// instance boots elsewhere, so the agent stays `provisioning` until it
+    /// registers, but its spawn is over — its throttle slot is free and the
+    /// registration deadline runs from here.
+    delivered_at: Option<Instant>,
     /// Creation order; breaks ties between agents created at the same instant.
     seq: u64,
     /// Released exactly once, when the agent reaches `gone`.
@@ -467,7 +472,10 @@ impl Agent {
             // ahead of it (each bounded by its own deadline), and is not
             // provisioning time.
             AgentState::Requested => None,
-            AgentState::Provisioning => Some(self.since + d.provision),
+            AgentState::Provisioning => Some(match self.delivered_at {
+                Some(delivered) => delivered + d.registration,
+                None => self.since + d.provision,
+            }),
             AgentState::Booted => Some(self.since + d.registration),
             AgentState::Registered => Some(self.since + d.pending_dispatch),
             AgentState::Idle => Some(self.since + self.idle_ttl(settings)),
@@ -1011,6 +1019,7 @@ impl Engine {
             state: AgentState::Requested,
             since: now,
             created: now,
+            delivered_at: None,
             seq: self.next_seq,
             reservation: Some(reservation),
             job,

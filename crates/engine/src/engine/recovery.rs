@@ -346,6 +346,7 @@ impl Engine {
             state: AgentState::Requested,
             since: now,
             created,
+            delivered_at: None,
             seq: self.next_seq,
             reservation,
             job: record.job.clone(),

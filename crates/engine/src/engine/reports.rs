@@ -10,7 +10,20 @@ impl Engine {
             return;
         };
         a.handle = Some(handle);
-        if matches!(a.state, AgentState::Requested | AgentState::Provisioning) {
+        if a.state == AgentState::Provisioning && a.scaler().kind == ScalerType::Event {
+            // Delivered, not booted: the instance boots elsewhere and the
+            // agent stays provisioning until it registers. The spawn itself
+            // is over, so its throttle slot goes to the next one.
+            if a.delivered_at.is_none() {
+                a.delivered_at = Some(now);
+                let scaler = a.name().clone();
+                if let Some(queue) = self.spawn_queues.get_mut(&scaler) {
+                    queue.in_flight = queue.in_flight.saturating_sub(1);
+                }
+                self.journal_agent(agent, now);
+                self.dispatch_spawns(&scaler, now);
+            }
+        } else if matches!(a.state, AgentState::Requested | AgentState::Provisioning) {
             self.step(agent, AgentEvent::Booted, now);
         } else {
             // Registration came first; the handle still has to be recorded.

@@ -5,7 +5,10 @@
 //! An agent holds its reservation while it waits (it is admitted: the
 //! throttle bounds the provisioning rate, not the population), and its
 //! provisioning deadline starts only when its spawn does. "In flight" is
-//! exactly the agents in `provisioning`; the counts are kept by
+//! exactly the agents in `provisioning` whose spawn has not ended (an
+//! external `event` agent stays `provisioning` after its scale-up was
+//! delivered, until it registers, without holding a slot); the counts are
+//! kept by
 //! [`Engine::apply`](super::Engine) as agents enter and leave that state,
 //! so every path out of it (booted, failed, timed out, stopped) frees its
 //! slot.
@@ -125,6 +128,14 @@ impl Engine {
             if let Some(a) = self.agents.get_mut(&agent) {
                 a.queued_spawn = None;
             }
+        }
+        // A delivered external agent freed its slot at delivery.
+        if self
+            .agents
+            .get(&agent)
+            .is_some_and(|a| a.delivered_at.is_some())
+        {
+            return false;
         }
         let queue = self.spawn_queues.entry(scaler.clone()).or_default();
         match (

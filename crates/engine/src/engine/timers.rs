@@ -40,6 +40,9 @@ impl Engine {
                 _ if lifetime_over => {
                     self.fail(id, FailureReason::LifetimeExceeded, None, now);
                 }
+                AgentState::Provisioning if a.delivered_at.is_some() => {
+                    self.fail(id, FailureReason::RegistrationTimeout, None, now)
+                }
                 AgentState::Requested | AgentState::Provisioning => {
                     self.fail(id, FailureReason::ProvisionTimeout, None, now)
                 }

@@ -353,3 +353,69 @@ fn a_reload_that_raises_the_limit_starts_waiting_spawns_at_once() {
     let s = &e.status(now).scalers[0];
     assert_eq!((s.spawns_in_flight, s.spawns_waiting), (3, 0));
 }
+
+const EXTERNAL: &str = r#"
+version: 1
+scalers:
+  - name: cloud
+    type: event
+    maxAgents: 10
+    maxConcurrentSpawns: 1
+    labelSets:
+      - labels: [cloud]
+    x-kici-scaler:
+      registrationTimeoutSeconds: 60
+"#;
+
+/// An external (`event`) agent stays `provisioning` from its scale-up until
+/// it registers: the delivery ends its spawn (the next one starts) but not
+/// its provisioning, and the registration deadline runs from the delivery.
+#[test]
+fn an_external_agent_is_provisioning_until_it_registers_without_holding_a_spawn_slot() {
+    let mut clock = Clock::new();
+    let now = clock.now();
+    let mut e = engine(EXTERNAL);
+    let admit = |e: &mut Engine, id: &str| match e
+        .request_scale(orchestrator_request(id, &["cloud"]), now)
+        .unwrap()
+    {
+        ScaleOutcome::Spawning { agent_id, .. } => agent_id,
+        other => panic!("{id}: {other:?}"),
+    };
+    let (a, b, c) = (admit(&mut e, "a"), admit(&mut e, "b"), admit(&mut e, "c"));
+    assert_eq!(spawn_orders(&mut e), [a]);
+    let status = |e: &Engine, now| {
+        let s = &e.status(now).scalers[0];
+        (s.spawns_in_flight, s.spawns_waiting)
+    };
+    assert_eq!(status(&e, now), (1, 2));
+
+    // a's scale-up is delivered: still provisioning; b's spawn starts.
+    e.spawn_succeeded(a, handle(a), now);
+    assert_eq!(e.agent(a, now).unwrap().state, AgentState::Provisioning);
+    assert_eq!(spawn_orders(&mut e), [b]);
+    assert_eq!(status(&e, now), (1, 1));
+
+    // a registers: registered; the books do not move (its slot was freed).
+    e.agent_registered(a, now).unwrap();
+    assert_eq!(e.agent(a, now).unwrap().state, AgentState::Registered);
+    assert_eq!(status(&e, now), (1, 1));
+
+    // b is delivered and never registers: 60 s after the delivery (not the
+    // 300 s provisioning deadline) it fails as a registration timeout.
+    e.spawn_succeeded(b, handle(b), now);
+    assert_eq!(spawn_orders(&mut e), [c]);
+    let later = clock.advance(59);
+    e.tick(later);
+    assert_eq!(e.agent(b, later).unwrap().state, AgentState::Provisioning);
+    let later = clock.advance(2);
+    e.tick(later);
+    let view = e.agent(b, later).unwrap();
+    assert_eq!(view.state, AgentState::Destroying);
+    assert_eq!(
+        view.failure_reason,
+        Some(FailureReason::RegistrationTimeout)
+    );
+    // c's spawn is still the one in flight: b's end freed nothing twice.
+    assert_eq!(status(&e, later), (1, 0));
+}

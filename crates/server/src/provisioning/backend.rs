@@ -3,9 +3,10 @@
 //!
 //! - **spawn**: issue a claim (its hash in the store), record the scale-up
 //!   in the outbox, put it on the event stream, deliver it to the scaler's
-//!   provisioner. Delivered = spawned: the agent is then `booted` and the
-//!   registration deadline runs; a delivery that gives up is a spawn
-//!   failure (backoff, breaker) and the engine's destroy follows.
+//!   provisioner. Delivered = spawned: the agent stays `provisioning` until
+//!   it registers (the engine frees its spawn slot and starts the
+//!   registration deadline); a delivery that gives up is a spawn failure
+//!   (backoff, breaker) and the engine's destroy follows.
 //! - **destroy**: record the scale-down (with the engine's reason), void
 //!   the agent's claims, put it on the stream, deliver it; once confirmed
 //!   the agent's outbox rows go. Unconfirmed, the destroy fails (the engine

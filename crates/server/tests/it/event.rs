@@ -878,9 +878,10 @@ fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
     assert!(!up.wrong, "and only with it");
     assert_eq!(up.body["event"], "scale-up");
     let agent = up.body["agentId"].as_str().unwrap().to_owned();
-    wait_until("the agent is booted (delivered)", || {
-        d.state_of(&agent) == "booted"
-    });
+    wait_until(
+        "the agent is provisioning (delivered, not registered)",
+        || d.state_of(&agent) == "provisioning",
+    );
 
     // The same event on /v1/events, with its code (the live stream).
     let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
