@@ -449,6 +449,82 @@ fn claims_are_single_use_expire_die_with_their_agent_and_are_rate_limited() {
     }
 }
 
+/// A reload changes where later events go: scale-ups and scale-downs after
+/// it reach the new provisioner (a scale-down too, for an agent whose
+/// scale-up went to the old one); a reload the loader refuses changes
+/// nothing.
+#[test]
+fn a_reload_sends_later_events_to_the_new_provisioner() {
+    const CONFIG: &str = "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 4\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        command: [\"RECORD\"]\n";
+    let (dir, d, _claims) = recording_daemon(CONFIG);
+    let other = dir.write_script(
+        "other.sh",
+        "#!/bin/sh\nbody=$(cat)\nprintf '%s\\n' \"$body\" >>\"$(dirname \"$0\")/other.jsonl\"\n",
+    );
+    let other_events = || -> Vec<Value> {
+        std::fs::read_to_string(dir.path("other.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    let (status, answer) = d.scale("before", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    let up = wait_event(&dir, "before's scale-up", |e| {
+        e["event"] == "scale-up" && e["jobId"] == "before"
+    });
+    let before_agent = up["agentId"].as_str().unwrap().to_owned();
+
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        CONFIG.replace("RECORD", other.to_str().unwrap()),
+    )
+    .unwrap();
+    let (status, body) = d.http("POST", "/v1/reload", None);
+    assert_eq!(status, 200, "{body}");
+    let (status, answer) = d.scale("after", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    wait_until("after's scale-up reaches the new provisioner", || {
+        other_events()
+            .iter()
+            .any(|e| e["event"] == "scale-up" && e["jobId"] == "after")
+    });
+    let (status, body) = d.http("DELETE", &format!("/v1/agents/{before_agent}"), None);
+    assert!(status < 300, "{status} {body}");
+    wait_until("before's scale-down reaches the new provisioner", || {
+        other_events()
+            .iter()
+            .any(|e| e["event"] == "scale-down" && e["agentId"] == before_agent.as_str())
+    });
+    assert!(
+        !events(&dir)
+            .iter()
+            .any(|e| e["jobId"] == "after" || e["event"] == "scale-down"),
+        "the old provisioner got events after the reload: {:?}",
+        events(&dir)
+    );
+
+    // A provisioner the loader refuses: the reload is refused, nothing changes.
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        CONFIG.replace("[\"RECORD\"]", "[]"),
+    )
+    .unwrap();
+    let (status, body) = d.http("POST", "/v1/reload", None);
+    assert!(status >= 400, "{status} {body}");
+    let (status, answer) = d.scale("refused-reload", &["cloud"]);
+    assert!(status < 300, "{status} {answer}");
+    wait_until(
+        "the next scale-up still reaches the new provisioner",
+        || {
+            other_events()
+                .iter()
+                .any(|e| e["event"] == "scale-up" && e["jobId"] == "refused-reload")
+        },
+    );
+    d.terminate();
+}
+
 #[test]
 fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out() {
     let dir = Dir::with_config("");
