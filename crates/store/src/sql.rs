@@ -52,14 +52,17 @@ pub(crate) const TRIM_EVENTS: &str = "DELETE FROM events WHERE owner = $1 AND se
 
 pub(crate) const INSERT_CLAIM: &str = "INSERT INTO provision_claims (code_hash, owner, agent_id, scaler, labels, gateway_url, agent_token_ttl_ms, issued_at, expires_at, consumed_at) \
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
-/// The atomic step of a redemption: only an unconsumed, unexpired row is
-/// updated, and the update returns it.
+/// The atomic step of a redemption: only an unconsumed, unexpired row this
+/// instance issued is updated, and the update returns it. A code of another
+/// daemon sharing the store is not ours to redeem: its agent registers with
+/// that daemon, so a token minted here could only burn the code.
 pub(crate) const REDEEM_CLAIM: &str = "UPDATE provision_claims SET consumed_at = $2 \
-WHERE code_hash = $1 AND consumed_at IS NULL AND expires_at > $2 \
+WHERE code_hash = $1 AND owner = $3 AND consumed_at IS NULL AND expires_at > $2 \
 RETURNING code_hash, agent_id, scaler, labels, gateway_url, agent_token_ttl_ms, issued_at, expires_at, consumed_at";
-/// Why a redemption was refused (read after the update matched nothing).
+/// Why a redemption was refused (read after the update matched nothing);
+/// another daemon's code reads as unknown.
 pub(crate) const CLAIM_STATE: &str =
-    "SELECT consumed_at FROM provision_claims WHERE code_hash = $1";
+    "SELECT consumed_at FROM provision_claims WHERE code_hash = $1 AND owner = $2";
 pub(crate) const INVALIDATE_CLAIMS: &str =
     "DELETE FROM provision_claims WHERE owner = $1 AND agent_id = $2";
 pub(crate) const PURGE_CLAIMS: &str =
@@ -797,6 +800,7 @@ macro_rules! impl_state_store {
                     sqlx::query_as($crate::sql::REDEEM_CLAIM)
                         .bind(&hash)
                         .bind(now.0)
+                        .bind(&self.owner_text)
                         .fetch_optional(self.writer())
                         .await
                         .map_err(classify)?;
@@ -805,6 +809,7 @@ macro_rules! impl_state_store {
                 }
                 let state: Option<Option<i64>> = sqlx::query_scalar($crate::sql::CLAIM_STATE)
                     .bind(&hash)
+                    .bind(&self.owner_text)
                     .fetch_optional(self.writer())
                     .await
                     .map_err(classify)?;

@@ -26,14 +26,21 @@ fn claim(n: u8, agent: AgentId, expires_at: i64) -> ClaimRow {
 }
 
 /// Single use, expiry, unknown codes, invalidation by agent, purge; and a
-/// code issued by one instance redeemed through another (fleet).
+/// code issued by one instance is unknown to another sharing the store (its
+/// agent registers with the issuer: a token minted elsewhere would only
+/// burn the code).
 async fn claims_contract(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     let agent = event_agent(1);
     let row = claim(1, agent, 10_000);
     a.insert_claim(&row).await.unwrap();
     assert!(a.insert_claim(&row).await.is_err(), "a hash is unique");
 
-    match b.redeem_claim(&[1; 32], UnixMillis(2_000)).await.unwrap() {
+    assert_eq!(
+        b.redeem_claim(&[1; 32], UnixMillis(2_000)).await.unwrap(),
+        ClaimRedemption::Unknown,
+        "another instance's code"
+    );
+    match a.redeem_claim(&[1; 32], UnixMillis(2_000)).await.unwrap() {
         ClaimRedemption::Granted(got) => {
             assert_eq!(got.agent_id, agent);
             assert_eq!(got.labels, row.labels);
@@ -46,6 +53,11 @@ async fn claims_contract(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     assert_eq!(
         a.redeem_claim(&[1; 32], UnixMillis(2_001)).await.unwrap(),
         ClaimRedemption::Consumed
+    );
+    assert_eq!(
+        b.redeem_claim(&[1; 32], UnixMillis(2_001)).await.unwrap(),
+        ClaimRedemption::Unknown,
+        "consumed or not, another instance's code says nothing"
     );
     // A consumed code stays `consumed` after its expiry.
     assert_eq!(
@@ -83,24 +95,32 @@ async fn claims_contract(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     );
 }
 
-/// Many concurrent redemptions of one code, through two store handles:
-/// exactly one grant.
+/// Many concurrent redemptions of one code, through the issuer and another
+/// instance: exactly one grant, by the issuer; the other instance never
+/// consumes it.
 async fn one_grant_among_concurrent(a: Arc<dyn StateStore>, b: Arc<dyn StateStore>) {
     a.insert_claim(&claim(7, event_agent(7), i64::MAX))
         .await
         .unwrap();
     let mut tasks = Vec::new();
     for i in 0..16 {
-        let s = if i % 2 == 0 { a.clone() } else { b.clone() };
+        let (s, issuer) = if i % 2 == 0 {
+            (a.clone(), true)
+        } else {
+            (b.clone(), false)
+        };
         tasks.push(tokio::spawn(async move {
-            s.redeem_claim(&[7; 32], UnixMillis(5_000)).await.unwrap()
+            (
+                issuer,
+                s.redeem_claim(&[7; 32], UnixMillis(5_000)).await.unwrap(),
+            )
         }));
     }
     let mut granted = 0;
     for t in tasks {
         match t.await.unwrap() {
-            ClaimRedemption::Granted(_) => granted += 1,
-            ClaimRedemption::Consumed => {}
+            (true, ClaimRedemption::Granted(_)) => granted += 1,
+            (true, ClaimRedemption::Consumed) | (false, ClaimRedemption::Unknown) => {}
             other => panic!("unexpected {other:?}"),
         }
     }
