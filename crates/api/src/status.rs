@@ -93,7 +93,8 @@ pub struct ScalerStatusObject {
 pub struct SpawnsObject {
     /// `maxConcurrentSpawns`: most spawns in flight at once.
     pub max_concurrent: u32,
-    /// Spawns running now (agents in `provisioning`).
+    /// Spawns running now (agents in `provisioning` whose backend spawn has
+    /// not ended; an external agent stays `provisioning` after delivery).
     pub in_flight: usize,
     /// Admitted agents waiting for a slot (in `requested`).
     pub waiting: usize,

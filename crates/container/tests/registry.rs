@@ -112,6 +112,17 @@ fn docker_with(config: &std::path::Path, args: &[&str]) -> (bool, String) {
     )
 }
 
+/// Spawns an agent of `scaler` on `fx` (which must succeed) and destroys it.
+async fn spawn_and_destroy(fx: &Fixture, scaler: &std::sync::Arc<kici_model::ScalerEntry>) {
+    let (spec, _rx) = spawn_spec(scaler, 0);
+    let agent = spec.agent;
+    let handle = fx.backend.spawn(spec).await.unwrap();
+    fx.backend
+        .destroy(&agent, Some(&handle), GRACE)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn serial_pull_policies_and_credentials_against_a_local_registry() {
     let _serial = SERIAL.lock().await;
@@ -150,27 +161,14 @@ async fn serial_pull_policies_and_credentials_against_a_local_registry() {
 
     // Always, good credentials: pulled, then runs.
     let scaler = with_policy("Always");
-    let (spec, _rx) = spawn_spec(&scaler, 0);
-    let agent = spec.agent;
-    let handle = fx.backend.spawn(spec).await.unwrap();
+    spawn_and_destroy(&fx, &scaler).await;
     assert!(inspect("image", &remote).is_some(), "pulled");
-    fx.backend
-        .destroy(&agent, Some(&handle), GRACE)
-        .await
-        .unwrap();
 
     // Wrong credentials from here on.
     let wrong = Fixture::with(|o| o.registry_config = Some(bad.path().join("config.json"))).await;
     // IfNotPresent, present: no pull, so the wrong credentials never matter.
     let scaler = with_policy("IfNotPresent");
-    let (spec, _rx) = spawn_spec(&scaler, 0);
-    let agent = spec.agent;
-    let handle = wrong.backend.spawn(spec).await.unwrap();
-    wrong
-        .backend
-        .destroy(&agent, Some(&handle), GRACE)
-        .await
-        .unwrap();
+    spawn_and_destroy(&wrong, &scaler).await;
     // Always pulls: the registry refuses, the spawn fails cleanly.
     let scaler = with_policy("Always");
     let (spec, _rx) = spawn_spec(&scaler, 0);
@@ -198,21 +196,8 @@ async fn serial_pull_policies_and_credentials_against_a_local_registry() {
     assert!(!yaml.contains("imagePullPolicy"), "{yaml}");
     let default = scaler_from_yaml(&yaml, "boxes");
     assert!(inspect("image", &remote).is_none());
-    let (spec, _rx) = spawn_spec(&default, 0);
-    let agent = spec.agent;
-    let handle = fx.backend.spawn(spec).await.unwrap();
+    spawn_and_destroy(&fx, &default).await;
     assert!(inspect("image", &remote).is_some(), "pulled by default");
-    fx.backend
-        .destroy(&agent, Some(&handle), GRACE)
-        .await
-        .unwrap();
     // ...present, it is not (the wrong credentials never matter).
-    let (spec, _rx) = spawn_spec(&default, 0);
-    let agent = spec.agent;
-    let handle = wrong.backend.spawn(spec).await.unwrap();
-    wrong
-        .backend
-        .destroy(&agent, Some(&handle), GRACE)
-        .await
-        .unwrap();
+    spawn_and_destroy(&wrong, &default).await;
 }

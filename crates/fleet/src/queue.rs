@@ -369,19 +369,7 @@ impl Queue {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
         // The claim's lock order: fleet row, pool row, host row, request.
-        let global = fleet_caps(&mut tx, name, false).await?;
-        let global = if global.any() {
-            fleet_caps(&mut tx, name, true).await?
-        } else {
-            global
-        };
-        let pool_row = sqlx::query(
-            "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
-        )
-        .bind(name)
-        .bind(&req.pool)
-        .fetch_optional(&mut *tx)
-        .await?;
+        let (global, pool_caps) = lock_caps(&mut tx, name, &req.pool).await?;
         let seq = insert_request(&mut tx, name, req).await?;
         let Some(seq) = seq else {
             tx.commit().await?;
@@ -391,13 +379,7 @@ impl Queue {
                 .map(|(answer, state)| Entered::Existing { answer, state });
         };
         let mut start = false;
-        if let Some(row) = pool_row {
-            let pool_caps = Caps::from_db(
-                "fleet_pools",
-                row.try_get("max_agents")?,
-                row.try_get("max_cpu")?,
-                row.try_get("max_memory")?,
-            )?;
+        if let Some(pool_caps) = pool_caps {
             fence(&mut tx, name, guard.instance(), epoch).await?;
             let older: bool = sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM fleet_requests WHERE fleet = $1 AND pool = $2 \
@@ -434,20 +416,19 @@ impl Queue {
             .bind(agent_id)
             .execute(&mut *tx)
             .await?;
-            sqlx::query(
-                "INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes, \
-                     state, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'live', fleet_now_ms(), fleet_now_ms())",
+            insert_live_agent(
+                &mut tx,
+                name,
+                &LiveAgent {
+                    agent_id,
+                    instance: guard.instance(),
+                    epoch,
+                    pool: &req.pool,
+                    job_id: &req.job_id,
+                    cpu: req.cpu.millis(),
+                    memory: req.memory.bytes(),
+                },
             )
-            .bind(name)
-            .bind(agent_id)
-            .bind(guard.instance())
-            .bind(epoch)
-            .bind(&req.pool)
-            .bind(&req.job_id)
-            .bind(to_db(req.cpu.millis()))
-            .bind(to_db(req.memory.bytes()))
-            .execute(&mut *tx)
             .await?;
             notify_if_waiting(&mut tx, name, &req.pool).await?;
         } else {
@@ -509,29 +490,10 @@ impl Queue {
     ) -> Result<PoolAttempt, FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
-        let global = fleet_caps(&mut tx, name, false).await?;
-        let global = if global.any() {
-            fleet_caps(&mut tx, name, true).await?
-        } else {
-            global
-        };
-        let Some(row) = sqlx::query(
-            "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
-        )
-        .bind(name)
-        .bind(pool)
-        .fetch_optional(&mut *tx)
-        .await?
-        else {
+        let (global, Some(pool_caps)) = lock_caps(&mut tx, name, pool).await? else {
             // No host ever defined the pool: nobody may claim in it.
             return Ok(PoolAttempt::Empty);
         };
-        let pool_caps = Caps::from_db(
-            "fleet_pools",
-            row.try_get("max_agents")?,
-            row.try_get("max_cpu")?,
-            row.try_get("max_memory")?,
-        )?;
         fence(&mut tx, name, instance, epoch).await?;
         let Some(head) = sqlx::query(
             "SELECT job_id, seq, kind, body, milli_cpu, memory_bytes, arrived_at FROM fleet_requests \
@@ -625,20 +587,19 @@ impl Queue {
                 epoch: claim.epoch,
             });
         }
-        sqlx::query(
-            "INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes, \
-                 state, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'live', fleet_now_ms(), fleet_now_ms())",
+        insert_live_agent(
+            &mut tx,
+            name,
+            &LiveAgent {
+                agent_id,
+                instance: &claim.instance,
+                epoch: claim.epoch,
+                pool: &claim.pool,
+                job_id: &claim.job_id,
+                cpu: claim.cpu.millis(),
+                memory: claim.memory.bytes(),
+            },
         )
-        .bind(name)
-        .bind(agent_id)
-        .bind(&claim.instance)
-        .bind(claim.epoch)
-        .bind(&claim.pool)
-        .bind(&claim.job_id)
-        .bind(to_db(claim.cpu.millis()))
-        .bind(to_db(claim.memory.bytes()))
-        .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         Ok(())
@@ -679,28 +640,8 @@ impl Queue {
         };
         // The claim's lock order: fleet, pool, host, request, agent.
         let mut tx = self.fleet.pool().begin().await?;
-        let global = fleet_caps(&mut tx, name, false).await?;
-        let global = if global.any() {
-            fleet_caps(&mut tx, name, true).await?
-        } else {
-            global
-        };
-        let pool_caps = match sqlx::query(
-            "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
-        )
-        .bind(name)
-        .bind(&pool)
-        .fetch_optional(&mut *tx)
-        .await?
-        {
-            Some(row) => Caps::from_db(
-                "fleet_pools",
-                row.try_get("max_agents")?,
-                row.try_get("max_cpu")?,
-                row.try_get("max_memory")?,
-            )?,
-            None => Caps::default(),
-        };
+        let (global, pool_caps) = lock_caps(&mut tx, name, &pool).await?;
+        let pool_caps = pool_caps.unwrap_or_default();
         fence(&mut tx, name, instance, epoch).await?;
         let request_state: Option<String> = sqlx::query_scalar(
             "SELECT state FROM fleet_requests WHERE fleet = $1 AND job_id = $2 AND claimed_by = $3 \
@@ -1092,9 +1033,76 @@ async fn fleet_caps(conn: &mut PgConnection, fleet: &str, lock: bool) -> Result<
     )
 }
 
-/// The database-side fence: the host row, share-locked for the rest of the
-/// transaction (the leader's "declare lost" waits for it), must be `up`
-/// under `epoch` with an unexpired lease.
+/// The caps an admission in `pool` is checked against, locked in the
+/// claim's lock order: the fleet row first (locked only when a global cap
+/// is set: without one, claims of different pools need not serialise
+/// fleet-wide), then the pool's row. The pool's caps are `None` when no
+/// host ever defined the pool.
+async fn lock_caps(
+    conn: &mut PgConnection,
+    fleet: &str,
+    pool: &str,
+) -> Result<(Caps, Option<Caps>), FleetError> {
+    let global = fleet_caps(&mut *conn, fleet, false).await?;
+    let global = if global.any() {
+        fleet_caps(&mut *conn, fleet, true).await?
+    } else {
+        global
+    };
+    let row = sqlx::query(
+        "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
+    )
+    .bind(fleet)
+    .bind(pool)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let pool_caps = match row {
+        Some(row) => Some(Caps::from_db(
+            "fleet_pools",
+            row.try_get("max_agents")?,
+            row.try_get("max_cpu")?,
+            row.try_get("max_memory")?,
+        )?),
+        None => None,
+    };
+    Ok((global, pool_caps))
+}
+
+/// An agent started for a request, as `fleet_agents` records it.
+struct LiveAgent<'a> {
+    agent_id: &'a str,
+    instance: &'a str,
+    epoch: i64,
+    pool: &'a str,
+    job_id: &'a str,
+    cpu: u64,
+    memory: u64,
+}
+
+/// Records `agent` live: from now on it counts against the caps.
+async fn insert_live_agent(
+    conn: &mut PgConnection,
+    fleet: &str,
+    agent: &LiveAgent<'_>,
+) -> Result<(), FleetError> {
+    sqlx::query(
+        "INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes, \
+             state, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'live', fleet_now_ms(), fleet_now_ms())",
+    )
+    .bind(fleet)
+    .bind(agent.agent_id)
+    .bind(agent.instance)
+    .bind(agent.epoch)
+    .bind(agent.pool)
+    .bind(agent.job_id)
+    .bind(to_db(agent.cpu))
+    .bind(to_db(agent.memory))
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
 /// Writes `req` as queued (or queues a finished request with its job id and
 /// body anew); its `seq`, or `None` when a request with its job id is in the
 /// fleet and not finished.
@@ -1187,6 +1195,9 @@ async fn caps_admit(
     Ok(true)
 }
 
+/// The database-side fence: the host row, share-locked for the rest of the
+/// transaction (the leader's "declare lost" waits for it), must be `up`
+/// under `epoch` with an unexpired lease.
 async fn fence(
     conn: &mut PgConnection,
     fleet: &str,

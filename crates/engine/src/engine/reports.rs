@@ -17,11 +17,10 @@ impl Engine {
             if a.delivered_at.is_none() {
                 a.delivered_at = Some(now);
                 let scaler = a.name().clone();
-                if let Some(queue) = self.spawn_queues.get_mut(&scaler) {
-                    queue.in_flight = queue.in_flight.saturating_sub(1);
-                }
                 self.journal_agent(agent, now);
-                self.dispatch_spawns(&scaler, now);
+                if self.book_spawn_slot(&scaler, true, false) {
+                    self.dispatch_spawns(&scaler, now);
+                }
             }
         } else if matches!(a.state, AgentState::Requested | AgentState::Provisioning) {
             self.step(agent, AgentEvent::Booted, now);

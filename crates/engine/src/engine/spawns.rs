@@ -129,19 +129,24 @@ impl Engine {
                 a.queued_spawn = None;
             }
         }
-        // A delivered external agent freed its slot at delivery.
-        if self
+        // A delivered external agent stays provisioning without its slot.
+        let delivered = self
             .agents
             .get(&agent)
-            .is_some_and(|a| a.delivered_at.is_some())
-        {
-            return false;
-        }
+            .is_some_and(|a| a.delivered_at.is_some());
+        self.book_spawn_slot(
+            scaler,
+            from == AgentState::Provisioning && !delivered,
+            to == AgentState::Provisioning && !delivered,
+        )
+    }
+
+    /// The one place the books of `scaler`'s slots change: an agent that
+    /// `held` a slot and now `holds` one or not; returns whether a slot was
+    /// freed.
+    pub(super) fn book_spawn_slot(&mut self, scaler: &ScalerName, held: bool, holds: bool) -> bool {
         let queue = self.spawn_queues.entry(scaler.clone()).or_default();
-        match (
-            from == AgentState::Provisioning,
-            to == AgentState::Provisioning,
-        ) {
+        match (held, holds) {
             (false, true) => {
                 queue.in_flight += 1;
                 false

@@ -14,16 +14,6 @@ use kici_engine::{
 use kici_model::{AgentId, MemoryBytes, MilliCpu, ResourceRequest, ResourceSpec};
 use std::time::Duration;
 
-fn spawn_orders(e: &mut Engine) -> Vec<AgentId> {
-    e.take_effects()
-        .into_iter()
-        .filter_map(|f| match f {
-            Effect::Spawn(o) => Some(o.agent),
-            _ => None,
-        })
-        .collect()
-}
-
 fn destroy_orders(e: &mut Engine) -> Vec<AgentId> {
     e.take_effects()
         .into_iter()

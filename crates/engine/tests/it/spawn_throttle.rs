@@ -11,8 +11,8 @@ use common::*;
 use kici_engine::backend::ReportSender;
 use kici_engine::runtime::{DefaultBootstrap, Runtime};
 use kici_engine::{
-    Adoption, AgentState, Backend, BackendError, Effect, Engine, EngineEvent, FailureReason,
-    OwnedResource, ResourceHandle, ScaleOutcome, ScalerProblems, SpawnSpec,
+    Adoption, AgentState, Backend, BackendError, Engine, EngineEvent, FailureReason, OwnedResource,
+    ResourceHandle, ScaleOutcome, ScalerProblems, SpawnSpec,
 };
 use kici_model::{AgentId, ScalerEntry, ScalerType};
 use parking_lot::Mutex;
@@ -228,16 +228,6 @@ async fn fifty_concurrent_requests_never_run_more_than_the_limit_and_all_spawn_i
     let metal = &rt.status().scalers[0];
     assert_eq!((metal.spawns_in_flight, metal.spawns_waiting), (0, 0));
     assert!(rt.shutdown(Duration::from_secs(10)).await);
-}
-
-fn spawn_orders(e: &mut Engine) -> Vec<AgentId> {
-    e.take_effects()
-        .into_iter()
-        .filter_map(|f| match f {
-            Effect::Spawn(o) => Some(o.agent),
-            _ => None,
-        })
-        .collect()
 }
 
 fn handle(a: AgentId) -> ResourceHandle {

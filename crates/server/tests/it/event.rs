@@ -103,9 +103,20 @@ impl Drop for Instances {
     }
 }
 
+/// A loopback address with a port free now (for a claims listener).
+fn free_loopback_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
 /// The events a recording provisioner appended to `events.jsonl`.
 fn events(dir: &Dir) -> Vec<Value> {
-    std::fs::read_to_string(dir.path("events.jsonl"))
+    events_in(dir, "events.jsonl")
+}
+
+/// The events appended to `file` in `dir`, one JSON object a line.
+fn events_in(dir: &Dir, file: &str) -> Vec<Value> {
+    std::fs::read_to_string(dir.path(file))
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
@@ -345,10 +356,7 @@ fn recording_daemon(config: &str) -> (Dir, Daemon, String) {
         config.replace("RECORD", record.to_str().unwrap()),
     )
     .unwrap();
-    let claims = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let claims = free_loopback_addr();
     let d = Daemon::start(
         &dir,
         &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
@@ -457,17 +465,8 @@ fn claims_are_single_use_expire_die_with_their_agent_and_are_rate_limited() {
 fn a_reload_sends_later_events_to_the_new_provisioner() {
     const CONFIG: &str = "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 4\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        command: [\"RECORD\"]\n";
     let (dir, d, _claims) = recording_daemon(CONFIG);
-    let other = dir.write_script(
-        "other.sh",
-        "#!/bin/sh\nbody=$(cat)\nprintf '%s\\n' \"$body\" >>\"$(dirname \"$0\")/other.jsonl\"\n",
-    );
-    let other_events = || -> Vec<Value> {
-        std::fs::read_to_string(dir.path("other.jsonl"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()
-    };
+    let other = dir.write_script("other.sh", &RECORDER.replace("events.jsonl", "other.jsonl"));
+    let other_events = || events_in(&dir, "other.jsonl");
     let (status, answer) = d.scale("before", &["cloud"]);
     assert!(status < 300, "{status} {answer}");
     let up = wait_event(&dir, "before's scale-up", |e| {
@@ -555,10 +554,7 @@ fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out
         ),
     )
     .unwrap();
-    let claims = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let claims = free_loopback_addr();
     let d = Daemon::start(
         &dir,
         &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
@@ -684,10 +680,7 @@ fn hanging_daemon(registration_timeout: u32) -> (Dir, Daemon, String, Vec<String
         ),
     )
     .unwrap();
-    let claims = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let claims = free_loopback_addr();
     let args: Vec<String> = ["--listen", "127.0.0.1:0", "--claims-listen", &claims]
         .iter()
         .map(|s| s.to_string())
@@ -938,10 +931,7 @@ fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
     let dir = Dir::with_config(&format!(
         "version: 1\nscalers:\n  - name: hooked\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [hooked]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        webhook: {{url: \"{url}\", secretEnv: HOOK_SECRET}}\n"
     ));
-    let claims = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let claims = free_loopback_addr();
     let d = Daemon::start(
         &dir,
         &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
@@ -954,9 +944,15 @@ fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
     assert!(!up.wrong, "and only with it");
     assert_eq!(up.body["event"], "scale-up");
     let agent = up.body["agentId"].as_str().unwrap().to_owned();
+    // Delivered (its spawn is over: no spawn in flight) and still
+    // provisioning until it registers.
     wait_until(
         "the agent is provisioning (delivered, not registered)",
-        || d.state_of(&agent) == "provisioning",
+        || {
+            let (_, status) = d.http("GET", "/v1/status", None);
+            let status: Value = serde_json::from_str(&status).unwrap_or_default();
+            status["scalers"][0]["spawns"]["inFlight"] == 0 && d.state_of(&agent) == "provisioning"
+        },
     );
 
     // The same event on /v1/events, with its code (the live stream).
@@ -1017,10 +1013,7 @@ fn the_reconciler_tears_down_an_instance_no_recorded_agent_owns() {
         ),
     )
     .unwrap();
-    let claims = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let claims = free_loopback_addr();
     let mut args: Vec<&str> = FAST_RECONCILE.to_vec();
     args.extend(["--claims-listen", claims.as_str()]);
     let mut d = Daemon::start(&dir, &args, &[]);

@@ -190,20 +190,9 @@ impl Host {
 
     /// Its own live agents: id → state.
     fn agents(&self) -> BTreeMap<String, String> {
-        let (status, v) = self.call("GET", "/v1/agents?local=true", None);
-        if status != 200 {
-            return BTreeMap::new();
-        }
-        v["agents"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| {
-                (
-                    a["agentId"].as_str().unwrap().to_owned(),
-                    a["state"].as_str().unwrap().to_owned(),
-                )
-            })
+        self.agents_with_jobs()
+            .into_iter()
+            .map(|(agent, (state, _))| (agent, state))
             .collect()
     }
 
@@ -249,6 +238,26 @@ fn config(agent: &std::path::Path, max_agents: u32, fleet_max: u32, labels: &str
     )
 }
 
+/// Starts the fleet's PostgreSQL server, listening on the bridge's address
+/// (which must exist).
+fn start_pg() {
+    let out = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../scripts/postgres.sh"
+        ))
+        .arg("start")
+        .env("KICI_PG_PORT", PG_PORT.to_string())
+        .env("KICI_PG_LISTEN", format!("{SUBNET}.1"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 impl Fleet {
     /// `n` hosts, each with `max_agents`, the pool capped at `fleet_max`
     /// fleet-wide; `labels[i]` overrides host i's label set.
@@ -256,21 +265,7 @@ impl Fleet {
         let net = Net::new(n);
         // The server listens on the bridge address, which exists now.
         pg("stop", PG_PORT);
-        let out = Command::new("bash")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../scripts/postgres.sh"
-            ))
-            .arg("start")
-            .env("KICI_PG_PORT", PG_PORT.to_string())
-            .env("KICI_PG_LISTEN", format!("{SUBNET}.1"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        start_pg();
         let admin = pg("url", PG_PORT);
         let name = format!("kici_fleet_{:08x}", rand::random::<u32>());
         psql(&admin, &format!("CREATE DATABASE {name}"));
@@ -398,6 +393,23 @@ impl Fleet {
         per_job
     }
 
+    /// Every host's control API address.
+    fn api_addrs(&self) -> Vec<String> {
+        self.hosts
+            .iter()
+            .map(|h| format!("{}:7878", h.addr))
+            .collect()
+    }
+
+    /// Each job had exactly one agent, and each agent recorded itself once.
+    fn assert_one_agent_per_job(&self) {
+        for (job, agents) in self.agents_per_job() {
+            assert_eq!(agents.len(), 1, "{job}: {agents:?}");
+        }
+        let recorded = self.recorded();
+        assert!(recorded.values().all(|n| *n == 1), "{recorded:?}");
+    }
+
     /// The requests no agent ran for, each as `job state host agent
     /// outcome`.
     fn unserved(&self) -> Vec<String> {
@@ -498,11 +510,7 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
 
     const JOBS: usize = 300;
     const CLIENTS: usize = 4;
-    let addrs: Vec<String> = fleet
-        .hosts
-        .iter()
-        .map(|h| format!("{}:7878", h.addr))
-        .collect();
+    let addrs = fleet.api_addrs();
     let mut max_usage = 0;
     // Four clients send through random entry hosts (a deterministic spread
     // over the three), each request twice — the repeat through another
@@ -559,15 +567,7 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
         "the pool's fleet cap was exceeded: {max_usage}"
     );
 
-    // Each job had exactly one agent, and each agent recorded itself once.
-    for (job, agents) in fleet.agents_per_job() {
-        assert_eq!(agents.len(), 1, "{job}: {agents:?}");
-    }
-    assert!(
-        fleet.recorded().values().all(|n| *n == 1),
-        "{:?}",
-        fleet.recorded()
-    );
+    fleet.assert_one_agent_per_job();
     // Work went to every host (spread).
     let per_host = fleet.sql("SELECT count(DISTINCT instance_id) FROM fleet_agents");
     assert_eq!(per_host, ["3"], "every host served some requests");
@@ -940,11 +940,7 @@ fn serial_fleet_concurrent_repeats_of_one_request_start_it_once() {
     let mut fleet = Fleet::start(2, 2, 4, &[]);
     const JOBS: usize = 40;
     const CLIENTS: usize = 8;
-    let addrs: Vec<String> = fleet
-        .hosts
-        .iter()
-        .map(|h| format!("{}:7878", h.addr))
-        .collect();
+    let addrs = fleet.api_addrs();
     std::thread::scope(|scope| {
         for _ in 0..CLIENTS {
             let addrs = &addrs;
@@ -974,14 +970,7 @@ fn serial_fleet_concurrent_repeats_of_one_request_start_it_once() {
             "race-",
         );
     }
-    for (job, agents) in fleet.agents_per_job() {
-        assert_eq!(agents.len(), 1, "{job}: {agents:?}");
-    }
-    assert!(
-        fleet.recorded().values().all(|n| *n == 1),
-        "{:?}",
-        fleet.recorded()
-    );
+    fleet.assert_one_agent_per_job();
     // Served by the entry and claim paths themselves, not healed by the
     // sweep that gives back claims no agent took.
     for h in &mut fleet.hosts {
@@ -1017,21 +1006,7 @@ fn serial_fleet_database_restart_answers_503_fast_and_heals_without_restarting_h
             asked.elapsed()
         );
     }
-    let out = Command::new("bash")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../scripts/postgres.sh"
-        ))
-        .arg("start")
-        .env("KICI_PG_PORT", PG_PORT.to_string())
-        .env("KICI_PG_LISTEN", format!("{SUBNET}.1"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    start_pg();
     // Both hosts serve again, without a restart; the agent that ran through
     // the outage is still the only one of its job.
     let served = poll_until(PATIENCE, || {

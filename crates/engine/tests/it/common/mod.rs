@@ -111,3 +111,14 @@ pub fn usage_of(e: &Engine, scaler: &str) -> kici_admission::ScopeUsage {
         .cloned()
         .expect("scaler known to admission")
 }
+
+/// The agents of the spawn orders among the engine's effects (taken).
+pub fn spawn_orders(e: &mut Engine) -> Vec<AgentId> {
+    e.take_effects()
+        .into_iter()
+        .filter_map(|f| match f {
+            kici_engine::Effect::Spawn(o) => Some(o.agent),
+            _ => None,
+        })
+        .collect()
+}

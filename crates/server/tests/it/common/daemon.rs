@@ -255,6 +255,14 @@ impl Daemon {
         }
     }
 
+    /// Keeps `line` among the last 16 read (for failure messages).
+    fn remember(&mut self, line: &str) {
+        if self.seen.len() == 16 {
+            self.seen.pop_front();
+        }
+        self.seen.push_back(line.to_owned());
+    }
+
     /// The fields of the next log line with `message`, or `None` once the
     /// daemon's stderr closed (it died).
     pub fn wait_for_log(&mut self, message: &str) -> Option<Value> {
@@ -263,10 +271,7 @@ impl Daemon {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(line) => {
-                    if self.seen.len() == 16 {
-                        self.seen.pop_front();
-                    }
-                    self.seen.push_back(line.clone());
+                    self.remember(&line);
                     if let Some((m, fields)) = log_message(&line) {
                         match m.as_str() {
                             "recovery done" => self.recovery = fields.clone(),
@@ -298,10 +303,7 @@ impl Daemon {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(line) => {
-                    if self.seen.len() == 16 {
-                        self.seen.pop_front();
-                    }
-                    self.seen.push_back(line.clone());
+                    self.remember(&line);
                     let Ok(v) = serde_json::from_str::<Value>(&line) else {
                         panic!("a log line that is not JSON: {line}");
                     };
