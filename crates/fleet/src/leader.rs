@@ -61,6 +61,11 @@ pub struct ChoreReport {
     pub requeued: Vec<String>,
     /// Agents marked lost.
     pub lost_agents: Vec<LostAgent>,
+    /// Standalone jobs whose agent had registered (so their command may
+    /// have run) on a host lost this round: finished with outcome
+    /// [`crate::HOST_LOST`] in the same transaction — never run again, and
+    /// a host that returns finds them no longer its own.
+    pub aborted_jobs: Vec<String>,
     /// Requests that stayed `lost` (nobody requeued or finished them) for
     /// `retain` after their host was lost: finished with outcome
     /// `host lost` (the daemon reports standalone jobs among them aborted).
@@ -286,13 +291,26 @@ impl Leader {
                 registered: r.try_get("registered")?,
             });
         }
+        report.aborted_jobs = sqlx::query_scalar(
+            "UPDATE fleet_requests r SET state = 'finished', finished_at = fleet_now_ms(), outcome = $2, \
+                 secret = NULL \
+             WHERE r.fleet = $1 AND r.kind = 'job' AND r.state = 'lost' AND EXISTS ( \
+                 SELECT 1 FROM fleet_agents a WHERE a.fleet = r.fleet AND a.agent_id = r.agent_id \
+                     AND a.registered_at IS NOT NULL) \
+             RETURNING r.job_id",
+        )
+        .bind(name)
+        .bind(crate::HOST_LOST)
+        .fetch_all(&mut *tx)
+        .await?;
         for pool in &pools {
             notify(&mut tx, name, pool).await?;
         }
         tx.commit().await?;
 
         report.abandoned = sqlx::query_scalar(
-            "UPDATE fleet_requests r SET state = 'finished', finished_at = fleet_now_ms(), outcome = 'host lost' \
+            "UPDATE fleet_requests r SET state = 'finished', finished_at = fleet_now_ms(), outcome = $3, \
+                 secret = NULL \
              WHERE r.fleet = $1 AND r.state = 'lost' AND EXISTS ( \
                  SELECT 1 FROM fleet_hosts h WHERE h.fleet = r.fleet AND h.instance_id = r.claimed_by \
                      AND h.state = 'lost' AND h.left_at < fleet_now_ms() - $2) \
@@ -300,6 +318,7 @@ impl Leader {
         )
         .bind(name)
         .bind(retain_ms)
+        .bind(crate::HOST_LOST)
         .fetch_all(self.fleet.pool())
         .await?;
         let mut purged = sqlx::query(

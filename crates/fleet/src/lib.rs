@@ -111,10 +111,15 @@ pub use leader::{ChoreReport, Leader, LostAgent, LostHost};
 pub use membership::{Caps, HostSpec, HostStatus, LeaseGuard, Membership, PoolDefinition};
 pub use placement::{should_claim, HostLoad, Placement};
 pub use queue::{
-    Adopted, Claim, Enqueued, Entered, NewRequest, Owner, Queue, RequestKind, RequestState,
+    Adopted, Claim, Enqueued, Entered, Held, NewRequest, Owner, Queue, RequestKind, RequestState,
     RequestView, Waker,
 };
 pub use schema::SCHEMA_VERSION;
+
+/// The outcome of a request whose host was lost while it held it, and
+/// which is not served again: a standalone job whose agent had registered
+/// at once, any other after the chores' retention.
+pub const HOST_LOST: &str = "host lost";
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::str::FromStr;

@@ -112,6 +112,10 @@ pub struct NewRequest {
     /// The request body (canonical JSON as the daemon renders it): a second
     /// request with this job id is the same request iff its body is equal.
     pub body: String,
+    /// What the claiming host needs but must not be kept once the request
+    /// finished (a standalone job's environment): handed over with the
+    /// claim, erased at the end, not compared for dedupe.
+    pub secret: Option<String>,
     /// The answer the entry host gives (and any host gives again to a
     /// duplicate).
     pub answer: String,
@@ -172,6 +176,17 @@ pub struct RequestView {
     pub position: u64,
 }
 
+/// A request a host holds with an agent (started, or lost while it ran).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// Job id.
+    pub job_id: String,
+    /// Scale request or standalone job.
+    pub kind: RequestKind,
+    /// The agent started for it.
+    pub agent_id: Option<String>,
+}
+
 /// The outcome of [`Queue::enqueue_started`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Entered {
@@ -207,6 +222,8 @@ pub struct Claim {
     pub kind: RequestKind,
     /// Body as enqueued.
     pub body: String,
+    /// The secret part as enqueued.
+    pub secret: Option<String>,
     /// Arrival order (kept across returns to the queue).
     pub seq: i64,
     /// Claim order (within a pool it follows arrival order).
@@ -496,7 +513,7 @@ impl Queue {
         };
         fence(&mut tx, name, instance, epoch).await?;
         let Some(head) = sqlx::query(
-            "SELECT job_id, seq, kind, body, milli_cpu, memory_bytes, arrived_at FROM fleet_requests \
+            "SELECT job_id, seq, kind, body, secret, milli_cpu, memory_bytes, arrived_at FROM fleet_requests \
              WHERE fleet = $1 AND pool = $2 AND state = 'queued' ORDER BY seq LIMIT 1 \
              FOR UPDATE SKIP LOCKED",
         )
@@ -535,6 +552,7 @@ impl Queue {
             pool: pool.to_owned(),
             kind: RequestKind::parse(&head.try_get::<String, _>("kind")?)?,
             body: head.try_get("body")?,
+            secret: head.try_get("secret")?,
             seq: head.try_get("seq")?,
             claim_seq,
             instance: instance.to_owned(),
@@ -745,7 +763,7 @@ impl Queue {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
         let pool: Option<String> = sqlx::query_scalar(
-            "UPDATE fleet_requests SET state = 'finished', finished_at = fleet_now_ms(), outcome = $4 \
+            "UPDATE fleet_requests SET state = 'finished', finished_at = fleet_now_ms(), outcome = $4, secret = NULL \
              WHERE fleet = $1 AND job_id = $2 AND claimed_by = $3 AND state IN ('claimed', 'started', 'lost') \
              RETURNING pool",
         )
@@ -837,7 +855,8 @@ impl Queue {
     pub async fn cancel_queued(&self, job_id: &str) -> Result<bool, FleetError> {
         let mut tx = self.fleet.pool().begin().await?;
         let pool: Option<String> = sqlx::query_scalar(
-            "UPDATE fleet_requests SET state = 'finished', finished_at = fleet_now_ms(), outcome = 'cancelled' \
+            "UPDATE fleet_requests SET state = 'finished', finished_at = fleet_now_ms(), outcome = 'cancelled', \
+                 secret = NULL \
              WHERE fleet = $1 AND job_id = $2 AND state = 'queued' RETURNING pool",
         )
         .bind(self.fleet.name())
@@ -876,6 +895,29 @@ impl Queue {
             outcome: r.try_get("outcome")?,
             position: non_negative("fleet_requests", "position", r.try_get("position")?)?,
         }))
+    }
+
+    /// The requests `instance` holds with an agent (started, or lost while
+    /// it ran): after a restart, the host finishes those whose agent it no
+    /// longer has, which nothing else would (its lease is live again).
+    pub async fn held(&self, instance: &str) -> Result<Vec<Held>, FleetError> {
+        let rows = sqlx::query(
+            "SELECT job_id, kind, agent_id FROM fleet_requests \
+             WHERE fleet = $1 AND claimed_by = $2 AND state IN ('started', 'lost') ORDER BY seq",
+        )
+        .bind(self.fleet.name())
+        .bind(instance)
+        .fetch_all(self.fleet.pool())
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(Held {
+                    job_id: r.try_get("job_id")?,
+                    kind: RequestKind::parse(&r.try_get::<String, _>("kind")?)?,
+                    agent_id: r.try_get("agent_id")?,
+                })
+            })
+            .collect()
     }
 
     /// The live host running agent `agent_id` — its instance id and
@@ -1113,10 +1155,10 @@ async fn insert_request(
 ) -> Result<Option<i64>, FleetError> {
     Ok(sqlx::query_scalar(
         "INSERT INTO fleet_requests (fleet, job_id, kind, pool, body, answer, milli_cpu, memory_bytes, \
-             entry_host, state, arrived_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'queued', fleet_now_ms()) \
+             entry_host, secret, state, arrived_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, 'queued', fleet_now_ms()) \
          ON CONFLICT (fleet, job_id) DO UPDATE SET seq = nextval('fleet_request_seq'), \
-             pool = EXCLUDED.pool, answer = EXCLUDED.answer, milli_cpu = EXCLUDED.milli_cpu, \
+             pool = EXCLUDED.pool, secret = EXCLUDED.secret, answer = EXCLUDED.answer, milli_cpu = EXCLUDED.milli_cpu, \
              memory_bytes = EXCLUDED.memory_bytes, entry_host = EXCLUDED.entry_host, state = 'queued', \
              arrived_at = fleet_now_ms(), claimed_by = NULL, claim_epoch = NULL, claim_seq = NULL, \
              claimed_at = NULL, agent_id = NULL, started_at = NULL, finished_at = NULL, outcome = NULL \
@@ -1132,6 +1174,7 @@ async fn insert_request(
     .bind(to_db(req.cpu.millis()))
     .bind(to_db(req.memory.bytes()))
     .bind(&req.entry_host)
+    .bind(&req.secret)
     .fetch_optional(&mut *conn)
     .await?)
 }

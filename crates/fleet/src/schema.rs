@@ -33,10 +33,15 @@ const MIGRATIONS: &[Migration] = &[
         description: "agent registration time",
         sql: include_str!("../migrations/0002_agent_registered.sql"),
     },
+    Migration {
+        version: 3,
+        description: "request secrets",
+        sql: include_str!("../migrations/0003_request_secret.sql"),
+    },
 ];
 
 /// The newest schema version this binary knows.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// Key of the transaction-level advisory lock migrations run under
 /// ("kflt-mig" in ASCII; single-key locks live apart from kici-store's

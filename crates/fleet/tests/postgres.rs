@@ -6,7 +6,9 @@
 mod common;
 
 use common::*;
-use kici_fleet::{Adopted, Caps, Enqueued, Entered, Fleet, FleetError, FleetOptions, RequestState};
+use kici_fleet::{
+    Adopted, Caps, Enqueued, Entered, Fleet, FleetError, FleetOptions, RequestKind, RequestState,
+};
 use kici_model::MilliCpu;
 use sqlx::Row;
 use std::collections::{BTreeMap, HashSet};
@@ -804,6 +806,95 @@ async fn lost_requests_are_abandoned_after_the_retention() {
     assert_eq!(
         q.state("gone").await.unwrap(),
         Some((RequestState::Finished, Some(id(1).to_string())))
+    );
+    fleet.close().await;
+    db.drop_db().await;
+}
+
+/// A standalone job whose agent registered on a host that is then lost is
+/// finished `host lost` by the same chores (never run twice; the host, if
+/// it returns, cannot adopt it); one whose agent never registered stays
+/// for the daemon to requeue. A job's secret is handed over with the claim
+/// and erased when it finishes; `held` lists what a host holds with an
+/// agent.
+#[tokio::test]
+async fn lost_hosts_jobs_that_ran_are_aborted_and_secrets_do_not_outlive_them() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("jobs-lost").await;
+    let p = vec![pool("p", Caps::default())];
+    let a = join(&fleet, 1, p.clone(), Duration::from_millis(600)).await;
+    let q = fleet.queue();
+    let job = |name: &str| {
+        let mut r = request(name, "p", 1);
+        r.kind = RequestKind::Job;
+        r.secret = Some(format!(r#"{{"TOKEN":"{name}"}}"#));
+        r
+    };
+    for name in ["ran", "unstarted"] {
+        q.enqueue(&job(name)).await.unwrap();
+        let c = q
+            .claim(a.guard(), &["p".to_owned()])
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.job_id, name);
+        assert_eq!(
+            c.secret.as_deref(),
+            Some(&*format!(r#"{{"TOKEN":"{name}"}}"#))
+        );
+        q.start(a.guard(), &c, &format!("agent-{name}"))
+            .await
+            .unwrap();
+    }
+    assert!(q
+        .mark_registered(&id(1).to_string(), "agent-ran")
+        .await
+        .unwrap());
+    let held: Vec<String> = q
+        .held(&id(1).to_string())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|h| h.job_id)
+        .collect();
+    assert_eq!(held, ["ran", "unstarted"]);
+    let secret = |name: &'static str| {
+        let pool = fleet.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT secret FROM fleet_requests WHERE job_id = $1",
+            )
+            .bind(name)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert!(secret("ran").await.is_some());
+    let mut leader = fleet.leader(id(2));
+    assert!(leader.try_lead().await.unwrap());
+    let t = Instant::now();
+    let report = loop {
+        let r = leader.run_chores(LONG).await.unwrap();
+        if !r.lost_hosts.is_empty() {
+            break r;
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "never lost");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(report.aborted_jobs, ["ran"]);
+    let ran = q.lookup("ran").await.unwrap().unwrap();
+    assert_eq!(ran.state, RequestState::Finished);
+    assert_eq!(ran.outcome.as_deref(), Some(kici_fleet::HOST_LOST));
+    assert_eq!(secret("ran").await, None, "a finished job keeps no secret");
+    assert_eq!(
+        q.state("unstarted").await.unwrap().map(|s| s.0),
+        Some(RequestState::Lost)
+    );
+    assert!(q.requeue(&id(1).to_string(), "unstarted").await.unwrap());
+    assert!(
+        secret("unstarted").await.is_some(),
+        "kept for the next host"
     );
     fleet.close().await;
     db.drop_db().await;

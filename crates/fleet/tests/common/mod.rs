@@ -144,5 +144,6 @@ pub fn request(job: &str, pool: &str, cpu: u64) -> NewRequest {
         cpu: MilliCpu::from_millis(cpu),
         memory: MemoryBytes::from_bytes(1 << 30),
         entry_host: id(1).to_string(),
+        secret: None,
     }
 }
