@@ -163,6 +163,8 @@ pub struct RequestView {
     pub pool: String,
     /// Scale request or standalone job.
     pub kind: RequestKind,
+    /// The body as enqueued.
+    pub body: String,
     /// Where it is.
     pub state: RequestState,
     /// The host holding it (claimed, started, lost, or finished by it).
@@ -185,6 +187,8 @@ pub struct Held {
     pub kind: RequestKind,
     /// The agent started for it.
     pub agent_id: Option<String>,
+    /// Whether that agent registered (then its job may have begun).
+    pub registered: bool,
 }
 
 /// The outcome of [`Queue::enqueue_started`].
@@ -874,7 +878,7 @@ impl Queue {
     /// its place among the queued requests of its pool (1 = next).
     pub async fn lookup(&self, job_id: &str) -> Result<Option<RequestView>, FleetError> {
         let row = sqlx::query(
-            "SELECT r.pool, r.kind, r.state, r.claimed_by, r.agent_id, r.outcome, \
+            "SELECT r.pool, r.kind, r.body, r.state, r.claimed_by, r.agent_id, r.outcome, \
                  CASE WHEN r.state = 'queued' THEN (SELECT count(*) FROM fleet_requests q \
                      WHERE q.fleet = r.fleet AND q.pool = r.pool AND q.state = 'queued' AND q.seq <= r.seq) \
                  ELSE 0 END AS position \
@@ -889,6 +893,7 @@ impl Queue {
             job_id: job_id.to_owned(),
             pool: r.try_get("pool")?,
             kind: RequestKind::parse(&r.try_get::<String, _>("kind")?)?,
+            body: r.try_get("body")?,
             state: RequestState::parse(&r.try_get::<String, _>("state")?)?,
             host: r.try_get("claimed_by")?,
             agent_id: r.try_get("agent_id")?,
@@ -902,8 +907,9 @@ impl Queue {
     /// longer has, which nothing else would (its lease is live again).
     pub async fn held(&self, instance: &str) -> Result<Vec<Held>, FleetError> {
         let rows = sqlx::query(
-            "SELECT job_id, kind, agent_id FROM fleet_requests \
-             WHERE fleet = $1 AND claimed_by = $2 AND state IN ('started', 'lost') ORDER BY seq",
+            "SELECT r.job_id, r.kind, r.agent_id, a.registered_at IS NOT NULL AS registered \
+             FROM fleet_requests r LEFT JOIN fleet_agents a ON a.fleet = r.fleet AND a.agent_id = r.agent_id \
+             WHERE r.fleet = $1 AND r.claimed_by = $2 AND r.state IN ('started', 'lost') ORDER BY r.seq",
         )
         .bind(self.fleet.name())
         .bind(instance)
@@ -915,6 +921,7 @@ impl Queue {
                     job_id: r.try_get("job_id")?,
                     kind: RequestKind::parse(&r.try_get::<String, _>("kind")?)?,
                     agent_id: r.try_get("agent_id")?,
+                    registered: r.try_get::<Option<bool>, _>("registered")?.unwrap_or(false),
                 })
             })
             .collect()

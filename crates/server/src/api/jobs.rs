@@ -12,9 +12,9 @@ use super::AppState;
 use crate::jobs::{self, JobBook, JobRequest, JobView, Read, SubmitError};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
 use axum::Json;
-use futures_util::stream::{self, Stream};
+use futures_util::stream::{self, BoxStream, Stream, StreamExt};
 use kici_api::{OutputData, Truncated};
 use kici_model::JobId;
 use kici_protocol::{JobSpec, JobSpecError};
@@ -37,7 +37,7 @@ pub use kici_api::{JobAccepted, JobBody};
 
 /// A job body parsed into the book's request; every problem names its
 /// field.
-trait IntoJobRequest {
+pub(crate) trait IntoJobRequest {
     fn into_request(self, job: JobId) -> Result<JobRequest, ApiError>;
 }
 
@@ -129,7 +129,22 @@ pub async fn submit_job(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<JobBody>,
 ) -> Result<(StatusCode, Json<JobAccepted>), ApiError> {
-    let request = body.into_request(JobBook::mint_id())?;
+    let request = body.clone().into_request(JobBook::mint_id())?;
+    if let Some(fleet) = state.fleet() {
+        // In a fleet the shared queue records the job (committed before
+        // the answer); a host serving its pool claims and runs it.
+        let view = fleet
+            .enter_job(&body, &request)
+            .await
+            .map_err(submit_error)?;
+        return Ok((
+            StatusCode::ACCEPTED,
+            Json(JobAccepted {
+                job_id: view.job_id,
+                state: view.state,
+            }),
+        ));
+    }
     // A durable book commits the job's record before anything starts: that
     // write is the store's check.
     if !state.jobs.is_durable() {
@@ -169,11 +184,28 @@ pub async fn get_job(
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job("id", &id)?;
-    state
-        .jobs
-        .view(&id)
-        .map(Json)
-        .ok_or_else(|| job_not_found(&id))
+    if let Some(view) = state.jobs.view(&id) {
+        return Ok(Json(view));
+    }
+    // In a fleet, a job another live host runs was carried there before
+    // this handler; what is left is answered from the queue.
+    match state.fleet() {
+        Some(fleet) => fleet
+            .job_whereabouts(&id)
+            .await
+            .map_err(fleet_unavailable)?
+            .map(|w| Json(w.view))
+            .ok_or_else(|| job_not_found(&id)),
+        None => Err(job_not_found(&id)),
+    }
+}
+
+fn fleet_unavailable(e: kici_fleet::FleetError) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        format!("the fleet's database: {e}"),
+    )
 }
 
 /// Cancel a job.
@@ -197,12 +229,10 @@ pub async fn cancel_job(
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<JobAccepted>), ApiError> {
     let id = parse_job("id", &id)?;
-    let view = jobs::cancel(
-        &state.runtime,
-        &state.jobs,
-        &id,
-        "cancelled through the API",
-    )
+    let view = match state.fleet() {
+        Some(fleet) => cancel_in_fleet(&state, &fleet, &id).await?,
+        None => jobs::cancel(&state.runtime, &state.jobs, &id, CANCELLED),
+    }
     .ok_or_else(|| job_not_found(&id))?;
     Ok((
         StatusCode::ACCEPTED,
@@ -211,6 +241,79 @@ pub async fn cancel_job(
             state: view.state,
         }),
     ))
+}
+
+const CANCELLED: &str = "cancelled through the API";
+
+/// How long a cancel waits for a job that is between the queue and a host
+/// (claimed, not yet taken in) to land somewhere it can be cancelled.
+const CANCEL_SETTLE: Duration = Duration::from_secs(5);
+
+/// Cancels a job wherever it is in the fleet: here, in the queue, or on
+/// the live host that holds it (carried there). A job moving from the
+/// queue to a host is followed until it lands.
+async fn cancel_in_fleet(
+    state: &AppState,
+    fleet: &crate::fleet::FleetHost,
+    id: &JobId,
+) -> Result<Option<JobView>, ApiError> {
+    use crate::fleet::peer::OwnedBy;
+    let deadline = tokio::time::Instant::now() + CANCEL_SETTLE;
+    loop {
+        if state.jobs.view(id).is_some() {
+            return Ok(jobs::cancel(&state.runtime, &state.jobs, id, CANCELLED));
+        }
+        if let Some(view) = fleet
+            .cancel_queued_job(id)
+            .await
+            .map_err(fleet_unavailable)?
+        {
+            return Ok(Some(view));
+        }
+        let Some(place) = fleet.job_whereabouts(id).await.map_err(fleet_unavailable)? else {
+            return Ok(None);
+        };
+        if place.view.state.is_terminal() {
+            return Ok(Some(place.view));
+        }
+        if place.owner.is_some() {
+            let path = format!("/v1/jobs/{id}");
+            let answer = fleet
+                .forward(
+                    &OwnedBy::Job(id.to_string()),
+                    &axum::http::Method::DELETE,
+                    &path,
+                    bytes::Bytes::new(),
+                    state.api_token.as_ref(),
+                )
+                .await
+                .map_err(|e| {
+                    ApiError::new(StatusCode::BAD_GATEWAY, "peer-unavailable", e.to_string())
+                })?;
+            if let Some((status, body)) = answer {
+                if status != 404 {
+                    let accepted: JobAccepted = serde_json::from_slice(&body).map_err(|e| {
+                        ApiError::new(
+                            StatusCode::BAD_GATEWAY,
+                            "peer-unavailable",
+                            format!("the job's host answered {status} unreadably: {e}"),
+                        )
+                    })?;
+                    let mut view = place.view;
+                    view.state = accepted.state;
+                    return Ok(Some(view));
+                }
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "job-moving",
+                format!("job {id} is being taken in by a host of the fleet; retry the cancel"),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The job's output, streamed as Server-Sent Events.
@@ -243,7 +346,7 @@ pub async fn job_logs(
     State(state): State<AppState>,
     Path(id): Path<String>,
     headers: HeaderMap,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+) -> Result<Sse<KeepAliveStream<BoxStream<'static, Result<Event, Infallible>>>>, ApiError> {
     let id = parse_job("id", &id)?;
     let next = match headers.get("last-event-id") {
         None => 0,
@@ -261,22 +364,125 @@ pub async fn job_logs(
                 .field("Last-Event-ID")
             })?,
     };
-    if state.jobs.view(&id).is_none() {
+    let keep_alive = KeepAlive::new().interval(Duration::from_secs(15));
+    if state.jobs.view(&id).is_some() {
+        return Ok(
+            Sse::new(follow(Arc::clone(&state.jobs), id, next).boxed()).keep_alive(keep_alive)
+        );
+    }
+    let Some(fleet) = state.fleet() else {
+        return Err(job_not_found(&id));
+    };
+    if fleet
+        .job_whereabouts(&id)
+        .await
+        .map_err(fleet_unavailable)?
+        .is_none()
+    {
         return Err(job_not_found(&id));
     }
-    Ok(Sse::new(follow(Arc::clone(&state.jobs), id, next))
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+    Ok(Sse::new(follow_in_fleet(state, fleet, id, next).boxed()).keep_alive(keep_alive))
+}
+
+/// A fleet job's output, wherever it runs: waits while it is queued,
+/// relays its host's stream (resuming after the last chunk relayed if
+/// that host goes away), or follows it here once this host took it in;
+/// its end from the queue when its host can no longer tell.
+fn follow_in_fleet(
+    state: AppState,
+    fleet: crate::fleet::FleetHost,
+    id: JobId,
+    mut next: u64,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
+    tokio::spawn(async move {
+        loop {
+            if state.jobs.view(&id).is_some() {
+                let mut local = std::pin::pin!(follow(Arc::clone(&state.jobs), id.clone(), next));
+                while let Some(event) = local.next().await {
+                    if tx.send(event).await.is_err() {
+                        return;
+                    }
+                }
+                return;
+            }
+            match fleet.job_whereabouts(&id).await {
+                Ok(None) => return,
+                Ok(Some(place)) if place.view.state.is_terminal() => {
+                    let _ = tx.send(Ok(end_event(&place.view))).await;
+                    return;
+                }
+                Ok(Some(crate::fleet::jobs::Whereabouts {
+                    owner: Some(owner), ..
+                })) => {
+                    if let Ok(mut logs) = fleet
+                        .job_logs_at(&owner, &id, next.checked_sub(1), state.api_token.as_ref())
+                        .await
+                    {
+                        while let Some(Ok(event)) = logs.next().await {
+                            let relayed = match event {
+                                kici_api::JobLogEvent::Output { index, output } => {
+                                    next = index + 1;
+                                    chunk_event(index, &output)
+                                }
+                                kici_api::JobLogEvent::Truncated(t) => {
+                                    next = t.missed_to + 1;
+                                    truncated_event(&t)
+                                }
+                                kici_api::JobLogEvent::End(view) => {
+                                    let _ = tx.send(Ok(end_event(&view))).await;
+                                    return;
+                                }
+                            };
+                            if tx.send(Ok(relayed)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                Ok(Some(_)) => {}
+                Err(e) => {
+                    tracing::debug!(job_id = %id, error = %e, "job logs: reading the fleet failed; retrying")
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                _ = tx.closed() => return,
+            }
+        }
+    });
+    stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+}
+
+fn end_event(view: &JobView) -> Event {
+    Event::default()
+        .event("end")
+        .json_data(view)
+        .unwrap_or_else(|_| Event::default().event("end"))
+}
+
+fn truncated_event(t: &Truncated) -> Event {
+    Event::default()
+        .event("truncated")
+        .json_data(t)
+        .unwrap_or_else(|_| Event::default().event("truncated"))
 }
 
 fn output_event(chunk: &jobs::Chunk) -> Event {
-    let data = OutputData {
-        stream: chunk.stream,
-        data: chunk.data.clone(),
-    };
+    chunk_event(
+        chunk.index,
+        &OutputData {
+            stream: chunk.stream,
+            data: chunk.data.clone(),
+        },
+    )
+}
+
+fn chunk_event(index: u64, data: &OutputData) -> Event {
     Event::default()
-        .id(chunk.index.to_string())
+        .id(index.to_string())
         .event("output")
-        .json_data(&data)
+        .json_data(data)
         .unwrap_or_else(|_| Event::default().comment("unencodable chunk"))
 }
 
@@ -285,7 +491,7 @@ fn follow(
     jobs: Arc<JobBook>,
     id: JobId,
     next: u64,
-) -> impl Stream<Item = Result<Event, Infallible>> {
+) -> impl Stream<Item = Result<Event, Infallible>> + Send {
     struct Cursor {
         jobs: Arc<JobBook>,
         id: JobId,
@@ -320,12 +526,7 @@ fn follow(
                                 jobs::OUTPUT_CAP_BYTES
                             ),
                         };
-                        c.queued.push_back(
-                            Event::default()
-                                .event("truncated")
-                                .json_data(&data)
-                                .unwrap_or_else(|_| Event::default().event("truncated")),
-                        );
+                        c.queued.push_back(truncated_event(&data));
                         c.next = to + 1;
                     }
                     for chunk in &chunks {
@@ -340,12 +541,7 @@ fn follow(
                 }
                 Some(Read::End(view)) => {
                     c.done = true;
-                    c.queued.push_back(
-                        Event::default()
-                            .event("end")
-                            .json_data(&*view)
-                            .unwrap_or_else(|_| Event::default().event("end")),
-                    );
+                    c.queued.push_back(end_event(&view));
                 }
             }
         }

@@ -357,9 +357,9 @@ async fn to_owner(State(state): State<AppState>, request: Request, next: Next) -
         OwnedBy::Agent(id) => id
             .parse::<kici_model::AgentId>()
             .is_ok_and(|a| state.runtime.agent(a).is_some()),
-        OwnedBy::Job(id) => id
-            .parse::<kici_model::JobId>()
-            .is_ok_and(|j| state.runtime.call(|e, _| e.job_outcome(&j)).is_some()),
+        OwnedBy::Job(id) => id.parse::<kici_model::JobId>().is_ok_and(|j| {
+            state.jobs.view(&j).is_some() || state.runtime.call(|e, _| e.job_outcome(&j)).is_some()
+        }),
     };
     if known_here {
         return next.run(request).await;
@@ -391,6 +391,11 @@ async fn to_owner(State(state): State<AppState>, request: Request, next: Next) -
         )
         .await
     {
+        // The owner does not know it (yet, or any more): answered here.
+        Ok(Some((404, _))) | Ok(None) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(body)))
+                .await
+        }
         Ok(Some((status, answer))) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
             let mut response = Response::new(axum::body::Body::from(answer));
@@ -402,11 +407,6 @@ async fn to_owner(State(state): State<AppState>, request: Request, next: Next) -
                 );
             }
             response
-        }
-        // Nobody else owns it: answered here (a 404 when unknown).
-        Ok(None) => {
-            next.run(Request::from_parts(parts, axum::body::Body::from(body)))
-                .await
         }
         Err(e) => ApiError::new(
             StatusCode::BAD_GATEWAY,

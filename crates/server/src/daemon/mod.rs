@@ -420,6 +420,7 @@ async fn run(
                 instance,
                 &config,
                 runtime.clone(),
+                Arc::clone(&stack.jobs),
                 Arc::clone(&stack.metrics),
             )
             .await;

@@ -18,11 +18,13 @@
 //! spawn gate records the agent against the claim under the host's lease
 //! epoch before the backend is called.
 
+pub mod jobs;
 pub mod peer;
 pub mod settings;
 pub mod view;
 
 use crate::events::metrics::Metrics;
+use crate::jobs::JobBook;
 use kici_engine::runtime::{Runtime, SpawnGate};
 use kici_engine::{AgentState, EngineEvent, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
@@ -67,6 +69,8 @@ struct Inner {
     guard: LeaseGuard,
     instance: InstanceId,
     runtime: Runtime,
+    /// Standalone jobs this host runs (claimed from the fleet's queue).
+    jobs: Arc<JobBook>,
     metrics: Arc<Metrics>,
     /// The pools (scaler names) this host joined with.
     pools: Vec<String>,
@@ -153,6 +157,7 @@ impl FleetHost {
         instance: InstanceId,
         config: &Config,
         runtime: Runtime,
+        jobs: Arc<JobBook>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, JoinError> {
         let err = |source| JoinError::Fleet {
@@ -199,6 +204,7 @@ impl FleetHost {
             fleet,
             instance,
             runtime,
+            jobs,
             metrics,
             pools,
             refused,
@@ -214,6 +220,7 @@ impl FleetHost {
             tasks: Mutex::new(Vec::new()),
         }));
         host.reconcile().await;
+        host.settle_held().await;
         host.0
             .runtime
             .set_spawn_gate(Arc::new(ClaimGate(Arc::downgrade(&host.0))));
@@ -282,6 +289,7 @@ impl FleetHost {
             cpu: resources.requests.cpu,
             memory: resources.requests.memory,
             entry_host: self.0.instance.to_string(),
+            secret: None,
         };
         if self.serves(pool.as_str()) {
             if let Some(outcome) = self.enter_here(&new, request).await? {
@@ -478,6 +486,9 @@ impl FleetHost {
 
     /// Admits a claimed request here, or gives it back.
     async fn serve(&self, claim: Claim) {
+        if claim.kind == RequestKind::Job {
+            return self.serve_job(claim).await;
+        }
         let inner = &self.0;
         let request = match serde_json::from_str::<kici_api::ScaleBody>(&claim.body)
             .map_err(|e| e.to_string())
@@ -502,20 +513,7 @@ impl FleetHost {
                 inner.bound.lock().insert(agent_id, job.clone());
                 inner.metrics.fleet_claim("started");
                 if warm {
-                    // A warm agent exists already: no spawn passes the gate,
-                    // so the claim is bound here.
-                    let claim = inner.claimed.lock().remove(&job);
-                    if let Some(claim) = claim {
-                        if let Err(e) = inner
-                            .queue
-                            .start(&inner.guard, &claim, &agent_id.to_string())
-                            .await
-                        {
-                            tracing::warn!(job_id = %job, agent_id = %agent_id, error = %e,
-                                "fleet: the warm agent could not be bound to its claim; giving it up");
-                            self.undo_admission(&job, agent_id, true);
-                        }
-                    }
+                    self.bind_warm(&job, agent_id).await;
                 }
             }
             Ok(ScaleOutcome::Pending { .. }) | Err(kici_engine::ScaleError::QueueFull(_)) => {
@@ -543,6 +541,24 @@ impl FleetHost {
                 inner.claimed.lock().remove(&job);
                 tracing::warn!(job_id = %job, error = %e, "fleet: the engine refused a claimed request; given back");
                 self.give_back(&claim, "error").await;
+            }
+        }
+    }
+
+    /// A warm agent took a claimed request: no spawn passes the gate, so
+    /// the claim is bound here (or the agent given up).
+    async fn bind_warm(&self, job: &JobId, agent_id: AgentId) {
+        let inner = &self.0;
+        let claim = inner.claimed.lock().remove(job);
+        if let Some(claim) = claim {
+            if let Err(e) = inner
+                .queue
+                .start(&inner.guard, &claim, &agent_id.to_string())
+                .await
+            {
+                tracing::warn!(job_id = %job, agent_id = %agent_id, error = %e,
+                    "fleet: the warm agent could not be bound to its claim; giving it up");
+                self.undo_admission(job, agent_id, true);
             }
         }
     }
@@ -661,10 +677,11 @@ impl FleetHost {
             return;
         };
         self.0.claimed.lock().remove(&job);
+        let outcome = self.outcome_of(&job, outcome).await;
         if let Err(e) = self
             .0
             .queue
-            .complete(&self.0.instance.to_string(), job.as_str(), outcome)
+            .complete(&self.0.instance.to_string(), job.as_str(), &outcome)
             .await
         {
             // Left `started`: finished by the next sweep of vanished agents.
@@ -691,6 +708,25 @@ impl FleetHost {
             unknown.iter().filter_map(|j| claimed.remove(j)).collect()
         };
         for claim in orphaned {
+            // A job that ended before its agent was bound (cancelled, say)
+            // is finished, never served again.
+            let ended = claim
+                .job_id
+                .parse::<JobId>()
+                .ok()
+                .and_then(|j| inner.jobs.view(&j))
+                .filter(|v| v.state.is_terminal());
+            if let Some(view) = ended {
+                let outcome = serde_json::to_string(&view).unwrap_or_default();
+                if let Err(e) = inner
+                    .queue
+                    .complete(&claim.instance, &claim.job_id, &outcome)
+                    .await
+                {
+                    tracing::warn!(job_id = %claim.job_id, error = %e, "fleet: finishing an ended job failed");
+                }
+                continue;
+            }
             tracing::warn!(job_id = %claim.job_id, "fleet: a claim no agent took is given back");
             self.give_back(&claim, "released").await;
         }
@@ -817,9 +853,6 @@ impl FleetHost {
             let Some(job) = a.job_id.clone() else {
                 continue;
             };
-            if a.mode == kici_engine::Mode::Standalone {
-                continue;
-            }
             match inner
                 .queue
                 .adopt(&inner.guard, &a.agent_id.to_string())
@@ -832,10 +865,66 @@ impl FleetHost {
                     tracing::warn!(agent_id = %a.agent_id, job_id = %job, ?verdict,
                         "fleet: an agent's request is no longer this host's; destroying it");
                     inner.bound.lock().remove(&a.agent_id);
+                    if a.mode == kici_engine::Mode::Standalone {
+                        inner.jobs.abort(
+                            &job,
+                            "host lost: this host was cut off from the fleet and the job was given up"
+                                .to_owned(),
+                        );
+                    }
                     let _ = inner.runtime.destroy_agent(a.agent_id);
                 }
                 Err(e) => {
                     tracing::warn!(agent_id = %a.agent_id, error = %e, "fleet: reconciling an agent failed")
+                }
+            }
+        }
+    }
+
+    /// At start-up: the requests this host held with an agent that did not
+    /// survive the restart (the recovery destroyed it, or it died) are
+    /// settled — served again if the agent never registered, else
+    /// finished with what this host knows of them. Nothing else would: the
+    /// host's lease is live again, so the leader does not touch them.
+    async fn settle_held(&self) {
+        let inner = &self.0;
+        let me = inner.instance.to_string();
+        let held = match inner.queue.held(&me).await {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = %e, "fleet: reading this host's requests failed");
+                return;
+            }
+        };
+        let adopted: HashSet<String> = inner.bound.lock().keys().map(|a| a.to_string()).collect();
+        for h in held {
+            if h.agent_id.as_ref().is_some_and(|a| adopted.contains(a)) {
+                continue;
+            }
+            let Ok(job) = h.job_id.parse::<JobId>() else {
+                continue;
+            };
+            let result = if h.registered {
+                let outcome = match inner.jobs.view(&job) {
+                    Some(view) => serde_json::to_string(&view).unwrap_or_default(),
+                    None => "agent ended: kici-scaler restarted".to_owned(),
+                };
+                inner.queue.complete(&me, &h.job_id, &outcome).await
+            } else {
+                // Served again, elsewhere maybe: this host's record of the
+                // job (aborted by the restart) would shadow the new run.
+                if h.kind == RequestKind::Job {
+                    inner.jobs.remove(&job);
+                }
+                inner.queue.requeue(&me, &h.job_id).await
+            };
+            match result {
+                Ok(_) => {
+                    tracing::info!(job_id = %h.job_id, requeued = !h.registered,
+                        "fleet: a request whose agent did not survive the restart was settled")
+                }
+                Err(e) => {
+                    tracing::warn!(job_id = %h.job_id, error = %e, "fleet: settling a request failed")
                 }
             }
         }
@@ -856,6 +945,9 @@ impl FleetHost {
         for h in &report.lost_hosts {
             tracing::warn!(instance = %h.instance_id, hostname = %h.hostname, epoch = h.epoch,
                 "fleet: host lost (lease expired); its unstarted requests return to the queue");
+        }
+        for job in &report.aborted_jobs {
+            tracing::warn!(job_id = %job, "fleet: a standalone job ran on a lost host; it ends aborted (host lost)");
         }
         for job in &report.requeued {
             tracing::info!(job_id = %job, "fleet: a lost host's claim returned to the queue");

@@ -37,7 +37,7 @@ pub struct PeerPart<T> {
 pub enum OwnedBy {
     /// `/v1/agents/{id}` and its reports.
     Agent(String),
-    /// `DELETE /v1/scale/{jobId}`.
+    /// `DELETE /v1/scale/{jobId}`, `GET`/`DELETE /v1/jobs/{id}`.
     Job(String),
 }
 
@@ -46,6 +46,13 @@ pub fn owner_only(method: &Method, path: &str) -> Option<OwnedBy> {
     if let Some(rest) = path.strip_prefix("/v1/agents/") {
         let id = rest.split('/').next().unwrap_or_default();
         return (!id.is_empty()).then(|| OwnedBy::Agent(id.to_owned()));
+    }
+    if let Some(job) = path.strip_prefix("/v1/jobs/") {
+        // Not the log stream: its handler follows the job itself.
+        let one = (method == Method::GET || method == Method::DELETE)
+            && !job.is_empty()
+            && !job.contains('/');
+        return one.then(|| OwnedBy::Job(job.to_owned()));
     }
     if method == Method::DELETE {
         if let Some(job) = path.strip_prefix("/v1/scale/") {
@@ -100,10 +107,7 @@ impl FleetHost {
             url: url.clone(),
             reason,
         };
-        let mut client = kici_api::Client::new(&url).map_err(|e| unreachable(e.to_string()))?;
-        if let Some(token) = token {
-            client = client.with_token(token.expose());
-        }
+        let client = peer_client(&url, token).map_err(unreachable)?;
         let body = (!body.is_empty()).then(|| body.to_vec());
         let reply = client
             .raw(method.as_str(), path, body)
@@ -143,15 +147,42 @@ impl FleetHost {
     }
 }
 
+impl FleetHost {
+    /// Opens the log stream of job `id` on `owner`, after chunk `after`.
+    pub async fn job_logs_at(
+        &self,
+        owner: &kici_fleet::Owner,
+        id: &kici_model::JobId,
+        after: Option<u64>,
+        token: Option<&Secret>,
+    ) -> Result<kici_api::JobLogs, String> {
+        let url = owner
+            .url
+            .as_deref()
+            .ok_or_else(|| "it advertises no URL (--advertise-url)".to_owned())?;
+        let client = peer_client(url, token)?;
+        client
+            .job_logs(id.as_str(), after)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// A client of a peer's control API, with the fleet's API token.
+fn peer_client(url: &str, token: Option<&Secret>) -> Result<kici_api::Client, String> {
+    let client = kici_api::Client::new(url).map_err(|e| e.to_string())?;
+    Ok(match token {
+        Some(token) => client.with_token(token.expose()),
+        None => client,
+    })
+}
+
 async fn read_peer<T: DeserializeOwned>(
     url: &str,
     path: &str,
     token: Option<&Secret>,
 ) -> Result<T, String> {
-    let mut client = kici_api::Client::new(url).map_err(|e| e.to_string())?;
-    if let Some(token) = token {
-        client = client.with_token(token.expose());
-    }
+    let client = peer_client(url, token)?;
     let reply = tokio::time::timeout(PEER_READ_TIMEOUT, client.raw("GET", path, None))
         .await
         .map_err(|_| format!("no answer within {PEER_READ_TIMEOUT:?}"))?
@@ -188,6 +219,16 @@ mod tests {
             Some(OwnedBy::Job("j-1".into()))
         );
         assert_eq!(owner_only(&Method::POST, "/v1/scale"), None);
+        assert_eq!(
+            owner_only(&Method::GET, "/v1/jobs/job-1"),
+            Some(OwnedBy::Job("job-1".into()))
+        );
+        assert_eq!(
+            owner_only(&Method::DELETE, "/v1/jobs/job-1"),
+            Some(OwnedBy::Job("job-1".into()))
+        );
+        assert_eq!(owner_only(&Method::GET, "/v1/jobs/job-1/logs"), None);
+        assert_eq!(owner_only(&Method::POST, "/v1/jobs"), None);
         assert_eq!(owner_only(&Method::GET, "/v1/status"), None);
     }
 }

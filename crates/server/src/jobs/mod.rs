@@ -373,7 +373,8 @@ impl JobBook {
         ack
     }
 
-    fn remove(&self, id: &JobId) {
+    /// Forgets a job (its record and output too).
+    pub(crate) fn remove(&self, id: &JobId) {
         let mut b = self.books.lock();
         if let Some(job) = b.jobs.remove(id) {
             self.forget(id);
@@ -383,6 +384,30 @@ impl JobBook {
 
     pub fn view(&self, id: &JobId) -> Option<JobView> {
         self.books.lock().jobs.get(id).map(Job::view)
+    }
+
+    /// The job's view once it has ended, waiting at most `within` for
+    /// that; `None` if it is unknown or still running then.
+    pub async fn wait_end(&self, id: &JobId, within: std::time::Duration) -> Option<JobView> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            // Subscribed under the lock that read the state: no change
+            // between the check and the wait goes unseen.
+            let mut changed = {
+                let b = self.books.lock();
+                let job = b.jobs.get(id)?;
+                if job.state.is_terminal() {
+                    return Some(job.view());
+                }
+                job.changed.subscribe()
+            };
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                return None;
+            }
+        }
     }
 
     /// How many jobs are recorded (finished ones included).
@@ -1050,6 +1075,62 @@ fn submit_with(
         .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))?;
     tracing::info!(job_id = %id, state = view.state.as_str(), agent_id = view.agent_id.as_deref(), "job submitted");
     Ok((view, ack))
+}
+
+/// A job that another queue keeps (a fleet claim), served now or not at
+/// all: recorded (committed, with a store), then admitted by the engine
+/// only if an agent can be provisioned now or a warm one takes it —
+/// `Ok(Some((agent, warm)))`. `Ok(None)`: no capacity now; nothing is
+/// kept (the caller gives the job back to its queue). `Err`: refused for
+/// good (no backend, can never fit); nothing is kept.
+pub async fn submit_now(
+    runtime: &Runtime,
+    jobs: &JobBook,
+    request: JobRequest,
+) -> Result<Option<(AgentId, bool)>, SubmitError> {
+    let id = request.spec.job_id().clone();
+    if let Some(ack) = jobs.insert(request.spec.clone(), request.labels.clone()) {
+        if let Err(e) = JobRecorder::committed(ack).await {
+            jobs.remove(&id);
+            return Err(SubmitError::Store(e.to_string()));
+        }
+    }
+    let scale = ScaleRequest {
+        job: id.clone(),
+        run_id: None,
+        labels: request.labels,
+        exclude: LabelSet::default(),
+        resources: request.resources,
+        mode: Mode::Standalone,
+    };
+    match runtime.request_scale_now(scale) {
+        Ok(ScaleOutcome::Spawning { agent_id, warm, .. }) => {
+            let mut b = jobs.books.lock();
+            jobs.bind(&mut b, &id, agent_id);
+            drop(b);
+            tracing::info!(job_id = %id, agent_id = %agent_id, "job taken from the fleet's queue");
+            Ok(Some((agent_id, warm)))
+        }
+        Ok(ScaleOutcome::Pending { .. }) | Err(ScaleError::QueueFull(_)) => {
+            jobs.remove(&id);
+            Ok(None)
+        }
+        Ok(ScaleOutcome::NoBackend { explanation }) => {
+            jobs.remove(&id);
+            Err(SubmitError::NoBackend(explanation))
+        }
+        Ok(ScaleOutcome::TooLarge { cap, detail }) => {
+            jobs.remove(&id);
+            Err(SubmitError::TooLarge {
+                cap: cap.to_string(),
+                detail,
+            })
+        }
+        Err(e) => {
+            jobs.remove(&id);
+            Err(e.into())
+        }
+    }
 }
 
 /// Cancels a job: marks it cancelled, withdraws its scale request or

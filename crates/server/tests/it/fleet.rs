@@ -230,11 +230,29 @@ fn agent_script(record: &std::path::Path) -> String {
     )
 }
 
-/// `labels` of the pool `local` on this host.
-fn config(agent: &std::path::Path, max_agents: u32, fleet_max: u32, labels: &str) -> String {
+/// `labels` of the pool `local` on this host, then `extra` (more
+/// scalers).
+fn config(
+    agent: &std::path::Path,
+    max_agents: u32,
+    fleet_max: u32,
+    labels: &str,
+    extra: &str,
+) -> String {
     format!(
-        "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: {max_agents}\n    x-kici-scaler:\n      fleetMaxAgents: {fleet_max}\n    labelSets:\n      - labels: [{labels}]\n        binaryPath: {}\n",
+        "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: {max_agents}\n    x-kici-scaler:\n      fleetMaxAgents: {fleet_max}\n    labelSets:\n      - labels: [{labels}]\n        binaryPath: {}\n{extra}",
         agent.display()
+    )
+}
+
+/// The pool `jobs`: the real agent (which runs standalone jobs), two per
+/// host, three in the fleet.
+fn jobs_pool() -> String {
+    format!(
+        "  - name: jobs\n    type: bare-metal\n    maxAgents: 2\n    x-kici-scaler:\n      fleetMaxAgents: 3\n    labelSets:\n      - labels: [job]\n        binaryPath: {}\n",
+        common::daemon::agent_lite_dir()
+            .join("kici-agent-lite")
+            .display()
     )
 }
 
@@ -262,6 +280,17 @@ impl Fleet {
     /// `n` hosts, each with `max_agents`, the pool capped at `fleet_max`
     /// fleet-wide; `labels[i]` overrides host i's label set.
     fn start(n: usize, max_agents: u32, fleet_max: u32, labels: &[&str]) -> Fleet {
+        Self::start_with(n, max_agents, fleet_max, labels, "")
+    }
+
+    /// [`Fleet::start`] with `extra` scalers on every host.
+    fn start_with(
+        n: usize,
+        max_agents: u32,
+        fleet_max: u32,
+        labels: &[&str],
+        extra: &str,
+    ) -> Fleet {
         let net = Net::new(n);
         // The server listens on the bridge address, which exists now.
         pg("stop", PG_PORT);
@@ -285,7 +314,7 @@ impl Fleet {
             let labels = labels.get(i).copied().unwrap_or("local");
             std::fs::write(
                 dir.path("scalers.yaml"),
-                config(&agent, max_agents, fleet_max, labels),
+                config(&agent, max_agents, fleet_max, labels, extra),
             )
             .unwrap();
             fleet.hosts.push(Host {
@@ -473,6 +502,17 @@ impl Fleet {
         }
         n
     }
+}
+
+/// A standalone job's command: it appends `mark` to the record (so each
+/// run counts itself), prints `out-<mark>` and holds its agent a moment.
+fn job_body(record: &std::path::Path, mark: &str, hold: &str) -> String {
+    serde_json::json!({
+        "labels": ["job"],
+        "command": ["sh", "-c", format!("echo \"$MARK\" >> {}; echo out-$MARK; sleep {hold}", record.join("jobs.log").display())],
+        "env": {"MARK": mark},
+    })
+    .to_string()
 }
 
 fn wait_long(what: &str, limit: Duration, f: impl FnMut() -> bool) {
@@ -1031,5 +1071,255 @@ fn serial_fleet_database_restart_answers_503_fast_and_heals_without_restarting_h
         lost,
         ["0"],
         "no host was declared lost for the database's outage"
+    );
+}
+
+#[test]
+fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap() {
+    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool());
+    wait_until("three hosts up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 3
+    });
+    const JOBS: usize = 60;
+    const CLIENTS: usize = 4;
+    let record = fleet.record.path().to_owned();
+    let addrs = fleet.api_addrs();
+    let ids = std::sync::Mutex::new(BTreeMap::new());
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let mut max_usage = 0u64;
+    let usage = |f: &Fleet| -> u64 {
+        f.sql(
+            "SELECT (SELECT count(*) FROM fleet_requests WHERE pool = 'jobs' AND state = 'claimed') \
+                  + (SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live')",
+        )[0]
+            .parse()
+            .unwrap()
+    };
+    // Four clients submit through entry hosts spread over the three; this
+    // thread samples the pool's usage in the database meanwhile.
+    std::thread::scope(|scope| {
+        for client in 0..CLIENTS {
+            let (addrs, ids, done, record) = (&addrs, &ids, &done, &record);
+            scope.spawn(move || {
+                for n in (client..JOBS).step_by(CLIENTS) {
+                    let auth = format!("Bearer {TOKEN}");
+                    let body = job_body(record, &format!("m{n:02}"), "0.2");
+                    let (status, answer) = http(
+                        &addrs[(n * 7 + n / 3) % 3],
+                        "POST",
+                        "/v1/jobs",
+                        &[("Authorization", &auth)],
+                        Some(&body),
+                    );
+                    assert_eq!(status, 202, "{answer}");
+                    let answer: Value = serde_json::from_str(&answer).unwrap();
+                    assert_eq!(answer["state"], "pending", "{answer}");
+                    let id = answer["jobId"].as_str().unwrap().to_owned();
+                    ids.lock().unwrap().insert(n, id);
+                    done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+        while done.load(std::sync::atomic::Ordering::Relaxed) < JOBS {
+            max_usage = max_usage.max(usage(&fleet));
+        }
+    });
+    let ids = ids.into_inner().unwrap();
+    // Each ends succeeded, seen from a host chosen apart from where it ran.
+    let finished = poll_until(PATIENCE * 4, || {
+        max_usage = max_usage.max(usage(&fleet));
+        fleet.sql("SELECT count(*) FROM fleet_requests WHERE kind = 'job' AND state = 'finished'")
+            == [JOBS.to_string()]
+    });
+    if !finished {
+        let left = fleet.sql(
+            "SELECT job_id || ' ' || state || ' ' || coalesce(claimed_by, '-') FROM fleet_requests \
+             WHERE kind = 'job' AND state <> 'finished'",
+        );
+        fleet.fail(&format!("every job finished (not: {left:?})"), "job-");
+    }
+    assert!(
+        max_usage <= 3,
+        "the pool's fleet cap was exceeded: {max_usage}"
+    );
+    for (n, id) in &ids {
+        let (status, view) = fleet.hosts[n % 3].call("GET", &format!("/v1/jobs/{id}"), None);
+        assert_eq!(status, 200, "{view}");
+        assert_eq!(view["state"], "succeeded", "{view}");
+        assert_eq!(view["exitCode"], 0, "{view}");
+    }
+    // Every job ran exactly once, by its own record; every host ran some.
+    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
+    let mut runs: BTreeMap<&str, usize> = BTreeMap::new();
+    for line in text.lines() {
+        *runs.entry(line).or_default() += 1;
+    }
+    assert_eq!(runs.len(), JOBS, "{runs:?}");
+    assert!(runs.values().all(|n| *n == 1), "{runs:?}");
+    assert_eq!(
+        fleet.sql("SELECT count(DISTINCT claimed_by) FROM fleet_requests WHERE kind = 'job'"),
+        ["3"]
+    );
+    // FIFO within the pool; no secret outlives its job.
+    let order =
+        fleet.sql("SELECT job_id FROM fleet_requests WHERE pool = 'jobs' ORDER BY claim_seq");
+    let by_arrival =
+        fleet.sql("SELECT job_id FROM fleet_requests WHERE pool = 'jobs' ORDER BY seq");
+    assert_eq!(order, by_arrival, "claims follow arrival order");
+    assert_eq!(
+        fleet.sql("SELECT count(*) FROM fleet_requests WHERE secret IS NOT NULL"),
+        ["0"]
+    );
+
+    // The log stream, from a host that does not run the job, from the
+    // moment the job is queued to its end.
+    let body = job_body(&record, "streamed", "0.5");
+    let (status, answer) = fleet.hosts[0].call("POST", "/v1/jobs", Some(&body));
+    assert_eq!(status, 202, "{answer}");
+    let id = answer["jobId"].as_str().unwrap().to_owned();
+    let stream = http(
+        &addrs[1],
+        "GET",
+        &format!("/v1/jobs/{id}/logs"),
+        &[("Authorization", &format!("Bearer {TOKEN}"))],
+        None,
+    );
+    assert_eq!(stream.0, 200, "{}", stream.1);
+    assert!(stream.1.contains("event: output"), "{}", stream.1);
+    // `out-streamed\n`, base64.
+    assert!(stream.1.contains("b3V0LXN0cmVhbWVk"), "{}", stream.1);
+    assert!(stream.1.contains("event: end"), "{}", stream.1);
+    assert!(stream.1.contains("\"succeeded\""), "{}", stream.1);
+
+    // `run --server` works the same through any host.
+    let out = fleet.hosts[0]
+        .dir
+        .command(&["run", "--labels", "job", "--server"])
+        .arg(format!("http://{}", addrs[2]))
+        .args(["--", "sh", "-c", "echo from-run; exit 3"])
+        .env("KICI_SCALER_API_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("from-run"));
+
+    // A queued job cancelled through any host never runs; a running one
+    // is cancelled on its host. With the pool full of long jobs, one more
+    // waits in the queue.
+    let mut long = Vec::new();
+    for n in 0..4 {
+        let body = job_body(&record, &format!("long{n}"), "1000");
+        let (status, answer) = fleet.hosts[n % 3].call("POST", "/v1/jobs", Some(&body));
+        assert_eq!(status, 202, "{answer}");
+        long.push(answer["jobId"].as_str().unwrap().to_owned());
+    }
+    let state_of = |f: &Fleet, id: &str| {
+        let (_, v) = f.hosts[2].call("GET", &format!("/v1/jobs/{id}"), None);
+        v["state"].as_str().unwrap_or_default().to_owned()
+    };
+    wait_long("three long jobs run", PATIENCE, || {
+        long.iter()
+            .filter(|id| state_of(&fleet, id) == "running")
+            .count()
+            == 3
+    });
+    let waiting = long
+        .iter()
+        .find(|id| state_of(&fleet, id) == "pending")
+        .unwrap()
+        .clone();
+    let (status, v) = fleet.hosts[1].call("DELETE", &format!("/v1/jobs/{waiting}"), None);
+    assert_eq!(
+        (status, v["state"].as_str()),
+        (202, Some("cancelled")),
+        "{v}"
+    );
+    for id in long.iter().filter(|id| **id != waiting) {
+        let (status, v) = fleet.hosts[0].call("DELETE", &format!("/v1/jobs/{id}"), None);
+        assert_eq!(
+            (status, v["state"].as_str()),
+            (202, Some("cancelled")),
+            "{v}"
+        );
+    }
+    wait_long(
+        "the cancelled jobs end and their agents go",
+        PATIENCE,
+        || {
+            fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'")
+                == ["0"]
+                && long.iter().all(|id| state_of(&fleet, id) == "cancelled")
+        },
+    );
+    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
+    let waited = long.iter().position(|id| *id == waiting).unwrap();
+    assert!(
+        !text.lines().any(|l| l == format!("long{waited}")),
+        "a cancelled queued job ran: {text}"
+    );
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("long")).count(),
+        3,
+        "only the running long jobs ran: {text}"
+    );
+}
+
+#[test]
+fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
+    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool());
+    wait_until("three hosts up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 3
+    });
+    let record = fleet.record.path().to_owned();
+    let body = job_body(&record, "doomed", "1000");
+    let (status, answer) = fleet.hosts[0].call("POST", "/v1/jobs", Some(&body));
+    assert_eq!(status, 202, "{answer}");
+    let id = answer["jobId"].as_str().unwrap().to_owned();
+    wait_long("the job runs", PATIENCE, || {
+        let (_, v) = fleet.hosts[1].call("GET", &format!("/v1/jobs/{id}"), None);
+        v["state"] == "running"
+    });
+    let owner = fleet.sql(&format!(
+        "SELECT claimed_by FROM fleet_requests WHERE job_id = '{id}'"
+    ));
+    let owner = fleet
+        .hosts
+        .iter()
+        .position(|h| h.instance() == owner[0])
+        .unwrap();
+    fleet.hosts[owner].daemon.as_mut().unwrap().kill9();
+    common::daemon::kill_instance_cgroups(&fleet.hosts[owner].instance());
+    let other = (owner + 1) % 3;
+    let t = Instant::now();
+    wait_long("the job ends aborted (host lost)", PATIENCE, || {
+        let (_, v) = fleet.hosts[other].call("GET", &format!("/v1/jobs/{id}"), None);
+        v["state"] == "failed"
+            && v["end"] == "aborted"
+            && v["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("host lost"))
+    });
+    let lease: u64 = LEASE_SECONDS.parse().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(lease + 5),
+        "aborted only after {:?}",
+        t.elapsed()
+    );
+    // It ran once and is not run again elsewhere.
+    std::thread::sleep(Duration::from_secs(2));
+    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
+    assert_eq!(text.lines().filter(|l| *l == "doomed").count(), 1, "{text}");
+    assert_eq!(
+        fleet.sql(&format!(
+            "SELECT secret IS NULL FROM fleet_requests WHERE job_id = '{id}'"
+        )),
+        ["t"]
     );
 }
