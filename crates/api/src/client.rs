@@ -385,6 +385,13 @@ impl Client {
         Ok(Events { stream })
     }
 
+    /// `GET /v1/events?local=true`: in a fleet, this host's events only
+    /// (what a host relays into its fleet-wide stream), from now on.
+    pub async fn local_events(&self) -> Result<Events, ApiError> {
+        let stream = self.open_stream("/v1/events?local=true", None).await?;
+        Ok(Events { stream })
+    }
+
     /// `GET /healthz`.
     pub async fn healthz(&self) -> Result<Health, ApiError> {
         self.call(Method::GET, "/healthz", None::<&()>).await

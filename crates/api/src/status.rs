@@ -111,6 +111,15 @@ pub struct StatusObject {
     pub global_max_agents: u32,
     pub pending: usize,
     pub scalers: Vec<ScalerStatusObject>,
+    /// In a fleet: every other live host's status, each as this object
+    /// (without hosts of its own). Empty with `?local=true`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(no_recursion))]
+    pub hosts: Vec<StatusObject>,
+    /// In a fleet: the live hosts missing from `hosts` because they did
+    /// not answer in time, each with why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreachable_hosts: Vec<crate::agents::UnreachableHost>,
 }
 
 /// What a reload changed.

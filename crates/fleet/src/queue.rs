@@ -939,13 +939,13 @@ impl Queue {
         .await
     }
 
-    /// The live host holding request `job_id` (claimed or started), if one
-    /// does.
+    /// The live host holding request `job_id` (claimed or started) or that
+    /// finished it (it may still know how it went), if one does.
     pub async fn job_owner(&self, job_id: &str) -> Result<Option<Owner>, FleetError> {
         self.owner(
             "SELECT h.instance_id, h.url FROM fleet_requests r JOIN fleet_hosts h \
                  ON h.fleet = r.fleet AND h.instance_id = r.claimed_by \
-             WHERE r.fleet = $1 AND r.job_id = $2 AND r.state IN ('claimed', 'started') \
+             WHERE r.fleet = $1 AND r.job_id = $2 AND r.state IN ('claimed', 'started', 'finished') \
                  AND h.state IN ('up', 'leaving')",
             job_id,
         )

@@ -8,7 +8,7 @@
 use super::error::{agent_error, ApiError, ApiJson, ErrorBody, ErrorCode};
 use super::wire::{
     parse_job, AgentList, AgentObject, IntoApi, JobCompleteBody, JobStartedBody, RegisteredBody,
-    RegistrationAnswer, UnreachableHost,
+    RegistrationAnswer,
 };
 use super::{parse_agent, AppState};
 use crate::gateway::enrolment::{Refusal, Via};
@@ -263,28 +263,11 @@ pub async fn list_agents(
             } else {
                 "/v1/agents?local=true"
             };
-            match fleet
-                .gather::<AgentList>(path, state.api_token.as_ref())
-                .await
-            {
-                Ok(parts) => {
-                    for part in parts {
-                        match part.answer {
-                            Ok(list) => agents.extend(list.agents),
-                            Err(reason) => unreachable_hosts.push(UnreachableHost {
-                                instance_id: part.instance,
-                                url: part.url,
-                                reason,
-                            }),
-                        }
-                    }
-                }
-                Err(e) => unreachable_hosts.push(UnreachableHost {
-                    instance_id: "*".to_owned(),
-                    url: None,
-                    reason: format!("the fleet's hosts cannot be read: {e}"),
-                }),
-            }
+            let (lists, unreachable) = fleet
+                .gather_reachable::<AgentList>(path, state.api_token.as_ref())
+                .await;
+            agents.extend(lists.into_iter().flat_map(|l| l.agents));
+            unreachable_hosts = unreachable;
             agents.sort_by(|a, b| {
                 b.age_seconds
                     .total_cmp(&a.age_seconds)
@@ -309,33 +292,11 @@ impl AgentsQuery {
     /// `all` and `local`, each `true|false|1|0` (or bare: true); anything
     /// else is refused by name.
     fn parse(query: Option<&str>) -> Result<Self, ApiError> {
-        let mut q = Self::default();
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
-            let slot = match key {
-                "all" => &mut q.all,
-                "local" => &mut q.local,
-                _ => {
-                    return Err(ApiError::new(
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                        ErrorCode::UnknownField,
-                        format!("unknown query parameter {key:?}: expected `all` or `local`"),
-                    )
-                    .field(key))
-                }
-            };
-            *slot = match value {
-                "true" | "1" | "" => true,
-                "false" | "0" => false,
-                other => {
-                    return Err(ApiError::invalid(
-                        key,
-                        format!("{key} must be true or false, got {other:?}"),
-                    ))
-                }
-            };
-        }
-        Ok(q)
+        let on = super::query_flags(query, &["all", "local"])?;
+        Ok(Self {
+            all: on.contains(&"all"),
+            local: on.contains(&"local"),
+        })
     }
 }
 

@@ -408,39 +408,20 @@ fn follow_in_fleet(
             }
             match fleet.job_whereabouts(&id).await {
                 Ok(None) => return,
-                Ok(Some(place)) if place.view.state.is_terminal() => {
-                    let _ = tx.send(Ok(end_event(&place.view))).await;
-                    return;
-                }
-                Ok(Some(crate::fleet::jobs::Whereabouts {
-                    owner: Some(owner), ..
-                })) => {
-                    if let Ok(mut logs) = fleet
-                        .job_logs_at(&owner, &id, next.checked_sub(1), state.api_token.as_ref())
-                        .await
-                    {
-                        while let Some(Ok(event)) = logs.next().await {
-                            let relayed = match event {
-                                kici_api::JobLogEvent::Output { index, output } => {
-                                    next = index + 1;
-                                    chunk_event(index, &output)
-                                }
-                                kici_api::JobLogEvent::Truncated(t) => {
-                                    next = t.missed_to + 1;
-                                    truncated_event(&t)
-                                }
-                                kici_api::JobLogEvent::End(view) => {
-                                    let _ = tx.send(Ok(end_event(&view))).await;
-                                    return;
-                                }
-                            };
-                            if tx.send(Ok(relayed)).await.is_err() {
-                                return;
-                            }
+                Ok(Some(place)) => {
+                    if let Some(owner) = &place.owner {
+                        let relayed =
+                            relay_job_logs(&fleet, owner, &id, &mut next, &state, &tx).await;
+                        if relayed == Relayed::Ended {
+                            return;
                         }
                     }
+                    // Its host cannot tell any more: the end the queue has.
+                    if place.view.state.is_terminal() {
+                        let _ = tx.send(Ok(end_event(&place.view))).await;
+                        return;
+                    }
                 }
-                Ok(Some(_)) => {}
                 Err(e) => {
                     tracing::debug!(job_id = %id, error = %e, "job logs: reading the fleet failed; retrying")
                 }
@@ -452,6 +433,53 @@ fn follow_in_fleet(
         }
     });
     stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+}
+
+/// How a relay of a job's log stream from its host stopped.
+#[derive(Debug, PartialEq, Eq)]
+enum Relayed {
+    /// The job's end was relayed (or the reader left): done.
+    Ended,
+    /// The host did not answer, or its stream broke before the end.
+    Broke,
+}
+
+/// Relays job `id`'s output from chunk `next` on from `owner`, advancing
+/// `next` past every chunk relayed.
+async fn relay_job_logs(
+    fleet: &crate::fleet::FleetHost,
+    owner: &kici_fleet::Owner,
+    id: &JobId,
+    next: &mut u64,
+    state: &AppState,
+    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
+) -> Relayed {
+    let Ok(mut logs) = fleet
+        .job_logs_at(owner, id, next.checked_sub(1), state.api_token.as_ref())
+        .await
+    else {
+        return Relayed::Broke;
+    };
+    while let Some(Ok(event)) = logs.next().await {
+        let relayed = match event {
+            kici_api::JobLogEvent::Output { index, output } => {
+                *next = index + 1;
+                chunk_event(index, &output)
+            }
+            kici_api::JobLogEvent::Truncated(t) => {
+                *next = t.missed_to + 1;
+                truncated_event(&t)
+            }
+            kici_api::JobLogEvent::End(view) => {
+                let _ = tx.send(Ok(end_event(&view))).await;
+                return Relayed::Ended;
+            }
+        };
+        if tx.send(Ok(relayed)).await.is_err() {
+            return Relayed::Ended;
+        }
+    }
+    Relayed::Broke
 }
 
 fn end_event(view: &JobView) -> Event {

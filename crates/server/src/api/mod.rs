@@ -417,6 +417,42 @@ async fn to_owner(State(state): State<AppState>, request: Request, next: Next) -
     }
 }
 
+/// The boolean query flags of a read (`?all=true&local`): each one of
+/// `known`, `true|false|1|0` or bare (true); anything else is refused by
+/// name. Returns the flags that are on.
+pub(crate) fn query_flags(
+    query: Option<&str>,
+    known: &[&'static str],
+) -> Result<Vec<&'static str>, ApiError> {
+    let mut on = Vec::new();
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, "true"));
+        let Some(flag) = known.iter().find(|k| **k == key) else {
+            let expected: Vec<String> = known.iter().map(|k| format!("`{k}`")).collect();
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                ErrorCode::UnknownField,
+                format!(
+                    "unknown query parameter {key:?}: expected {}",
+                    expected.join(" or ")
+                ),
+            )
+            .field(key));
+        };
+        match value {
+            "true" | "1" | "" => on.push(*flag),
+            "false" | "0" => on.retain(|f| f != flag),
+            other => {
+                return Err(ApiError::invalid(
+                    key,
+                    format!("{key} must be true or false, got {other:?}"),
+                ))
+            }
+        }
+    }
+    Ok(on)
+}
+
 /// Parses an agent id path parameter.
 pub fn parse_agent(raw: &str) -> Result<kici_model::AgentId, ApiError> {
     raw.parse().map_err(|e: kici_model::IdError| {

@@ -4,25 +4,46 @@
 use super::error::{ApiError, ErrorBody, ErrorCode, ReloadErrorBody};
 use super::wire::{status_object, Health, IntoApi, Readiness, ReloadAnswer, StatusObject};
 use super::AppState;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use std::sync::Arc;
 
 /// Per scaler: agents by state, caps used and free, warm target and idle,
-/// pending requests, cordon/drain; per label set: the breaker.
+/// pending requests, cordon/drain; per label set: the breaker. In a fleet,
+/// the other live hosts' status too, under `hosts` (`?local=true`: this
+/// host's only).
 #[utoipa::path(
     get,
     path = "/v1/status",
     tag = "operations",
+    params(
+        ("local" = Option<bool>, Query, description = "In a fleet: only this host's status")
+    ),
     responses(
         (status = 200, description = "The status", body = StatusObject),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody)
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 422, description = "Unknown or invalid query parameter", body = ErrorBody)
     )
 )]
-pub async fn status(State(state): State<AppState>) -> Json<StatusObject> {
-    Json(status_object(state.instance, &state.runtime.status()))
+pub async fn status(
+    State(state): State<AppState>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<StatusObject>, ApiError> {
+    let local = super::query_flags(query.as_deref(), &["local"])?.contains(&"local");
+    let mut status = status_object(state.instance, &state.runtime.status());
+    if let (Some(fleet), false) = (state.fleet(), local) {
+        let (hosts, unreachable) = fleet
+            .gather_reachable::<StatusObject>("/v1/status?local=true", state.api_token.as_ref())
+            .await;
+        status.hosts = hosts;
+        status
+            .hosts
+            .sort_by(|a, b| a.instance_id.cmp(&b.instance_id));
+        status.unreachable_hosts = unreachable;
+    }
+    Ok(Json(status))
 }
 
 /// The fleet this daemon belongs to: its hosts (state, epoch, lease age,

@@ -16,11 +16,11 @@ use super::error::{ApiError, ErrorBody, ErrorCode};
 use super::wire::IntoApi;
 use super::AppState;
 use crate::events::{EventLog, Gap, LoggedEvent, Next};
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, KeepAlive, Sse};
-use futures_util::stream::{self, Stream};
-use kici_api::{Reset, StampedEvent, RESET_EVENT};
+use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
+use futures_util::stream::{self, BoxStream, Stream, StreamExt};
+use kici_api::{Reset, StampedEvent, StreamEvent, RESET_EVENT};
 use kici_engine::runtime::SequencedEvent;
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -95,8 +95,14 @@ fn sse_event(e: &LoggedEvent) -> Event {
 )]
 pub async fn events(
     State(state): State<AppState>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+) -> Result<Sse<KeepAliveStream<BoxStream<'static, Result<Event, Infallible>>>>, ApiError> {
+    let local = super::query_flags(query.as_deref(), &["local"])?.contains(&"local");
+    let keep_alive = KeepAlive::new().interval(Duration::from_secs(15));
+    if let (Some(fleet), false, None) = (state.fleet(), local, headers.get("last-event-id")) {
+        return Ok(Sse::new(follow_fleet(&state, fleet).boxed()).keep_alive(keep_alive));
+    }
     let after = match headers.get("last-event-id") {
         None => state.events.newest_id(),
         Some(v) => v
@@ -112,12 +118,138 @@ pub async fn events(
                 .field("Last-Event-ID")
             })?,
     };
-    Ok(Sse::new(follow(Arc::clone(&state.events), after))
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+    Ok(Sse::new(follow(Arc::clone(&state.events), after).boxed()).keep_alive(keep_alive))
+}
+
+/// How often the fleet-wide stream looks for hosts it does not follow yet
+/// (joined since, or whose stream broke).
+const FLEET_STREAM_REFRESH: Duration = Duration::from_secs(2);
+
+/// The fleet's events from now on: this host's and every other live
+/// host's (`?local=true` streams relayed), each with its `host`. Without
+/// SSE ids: ids are per host, so a reader that resumes does so on one host
+/// (`Last-Event-ID` gives that host's own stream).
+fn follow_fleet(
+    state: &AppState,
+    fleet: crate::fleet::FleetHost,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(256);
+    let me = state.instance.to_string();
+    let log = Arc::clone(&state.events);
+    let local = tx.clone();
+    let host = me.clone();
+    tokio::spawn(async move {
+        let mut after = log.newest_id();
+        loop {
+            match log.read_after(after) {
+                Next::Events { events, .. } => {
+                    for e in &events {
+                        after = e.id;
+                        if local
+                            .send(Ok(hosted_event(&e.name, &e.json, &host)))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+                Next::Wait => tokio::select! {
+                    _ = log.wait_after(after) => {}
+                    _ = local.closed() => return,
+                },
+                Next::Closed => return,
+            }
+        }
+    });
+    let token = state.api_token.clone();
+    tokio::spawn(async move {
+        let following = Arc::new(parking_lot::Mutex::new(std::collections::HashSet::new()));
+        loop {
+            if let Ok(hosts) = kici_fleet::membership::hosts(fleet.fleet()).await {
+                for h in hosts {
+                    let live = h.state == "up" || h.state == "leaving";
+                    let Some(url) = h.url.filter(|_| live && h.instance_id != me) else {
+                        continue;
+                    };
+                    if !following.lock().insert(h.instance_id.clone()) {
+                        continue;
+                    }
+                    let (tx, following, token) =
+                        (tx.clone(), Arc::clone(&following), token.clone());
+                    tokio::spawn(async move {
+                        relay_peer(&url, &h.instance_id, token.as_ref(), &tx).await;
+                        following.lock().remove(&h.instance_id);
+                    });
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(FLEET_STREAM_REFRESH) => {}
+                _ = tx.closed() => return,
+            }
+        }
+    });
+    stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+}
+
+/// Relays one peer's own events, each with its `host`, until its stream
+/// ends or the reader leaves.
+async fn relay_peer(
+    url: &str,
+    instance: &str,
+    token: Option<&kici_model::Secret>,
+    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
+) {
+    let Ok(client) = kici_api::Client::new(url) else {
+        return;
+    };
+    let client = match token {
+        Some(t) => client.with_token(t.expose()),
+        None => client,
+    };
+    let Ok(mut events) = client.local_events().await else {
+        return;
+    };
+    loop {
+        let next = tokio::select! {
+            e = events.next() => e,
+            _ = tx.closed() => return,
+        };
+        let (name, json) = match next {
+            Some(Ok(StreamEvent::Event(e))) => (e.event.name(), serde_json::to_string(&e)),
+            Some(Ok(StreamEvent::Reset { reset, .. })) => {
+                (RESET_EVENT, serde_json::to_string(&reset))
+            }
+            _ => return,
+        };
+        let Ok(json) = json else { continue };
+        if tx
+            .send(Ok(hosted_event(name, &json, instance)))
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// An event of host `host` in the fleet-wide stream: its data with `host`.
+fn hosted_event(name: &str, json: &str, host: &str) -> Event {
+    let data = match serde_json::from_str::<serde_json::Value>(json) {
+        Ok(serde_json::Value::Object(mut o)) => {
+            o.insert("host".to_owned(), serde_json::Value::from(host));
+            serde_json::Value::Object(o).to_string()
+        }
+        _ => json.to_owned(),
+    };
+    Event::default().event(name).data(data)
 }
 
 /// Every event of `log` after `after`, then live ones, until the log closes.
-pub fn follow(log: Arc<EventLog>, after: u64) -> impl Stream<Item = Result<Event, Infallible>> {
+pub fn follow(
+    log: Arc<EventLog>,
+    after: u64,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send {
     let mut queued = VecDeque::<Event>::new();
     let newest = log.newest_id();
     // Waiting for ids this log will only reach by chance would show the

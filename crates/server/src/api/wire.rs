@@ -328,6 +328,8 @@ impl IntoApi<UsageObject> for &ScopeUsage {
 /// `GET /v1/status` of instance `instance`.
 pub fn status_object(instance: InstanceId, s: &Status) -> StatusObject {
     StatusObject {
+        hosts: Vec::new(),
+        unreachable_hosts: Vec::new(),
         instance_id: instance.to_string(),
         global: (&s.global).into_api(),
         global_max_agents: s.global_max_agents,

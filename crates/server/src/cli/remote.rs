@@ -272,6 +272,18 @@ fn write_status(doc: &StatusObject, out: &mut dyn Write) -> std::io::Result<()> 
             }
         }
     }
+    // In a fleet: every other host, the same way.
+    for host in &doc.hosts {
+        writeln!(out)?;
+        write_status(host, out)?;
+    }
+    for h in &doc.unreachable_hosts {
+        writeln!(
+            out,
+            "\ninstance {}: unreachable: {}",
+            h.instance_id, h.reason
+        )?;
+    }
     Ok(())
 }
 

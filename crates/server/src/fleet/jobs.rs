@@ -33,7 +33,8 @@ pub struct Whereabouts {
     /// The job as the queue shows it: pending until a host took it in,
     /// then what that host knew when it ended.
     pub view: JobView,
-    /// The live host other than this one that holds it, if one does.
+    /// The live host other than this one that holds it (or ran it: it may
+    /// still have its output), if one does.
     pub owner: Option<Owner>,
 }
 
@@ -238,7 +239,9 @@ impl FleetHost {
             _ => pending_view(id.as_str(), &body),
         };
         let owner = match request.state {
-            RequestState::Claimed | RequestState::Started if request.host.as_ref() != Some(&me) => {
+            RequestState::Claimed | RequestState::Started | RequestState::Finished
+                if request.host.as_ref() != Some(&me) =>
+            {
                 self.0.queue.job_owner(id.as_str()).await?
             }
             _ => None,

@@ -177,6 +177,40 @@ fn peer_client(url: &str, token: Option<&Secret>) -> Result<kici_api::Client, St
     })
 }
 
+impl FleetHost {
+    /// [`FleetHost::gather`], split: the answers, and the hosts that gave
+    /// none (with why) — every live host when the fleet's hosts cannot be
+    /// read at all (named `*`).
+    pub async fn gather_reachable<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        token: Option<&Secret>,
+    ) -> (Vec<T>, Vec<kici_api::UnreachableHost>) {
+        let mut answers = Vec::new();
+        let mut unreachable = Vec::new();
+        match self.gather::<T>(path, token).await {
+            Ok(parts) => {
+                for part in parts {
+                    match part.answer {
+                        Ok(answer) => answers.push(answer),
+                        Err(reason) => unreachable.push(kici_api::UnreachableHost {
+                            instance_id: part.instance,
+                            url: part.url,
+                            reason,
+                        }),
+                    }
+                }
+            }
+            Err(e) => unreachable.push(kici_api::UnreachableHost {
+                instance_id: "*".to_owned(),
+                url: None,
+                reason: format!("the fleet's hosts cannot be read: {e}"),
+            }),
+        }
+        (answers, unreachable)
+    }
+}
+
 async fn read_peer<T: DeserializeOwned>(
     url: &str,
     path: &str,

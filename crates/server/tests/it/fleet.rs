@@ -1074,6 +1074,30 @@ fn serial_fleet_database_restart_answers_503_fast_and_heals_without_restarting_h
     );
 }
 
+/// Reads `GET /v1/events` from `addr` in the background: everything
+/// that arrived so far, as raw SSE text.
+fn watch_events(addr: &str) -> std::sync::Arc<std::sync::Mutex<String>> {
+    use std::io::{Read, Write};
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let req =
+        format!("GET /v1/events HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let sink = std::sync::Arc::clone(&seen);
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 8192];
+        while let Ok(k) = s.read(&mut buf) {
+            if k == 0 {
+                return;
+            }
+            sink.lock()
+                .unwrap()
+                .push_str(&String::from_utf8_lossy(&buf[..k]));
+        }
+    });
+    seen
+}
+
 #[test]
 fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap() {
     let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool());
@@ -1081,6 +1105,28 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
         let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
         status == 200 && v["hosts"].as_array().unwrap().len() == 3
     });
+    // Any host's status and events show the whole fleet.
+    let instances: BTreeSet<String> = fleet.hosts.iter().map(|h| h.instance()).collect();
+    wait_until("host 1's status lists the other two hosts", || {
+        let (status, v) = fleet.hosts[1].call("GET", "/v1/status", None);
+        let others: BTreeSet<String> = v["hosts"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|h| h["instanceId"].as_str().unwrap().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        status == 200
+            && others.len() == 2
+            && !others.contains(&fleet.hosts[1].instance())
+            && others.is_subset(&instances)
+    });
+    let (_, own) = fleet.hosts[1].call("GET", "/v1/status?local=true", None);
+    assert!(own.get("hosts").is_none(), "{own}");
+    let events = watch_events(&fleet.api_addrs()[0]);
+    // The stream follows its peers once it has found them.
+    std::thread::sleep(Duration::from_secs(3));
     const JOBS: usize = 60;
     const CLIENTS: usize = 4;
     let record = fleet.record.path().to_owned();
@@ -1171,6 +1217,18 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
         fleet.sql("SELECT count(*) FROM fleet_requests WHERE secret IS NOT NULL"),
         ["0"]
     );
+    // Host 0's event stream carried every host's agent transitions.
+    let text = events.lock().unwrap().clone();
+    let mut buffer = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    let hosts_seen: BTreeSet<String> = common::take_sse_events(&mut buffer)
+        .into_iter()
+        .filter(|e| e.event == "agent-transition")
+        .map(|e| e.data["host"].as_str().unwrap_or("none").to_owned())
+        .collect();
+    assert_eq!(hosts_seen, instances, "{text}");
 
     // The log stream, from a host that does not run the job, from the
     // moment the job is queued to its end.
