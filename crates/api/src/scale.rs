@@ -76,10 +76,19 @@ pub enum ScaleAnswer {
         scaler: String,
         backend: BackendName,
         warm: bool,
+        /// In a fleet: the hosts (instance ids) serving the scaler's pool.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        hosts: Vec<String>,
     },
     /// Capacity is busy: the request waits (FIFO among those that fit) until
     /// it fits, is cancelled, or its TTL passes. `position` is 1-based.
-    Pending { position: usize },
+    #[serde(rename_all = "camelCase")]
+    Pending {
+        position: usize,
+        /// In a fleet: the hosts (instance ids) serving the chosen pool.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        hosts: Vec<String>,
+    },
     /// The request can never fit under `cap`.
     TooLarge { cap: CapName, detail: String },
     /// No label set accepts the labels.

@@ -45,7 +45,7 @@ pub async fn request_scale(
     if let Some(fleet) = state.fleet() {
         // In a fleet the shared queue records the request (committed before
         // this answer) and whichever host serves its pool takes it.
-        let outcome = fleet
+        let (outcome, serving) = fleet
             .enter_scale(&body, request)
             .await
             .map_err(fleet_error)?;
@@ -54,7 +54,13 @@ pub async fn request_scale(
             _ => StatusCode::OK,
         };
         tracing::info!(job_id = %job, result = ?outcome, "scale request (fleet)");
-        return Ok((status, Json(outcome.into_api())));
+        let mut answer = outcome.into_api();
+        if let ScaleAnswer::Spawning { hosts, .. } | ScaleAnswer::Pending { hosts, .. } =
+            &mut answer
+        {
+            *hosts = serving;
+        }
+        return Ok((status, Json(answer)));
     }
     let (outcome, recorded) = state.runtime.request_scale_recorded(request);
     // A request that waits is answered once its record (the engine's

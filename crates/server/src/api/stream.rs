@@ -86,11 +86,15 @@ fn sse_event(e: &LoggedEvent) -> Event {
     get,
     path = "/v1/events",
     tag = "operations",
-    params(("Last-Event-ID" = Option<u64>, Header, description = "Resume after this event id")),
+    params(
+        ("Last-Event-ID" = Option<u64>, Header, description = "Resume after this event id (this host's stream)"),
+        ("local" = Option<bool>, Query, description = "In a fleet: only this host's events")
+    ),
     responses(
         (status = 200, description = "An SSE stream: `id:`, `event:` (the type), `data:` (JSON)", content_type = "text/event-stream", body = String),
         (status = 400, description = "Last-Event-ID is not a number", body = ErrorBody),
-        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody)
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 422, description = "Unknown or invalid query parameter", body = ErrorBody)
     )
 )]
 pub async fn events(

@@ -175,8 +175,12 @@ impl IntoApi<ScaleAnswer> for ScaleOutcome {
                 scaler: scaler.to_string(),
                 backend: backend.into_api(),
                 warm,
+                hosts: Vec::new(),
             },
-            ScaleOutcome::Pending { position } => ScaleAnswer::Pending { position },
+            ScaleOutcome::Pending { position } => ScaleAnswer::Pending {
+                position,
+                hosts: Vec::new(),
+            },
             ScaleOutcome::TooLarge { cap, detail } => ScaleAnswer::TooLarge {
                 cap: cap.into_api(),
                 detail,

@@ -193,6 +193,15 @@ fn num(v: impl Into<serde_json::Value>) -> String {
     }
 }
 
+/// ", pool served by HOST, HOST" in a fleet; nothing on one host.
+fn served_by(hosts: &[String]) -> String {
+    if hosts.is_empty() {
+        String::new()
+    } else {
+        format!(", pool served by {}", hosts.join(", "))
+    }
+}
+
 fn write_scale(answer: &ScaleAnswer, out: &mut dyn Write) -> std::io::Result<()> {
     match answer {
         ScaleAnswer::Spawning {
@@ -200,12 +209,16 @@ fn write_scale(answer: &ScaleAnswer, out: &mut dyn Write) -> std::io::Result<()>
             scaler,
             backend,
             warm,
+            hosts,
         } => writeln!(
             out,
-            "spawning {agent_id} on scaler {scaler} ({backend}){}",
-            if *warm { ", from the warm pool" } else { "" }
+            "spawning {agent_id} on scaler {scaler} ({backend}){}{}",
+            if *warm { ", from the warm pool" } else { "" },
+            served_by(hosts)
         ),
-        ScaleAnswer::Pending { position } => writeln!(out, "pending at position {position}"),
+        ScaleAnswer::Pending { position, hosts } => {
+            writeln!(out, "pending at position {position}{}", served_by(hosts))
+        }
         ScaleAnswer::TooLarge { cap, detail } => writeln!(out, "too-large ({cap}): {detail}"),
         ScaleAnswer::NoBackend { explanation } => writeln!(out, "no-backend: {explanation}"),
     }

@@ -86,6 +86,8 @@ struct Inner {
     bound: Mutex<HashMap<AgentId, JobId>>,
     /// Pools whose last claim the engine could not admit, and since when.
     busy: Mutex<HashMap<String, Instant>>,
+    /// The live hosts serving each pool, as last read (every lease/3).
+    serving: Mutex<HashMap<String, Vec<String>>>,
     /// One claim at a time on this host (the entry's and the loop's): the
     /// loads it decides on and the local capacity it checks stay true until
     /// its request is admitted, so a claim is not given back for want of a
@@ -212,6 +214,7 @@ impl FleetHost {
             entering: Mutex::new(HashMap::new()),
             bound: Mutex::new(HashMap::new()),
             busy: Mutex::new(HashMap::new()),
+            serving: Mutex::new(HashMap::new()),
             claiming: tokio::sync::Mutex::new(()),
             leading: AtomicBool::new(false),
             wake: Notify::new(),
@@ -271,19 +274,38 @@ impl FleetHost {
         &self,
         body: &kici_api::ScaleBody,
         request: ScaleRequest,
-    ) -> Result<ScaleOutcome, EntryError> {
-        let job = request.job.clone();
+    ) -> Result<(ScaleOutcome, Vec<String>), EntryError> {
         let rt = &self.0.runtime;
         let (pool, resources) = match rt.call(|e, _| e.classify(&request)) {
             Ok(route) => route,
             // Final answers: nothing is queued for a request no pool takes.
-            Err(outcome) => return Ok(outcome),
+            Err(outcome) => return Ok((outcome, Vec::new())),
         };
+        let outcome = self
+            .enter_routed(body, request, pool.as_str(), resources)
+            .await?;
+        Ok((outcome, self.hosts_serving(pool.as_str())))
+    }
+
+    /// The live hosts serving `pool` (instance ids), as last read.
+    pub fn hosts_serving(&self, pool: &str) -> Vec<String> {
+        self.0.serving.lock().get(pool).cloned().unwrap_or_default()
+    }
+
+    /// [`FleetHost::enter_scale`] once routed to `pool`.
+    async fn enter_routed(
+        &self,
+        body: &kici_api::ScaleBody,
+        request: ScaleRequest,
+        pool: &str,
+        resources: kici_model::EffectiveResources,
+    ) -> Result<ScaleOutcome, EntryError> {
+        let job = request.job.clone();
         let body_json = serde_json::to_string(body).map_err(|e| EntryError::Body(e.to_string()))?;
         let new = NewRequest {
             job_id: job.to_string(),
             kind: RequestKind::Scale,
-            pool: pool.as_str().to_owned(),
+            pool: pool.to_owned(),
             body: body_json,
             answer: String::new(),
             cpu: resources.requests.cpu,
@@ -291,7 +313,7 @@ impl FleetHost {
             entry_host: self.0.instance.to_string(),
             secret: None,
         };
-        if self.serves(pool.as_str()) {
+        if self.serves(pool) {
             if let Some(outcome) = self.enter_here(&new, request).await? {
                 return Ok(outcome);
             }
@@ -972,6 +994,22 @@ impl FleetHost {
             return;
         };
         let count = |state: &str| hosts.iter().filter(|h| h.state == state).count() as i64;
+        let mut serving: HashMap<String, Vec<String>> = HashMap::new();
+        for h in hosts
+            .iter()
+            .filter(|h| h.state == "up" || h.state == "leaving")
+        {
+            for pool in &h.pools {
+                serving
+                    .entry(pool.clone())
+                    .or_default()
+                    .push(h.instance_id.clone());
+            }
+        }
+        for hosts in serving.values_mut() {
+            hosts.sort();
+        }
+        *self.0.serving.lock() = serving;
         let states: Vec<(&'static str, i64)> = crate::events::metrics::FLEET_HOST_STATES
             .iter()
             .map(|s| (*s, count(s)))

@@ -1626,6 +1626,7 @@ async fn the_typed_client_drives_an_agent_and_a_job_over_a_socket() {
         scaler,
         backend,
         warm,
+        ..
     } = client.scale(&body).await.unwrap()
     else {
         panic!("not spawning");

@@ -621,6 +621,15 @@ fn serial_fleet_three_hosts_serve_every_request_once_under_the_fleet_cap_in_orde
     // owner. An unknown agent is 404 from anywhere.
     let (status, v) = fleet.hosts[0].scale("probe");
     assert!(status == 202 || status == 200, "{v}");
+    // The answer names the hosts serving the pool.
+    let serving: BTreeSet<&str> = v["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_str().unwrap())
+        .collect();
+    let every: BTreeSet<String> = fleet.hosts.iter().map(|h| h.instance()).collect();
+    assert_eq!(serving, every.iter().map(String::as_str).collect(), "{v}");
     let mut found = None;
     wait_long("the probe's agent boots", PATIENCE, || {
         found = fleet.hosts.iter().find_map(|h| {
