@@ -399,12 +399,16 @@ fn follow_in_fleet(
         loop {
             if state.jobs.view(&id).is_some() {
                 let mut local = std::pin::pin!(follow(Arc::clone(&state.jobs), id.clone(), next));
-                while let Some(event) = local.next().await {
+                loop {
+                    let event = tokio::select! {
+                        e = local.next() => e,
+                        _ = tx.closed() => return,
+                    };
+                    let Some(event) = event else { return };
                     if tx.send(event).await.is_err() {
                         return;
                     }
                 }
-                return;
             }
             match fleet.job_whereabouts(&id).await {
                 Ok(None) => return,
@@ -460,7 +464,16 @@ async fn relay_job_logs(
     else {
         return Relayed::Broke;
     };
-    while let Some(Ok(event)) = logs.next().await {
+    loop {
+        // A reader that left ends the relay at once, not at the job's next
+        // chunk (a silent job may run for hours).
+        let event = tokio::select! {
+            e = logs.next() => e,
+            _ = tx.closed() => return Relayed::Ended,
+        };
+        let Some(Ok(event)) = event else {
+            return Relayed::Broke;
+        };
         let relayed = match event {
             kici_api::JobLogEvent::Output { index, output } => {
                 *next = index + 1;
@@ -479,7 +492,6 @@ async fn relay_job_logs(
             return Relayed::Ended;
         }
     }
-    Relayed::Broke
 }
 
 fn end_event(view: &JobView) -> Event {

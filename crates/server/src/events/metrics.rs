@@ -75,8 +75,9 @@ pub enum ReloadResult {
     failed,
 }
 
-/// `provision_seconds{phase}`: `provision` = requested → booted,
-/// `registration` = booted → registered.
+/// `provision_seconds{phase}`: `provision` = provisioning → booted (an
+/// event agent: provisioning → registered), `registration` = booted →
+/// registered.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
 pub enum Phase {
@@ -778,7 +779,9 @@ impl Metrics {
         // agent waited in `requested` for a spawn slot (maxConcurrentSpawns)
         // is not start-up time, and `spawns_waiting` shows it.
         match (from, to) {
-            (AgentState::Provisioning, AgentState::Booted) => {
+            // An event agent has no `booted`: its provisioner's whole work
+            // ends when the agent registers.
+            (AgentState::Provisioning, AgentState::Booted | AgentState::Registered) => {
                 observe(Phase::provision, seconds);
             }
             (AgentState::Booted, AgentState::Registered) => {

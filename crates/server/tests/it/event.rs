@@ -297,6 +297,16 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
         metric(&m, "kici_orch_scaler_scale_up_emitted_total", ""),
         1.0
     );
+    // The provisioner's work (delivery to registration) is its start-up.
+    assert_eq!(
+        metric(
+            &m,
+            "kici_orch_scaler_provision_seconds_count",
+            "backend=\"event\",phase=\"provision\""
+        ),
+        1.0,
+        "{m}"
+    );
     assert_eq!(
         metric(
             &m,

@@ -1390,3 +1390,63 @@ fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
         ["t"]
     );
 }
+
+#[test]
+fn serial_fleet_standalone_job_on_a_host_restarted_at_once_ends_aborted_and_runs_once() {
+    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool());
+    wait_until("three hosts up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 3
+    });
+    let record = fleet.record.path().to_owned();
+    let body = job_body(&record, "restarted", "1000");
+    let (status, answer) = fleet.hosts[0].call("POST", "/v1/jobs", Some(&body));
+    assert_eq!(status, 202, "{answer}");
+    let id = answer["jobId"].as_str().unwrap().to_owned();
+    wait_long("the job runs", PATIENCE, || {
+        let (_, v) = fleet.hosts[1].call("GET", &format!("/v1/jobs/{id}"), None);
+        v["state"] == "running"
+    });
+    let owner = fleet.sql(&format!(
+        "SELECT claimed_by FROM fleet_requests WHERE job_id = '{id}'"
+    ));
+    let owner = fleet
+        .hosts
+        .iter()
+        .position(|h| h.instance() == owner[0])
+        .unwrap();
+    // Back before its lease can lapse: the host itself settles the job it
+    // held (its agent did not survive the restart).
+    fleet.hosts[owner].daemon.as_mut().unwrap().kill9();
+    fleet.run(owner);
+    let other = (owner + 1) % 3;
+    wait_long("the job ends aborted", PATIENCE, || {
+        let (_, v) = fleet.hosts[other].call("GET", &format!("/v1/jobs/{id}"), None);
+        v["state"] == "failed" && v["end"] == "aborted"
+    });
+    let (_, v) = fleet.hosts[other].call("GET", &format!("/v1/jobs/{id}"), None);
+    let reason = v["reason"].as_str().unwrap();
+    eprintln!("the restarted host's job ended: {reason}");
+    assert!(
+        reason.contains("restarted") || reason.starts_with("host lost"),
+        "{v}"
+    );
+    assert_eq!(
+        fleet.sql(&format!(
+            "SELECT state FROM fleet_requests WHERE job_id = '{id}'"
+        )),
+        ["finished"]
+    );
+    wait_long("no agent of the pool is left", PATIENCE, || {
+        fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'")
+            == ["0"]
+            && fleet.hosts[owner].agents().is_empty()
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
+    assert_eq!(
+        text.lines().filter(|l| *l == "restarted").count(),
+        1,
+        "{text}"
+    );
+}
