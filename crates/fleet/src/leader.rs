@@ -213,6 +213,34 @@ impl Leader {
         }
     }
 
+    /// Finishes the requests that waited in the queue longer than
+    /// `older_than` since they arrived (outcome [`crate::EXPIRED`]; a job's
+    /// secret erased): no host had room for them in time, as a single host
+    /// ends a pending request at its TTL. Returns their job ids; their
+    /// pools are notified (a head that left may let the next one fit).
+    pub async fn expire_queued(&self, older_than: Duration) -> Result<Vec<String>, FleetError> {
+        let name = self.fleet.name();
+        let older_ms = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        let mut tx = self.fleet.pool().begin().await?;
+        let expired = sqlx::query(
+            "UPDATE fleet_requests SET state = 'finished', finished_at = fleet_now_ms(), outcome = $3, \
+                 secret = NULL \
+             WHERE fleet = $1 AND state = 'queued' AND arrived_at < fleet_now_ms() - $2 \
+             RETURNING job_id, pool",
+        )
+        .bind(name)
+        .bind(older_ms)
+        .bind(crate::EXPIRED)
+        .fetch_all(&mut *tx)
+        .await?;
+        let (jobs, pools) = jobs_and_pools(&expired)?;
+        for pool in &pools {
+            notify(&mut tx, name, pool).await?;
+        }
+        tx.commit().await?;
+        Ok(jobs)
+    }
+
     /// One round of the fleet's chores (see the module docs for why any
     /// host could run them safely):
     /// 1. hosts `up` or `leaving` whose lease expired → `lost`;

@@ -121,6 +121,10 @@ pub use schema::SCHEMA_VERSION;
 /// at once, any other after the chores' retention.
 pub const HOST_LOST: &str = "host lost";
 
+/// The outcome of a request that waited in the queue past its time
+/// ([`Leader::expire_queued`]).
+pub const EXPIRED: &str = "expired";
+
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::str::FromStr;
 use std::sync::Arc;

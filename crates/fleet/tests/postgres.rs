@@ -900,6 +900,54 @@ async fn lost_hosts_jobs_that_ran_are_aborted_and_secrets_do_not_outlive_them() 
     db.drop_db().await;
 }
 
+/// Requests that waited past their time are finished `expired` (a job's
+/// secret erased); younger ones, and claimed ones, stay.
+#[tokio::test]
+async fn queued_requests_expire_after_their_time() {
+    let db = TestDb::new().await;
+    let fleet = db.fleet("expire").await;
+    let p = vec![pool("p", Caps::default())];
+    let a = join(&fleet, 1, p.clone(), LONG).await;
+    let q = fleet.queue();
+    let mut old = request("old", "p", 1);
+    old.kind = RequestKind::Job;
+    old.secret = Some("{}".into());
+    q.enqueue(&old).await.unwrap();
+    q.enqueue(&request("mid", "p", 1)).await.unwrap();
+    let held = q
+        .claim(a.guard(), &["p".to_owned()])
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(held.job_id, "old");
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    q.enqueue(&request("young", "p", 1)).await.unwrap();
+    let mut leader = fleet.leader(id(2));
+    assert!(leader.try_lead().await.unwrap());
+    // Claimed requests and young ones stay.
+    let window = Duration::from_millis(20);
+    assert_eq!(leader.expire_queued(window).await.unwrap(), ["mid"]);
+    let mid = q.lookup("mid").await.unwrap().unwrap();
+    assert_eq!(mid.state, RequestState::Finished);
+    assert_eq!(mid.outcome.as_deref(), Some(kici_fleet::EXPIRED));
+    assert_eq!(
+        q.state("young").await.unwrap().map(|s| s.0),
+        Some(RequestState::Queued)
+    );
+    // Given back, it waited since its arrival: it expires too, secret and
+    // all.
+    q.release(&held).await.unwrap();
+    assert_eq!(leader.expire_queued(window).await.unwrap(), ["old"]);
+    let secrets: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM fleet_requests WHERE secret IS NOT NULL")
+            .fetch_one(fleet.pool())
+            .await
+            .unwrap();
+    assert_eq!(secrets, 0);
+    fleet.close().await;
+    db.drop_db().await;
+}
+
 /// What the daemon spawns must be `Send` futures (checked at compile
 /// time; never called).
 #[allow(dead_code)]

@@ -69,6 +69,12 @@ fn ended_view(job_id: &str, body: &JobBody, outcome: Option<&str>) -> JobView {
             EndKind::Cancelled,
             "cancelled before a host took it".to_owned(),
         ),
+        Some(kici_fleet::EXPIRED) => (
+            JobState::Failed,
+            EndKind::Aborted,
+            "no capacity within the pending TTL: no host of the fleet took the job in time"
+                .to_owned(),
+        ),
         Some(kici_fleet::HOST_LOST) => (
             JobState::Failed,
             EndKind::Aborted,

@@ -964,6 +964,17 @@ impl FleetHost {
         if !report.lost_hosts.is_empty() {
             inner.metrics.fleet_failovers(report.lost_hosts.len());
         }
+        // The pending TTL holds in the fleet's queue as on a single host.
+        let ttl = inner.runtime.call(|e, _| e.settings().pending_ttl);
+        match leader.expire_queued(ttl).await {
+            Ok(expired) => {
+                for job in expired {
+                    tracing::warn!(job_id = %job, ttl_seconds = ttl.as_secs(),
+                        "fleet: a request waited in the queue past the pending TTL; it ends expired");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "fleet: expiring old requests failed"),
+        }
         for h in &report.lost_hosts {
             tracing::warn!(instance = %h.instance_id, hostname = %h.hostname, epoch = h.epoch,
                 "fleet: host lost (lease expired); its unstarted requests return to the queue");

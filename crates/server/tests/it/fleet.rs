@@ -211,6 +211,8 @@ struct Fleet {
     local_url: String,
     /// Where every agent appends its id.
     record: tempfile::TempDir,
+    /// Extra environment of every host's daemon.
+    env: Vec<(&'static str, String)>,
 }
 
 impl Drop for Fleet {
@@ -280,16 +282,17 @@ impl Fleet {
     /// `n` hosts, each with `max_agents`, the pool capped at `fleet_max`
     /// fleet-wide; `labels[i]` overrides host i's label set.
     fn start(n: usize, max_agents: u32, fleet_max: u32, labels: &[&str]) -> Fleet {
-        Self::start_with(n, max_agents, fleet_max, labels, "")
+        Self::start_with(n, max_agents, fleet_max, labels, "", &[])
     }
 
-    /// [`Fleet::start`] with `extra` scalers on every host.
+    /// [`Fleet::start`] with `extra` scalers and `env` on every host.
     fn start_with(
         n: usize,
         max_agents: u32,
         fleet_max: u32,
         labels: &[&str],
         extra: &str,
+        env: &[(&'static str, &str)],
     ) -> Fleet {
         let net = Net::new(n);
         // The server listens on the bridge address, which exists now.
@@ -307,6 +310,7 @@ impl Fleet {
             local_url,
             record,
             net,
+            env: env.iter().map(|(k, v)| (*k, (*v).to_owned())).collect(),
         };
         for i in 0..n {
             let dir = Dir::with_config("");
@@ -362,6 +366,9 @@ impl Fleet {
             }
         }
         cmd.env("KICI_SCALER_API_TOKEN", TOKEN);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
         // What a failure dump needs: the claim path's decisions.
         cmd.env(
             "KICI_SCALER_LOG",
@@ -1109,7 +1116,7 @@ fn watch_events(addr: &str) -> std::sync::Arc<std::sync::Mutex<String>> {
 
 #[test]
 fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap() {
-    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool());
+    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool(), &[]);
     wait_until("three hosts up", || {
         let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
         status == 200 && v["hosts"].as_array().unwrap().len() == 3
@@ -1339,7 +1346,7 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
 
 #[test]
 fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
-    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool());
+    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool(), &[]);
     wait_until("three hosts up", || {
         let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
         status == 200 && v["hosts"].as_array().unwrap().len() == 3
@@ -1393,7 +1400,7 @@ fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
 
 #[test]
 fn serial_fleet_standalone_job_on_a_host_restarted_at_once_ends_aborted_and_runs_once() {
-    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool());
+    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool(), &[]);
     wait_until("three hosts up", || {
         let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
         status == 200 && v["hosts"].as_array().unwrap().len() == 3
@@ -1449,4 +1456,55 @@ fn serial_fleet_standalone_job_on_a_host_restarted_at_once_ends_aborted_and_runs
         1,
         "{text}"
     );
+}
+
+#[test]
+fn serial_fleet_a_job_waiting_past_the_pending_ttl_ends_aborted() {
+    let fleet = Fleet::start_with(
+        3,
+        2,
+        6,
+        &[],
+        &jobs_pool(),
+        &[("KICI_SCALER_PENDING_TTL_SECONDS", "2")],
+    );
+    wait_until("three hosts up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 3
+    });
+    let record = fleet.record.path().to_owned();
+    // The pool's fleet cap is three: the fourth long job waits.
+    let mut ids = Vec::new();
+    for n in 0..4 {
+        let body = job_body(&record, &format!("ttl{n}"), "1000");
+        let (status, answer) = fleet.hosts[n % 3].call("POST", "/v1/jobs", Some(&body));
+        assert_eq!(status, 202, "{answer}");
+        ids.push(answer["jobId"].as_str().unwrap().to_owned());
+    }
+    let view = |id: &str| {
+        fleet.hosts[1]
+            .call("GET", &format!("/v1/jobs/{id}"), None)
+            .1
+    };
+    wait_long("the waiting job expires", PATIENCE, || {
+        ids.iter().any(|id| {
+            let v = view(id);
+            v["end"] == "aborted"
+                && v["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("pending TTL"))
+        })
+    });
+    let running = ids
+        .iter()
+        .filter(|id| view(id)["state"] == "running")
+        .count();
+    assert_eq!(running, 3, "only the waiting one expired");
+    for id in &ids {
+        fleet.hosts[0].call("DELETE", &format!("/v1/jobs/{id}"), None);
+    }
+    wait_long("every agent of the pool goes", PATIENCE, || {
+        fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'")
+            == ["0"]
+    });
 }
