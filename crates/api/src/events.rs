@@ -140,6 +140,9 @@ pub struct StampedEvent {
     pub id: u64,
     /// Milliseconds since the Unix epoch.
     pub at: u64,
+    /// In a fleet's stream: the host (instance id) the event happened on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     #[serde(flatten)]
     pub event: Event,
 }
@@ -207,6 +210,7 @@ mod tests {
         let e = StampedEvent {
             id: 7,
             at: 1_700_000_000_000,
+            host: None,
             event: Event::ScalerCordon {
                 scaler: "docker".into(),
                 cordoned: true,
@@ -220,6 +224,15 @@ mod tests {
         );
         assert_eq!(serde_json::from_str::<StampedEvent>(&json).unwrap(), e);
         assert_eq!(e.event.name(), "scaler-cordon");
+        // In a fleet's stream the event names its host.
+        let hosted = json.replacen(
+            r#""at":1700000000000,"#,
+            r#""at":1700000000000,"host":"h1","#,
+            1,
+        );
+        let read = serde_json::from_str::<StampedEvent>(&hosted).unwrap();
+        assert_eq!(read.host.as_deref(), Some("h1"));
+        assert_eq!(serde_json::to_string(&read).unwrap(), hosted);
     }
 
     #[test]

@@ -37,6 +37,7 @@ pub fn stamped(id: u64, event: &SequencedEvent) -> StampedEvent {
     StampedEvent {
         id,
         at,
+        host: None,
         event: event.event.clone().into_api(),
     }
 }
