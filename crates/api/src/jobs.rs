@@ -54,6 +54,10 @@ pub struct JobView {
     /// The agent provisioned for it, once admitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_id: Option<String>,
+    /// In a fleet: the host (instance id) that runs or ran the job; unset
+    /// while it waits in the fleet's queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Set once the job ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub end: Option<EndKind>,

@@ -46,6 +46,7 @@ fn pending_view(job_id: &str, body: &JobBody) -> JobView {
         labels: body.labels.clone(),
         command: body.command.clone(),
         agent_id: None,
+        host: None,
         end: None,
         exit_code: None,
         signal: None,
@@ -58,11 +59,12 @@ fn pending_view(job_id: &str, body: &JobBody) -> JobView {
 
 /// The view of a finished job from its request's outcome: the view its
 /// host recorded, or (when the host could not) an end made of the outcome.
-fn ended_view(job_id: &str, body: &JobBody, outcome: Option<&str>) -> JobView {
+fn ended_view(job_id: &str, body: &JobBody, outcome: Option<&str>, host: Option<&str>) -> JobView {
     if let Some(view) = outcome.and_then(|o| serde_json::from_str::<JobView>(o).ok()) {
         return view;
     }
     let mut view = pending_view(job_id, body);
+    view.host = host.map(str::to_owned);
     let (state, end, reason) = match outcome {
         Some("cancelled") => (
             JobState::Cancelled,
@@ -241,7 +243,12 @@ impl FleetHost {
         let body = queued_body(&request.body);
         let me = self.0.instance.to_string();
         let view = match request.state {
-            RequestState::Finished => ended_view(id.as_str(), &body, request.outcome.as_deref()),
+            RequestState::Finished => ended_view(
+                id.as_str(),
+                &body,
+                request.outcome.as_deref(),
+                request.host.as_deref(),
+            ),
             _ => pending_view(id.as_str(), &body),
         };
         let owner = match request.state {
@@ -301,9 +308,10 @@ mod tests {
         recorded.end = Some(EndKind::Exited);
         recorded.exit_code = Some(0);
         let json = serde_json::to_string(&recorded).unwrap();
-        assert_eq!(ended_view("job-1", &body(), Some(&json)), recorded);
+        assert_eq!(ended_view("job-1", &body(), Some(&json), None), recorded);
 
-        let lost = ended_view("job-1", &body(), Some(kici_fleet::HOST_LOST));
+        let lost = ended_view("job-1", &body(), Some(kici_fleet::HOST_LOST), Some("h1"));
+        assert_eq!(lost.host.as_deref(), Some("h1"));
         assert_eq!(
             (lost.state, lost.end),
             (JobState::Failed, Some(EndKind::Aborted))
@@ -311,7 +319,7 @@ mod tests {
         assert!(lost.reason.unwrap().starts_with("host lost"));
         assert_eq!(lost.command, ["true"]);
 
-        let cancelled = ended_view("job-1", &body(), Some("cancelled"));
+        let cancelled = ended_view("job-1", &body(), Some("cancelled"), None);
         assert_eq!(
             (cancelled.state, cancelled.end),
             (JobState::Cancelled, Some(EndKind::Cancelled))

@@ -199,6 +199,7 @@ impl FleetHost {
             .iter()
             .map(|p| p.name.clone())
             .collect();
+        jobs.set_host(instance.to_string());
         let host = Self(Arc::new(Inner {
             queue: fleet.queue(),
             guard: membership.guard().clone(),

@@ -180,6 +180,7 @@ impl Job {
             labels: self.labels.iter().map(|l| l.to_string()).collect(),
             command: self.spec.argv().to_vec(),
             agent_id: self.agent.map(|a| a.to_string()),
+            host: None,
             end: ending.map(|e| e.kind),
             exit_code: ending.and_then(|e| e.exit_code),
             signal: ending.and_then(|e| e.signal),
@@ -270,6 +271,8 @@ pub struct JobBook {
     output_cap: usize,
     finished_kept: usize,
     durable: Option<Durable>,
+    /// In a fleet: this host's instance id, named in every view.
+    host: std::sync::OnceLock<String>,
 }
 
 impl Default for JobBook {
@@ -289,6 +292,7 @@ impl JobBook {
             output_cap: output_cap.max(1),
             finished_kept: finished_kept.max(1),
             durable: None,
+            host: std::sync::OnceLock::new(),
         }
     }
 
@@ -340,6 +344,18 @@ impl JobBook {
         self.durable.as_ref().and_then(|d| d.spool.as_ref())
     }
 
+    /// Names this host (its instance id) in every job's view: in a fleet,
+    /// a job shown by any host says which host runs it.
+    pub fn set_host(&self, instance: String) {
+        let _ = self.host.set(instance);
+    }
+
+    fn viewed(&self, job: &Job) -> JobView {
+        let mut view = job.view();
+        view.host = self.host.get().cloned();
+        view
+    }
+
     /// A fresh job id: `job-` + 16 hex.
     pub fn mint_id() -> JobId {
         let mut bytes = [0u8; 8];
@@ -383,7 +399,8 @@ impl JobBook {
     }
 
     pub fn view(&self, id: &JobId) -> Option<JobView> {
-        self.books.lock().jobs.get(id).map(Job::view)
+        let b = self.books.lock();
+        b.jobs.get(id).map(|job| self.viewed(job))
     }
 
     /// The job's view once it has ended, waiting at most `within` for
@@ -397,7 +414,7 @@ impl JobBook {
                 let b = self.books.lock();
                 let job = b.jobs.get(id)?;
                 if job.state.is_terminal() {
-                    return Some(job.view());
+                    return Some(self.viewed(job));
                 }
                 job.changed.subscribe()
             };
@@ -811,7 +828,7 @@ impl JobBook {
             return Some(Read::Chunks { missed, chunks });
         }
         if job.state.is_terminal() {
-            return Some(Read::End(Box::new(job.view())));
+            return Some(Read::End(Box::new(self.viewed(job))));
         }
         Some(Read::Wait(job.changed.subscribe()))
     }
@@ -1658,6 +1675,7 @@ two
             labels: vec![],
             command: vec![],
             agent_id: None,
+            host: None,
             end: Some(end),
             exit_code,
             signal,

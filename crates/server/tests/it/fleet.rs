@@ -1205,11 +1205,24 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
         max_usage <= 3,
         "the pool's fleet cap was exceeded: {max_usage}"
     );
+    let ran_on: BTreeMap<String, String> = fleet
+        .sql("SELECT job_id || ' ' || claimed_by FROM fleet_requests WHERE kind = 'job'")
+        .into_iter()
+        .map(|row| {
+            let (job, host) = row.split_once(' ').unwrap();
+            (job.to_owned(), host.to_owned())
+        })
+        .collect();
     for (n, id) in &ids {
         let (status, view) = fleet.hosts[n % 3].call("GET", &format!("/v1/jobs/{id}"), None);
         assert_eq!(status, 200, "{view}");
         assert_eq!(view["state"], "succeeded", "{view}");
         assert_eq!(view["exitCode"], 0, "{view}");
+        assert_eq!(
+            view["host"].as_str(),
+            ran_on.get(id).map(String::as_str),
+            "{view}"
+        );
     }
     // Every job ran exactly once, by its own record; every host ran some.
     let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
