@@ -164,8 +164,8 @@ pub struct Reset {
 /// One event of `GET /v1/events`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StreamEvent {
-    /// An engine event.
-    Event(StampedEvent),
+    /// An engine event (boxed: it is far larger than a reset).
+    Event(Box<StampedEvent>),
     /// Events were missed; `id` is the last missed one (resume after it).
     Reset { id: u64, reset: Reset },
 }
@@ -188,7 +188,7 @@ impl StreamEvent {
         if !Event::NAMES.contains(&name) {
             return Ok(None);
         }
-        serde_json::from_str(data).map(|e| Some(Self::Event(e)))
+        serde_json::from_str(data).map(|e| Some(Self::Event(Box::new(e))))
     }
 
     /// The SSE id (what `Last-Event-ID` resumes after).
