@@ -920,12 +920,18 @@ async fn queued_requests_expire_after_their_time() {
         .unwrap()
         .unwrap();
     assert_eq!(held.job_id, "old");
-    tokio::time::sleep(Duration::from_millis(30)).await;
     q.enqueue(&request("young", "p", 1)).await.unwrap();
+    // "old" and "mid" arrived an hour ago (by the database's clock).
+    sqlx::query(
+        "UPDATE fleet_requests SET arrived_at = arrived_at - 3600000 WHERE job_id IN ('old', 'mid')",
+    )
+    .execute(fleet.pool())
+    .await
+    .unwrap();
     let mut leader = fleet.leader(id(2));
     assert!(leader.try_lead().await.unwrap());
     // Claimed requests and young ones stay.
-    let window = Duration::from_millis(20);
+    let window = Duration::from_secs(600);
     assert_eq!(leader.expire_queued(window).await.unwrap(), ["mid"]);
     let mid = q.lookup("mid").await.unwrap().unwrap();
     assert_eq!(mid.state, RequestState::Finished);
