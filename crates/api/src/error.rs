@@ -114,6 +114,9 @@ error_codes! {
     TooLarge = "too-large",
     /// No such job (404).
     JobNotFound = "job-not-found",
+    /// In a fleet: the job is being taken in by a host right now and could
+    /// not be cancelled in time; retry (503).
+    JobMoving = "job-moving",
     // Operations.
     /// `POST /v1/reload` refused the new configuration (422).
     InvalidConfig = "invalid-config",
