@@ -11,6 +11,11 @@
 //! of the newest recorded id (a client resuming against a new or reset
 //! state dir) gets that `reset` at once (`missedFrom` 1, `missedTo` the
 //! newest id), then the events from there on.
+//!
+//! In a fleet, a reader without `Last-Event-ID` (and without `?local=true`)
+//! gets the fleet's stream instead: this host's events and every other live
+//! host's own stream relayed, each event's data naming its `host`, without
+//! SSE ids (ids are per host; resuming is per host).
 
 use super::error::{ApiError, ErrorBody, ErrorCode};
 use super::wire::IntoApi;

@@ -3,11 +3,13 @@
 //!
 //! What it owns: the host's membership (join, lease renewal, rejoin after a
 //! lapse with reconciliation of its agents), leadership and the leader's
-//! chores, the claim loop that pulls the fleet's queued scale requests into
-//! the local engine, the spawn gate that binds an agent to its claim before
+//! chores (lost hosts, the pending TTL), the claim loop that pulls the
+//! fleet's queued scale requests and standalone jobs ([`jobs`]) into the
+//! local engine, the settling of what a restarted host held, the spawn gate that binds an agent to its claim before
 //! any backend creates it, the follow-up of those agents until their
 //! requests finish, the handover on shutdown, and the fleet's view for
-//! `GET /v1/fleet`. The coordination itself (tables, locks, caps) is
+//! `GET /v1/fleet`; fleet-wide reads and calls carried to an owner are
+//! [`peer`]'s. The coordination itself (tables, locks, caps) is
 //! `kici_fleet`'s; routing, admission and provisioning stay the engine's.
 //!
 //! A scale request's path: any host routes it and writes it to the queue
