@@ -1521,3 +1521,67 @@ fn serial_fleet_a_job_waiting_past_the_pending_ttl_ends_aborted() {
             == ["0"]
     });
 }
+
+#[test]
+fn serial_fleet_standalone_job_of_a_partitioned_host_is_aborted_there_when_healed() {
+    let mut fleet = Fleet::start_with(2, 2, 4, &[], &jobs_pool(), &[]);
+    wait_until("two hosts up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 2
+    });
+    let record = fleet.record.path().to_owned();
+    let body = job_body(&record, "cut", "1000");
+    let (status, answer) = fleet.hosts[1].call("POST", "/v1/jobs", Some(&body));
+    assert_eq!(status, 202, "{answer}");
+    let id = answer["jobId"].as_str().unwrap().to_owned();
+    let view_on = |h: usize| {
+        fleet.hosts[h]
+            .call("GET", &format!("/v1/jobs/{id}"), None)
+            .1
+    };
+    wait_long("the job runs", PATIENCE, || {
+        view_on(0)["state"] == "running"
+    });
+    let owner = fleet.sql(&format!(
+        "SELECT claimed_by FROM fleet_requests WHERE job_id = '{id}'"
+    ));
+    let owner = fleet
+        .hosts
+        .iter()
+        .position(|h| h.instance() == owner[0])
+        .unwrap();
+    let other = 1 - owner;
+    fleet.net.partition(owner, true);
+    // The fleet gives the job up once the cut host's lease expired.
+    wait_long("the job ends aborted (host lost)", PATIENCE, || {
+        let v = view_on(other);
+        v["end"] == "aborted"
+            && v["reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("host lost"))
+    });
+    fleet.net.partition(owner, false);
+    // Back, the host finds the job no longer its own: its agent goes and
+    // its own record ends aborted too.
+    wait_long("healed: the job's agent is destroyed", PATIENCE, || {
+        fleet.hosts[owner].agents().is_empty()
+    });
+    wait_long("the host's own view of the job ends", PATIENCE, || {
+        let v = view_on(owner);
+        v["state"] == "failed" && v["end"] == "aborted"
+    });
+    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
+    assert_eq!(text.lines().filter(|l| *l == "cut").count(), 1, "{text}");
+    assert_eq!(
+        fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'"),
+        ["0"]
+    );
+    // It was the rejoin's reconciliation that let the agent go.
+    let lines = fleet.hosts[owner].daemon.as_mut().unwrap().lines_so_far();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("no longer this host's; destroying it") && l.contains(&id)),
+        "{lines:#?}"
+    );
+}
