@@ -17,9 +17,8 @@
 use super::FleetHost;
 use crate::jobs::{self, JobRequest, JobView, SubmitError};
 use kici_api::{EndKind, JobBody, JobState};
-use kici_engine::{ScaleOutcome, ScaleRequest};
 use kici_fleet::{Claim, FleetError, NewRequest, Owner, RequestKind, RequestState};
-use kici_model::{JobId, LabelSet};
+use kici_model::JobId;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -57,6 +56,21 @@ fn pending_view(job_id: &str, body: &JobBody) -> JobView {
     }
 }
 
+/// `view`, ended as `state` with `end` and why.
+fn ended(mut view: JobView, state: JobState, end: EndKind, reason: String) -> JobView {
+    view.state = state;
+    view.end = Some(end);
+    view.reason = Some(reason);
+    view
+}
+
+/// A job's final view as its request's outcome (what [`ended_view`] reads
+/// back).
+pub(super) fn recorded(view: &JobView) -> String {
+    // Plain data (strings, numbers, enums): encoding cannot fail.
+    serde_json::to_string(view).unwrap_or_default()
+}
+
 /// The view of a finished job from its request's outcome: the view its
 /// host recorded, or (when the host could not) an end made of the outcome.
 fn ended_view(job_id: &str, body: &JobBody, outcome: Option<&str>, host: Option<&str>) -> JobView {
@@ -85,10 +99,7 @@ fn ended_view(job_id: &str, body: &JobBody, outcome: Option<&str>, host: Option<
         Some(other) => (JobState::Failed, EndKind::Aborted, other.to_owned()),
         None => (JobState::Failed, EndKind::Aborted, "ended".to_owned()),
     };
-    view.state = state;
-    view.end = Some(end);
-    view.reason = Some(reason);
-    view
+    ended(view, state, end, reason)
 }
 
 /// A queued body, read back; a body this binary cannot read is shown
@@ -110,29 +121,12 @@ impl FleetHost {
     ) -> Result<JobView, SubmitError> {
         let inner = &self.0;
         let job = request.spec.job_id().clone();
-        let routing = ScaleRequest {
-            job: job.clone(),
-            run_id: None,
-            labels: request.labels.clone(),
-            exclude: LabelSet::default(),
-            resources: request.resources,
-            mode: kici_engine::Mode::Standalone,
-        };
+        let routing = request.scale_request();
         let (pool, resources) = match inner.runtime.call(|e, _| e.classify(&routing)) {
             Ok(route) => route,
-            Err(ScaleOutcome::NoBackend { explanation }) => {
-                return Err(SubmitError::NoBackend(explanation))
-            }
-            Err(ScaleOutcome::TooLarge { cap, detail }) => {
-                return Err(SubmitError::TooLarge {
-                    cap: cap.to_string(),
-                    detail,
-                })
-            }
-            Err(other) => {
-                return Err(SubmitError::Store(format!(
-                    "unexpected routing answer {other:?}"
-                )))
+            Err(outcome) => {
+                return Err(SubmitError::refusal(outcome)
+                    .unwrap_or_else(|| SubmitError::Store("routing gave no route".to_owned())))
             }
         };
         let queued = JobBody {
@@ -205,12 +199,13 @@ impl FleetHost {
             Err(refusal) => {
                 inner.claimed.lock().remove(&job);
                 inner.metrics.fleet_claim("refused");
-                let body = queued_body(&claim.body);
-                let mut view = pending_view(&claim.job_id, &body);
-                view.state = JobState::Failed;
-                view.end = Some(EndKind::Aborted);
-                view.reason = Some(refusal.to_string());
-                let outcome = serde_json::to_string(&view).unwrap_or_else(|_| refusal.to_string());
+                let view = ended(
+                    pending_view(&claim.job_id, &queued_body(&claim.body)),
+                    JobState::Failed,
+                    EndKind::Aborted,
+                    refusal.to_string(),
+                );
+                let outcome = recorded(&view);
                 if let Err(e) = inner
                     .queue
                     .complete(&claim.instance, &claim.job_id, &outcome)
@@ -226,9 +221,16 @@ impl FleetHost {
     /// job's final view (once recorded); else `fallback`.
     pub(super) async fn outcome_of(&self, job: &JobId, fallback: &str) -> String {
         match self.0.jobs.wait_end(job, JOB_END_WAIT).await {
-            Some(view) => serde_json::to_string(&view).unwrap_or_else(|_| fallback.to_owned()),
+            Some(view) => recorded(&view),
             None => fallback.to_owned(),
         }
+    }
+
+    /// The outcome of job `job_id` if this host's book shows it ended.
+    pub(super) fn ended_here(&self, job_id: &str) -> Option<String> {
+        let job = job_id.parse::<JobId>().ok()?;
+        let view = self.0.jobs.view(&job)?;
+        view.state.is_terminal().then(|| recorded(&view))
     }
 
     /// Where job `id` is in the fleet (`None`: not a job of this fleet, or

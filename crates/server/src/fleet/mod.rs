@@ -735,14 +735,7 @@ impl FleetHost {
         for claim in orphaned {
             // A job that ended before its agent was bound (cancelled, say)
             // is finished, never served again.
-            let ended = claim
-                .job_id
-                .parse::<JobId>()
-                .ok()
-                .and_then(|j| inner.jobs.view(&j))
-                .filter(|v| v.state.is_terminal());
-            if let Some(view) = ended {
-                let outcome = serde_json::to_string(&view).unwrap_or_default();
+            if let Some(outcome) = self.ended_here(&claim.job_id) {
                 if let Err(e) = inner
                     .queue
                     .complete(&claim.instance, &claim.job_id, &outcome)
@@ -930,10 +923,10 @@ impl FleetHost {
                 continue;
             };
             let result = if h.registered {
-                let outcome = match inner.jobs.view(&job) {
-                    Some(view) => serde_json::to_string(&view).unwrap_or_default(),
-                    None => "agent ended: kici-scaler restarted".to_owned(),
-                };
+                // A job's record was restored ended (aborted by the restart).
+                let outcome = self
+                    .ended_here(&h.job_id)
+                    .unwrap_or_else(|| "agent ended: kici-scaler restarted".to_owned());
                 inner.queue.complete(&me, &h.job_id, &outcome).await
             } else {
                 // Served again, elsewhere maybe: this host's record of the

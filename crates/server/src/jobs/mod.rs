@@ -436,6 +436,34 @@ impl JobBook {
         self.len() == 0
     }
 
+    /// The engine's answer to job `id`'s scale request: its agent, when
+    /// one was chosen (bound, with whether it was warm); `None` when the
+    /// job waits. A refusal removes the job.
+    fn bind_outcome(
+        &self,
+        id: &JobId,
+        outcome: Result<ScaleOutcome, ScaleError>,
+    ) -> Result<Option<(AgentId, bool)>, SubmitError> {
+        match outcome {
+            Ok(ScaleOutcome::Spawning { agent_id, warm, .. }) => {
+                let mut b = self.books.lock();
+                self.bind(&mut b, id, agent_id);
+                Ok(Some((agent_id, warm)))
+            }
+            Ok(ScaleOutcome::Pending { .. }) => Ok(None),
+            // The outcomes left are the refusals.
+            Ok(refused) => {
+                self.remove(id);
+                Err(SubmitError::refusal(refused)
+                    .unwrap_or(SubmitError::Scale(ScaleError::ShuttingDown)))
+            }
+            Err(e) => {
+                self.remove(id);
+                Err(e.into())
+            }
+        }
+    }
+
     /// The job's agent was chosen (admitted, or a warm agent took it).
     fn bind(&self, b: &mut Books, id: &JobId, agent: AgentId) {
         let Some(job) = b.jobs.get_mut(id) else {
@@ -974,6 +1002,20 @@ pub struct JobRequest {
     pub spec: JobSpec,
 }
 
+impl JobRequest {
+    /// The scale request for this job's agent (standalone mode).
+    pub fn scale_request(&self) -> ScaleRequest {
+        ScaleRequest {
+            job: self.spec.job_id().clone(),
+            run_id: None,
+            labels: self.labels.clone(),
+            exclude: LabelSet::default(),
+            resources: self.resources,
+            mode: Mode::Standalone,
+        }
+    }
+}
+
 /// Why a job was not accepted.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SubmitError {
@@ -987,6 +1029,21 @@ pub enum SubmitError {
     /// wait, its pending request): it was withdrawn.
     #[error("state store: {0}")]
     Store(String),
+}
+
+impl SubmitError {
+    /// A final refusal of a job's scale request as the job's error (`None`
+    /// for an outcome that is not one).
+    pub fn refusal(outcome: ScaleOutcome) -> Option<Self> {
+        match outcome {
+            ScaleOutcome::NoBackend { explanation } => Some(Self::NoBackend(explanation)),
+            ScaleOutcome::TooLarge { cap, detail } => Some(Self::TooLarge {
+                cap: cap.to_string(),
+                detail,
+            }),
+            ScaleOutcome::Spawning { .. } | ScaleOutcome::Pending { .. } => None,
+        }
+    }
 }
 
 /// Records the job and asks the engine for an agent. On `Err` nothing is
@@ -1051,42 +1108,10 @@ fn submit_with(
     request: JobRequest,
 ) -> Result<(JobView, Option<kici_engine::runtime::RecordAck>), SubmitError> {
     let id = request.spec.job_id().clone();
-    let scale = ScaleRequest {
-        job: id.clone(),
-        run_id: None,
-        labels: request.labels.clone(),
-        exclude: LabelSet::default(),
-        resources: request.resources,
-        mode: Mode::Standalone,
-    };
     // The job is in the book already: the engine's effects about it may be
     // applied before `request_scale` returns.
-    let (outcome, ack) = runtime.request_scale_recorded(scale);
-    let outcome = match outcome {
-        Ok(o) => o,
-        Err(e) => {
-            jobs.remove(&id);
-            return Err(e.into());
-        }
-    };
-    match outcome {
-        ScaleOutcome::Spawning { agent_id, .. } => {
-            let mut b = jobs.books.lock();
-            jobs.bind(&mut b, &id, agent_id);
-        }
-        ScaleOutcome::Pending { .. } => {}
-        ScaleOutcome::NoBackend { explanation } => {
-            jobs.remove(&id);
-            return Err(SubmitError::NoBackend(explanation));
-        }
-        ScaleOutcome::TooLarge { cap, detail } => {
-            jobs.remove(&id);
-            return Err(SubmitError::TooLarge {
-                cap: cap.to_string(),
-                detail,
-            });
-        }
-    }
+    let (outcome, ack) = runtime.request_scale_recorded(request.scale_request());
+    jobs.bind_outcome(&id, outcome)?;
     let view = jobs
         .view(&id)
         .ok_or(SubmitError::Scale(ScaleError::ShuttingDown))?;
@@ -1112,40 +1137,20 @@ pub async fn submit_now(
             return Err(SubmitError::Store(e.to_string()));
         }
     }
-    let scale = ScaleRequest {
-        job: id.clone(),
-        run_id: None,
-        labels: request.labels,
-        exclude: LabelSet::default(),
-        resources: request.resources,
-        mode: Mode::Standalone,
-    };
-    match runtime.request_scale_now(scale) {
-        Ok(ScaleOutcome::Spawning { agent_id, warm, .. }) => {
-            let mut b = jobs.books.lock();
-            jobs.bind(&mut b, &id, agent_id);
-            drop(b);
+    let outcome = runtime.request_scale_now(request.scale_request());
+    if let Err(ScaleError::QueueFull(_)) = outcome {
+        jobs.remove(&id);
+        return Ok(None);
+    }
+    match jobs.bind_outcome(&id, outcome)? {
+        Some((agent_id, warm)) => {
             tracing::info!(job_id = %id, agent_id = %agent_id, "job taken from the fleet's queue");
             Ok(Some((agent_id, warm)))
         }
-        Ok(ScaleOutcome::Pending { .. }) | Err(ScaleError::QueueFull(_)) => {
+        // Not now: nothing is kept.
+        None => {
             jobs.remove(&id);
             Ok(None)
-        }
-        Ok(ScaleOutcome::NoBackend { explanation }) => {
-            jobs.remove(&id);
-            Err(SubmitError::NoBackend(explanation))
-        }
-        Ok(ScaleOutcome::TooLarge { cap, detail }) => {
-            jobs.remove(&id);
-            Err(SubmitError::TooLarge {
-                cap: cap.to_string(),
-                detail,
-            })
-        }
-        Err(e) => {
-            jobs.remove(&id);
-            Err(e.into())
         }
     }
 }
