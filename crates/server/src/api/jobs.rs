@@ -7,6 +7,7 @@
 //! These routes join the control API through [`super::router_with`].
 
 use super::error::{scale_error, ApiError, ApiJson, ErrorBody};
+use super::relay::{relay, Relay};
 use super::wire::{parse_job, parse_labels, IntoResourceRequest};
 use super::AppState;
 use crate::jobs::{self, JobBook, JobRequest, JobView, Read, SubmitError};
@@ -394,49 +395,41 @@ fn follow_in_fleet(
     id: JobId,
     mut next: u64,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
+    let (relay, events) = relay(64);
     tokio::spawn(async move {
         loop {
             if state.jobs.view(&id).is_some() {
-                let mut local = std::pin::pin!(follow(Arc::clone(&state.jobs), id.clone(), next));
-                loop {
-                    let event = tokio::select! {
-                        e = local.next() => e,
-                        _ = tx.closed() => return,
-                    };
-                    let Some(event) = event else { return };
-                    if tx.send(event).await.is_err() {
-                        return;
-                    }
-                }
+                relay
+                    .pipe(follow(Arc::clone(&state.jobs), id.clone(), next))
+                    .await;
+                return;
             }
-            match fleet.job_whereabouts(&id).await {
-                Ok(None) => return,
-                Ok(Some(place)) => {
+            match relay.unless_left(fleet.job_whereabouts(&id)).await {
+                None | Some(Ok(None)) => return,
+                Some(Ok(Some(place))) => {
                     if let Some(owner) = &place.owner {
                         let relayed =
-                            relay_job_logs(&fleet, owner, &id, &mut next, &state, &tx).await;
+                            relay_job_logs(&fleet, owner, &id, &mut next, &state, &relay).await;
                         if relayed == Relayed::Ended {
                             return;
                         }
                     }
                     // Its host cannot tell any more: the end the queue has.
                     if place.view.state.is_terminal() {
-                        let _ = tx.send(Ok(end_event(&place.view))).await;
+                        relay.send(end_event(&place.view)).await;
                         return;
                     }
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     tracing::debug!(job_id = %id, error = %e, "job logs: reading the fleet failed; retrying")
                 }
             }
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                _ = tx.closed() => return,
+            if !relay.pause(Duration::from_millis(200)).await {
+                return;
             }
         }
     });
-    stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+    events
 }
 
 /// How a relay of a job's log stream from its host stopped.
@@ -456,23 +449,19 @@ async fn relay_job_logs(
     id: &JobId,
     next: &mut u64,
     state: &AppState,
-    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
+    relay: &Relay,
 ) -> Relayed {
-    let Ok(mut logs) = fleet
-        .job_logs_at(owner, id, next.checked_sub(1), state.api_token.as_ref())
-        .await
-    else {
-        return Relayed::Broke;
+    let opened = fleet.job_logs_at(owner, id, next.checked_sub(1), state.api_token.as_ref());
+    let mut logs = match relay.unless_left(opened).await {
+        None => return Relayed::Ended,
+        Some(Err(_)) => return Relayed::Broke,
+        Some(Ok(logs)) => logs,
     };
     loop {
-        // A reader that left ends the relay at once, not at the job's next
-        // chunk (a silent job may run for hours).
-        let event = tokio::select! {
-            e = logs.next() => e,
-            _ = tx.closed() => return Relayed::Ended,
-        };
-        let Some(Ok(event)) = event else {
-            return Relayed::Broke;
+        let event = match relay.unless_left(logs.next()).await {
+            None => return Relayed::Ended,
+            Some(Some(Ok(event))) => event,
+            Some(_) => return Relayed::Broke,
         };
         let relayed = match event {
             kici_api::JobLogEvent::Output { index, output } => {
@@ -484,11 +473,11 @@ async fn relay_job_logs(
                 truncated_event(&t)
             }
             kici_api::JobLogEvent::End(view) => {
-                let _ = tx.send(Ok(end_event(&view))).await;
+                relay.send(end_event(&view)).await;
                 return Relayed::Ended;
             }
         };
-        if tx.send(Ok(relayed)).await.is_err() {
+        if !relay.send(relayed).await {
             return Relayed::Ended;
         }
     }

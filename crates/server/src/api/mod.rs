@@ -11,7 +11,8 @@
 //! - [`ops`]: status, reload, health, readiness, metrics, the document;
 //! - [`stream`]: `GET /v1/events`;
 //! - [`jobs`]: standalone jobs, `/v1/jobs*`, joined through
-//!   [`router_with`]'s `extra` routes (as any further group would be).
+//!   [`router_with`]'s `extra` routes (as any further group would be);
+//! - [`relay`]: SSE streams a task feeds (what a fleet host relays).
 //!
 //! The agent gateway (`/ws`) has its own listener (see [`crate::gateway`]).
 
@@ -19,6 +20,7 @@ pub mod agents;
 pub mod error;
 pub mod jobs;
 pub mod ops;
+pub mod relay;
 pub mod scale;
 pub mod scalers;
 pub mod stream;

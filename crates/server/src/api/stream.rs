@@ -18,9 +18,10 @@
 //! SSE ids (ids are per host; resuming is per host).
 
 use super::error::{ApiError, ErrorBody, ErrorCode};
+use super::relay::{relay, Relay};
 use super::wire::IntoApi;
 use super::AppState;
-use crate::events::{EventLog, Gap, LoggedEvent, Next};
+use crate::events::{EventLog, Gap, Next};
 use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
@@ -56,7 +57,7 @@ enum ResetCause {
     Ahead { asked: u64 },
 }
 
-fn reset_event(gap: Gap, cause: ResetCause) -> Event {
+fn reset_event(gap: Gap, cause: ResetCause, host: Option<&str>) -> Event {
     let reason = match cause {
         ResetCause::Evicted => {
             "these events are no longer in the replay buffer; re-read /v1/agents and /v1/status"
@@ -73,18 +74,9 @@ fn reset_event(gap: Gap, cause: ResetCause) -> Event {
         missed_to: gap.missed_to,
         reason,
     };
-    Event::default()
-        .id(gap.missed_to.to_string())
-        .event(RESET_EVENT)
-        .json_data(&data)
-        .unwrap_or_else(|_| Event::default().event(RESET_EVENT))
-}
-
-fn sse_event(e: &LoggedEvent) -> Event {
-    Event::default()
-        .id(e.id.to_string())
-        .event(e.name.as_str())
-        .data(e.json.as_str())
+    // Plain data: encoding cannot fail.
+    let json = serde_json::to_string(&data).unwrap_or_default();
+    rendered(gap.missed_to, RESET_EVENT, &json, host)
 }
 
 /// The engine's events, as SSE (see the module docs for `reset`).
@@ -128,7 +120,7 @@ pub async fn events(
                 .field("Last-Event-ID")
             })?,
     };
-    Ok(Sse::new(follow(Arc::clone(&state.events), after).boxed()).keep_alive(keep_alive))
+    Ok(Sse::new(follow(Arc::clone(&state.events), after, None).boxed()).keep_alive(keep_alive))
 }
 
 /// How often the fleet-wide stream looks for hosts it does not follow yet
@@ -143,107 +135,74 @@ fn follow_fleet(
     state: &AppState,
     fleet: crate::fleet::FleetHost,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(256);
+    let (relay, events) = relay(256);
     let me = state.instance.to_string();
-    let log = Arc::clone(&state.events);
-    let local = tx.clone();
-    let host = me.clone();
-    tokio::spawn(async move {
-        let mut after = log.newest_id();
-        loop {
-            match log.read_after(after) {
-                Next::Events { events, .. } => {
-                    for e in &events {
-                        after = e.id;
-                        if local
-                            .send(Ok(hosted_event(&e.name, &e.json, &host)))
-                            .await
-                            .is_err()
-                        {
-                            return;
-                        }
-                    }
-                }
-                Next::Wait => tokio::select! {
-                    _ = log.wait_after(after) => {}
-                    _ = local.closed() => return,
-                },
-                Next::Closed => return,
-            }
-        }
-    });
+    let own = follow(
+        Arc::clone(&state.events),
+        state.events.newest_id(),
+        Some(me.clone()),
+    );
+    let local = relay.clone();
+    tokio::spawn(async move { local.pipe(own).await });
     let token = state.api_token.clone();
     tokio::spawn(async move {
         let following = Arc::new(parking_lot::Mutex::new(std::collections::HashSet::new()));
         loop {
-            if let Ok(hosts) = kici_fleet::membership::hosts(fleet.fleet()).await {
-                for h in hosts {
-                    let live = h.state == "up" || h.state == "leaving";
-                    let Some(url) = h.url.filter(|_| live && h.instance_id != me) else {
-                        continue;
-                    };
-                    if !following.lock().insert(h.instance_id.clone()) {
+            if let Some(Ok(peers)) = relay.unless_left(fleet.live_peers()).await {
+                for peer in peers {
+                    let Some(url) = peer.url else { continue };
+                    if !following.lock().insert(peer.instance_id.clone()) {
                         continue;
                     }
-                    let (tx, following, token) =
-                        (tx.clone(), Arc::clone(&following), token.clone());
+                    let (relay, fleet, following, token) = (
+                        relay.clone(),
+                        fleet.clone(),
+                        Arc::clone(&following),
+                        token.clone(),
+                    );
                     tokio::spawn(async move {
-                        relay_peer(&url, &h.instance_id, token.as_ref(), &tx).await;
-                        following.lock().remove(&h.instance_id);
+                        relay_peer(&fleet, &url, &peer.instance_id, token.as_ref(), &relay).await;
+                        following.lock().remove(&peer.instance_id);
                     });
                 }
             }
-            tokio::select! {
-                _ = tokio::time::sleep(FLEET_STREAM_REFRESH) => {}
-                _ = tx.closed() => return,
+            if !relay.pause(FLEET_STREAM_REFRESH).await {
+                return;
             }
         }
     });
-    stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+    events
 }
 
 /// Relays one peer's own events, each with its `host`, until its stream
 /// ends or the reader leaves.
 async fn relay_peer(
+    fleet: &crate::fleet::FleetHost,
     url: &str,
     instance: &str,
     token: Option<&kici_model::Secret>,
-    tx: &tokio::sync::mpsc::Sender<Result<Event, Infallible>>,
+    relay: &Relay,
 ) {
-    let Ok(client) = kici_api::Client::new(url) else {
-        return;
-    };
-    let client = match token {
-        Some(t) => client.with_token(t.expose()),
-        None => client,
-    };
-    let Ok(mut events) = client.local_events().await else {
+    let Some(Ok(mut events)) = relay.unless_left(fleet.events_at(url, token)).await else {
         return;
     };
     loop {
-        let next = tokio::select! {
-            e = events.next() => e,
-            _ = tx.closed() => return,
-        };
-        let (name, json) = match next {
-            Some(Ok(StreamEvent::Event(e))) => (e.event.name(), serde_json::to_string(&e)),
-            Some(Ok(StreamEvent::Reset { reset, .. })) => {
+        let (name, json) = match relay.unless_left(events.next()).await {
+            Some(Some(Ok(StreamEvent::Event(e)))) => (e.event.name(), serde_json::to_string(&e)),
+            Some(Some(Ok(StreamEvent::Reset { reset, .. }))) => {
                 (RESET_EVENT, serde_json::to_string(&reset))
             }
             _ => return,
         };
         let Ok(json) = json else { continue };
-        if tx
-            .send(Ok(hosted_event(name, &json, instance)))
-            .await
-            .is_err()
-        {
+        if !relay.send(hosted_event(name, &json, instance)).await {
             return;
         }
     }
 }
 
-/// An event of host `host` in the fleet-wide stream: its data with `host`.
+/// An event of host `host` in the fleet-wide stream: its data with `host`,
+/// no id.
 fn hosted_event(name: &str, json: &str, host: &str) -> Event {
     let data = match serde_json::from_str::<serde_json::Value>(json) {
         Ok(serde_json::Value::Object(mut o)) => {
@@ -255,10 +214,22 @@ fn hosted_event(name: &str, json: &str, host: &str) -> Event {
     Event::default().event(name).data(data)
 }
 
-/// Every event of `log` after `after`, then live ones, until the log closes.
+/// An event of this host's log as SSE: with its id, or — in the fleet's
+/// stream, `host` set — naming the host instead.
+fn rendered(id: u64, name: &str, json: &str, host: Option<&str>) -> Event {
+    match host {
+        Some(host) => hosted_event(name, json, host),
+        None => Event::default().id(id.to_string()).event(name).data(json),
+    }
+}
+
+/// Every event of `log` after `after`, then live ones, until the log
+/// closes; with `host`, as the fleet's stream shows them (see
+/// [`rendered`]).
 pub fn follow(
     log: Arc<EventLog>,
     after: u64,
+    host: Option<String>,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send {
     let mut queued = VecDeque::<Event>::new();
     let newest = log.newest_id();
@@ -272,24 +243,25 @@ pub fn follow(
                 missed_to: newest,
             },
             ResetCause::Ahead { asked: after },
+            host.as_deref(),
         ));
         newest
     } else {
         after
     };
-    let start = (log, after, queued);
-    stream::unfold(start, |(log, mut after, mut queued)| async move {
+    let start = (log, after, queued, host);
+    stream::unfold(start, |(log, mut after, mut queued, host)| async move {
         loop {
             if let Some(event) = queued.pop_front() {
-                return Some((Ok(event), (log, after, queued)));
+                return Some((Ok(event), (log, after, queued, host)));
             }
             match log.read_after(after) {
                 Next::Events { gap, events } => {
                     if let Some(gap) = gap {
-                        queued.push_back(reset_event(gap, ResetCause::Evicted));
+                        queued.push_back(reset_event(gap, ResetCause::Evicted, host.as_deref()));
                     }
                     for e in &events {
-                        queued.push_back(sse_event(e));
+                        queued.push_back(rendered(e.id, &e.name, &e.json, host.as_deref()));
                         after = e.id;
                     }
                 }

@@ -23,6 +23,10 @@ use std::time::Duration;
 /// when a host hangs, and the host's lease names it lost soon anyway.
 pub const PEER_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a call carried to its owner may take: an owner that hangs must
+/// not hang the caller (owner-only calls answer at once: 202, 204).
+pub const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// One peer's part of a fleet-wide read.
 #[derive(Debug)]
 pub struct PeerPart<T> {
@@ -109,10 +113,11 @@ impl FleetHost {
         };
         let client = peer_client(&url, token).map_err(unreachable)?;
         let body = (!body.is_empty()).then(|| body.to_vec());
-        let reply = client
-            .raw(method.as_str(), path, body)
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
+        let reply =
+            tokio::time::timeout(PEER_CALL_TIMEOUT, client.raw(method.as_str(), path, body))
+                .await
+                .map_err(|_| unreachable(format!("no answer within {PEER_CALL_TIMEOUT:?}")))?
+                .map_err(|e| unreachable(e.to_string()))?;
         tracing::debug!(owner = %owner.instance, %method, path, status = reply.status, "fleet: call carried to the owner");
         Ok(Some((reply.status, reply.body)))
     }
@@ -127,27 +132,30 @@ impl FleetHost {
         path: &str,
         token: Option<&Secret>,
     ) -> Result<Vec<PeerPart<T>>, kici_fleet::FleetError> {
-        let me = self.instance().to_string();
-        let hosts = kici_fleet::membership::hosts(self.fleet()).await?;
-        let asks = hosts
-            .into_iter()
-            .filter(|h| h.instance_id != me && (h.state == "up" || h.state == "leaving"))
-            .map(|h| async move {
-                let answer = match &h.url {
-                    None => Err("it advertises no URL (--advertise-url)".to_owned()),
-                    Some(url) => read_peer(url, path, token).await,
-                };
-                PeerPart {
-                    instance: h.instance_id,
-                    url: h.url,
-                    answer,
-                }
-            });
+        let asks = self.live_peers().await?.into_iter().map(|h| async move {
+            let answer = match &h.url {
+                None => Err(no_url()),
+                Some(url) => read_peer(url, path, token).await,
+            };
+            PeerPart {
+                instance: h.instance_id,
+                url: h.url,
+                answer,
+            }
+        });
         Ok(futures_util::future::join_all(asks).await)
     }
 }
 
 impl FleetHost {
+    /// The other live (`up` or `leaving`) hosts of the fleet.
+    pub async fn live_peers(&self) -> Result<Vec<kici_fleet::HostStatus>, kici_fleet::FleetError> {
+        let me = self.instance().to_string();
+        let mut hosts = kici_fleet::membership::hosts(self.fleet()).await?;
+        hosts.retain(|h| h.instance_id != me && (h.state == "up" || h.state == "leaving"));
+        Ok(hosts)
+    }
+
     /// Opens the log stream of job `id` on `owner`, after chunk `after`.
     pub async fn job_logs_at(
         &self,
@@ -156,16 +164,36 @@ impl FleetHost {
         after: Option<u64>,
         token: Option<&Secret>,
     ) -> Result<kici_api::JobLogs, String> {
-        let url = owner
-            .url
-            .as_deref()
-            .ok_or_else(|| "it advertises no URL (--advertise-url)".to_owned())?;
+        let url = owner.url.as_deref().ok_or_else(no_url)?;
         let client = peer_client(url, token)?;
-        client
-            .job_logs(id.as_str(), after)
-            .await
-            .map_err(|e| e.to_string())
+        open_stream(client.job_logs(id.as_str(), after)).await
     }
+
+    /// Opens the event stream of the peer at `url`: its own events only,
+    /// from now on.
+    pub async fn events_at(
+        &self,
+        url: &str,
+        token: Option<&Secret>,
+    ) -> Result<kici_api::Events, String> {
+        let client = peer_client(url, token)?;
+        open_stream(client.local_events()).await
+    }
+}
+
+fn no_url() -> String {
+    "it advertises no URL (--advertise-url)".to_owned()
+}
+
+/// A peer's stream, once its answer's head arrived (within
+/// [`PEER_READ_TIMEOUT`]).
+async fn open_stream<T>(
+    open: impl std::future::Future<Output = Result<T, kici_api::ApiError>>,
+) -> Result<T, String> {
+    tokio::time::timeout(PEER_READ_TIMEOUT, open)
+        .await
+        .map_err(|_| format!("no answer within {PEER_READ_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())
 }
 
 /// A client of a peer's control API, with the fleet's API token.
