@@ -261,20 +261,10 @@ fn jobs_pool() -> String {
 /// Starts the fleet's PostgreSQL server, listening on the bridge's address
 /// (which must exist).
 fn start_pg() {
-    let out = Command::new("bash")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../scripts/postgres.sh"
-        ))
-        .arg("start")
-        .env("KICI_PG_PORT", PG_PORT.to_string())
-        .env("KICI_PG_LISTEN", format!("{SUBNET}.1"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    common::daemon::pg_with(
+        "start",
+        PG_PORT,
+        &[("KICI_PG_LISTEN", &format!("{SUBNET}.1"))],
     );
 }
 
@@ -520,6 +510,59 @@ fn job_body(record: &std::path::Path, mark: &str, hold: &str) -> String {
         "env": {"MARK": mark},
     })
     .to_string()
+}
+
+impl Fleet {
+    /// `n` hosts serving the `jobs` pool too (with `env`), once all are up.
+    fn start_jobs(n: usize, env: &[(&'static str, &str)]) -> Fleet {
+        let fleet = Self::start_with(n, 2, 2 * n as u32, &[], &jobs_pool(), env);
+        wait_until("every host up", || {
+            let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+            status == 200 && v["hosts"].as_array().unwrap().len() == n
+        });
+        fleet
+    }
+
+    /// Posts through host `h` the job marked `mark` (see [`job_body`]),
+    /// accepted: its id.
+    fn post_job(&self, h: usize, mark: &str, hold: &str) -> String {
+        let body = job_body(self.record.path(), mark, hold);
+        let (status, answer) = self.hosts[h].call("POST", "/v1/jobs", Some(&body));
+        assert_eq!(status, 202, "{answer}");
+        answer["jobId"].as_str().unwrap().to_owned()
+    }
+
+    /// Job `id` as host `h` shows it.
+    fn job(&self, h: usize, id: &str) -> Value {
+        self.hosts[h].call("GET", &format!("/v1/jobs/{id}"), None).1
+    }
+
+    /// The index of the host that claimed job `id`.
+    fn job_host(&self, id: &str) -> usize {
+        let host = self.sql(&format!(
+            "SELECT claimed_by FROM fleet_requests WHERE job_id = '{id}'"
+        ));
+        self.hosts
+            .iter()
+            .position(|h| h.instance() == host[0])
+            .unwrap()
+    }
+
+    /// The marks the jobs' commands recorded, one line per run.
+    fn job_runs(&self) -> String {
+        std::fs::read_to_string(self.record.path().join("jobs.log")).unwrap_or_default()
+    }
+
+    /// How often the job marked `mark` ran.
+    fn runs_of(&self, mark: &str) -> usize {
+        self.job_runs().lines().filter(|l| *l == mark).count()
+    }
+
+    /// The `jobs` pool's live agents, as the database counts them.
+    fn live_job_agents(&self) -> String {
+        self.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'")
+            .remove(0)
+    }
 }
 
 fn wait_long(what: &str, limit: Duration, f: impl FnMut() -> bool) {
@@ -1116,11 +1159,7 @@ fn watch_events(addr: &str) -> std::sync::Arc<std::sync::Mutex<String>> {
 
 #[test]
 fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap() {
-    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool(), &[]);
-    wait_until("three hosts up", || {
-        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
-        status == 200 && v["hosts"].as_array().unwrap().len() == 3
-    });
+    let mut fleet = Fleet::start_jobs(3, &[]);
     // Any host's status and events show the whole fleet.
     let instances: BTreeSet<String> = fleet.hosts.iter().map(|h| h.instance()).collect();
     wait_until("host 1's status lists the other two hosts", || {
@@ -1225,7 +1264,7 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
         );
     }
     // Every job ran exactly once, by its own record; every host ran some.
-    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
+    let text = fleet.job_runs();
     let mut runs: BTreeMap<&str, usize> = BTreeMap::new();
     for line in text.lines() {
         *runs.entry(line).or_default() += 1;
@@ -1261,10 +1300,7 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
 
     // The log stream, from a host that does not run the job, from the
     // moment the job is queued to its end.
-    let body = job_body(&record, "streamed", "0.5");
-    let (status, answer) = fleet.hosts[0].call("POST", "/v1/jobs", Some(&body));
-    assert_eq!(status, 202, "{answer}");
-    let id = answer["jobId"].as_str().unwrap().to_owned();
+    let id = fleet.post_job(0, "streamed", "0.5");
     let stream = http(
         &addrs[1],
         "GET",
@@ -1299,16 +1335,14 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
     // A queued job cancelled through any host never runs; a running one
     // is cancelled on its host. With the pool full of long jobs, one more
     // waits in the queue.
-    let mut long = Vec::new();
-    for n in 0..4 {
-        let body = job_body(&record, &format!("long{n}"), "1000");
-        let (status, answer) = fleet.hosts[n % 3].call("POST", "/v1/jobs", Some(&body));
-        assert_eq!(status, 202, "{answer}");
-        long.push(answer["jobId"].as_str().unwrap().to_owned());
-    }
+    let long: Vec<String> = (0..4)
+        .map(|n| fleet.post_job(n % 3, &format!("long{n}"), "1000"))
+        .collect();
     let state_of = |f: &Fleet, id: &str| {
-        let (_, v) = f.hosts[2].call("GET", &format!("/v1/jobs/{id}"), None);
-        v["state"].as_str().unwrap_or_default().to_owned()
+        f.job(2, id)["state"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     };
     wait_long("three long jobs run", PATIENCE, || {
         long.iter()
@@ -1339,12 +1373,11 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
         "the cancelled jobs end and their agents go",
         PATIENCE,
         || {
-            fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'")
-                == ["0"]
+            fleet.live_job_agents() == "0"
                 && long.iter().all(|id| state_of(&fleet, id) == "cancelled")
         },
     );
-    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
+    let text = fleet.job_runs();
     let waited = long.iter().position(|id| *id == waiting).unwrap();
     assert!(
         !text.lines().any(|l| l == format!("long{waited}")),
@@ -1359,34 +1392,18 @@ fn serial_fleet_standalone_jobs_through_any_host_run_once_in_order_under_the_cap
 
 #[test]
 fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
-    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool(), &[]);
-    wait_until("three hosts up", || {
-        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
-        status == 200 && v["hosts"].as_array().unwrap().len() == 3
-    });
-    let record = fleet.record.path().to_owned();
-    let body = job_body(&record, "doomed", "1000");
-    let (status, answer) = fleet.hosts[0].call("POST", "/v1/jobs", Some(&body));
-    assert_eq!(status, 202, "{answer}");
-    let id = answer["jobId"].as_str().unwrap().to_owned();
+    let mut fleet = Fleet::start_jobs(3, &[]);
+    let id = fleet.post_job(0, "doomed", "1000");
     wait_long("the job runs", PATIENCE, || {
-        let (_, v) = fleet.hosts[1].call("GET", &format!("/v1/jobs/{id}"), None);
-        v["state"] == "running"
+        fleet.job(1, &id)["state"] == "running"
     });
-    let owner = fleet.sql(&format!(
-        "SELECT claimed_by FROM fleet_requests WHERE job_id = '{id}'"
-    ));
-    let owner = fleet
-        .hosts
-        .iter()
-        .position(|h| h.instance() == owner[0])
-        .unwrap();
+    let owner = fleet.job_host(&id);
     fleet.hosts[owner].daemon.as_mut().unwrap().kill9();
     common::daemon::kill_instance_cgroups(&fleet.hosts[owner].instance());
     let other = (owner + 1) % 3;
     let t = Instant::now();
     wait_long("the job ends aborted (host lost)", PATIENCE, || {
-        let (_, v) = fleet.hosts[other].call("GET", &format!("/v1/jobs/{id}"), None);
+        let v = fleet.job(other, &id);
         v["state"] == "failed"
             && v["end"] == "aborted"
             && v["reason"]
@@ -1401,8 +1418,7 @@ fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
     );
     // It ran once and is not run again elsewhere.
     std::thread::sleep(Duration::from_secs(2));
-    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
-    assert_eq!(text.lines().filter(|l| *l == "doomed").count(), 1, "{text}");
+    assert_eq!(fleet.runs_of("doomed"), 1, "{}", fleet.job_runs());
     assert_eq!(
         fleet.sql(&format!(
             "SELECT secret IS NULL FROM fleet_requests WHERE job_id = '{id}'"
@@ -1413,38 +1429,22 @@ fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
 
 #[test]
 fn serial_fleet_standalone_job_on_a_host_restarted_at_once_ends_aborted_and_runs_once() {
-    let mut fleet = Fleet::start_with(3, 2, 6, &[], &jobs_pool(), &[]);
-    wait_until("three hosts up", || {
-        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
-        status == 200 && v["hosts"].as_array().unwrap().len() == 3
-    });
-    let record = fleet.record.path().to_owned();
-    let body = job_body(&record, "restarted", "1000");
-    let (status, answer) = fleet.hosts[0].call("POST", "/v1/jobs", Some(&body));
-    assert_eq!(status, 202, "{answer}");
-    let id = answer["jobId"].as_str().unwrap().to_owned();
+    let mut fleet = Fleet::start_jobs(3, &[]);
+    let id = fleet.post_job(0, "restarted", "1000");
     wait_long("the job runs", PATIENCE, || {
-        let (_, v) = fleet.hosts[1].call("GET", &format!("/v1/jobs/{id}"), None);
-        v["state"] == "running"
+        fleet.job(1, &id)["state"] == "running"
     });
-    let owner = fleet.sql(&format!(
-        "SELECT claimed_by FROM fleet_requests WHERE job_id = '{id}'"
-    ));
-    let owner = fleet
-        .hosts
-        .iter()
-        .position(|h| h.instance() == owner[0])
-        .unwrap();
+    let owner = fleet.job_host(&id);
     // Back before its lease can lapse: the host itself settles the job it
     // held (its agent did not survive the restart).
     fleet.hosts[owner].daemon.as_mut().unwrap().kill9();
     fleet.run(owner);
     let other = (owner + 1) % 3;
     wait_long("the job ends aborted", PATIENCE, || {
-        let (_, v) = fleet.hosts[other].call("GET", &format!("/v1/jobs/{id}"), None);
+        let v = fleet.job(other, &id);
         v["state"] == "failed" && v["end"] == "aborted"
     });
-    let (_, v) = fleet.hosts[other].call("GET", &format!("/v1/jobs/{id}"), None);
+    let v = fleet.job(other, &id);
     let reason = v["reason"].as_str().unwrap();
     eprintln!("the restarted host's job ended: {reason}");
     assert!(
@@ -1458,50 +1458,22 @@ fn serial_fleet_standalone_job_on_a_host_restarted_at_once_ends_aborted_and_runs
         ["finished"]
     );
     wait_long("no agent of the pool is left", PATIENCE, || {
-        fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'")
-            == ["0"]
-            && fleet.hosts[owner].agents().is_empty()
+        fleet.live_job_agents() == "0" && fleet.hosts[owner].agents().is_empty()
     });
     std::thread::sleep(Duration::from_secs(1));
-    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
-    assert_eq!(
-        text.lines().filter(|l| *l == "restarted").count(),
-        1,
-        "{text}"
-    );
+    assert_eq!(fleet.runs_of("restarted"), 1, "{}", fleet.job_runs());
 }
 
 #[test]
 fn serial_fleet_a_job_waiting_past_the_pending_ttl_ends_aborted() {
-    let fleet = Fleet::start_with(
-        3,
-        2,
-        6,
-        &[],
-        &jobs_pool(),
-        &[("KICI_SCALER_PENDING_TTL_SECONDS", "2")],
-    );
-    wait_until("three hosts up", || {
-        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
-        status == 200 && v["hosts"].as_array().unwrap().len() == 3
-    });
-    let record = fleet.record.path().to_owned();
+    let fleet = Fleet::start_jobs(3, &[("KICI_SCALER_PENDING_TTL_SECONDS", "2")]);
     // The pool's fleet cap is three: the fourth long job waits.
-    let mut ids = Vec::new();
-    for n in 0..4 {
-        let body = job_body(&record, &format!("ttl{n}"), "1000");
-        let (status, answer) = fleet.hosts[n % 3].call("POST", "/v1/jobs", Some(&body));
-        assert_eq!(status, 202, "{answer}");
-        ids.push(answer["jobId"].as_str().unwrap().to_owned());
-    }
-    let view = |id: &str| {
-        fleet.hosts[1]
-            .call("GET", &format!("/v1/jobs/{id}"), None)
-            .1
-    };
+    let ids: Vec<String> = (0..4)
+        .map(|n| fleet.post_job(n % 3, &format!("ttl{n}"), "1000"))
+        .collect();
     wait_long("the waiting job expires", PATIENCE, || {
         ids.iter().any(|id| {
-            let v = view(id);
+            let v = fleet.job(1, id);
             v["end"] == "aborted"
                 && v["reason"]
                     .as_str()
@@ -1510,51 +1482,30 @@ fn serial_fleet_a_job_waiting_past_the_pending_ttl_ends_aborted() {
     });
     let running = ids
         .iter()
-        .filter(|id| view(id)["state"] == "running")
+        .filter(|id| fleet.job(1, id)["state"] == "running")
         .count();
     assert_eq!(running, 3, "only the waiting one expired");
     for id in &ids {
         fleet.hosts[0].call("DELETE", &format!("/v1/jobs/{id}"), None);
     }
     wait_long("every agent of the pool goes", PATIENCE, || {
-        fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'")
-            == ["0"]
+        fleet.live_job_agents() == "0"
     });
 }
 
 #[test]
 fn serial_fleet_standalone_job_of_a_partitioned_host_is_aborted_there_when_healed() {
-    let mut fleet = Fleet::start_with(2, 2, 4, &[], &jobs_pool(), &[]);
-    wait_until("two hosts up", || {
-        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
-        status == 200 && v["hosts"].as_array().unwrap().len() == 2
-    });
-    let record = fleet.record.path().to_owned();
-    let body = job_body(&record, "cut", "1000");
-    let (status, answer) = fleet.hosts[1].call("POST", "/v1/jobs", Some(&body));
-    assert_eq!(status, 202, "{answer}");
-    let id = answer["jobId"].as_str().unwrap().to_owned();
-    let view_on = |h: usize| {
-        fleet.hosts[h]
-            .call("GET", &format!("/v1/jobs/{id}"), None)
-            .1
-    };
+    let mut fleet = Fleet::start_jobs(2, &[]);
+    let id = fleet.post_job(1, "cut", "1000");
     wait_long("the job runs", PATIENCE, || {
-        view_on(0)["state"] == "running"
+        fleet.job(0, &id)["state"] == "running"
     });
-    let owner = fleet.sql(&format!(
-        "SELECT claimed_by FROM fleet_requests WHERE job_id = '{id}'"
-    ));
-    let owner = fleet
-        .hosts
-        .iter()
-        .position(|h| h.instance() == owner[0])
-        .unwrap();
+    let owner = fleet.job_host(&id);
     let other = 1 - owner;
     fleet.net.partition(owner, true);
     // The fleet gives the job up once the cut host's lease expired.
     wait_long("the job ends aborted (host lost)", PATIENCE, || {
-        let v = view_on(other);
+        let v = fleet.job(other, &id);
         v["end"] == "aborted"
             && v["reason"]
                 .as_str()
@@ -1567,15 +1518,11 @@ fn serial_fleet_standalone_job_of_a_partitioned_host_is_aborted_there_when_heale
         fleet.hosts[owner].agents().is_empty()
     });
     wait_long("the host's own view of the job ends", PATIENCE, || {
-        let v = view_on(owner);
+        let v = fleet.job(owner, &id);
         v["state"] == "failed" && v["end"] == "aborted"
     });
-    let text = std::fs::read_to_string(record.join("jobs.log")).unwrap();
-    assert_eq!(text.lines().filter(|l| *l == "cut").count(), 1, "{text}");
-    assert_eq!(
-        fleet.sql("SELECT count(*) FROM fleet_agents WHERE pool = 'jobs' AND state = 'live'"),
-        ["0"]
-    );
+    assert_eq!(fleet.runs_of("cut"), 1, "{}", fleet.job_runs());
+    assert_eq!(fleet.live_job_agents(), "0");
     // It was the rejoin's reconciliation that let the agent go.
     let lines = fleet.hosts[owner].daemon.as_mut().unwrap().lines_so_far();
     assert!(

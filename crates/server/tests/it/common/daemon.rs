@@ -514,10 +514,16 @@ fn pg_script() -> PathBuf {
 
 /// `scripts/postgres.sh <cmd>` on `port`; its stdout.
 pub fn pg(cmd: &str, port: u16) -> String {
+    pg_with(cmd, port, &[])
+}
+
+/// [`pg`] with more of the script's settings (`KICI_PG_LISTEN`, …).
+pub fn pg_with(cmd: &str, port: u16, env: &[(&str, &str)]) -> String {
     let out = Command::new("bash")
         .arg(pg_script())
         .arg(cmd)
         .env("KICI_PG_PORT", port.to_string())
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     assert!(
