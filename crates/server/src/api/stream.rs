@@ -224,8 +224,8 @@ fn rendered(id: u64, name: &str, json: &str, host: Option<&str>) -> Event {
 }
 
 /// Every event of `log` after `after`, then live ones, until the log
-/// closes; with `host`, as the fleet's stream shows them (see
-/// [`rendered`]).
+/// closes; with `host`, as the fleet's stream shows them (no ids, each
+/// event's data naming the host).
 pub fn follow(
     log: Arc<EventLog>,
     after: u64,
