@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything kici-scaler's build and tests need on a Debian 12 machine.
 #
-# Idempotent: each tool is checked first and installed only when missing, so a
-# second run does no network work at all. Run as root (CI and the dev machines
+# Idempotent: when every package and command is present a second run does no
+# network work at all; otherwise the whole Debian list is installed in one apt
+# transaction, and every command the tests call is verified to exist. Run as root (CI and the dev machines
 # are root); outside root it uses sudo when available.
 #
 #   scripts/install-deps.sh            everything (build, tests, fuzz stage)
@@ -47,21 +48,75 @@ as_root() {
     fi
 }
 
+# The commands the build and the tests call, each with the package that
+# brings it. After the install every one must exist: a package can be
+# installed yet its command gone (apt removed it to resolve a conflict), and
+# a test that finds a command missing fails far from the cause.
+REQUIRED_COMMANDS=(
+    cc:build-essential pkg-config:pkg-config musl-gcc:musl-tools
+    psql:postgresql-15 /usr/lib/postgresql/15/bin/initdb:postgresql-15 dockerd:docker.io docker:docker.io
+    podman:podman nft:nftables iptables:iptables busybox:busybox-static
+    mkfs.ext4:e2fsprogs ip:iproute2 qemu-system-x86_64:qemu-system-x86
+    qemu-img:qemu-utils mmdebstrap:mmdebstrap
+)
+
+# Installs the whole list in one apt transaction, whatever is already present:
+# installing packages one by one, or only the "missing" ones, lets apt resolve
+# a conflict by removing a package that an earlier check saw installed. The
+# case that bit: a machine image carries a newer qemu-utils from backports,
+# which Breaks the release's qemu-system-common; asking for qemu-system-x86
+# alone made apt remove qemu-utils (and qemu-img with it). qemu-utils is
+# therefore asked for from the release itself, downgrades allowed, so that it
+# always matches qemu-system-x86.
 install_debian_packages() {
-    local missing=() pkg
+    local codename pkgs=() pkg
+    codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-bookworm}")"
     for pkg in "${DEBIAN_PACKAGES[@]}"; do
-        if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
-            missing+=("$pkg")
-        fi
+        case "$pkg" in
+            qemu-utils) pkgs+=("qemu-utils/$codename") ;;
+            *) pkgs+=("$pkg") ;;
+        esac
     done
-    if [ ${#missing[@]} -eq 0 ]; then
+    if all_commands_present && all_packages_installed; then
         log "debian packages: all present (${DEBIAN_PACKAGES[*]})"
         return
     fi
-    log "debian packages: installing ${missing[*]}"
-    # One update per run, and only when something is missing.
+    log "debian packages: installing ${pkgs[*]} (one transaction)"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+        --no-install-recommends --allow-downgrades "${pkgs[@]}"
+}
+
+all_packages_installed() {
+    local pkg
+    for pkg in "${DEBIAN_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || return 1
+    done
+}
+
+# Commands under /usr/sbin and /sbin count as present for a non-root PATH too.
+command_present() {
+    command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]
+}
+
+all_commands_present() {
+    local entry
+    for entry in "${REQUIRED_COMMANDS[@]}"; do
+        command_present "${entry%%:*}" || return 1
+    done
+}
+
+# Fails naming every command that is missing and the package it comes from.
+verify_commands() {
+    local entry missing=()
+    for entry in "${REQUIRED_COMMANDS[@]}"; do
+        command_present "${entry%%:*}" || missing+=("${entry%%:*} (package ${entry#*:})")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        log "FAILED: missing after install: ${missing[*]}"
+        return 1
+    fi
+    log "commands: all present (${REQUIRED_COMMANDS[*]%%:*})"
 }
 
 require_rustup() {
@@ -124,6 +179,7 @@ install_fuzz_tooling() {
 require_rustup
 if [ "$want_base" -eq 1 ]; then
     install_debian_packages
+    verify_commands
     install_rust_components
     install_rust_targets
     install_nextest
