@@ -1323,9 +1323,18 @@ impl Waker {
     }
 
     async fn connect(&mut self) -> Result<(), FleetError> {
+        // The listener's connection is a dedicated one, in a pool of its
+        // own: `PgListener` keeps the connection it takes for its whole
+        // life, and taken from the fleet's pool it would shrink the pool for
+        // claims and make `Fleet::close` (which waits for every pooled
+        // connection to come back) wait for the waker to be dropped.
+        let dedicated = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(self.fleet.acquire_timeout())
+            .connect_lazy_with(self.fleet.connect_options().clone());
         let mut l = tokio::time::timeout(
             self.fleet.acquire_timeout(),
-            PgListener::connect_with(self.fleet.pool()),
+            PgListener::connect_with(&dedicated),
         )
         .await
         .map_err(|_| FleetError::Unavailable("connecting the fleet listener timed out".into()))??;

@@ -703,16 +703,28 @@ async fn hand_back_returns_claims_at_once() {
 }
 
 /// The waker returns at once on an arrival in its pools, ignores other
-/// pools and fleets, and otherwise returns within the fallback poll.
+/// pools and fleets, and otherwise returns within the fallback poll. Every
+/// step is bounded: a hang fails naming the step instead of stalling until
+/// the runner's timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waker_wakes_on_arrival_and_polls_otherwise() {
-    let db = TestDb::new().await;
-    let fleet = db.fleet("wake").await;
-    let other = db.fleet("wake-other").await;
-    let mut waker = fleet.waker(&["p".to_owned()]).await.unwrap();
+    async fn step<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(20), f)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: did not finish within 20 s"))
+    }
+    let db = step("create the database", TestDb::new()).await;
+    let fleet = step("connect the fleet", db.fleet("wake")).await;
+    let other = step("connect the other fleet", db.fleet("wake-other")).await;
+    let mut waker = step("start the waker", fleet.waker(&["p".to_owned()]))
+        .await
+        .unwrap();
 
     let t = Instant::now();
-    assert!(!waker.wait().await, "woken with nothing sent");
+    assert!(
+        !step("the idle wait", waker.wait()).await,
+        "woken with nothing sent"
+    );
     let idle = t.elapsed();
     assert!(
         idle >= Duration::from_millis(900) && idle < Duration::from_millis(1500),
@@ -729,16 +741,17 @@ async fn waker_wakes_on_arrival_and_polls_otherwise() {
         q.enqueue(&request("w1", "p", 1)).await.unwrap();
     });
     let t = Instant::now();
-    assert!(waker.wait().await);
+    assert!(step("the wait for an arrival", waker.wait()).await);
     let woke = t.elapsed();
     assert!(
         woke >= Duration::from_millis(180) && woke < Duration::from_millis(800),
         "{woke:?}"
     );
-    send.await.unwrap();
-    fleet.close().await;
-    other.close().await;
-    db.drop_db().await;
+    step("the enqueues", send).await.unwrap();
+    drop(waker);
+    step("close the fleet", fleet.close()).await;
+    step("close the other fleet", other.close()).await;
+    step("drop the database", db.drop_db()).await;
 }
 
 /// Purge: finished requests and departed hosts older than the retention go.

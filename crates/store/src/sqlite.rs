@@ -42,6 +42,53 @@ pub(crate) struct SqliteStore {
     address_scope: Option<crate::AddressScope>,
 }
 
+/// Makes the database file (and a missing parent dir) readable by its owner
+/// only, before SQLite opens it: the store holds job command lines and
+/// agents' records. SQLite creates `-wal` and `-shm` with the database
+/// file's mode, so creating the file 0600 first covers all three; an
+/// existing file (and its `-wal`/`-shm`) left readable by others is
+/// tightened to 0600.
+fn create_private(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| StoreError::Io { path, source }
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.is_dir() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(io(dir))?;
+        }
+    }
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(_) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io(path)(e)),
+    }
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    let mut shm = path.as_os_str().to_owned();
+    shm.push("-shm");
+    for file in [path.to_owned(), wal.into(), shm.into()] {
+        let Ok(meta) = std::fs::metadata(&file) else {
+            continue;
+        };
+        if meta.permissions().mode() & 0o077 != 0 {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))
+                .map_err(io(&file))?;
+        }
+    }
+    Ok(())
+}
+
 impl SqliteStore {
     /// The IP claim, one statement, one round trip: the
     /// agent's existing lease in the network (rewritten unchanged, which
@@ -59,12 +106,7 @@ impl SqliteStore {
         owner: InstanceId,
         options: &StoreOptions,
     ) -> Result<Self, StoreError> {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
-                path: dir.to_owned(),
-                source,
-            })?;
-        }
+        create_private(path)?;
         let connect = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)

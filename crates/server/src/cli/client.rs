@@ -3,14 +3,17 @@
 //! with the bearer token from `KICI_SCALER_API_TOKEN`. The requests and
 //! answers themselves are `kici-api`'s types.
 
-use crate::daemon::settings::API_TOKEN_ENV;
+use crate::daemon::settings::{default_api_socket, API_TOKEN_ENV};
 use crate::gateway::token::Secret;
 use kici_api::{ApiError, Client};
 use std::path::Path;
 use std::sync::Arc;
 
-/// The default `--server`.
-pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7878";
+/// The default `--server`: the unix socket a `serve` without `--listen`
+/// serves on (see [`default_api_socket`]).
+pub fn default_server() -> String {
+    format!("unix:{}", default_api_socket().display())
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {

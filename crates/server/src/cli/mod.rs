@@ -110,12 +110,15 @@ pub enum Command {
     Generate(crate::cli::generate::GenerateArgs),
 }
 
-/// How to reach a running daemon. The bearer token, if the daemon needs
-/// one, comes from KICI_SCALER_API_TOKEN.
+/// How to reach a running daemon. The bearer token, which every TCP
+/// listener needs, comes from KICI_SCALER_API_TOKEN.
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
-    /// The daemon: http://HOST:PORT, https://HOST:PORT or unix:/path.
-    #[arg(long, value_name = "URL", env = "KICI_SCALER_SERVER", default_value = crate::cli::client::DEFAULT_SERVER)]
+    /// The daemon: unix:/path, http://HOST:PORT or https://HOST:PORT
+    /// [default: the unix socket a `serve` without --listen serves on:
+    /// unix:/run/kici-scaler/api.sock for root,
+    /// unix:$XDG_RUNTIME_DIR/kici-scaler/api.sock for other users].
+    #[arg(long, value_name = "URL", env = "KICI_SCALER_SERVER", default_value_t = crate::cli::client::default_server(), hide_default_value = true)]
     pub server: String,
     /// PEM CA certificate(s) to trust for an https:// server.
     #[arg(long, value_name = "FILE", env = "KICI_SCALER_CA_CERT")]

@@ -34,6 +34,7 @@ use crate::daemon::reload::{ConfigReloader, Reload};
 use crate::daemon::serving::{Listener, ListenerName, Server};
 use crate::daemon::settings::{
     DaemonFile, DaemonSettings, ListenAddr, ServeArgs, SettingsError, API_TOKEN_ENV,
+    MIN_API_TOKEN_BYTES,
 };
 use crate::daemon::stack::{Stack, StackOptions};
 use crate::daemon::tls::TlsError;
@@ -60,8 +61,10 @@ pub enum ServeError {
     Settings(#[from] SettingsError),
     #[error("{API_TOKEN_ENV} is set but empty")]
     EmptyApiToken,
-    #[error("--listen {0} is not a loopback address: set {API_TOKEN_ENV} (every request must then carry it as a bearer token), or listen on 127.0.0.1 or a unix socket")]
-    RemoteWithoutToken(ListenAddr),
+    #[error("{API_TOKEN_ENV} is {0} bytes long: an API token must be at least {MIN_API_TOKEN_BYTES} bytes (e.g. `openssl rand -hex 32`)")]
+    ShortApiToken(usize),
+    #[error("--listen {0} is a TCP address, which every local user can reach: set {API_TOKEN_ENV} (at least {MIN_API_TOKEN_BYTES} bytes; every request must then carry it as a bearer token), or serve on a unix socket (the default, --listen unix:{socket})", socket = crate::daemon::settings::default_api_socket().display())]
+    TcpWithoutToken(ListenAddr),
     #[error("{0}")]
     Identity(#[from] IdentityError),
     /// Already one `file:line:col: path: message` per line.
@@ -128,15 +131,19 @@ fn registry_for(args: &ServeArgs) -> BackendRegistry {
     BackendRegistry::builtin()
 }
 
-/// `KICI_SCALER_API_TOKEN`, required for a non-loopback TCP listener.
+/// `KICI_SCALER_API_TOKEN`, required for any TCP listener (loopback
+/// included) and at least [`MIN_API_TOKEN_BYTES`] long when set.
 fn api_token_from_env(settings: &DaemonSettings) -> Result<Option<Secret>, ServeError> {
     let token = match std::env::var(API_TOKEN_ENV) {
         Ok(t) if t.trim().is_empty() => return Err(ServeError::EmptyApiToken),
+        Ok(t) if t.trim().len() < MIN_API_TOKEN_BYTES => {
+            return Err(ServeError::ShortApiToken(t.trim().len()))
+        }
         Ok(t) => Some(Secret::new(t.trim().to_owned())),
         Err(_) => None,
     };
-    if token.is_none() && settings.listen.is_remote() {
-        return Err(ServeError::RemoteWithoutToken(settings.listen.clone()));
+    if token.is_none() && settings.listen.needs_token() {
+        return Err(ServeError::TcpWithoutToken(settings.listen.clone()));
     }
     Ok(token)
 }
@@ -168,13 +175,7 @@ fn bind(settings: &DaemonSettings) -> Result<Bound, ServeError> {
             })
         }
         ListenAddr::Unix(path) => {
-            remove_stale_socket(path).map_err(listen_err)?;
-            let listener = std::os::unix::net::UnixListener::bind(path).map_err(listen_err)?;
-            // Only the daemon's user may talk to it: the socket is the
-            // API's only guard when no token is set.
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-                .map_err(listen_err)?;
+            let listener = bind_private_socket(path).map_err(listen_err)?;
             Ok(Bound {
                 listener: Listener::unix(listener).map_err(listen_err)?,
                 tls: None,
@@ -182,6 +183,47 @@ fn bind(settings: &DaemonSettings) -> Result<Bound, ServeError> {
             })
         }
     }
+}
+
+/// Binds the control API's unix socket so that only the daemon's user can
+/// ever connect: the socket is the API's only guard when no token is set.
+///
+/// The socket is bound under a temporary name, made 0600, and only then
+/// renamed into place: binding at the final path and changing the mode
+/// afterwards would leave a moment in which another local user could
+/// connect. A missing parent dir is created 0700 (the default path's
+/// `kici-scaler/` under `/run` or `$XDG_RUNTIME_DIR`).
+fn bind_private_socket(path: &std::path::Path) -> io::Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    if !parent.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&parent)?;
+    }
+    remove_stale_socket(path)?;
+    let file_name = path.file_name().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the socket path has no file name",
+        )
+    })?;
+    let mut staging = file_name.to_os_string();
+    staging.push(format!(".{}.binding", std::process::id()));
+    let staging = parent.join(staging);
+    let _ = std::fs::remove_file(&staging);
+    let listener = std::os::unix::net::UnixListener::bind(&staging)?;
+    let placed = std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&staging, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&staging);
+        return Err(e);
+    }
+    Ok(listener)
 }
 
 /// A socket file left by a dead daemon is removed; a live one is refused.

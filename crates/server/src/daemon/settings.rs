@@ -24,7 +24,13 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:7878";
+/// The control API's unix socket for root (systemd's `RuntimeDirectory`).
+pub const SYSTEM_API_SOCKET: &str = "/run/kici-scaler/api.sock";
+/// The socket's file name under `$XDG_RUNTIME_DIR/kici-scaler/` for other users.
+const API_SOCKET_NAME: &str = "api.sock";
+/// The shortest API token accepted: 32 bytes, so that a token is at least
+/// as hard to guess as the 256-bit secrets the daemon mints itself.
+pub const MIN_API_TOKEN_BYTES: usize = 32;
 pub const DEFAULT_GATEWAY_LISTEN: &str = "127.0.0.1:7879";
 /// Reconcile interval and age threshold: 120 s (see docs/operations.md).
 const DEFAULT_RECONCILE_SECONDS: u64 = 120;
@@ -77,14 +83,37 @@ pub fn parse_socket_addr(s: &str) -> Result<SocketAddr, AddrError> {
 }
 
 impl ListenAddr {
-    /// A TCP bind reachable from other hosts: the API then requires a bearer
-    /// token. A unix socket is guarded by its file permissions.
+    /// A TCP bind reachable from other hosts.
     pub fn is_remote(&self) -> bool {
         match self {
             Self::Tcp(addr) => !addr.ip().is_loopback(),
             Self::Unix(_) => false,
         }
     }
+
+    /// Any TCP bind, loopback included, requires a bearer token: every local
+    /// user can reach a loopback port, and the API runs jobs as the agents'
+    /// user. Only the unix socket (mode 0600, the daemon's user) is served
+    /// without one.
+    pub fn needs_token(&self) -> bool {
+        matches!(self, Self::Tcp(_))
+    }
+}
+
+/// Where the control API listens when `--listen` is not given, and where the
+/// client commands look for it: `/run/kici-scaler/api.sock` for root,
+/// `$XDG_RUNTIME_DIR/kici-scaler/api.sock` for other users (the per-user
+/// runtime dir only its owner can write), else the system path (which a
+/// non-root `serve` then cannot create, and says so).
+pub fn default_api_socket() -> PathBuf {
+    if !rustix::process::geteuid().is_root() {
+        if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
+            if dir.is_absolute() {
+                return dir.join("kici-scaler").join(API_SOCKET_NAME);
+            }
+        }
+    }
+    PathBuf::from(SYSTEM_API_SOCKET)
 }
 
 impl fmt::Display for ListenAddr {
@@ -113,8 +142,9 @@ pub struct ServeArgs {
     /// the long flag names (e.g. `listen`, `pending-ttl-seconds`).
     #[arg(long, value_name = "FILE", env = "KICI_SCALER_DAEMON_CONFIG")]
     pub daemon_config: Option<PathBuf>,
-    /// Control API address: IP:PORT or unix:/path [default: 127.0.0.1:7878].
-    /// A non-loopback TCP address requires KICI_SCALER_API_TOKEN.
+    /// Control API address: unix:/path or IP:PORT [default: unix:/run/kici-scaler/api.sock
+    /// for root, unix:$XDG_RUNTIME_DIR/kici-scaler/api.sock for other users].
+    /// Any TCP address, loopback included, requires KICI_SCALER_API_TOKEN.
     #[arg(long, value_name = "ADDR", env = "KICI_SCALER_LISTEN")]
     pub listen: Option<String>,
     /// Agent gateway address (WebSocket /ws); agents of scalers without an
@@ -640,11 +670,13 @@ impl DaemonSettings {
         if config.is_none() {
             errors.push("--config is required (or KICI_SCALER_CONFIG_PATH, or `config` in the daemon config)".to_owned());
         }
-        let listen_raw = pick(&args.listen, &file.listen, DEFAULT_LISTEN.to_owned());
-        let listen = listen_raw
-            .parse::<ListenAddr>()
-            .map_err(|e| errors.push(format!("listen: {e}")))
-            .ok();
+        let listen = match args.listen.as_ref().or(file.listen.as_ref()) {
+            Some(raw) => raw
+                .parse::<ListenAddr>()
+                .map_err(|e| errors.push(format!("listen: {e}")))
+                .ok(),
+            None => Some(ListenAddr::Unix(default_api_socket())),
+        };
         let gateway_raw = pick(
             &args.gateway_listen,
             &file.gateway_listen,
@@ -777,10 +809,11 @@ impl DaemonSettings {
         let mut backends = args.backend.resolve(file, &mut errors);
         backends.firecracker_sweep_interval = Duration::from_secs(firecracker_sweep);
         backends.orphan_min_age = Duration::from_secs(reconcile_age);
+        let listen_text = listen.as_ref().map(ListenAddr::to_string);
         let fleet = args.fleet.resolve(
             &file.fleet_file(),
             matches!(state, Some(StoreUrl::Postgres(_))),
-            Some(listen_raw.as_str()),
+            listen_text.as_deref(),
             &mut errors,
         );
 
@@ -925,7 +958,9 @@ mod tests {
     #[test]
     fn defaults_apply_when_nothing_is_given() {
         let s = DaemonSettings::resolve(&args(), None).unwrap();
-        assert_eq!(s.listen, ListenAddr::Tcp("127.0.0.1:7878".parse().unwrap()));
+        // The tests run as root: the system socket.
+        assert_eq!(s.listen, ListenAddr::Unix(SYSTEM_API_SOCKET.into()));
+        assert!(!s.listen.needs_token());
         assert_eq!(s.gateway_listen, "127.0.0.1:7879".parse().unwrap());
         assert_eq!(s.state_dir, PathBuf::from("/var/lib/kici-scaler"));
         assert_eq!(

@@ -101,8 +101,8 @@ impl World {
         path
     }
 
-    /// The binary with a clean environment (no `KICI_*`) and `TMPDIR` in
-    /// the test dir.
+    /// The binary with a clean environment (no `KICI_*` but the test API
+    /// token) and `TMPDIR` in the test dir.
     fn command(&self) -> Command {
         let mut cmd = Command::new(BIN);
         for (k, _) in std::env::vars() {
@@ -110,7 +110,10 @@ impl World {
                 cmd.env_remove(k);
             }
         }
-        cmd.env("TMPDIR", self.path("tmp"));
+        cmd.env("TMPDIR", self.path("tmp")).env(
+            "KICI_SCALER_API_TOKEN",
+            crate::common::daemon::TEST_API_TOKEN,
+        );
         cmd
     }
 }
@@ -390,25 +393,12 @@ impl Daemon {
     }
 }
 
-/// One HTTP/1.0 request (the answer ends with the connection).
+/// One HTTP/1.0 request with the test API token; panics if the daemon
+/// cannot be reached.
 fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
-    if let Some(b) = body {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            b.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body.unwrap_or(""));
-    s.write_all(req.as_bytes()).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, body.to_owned())
+    let (status, body) = crate::common::daemon::http(addr, method, path, &[], body);
+    assert_ne!(status, 0, "{method} {path}: the daemon did not answer");
+    (status, body)
 }
 
 /// `GET /v1/jobs/{id}/logs` (SSE), read as it comes.
@@ -424,7 +414,12 @@ impl Logs {
     fn open(addr: &str, id: &str) -> Self {
         let mut stream = std::net::TcpStream::connect(addr).unwrap();
         stream.set_read_timeout(Some(PATIENCE)).unwrap();
-        write!(stream, "GET /v1/jobs/{id}/logs HTTP/1.0\r\n\r\n").unwrap();
+        write!(
+            stream,
+            "GET /v1/jobs/{id}/logs HTTP/1.0\r\nAuthorization: Bearer {}\r\n\r\n",
+            crate::common::daemon::TEST_API_TOKEN
+        )
+        .unwrap();
         Self {
             stream,
             raw: String::new(),

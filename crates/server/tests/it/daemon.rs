@@ -41,7 +41,13 @@ fn cli(server: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
             cmd.env_remove(k);
         }
     }
-    cmd.envs(env.iter().copied()).output().unwrap()
+    cmd.env(
+        "KICI_SCALER_API_TOKEN",
+        crate::common::daemon::TEST_API_TOKEN,
+    )
+    .envs(env.iter().copied())
+    .output()
+    .unwrap()
 }
 
 fn stdout_json(o: &Output) -> Value {
@@ -274,21 +280,39 @@ fn agent_output_in_upstreams_shape_keeps_its_fields_and_never_its_forged_attribu
     );
 }
 
+/// Any TCP listener, loopback included, needs an API token of at least 32
+/// bytes: every local user can reach a loopback port. Refused before the
+/// state dir is touched, with what to set.
 #[test]
-fn a_non_loopback_listener_needs_an_api_token() {
+fn a_tcp_listener_needs_an_api_token_loopback_included() {
     let dir = Dir::with_config(CONFIG);
+    for listen in ["0.0.0.0:0", "127.0.0.1:0", "[::1]:0", "localhost:0"] {
+        let out = dir
+            .serve_command(&["--memory-backends", "--listen", listen])
+            .env_remove("KICI_SCALER_API_TOKEN")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{listen}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("KICI_SCALER_API_TOKEN") && err.contains("unix:"),
+            "{listen}: {err}"
+        );
+    }
     let out = dir
-        .serve_command(&["--memory-backends", "--listen", "0.0.0.0:0"])
+        .serve_command(&["--memory-backends", "--listen", "127.0.0.1:0"])
+        .env("KICI_SCALER_API_TOKEN", "too-short-a-token")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("KICI_SCALER_API_TOKEN"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("at least 32 bytes"), "{err}");
     assert!(
         !dir.path("state").join("instance-id").exists(),
         "refused before the state dir"
     );
 
-    let token = "a-long-random-api-token";
+    let token = "a-long-random-api-token-for-this-test-only";
     let d = Daemon::start(
         &dir,
         &["--memory-backends", "--listen", "0.0.0.0:0"],
@@ -617,7 +641,12 @@ fn sigterm_destroys_every_agent_and_exits_0() {
     // stream until the daemon closes it).
     let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
     s.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(s, "GET /v1/events HTTP/1.0\r\nLast-Event-ID: 0\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET /v1/events HTTP/1.0\r\nAuthorization: Bearer {}\r\nLast-Event-ID: 0\r\n\r\n",
+        crate::common::daemon::TEST_API_TOKEN
+    )
+    .unwrap();
     let mut raw = String::new();
     let mut events = Vec::new();
     let mut buf = [0u8; 4096];

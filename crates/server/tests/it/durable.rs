@@ -22,7 +22,10 @@ fn sse(d: &Daemon, last_event_id: u64, n: usize) -> Vec<SseEvent> {
     let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
     s.set_read_timeout(Some(PATIENCE)).unwrap();
     let req =
-        format!("GET /v1/events HTTP/1.0\r\nHost: x\r\nLast-Event-ID: {last_event_id}\r\n\r\n");
+        format!(
+        "GET /v1/events HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {}\r\nLast-Event-ID: {last_event_id}\r\n\r\n",
+        crate::common::daemon::TEST_API_TOKEN
+    );
     s.write_all(req.as_bytes()).unwrap();
     let mut raw = String::new();
     let mut body_started = false;
@@ -265,7 +268,12 @@ fn serial_pending_requests_and_event_ids_survive_kill_9_on_postgres() {
 fn job_logs(d: &Daemon, id: &str, until: Option<&str>) -> (String, Option<Value>) {
     let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
     s.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(s, "GET /v1/jobs/{id}/logs HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET /v1/jobs/{id}/logs HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n",
+        crate::common::daemon::TEST_API_TOKEN
+    )
+    .unwrap();
     let mut raw = String::new();
     let mut body_started = false;
     let mut stdout = String::new();

@@ -968,7 +968,12 @@ fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
     // The same event on /v1/events, with its code (the live stream).
     let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
     s.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(s, "GET /v1/events HTTP/1.0\r\nLast-Event-ID: 0\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET /v1/events HTTP/1.0\r\nAuthorization: Bearer {}\r\nLast-Event-ID: 0\r\n\r\n",
+        crate::common::daemon::TEST_API_TOKEN
+    )
+    .unwrap();
     let mut raw = String::new();
     let mut buf = [0u8; 4096];
     let sse = loop {

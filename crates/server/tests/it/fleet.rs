@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 /// A private server: the tests stop and restart it with the bridge address.
 const PG_PORT: u16 = 54349;
 const SUBNET: &str = "10.213.77";
-const TOKEN: &str = "fleet-test-token-0123456789";
+const TOKEN: &str = "fleet-test-token-0123456789abcdef0123";
 /// Short leases keep failover tests quick: renewed every second.
 const LEASE_SECONDS: &str = "3";
 
@@ -32,9 +32,21 @@ fn sh(args: &[&str]) {
     );
 }
 
-/// The bridge and one namespace per host, removed on drop.
+/// The hosts' network: one namespace per host, all joined by a bridge that
+/// lives in a namespace of its own (the switch), and a veth from the switch
+/// to the root namespace holding the subnet's gateway address (where the
+/// test's PostgreSQL listens). Removed on drop.
+///
+/// The bridge is kept out of the root namespace so that the tests do not
+/// depend on the host's firewall: once dockerd has loaded `br_netfilter`,
+/// bridged frames in the root namespace go through iptables' `FORWARD` chain,
+/// which dockerd sets to `DROP`, and the hosts could not reach each other. The
+/// `bridge-nf-call-*` switches are per namespace; they are off in the
+/// switch's, so frames between hosts never meet a firewall the test did not
+/// write. Traffic to the gateway address ends in the root namespace (its
+/// `INPUT`), never forwarded there.
 struct Net {
-    bridge: String,
+    switch: String,
     namespaces: Vec<String>,
 }
 
@@ -42,21 +54,74 @@ impl Net {
     fn new(hosts: usize) -> Net {
         Self::remove_leftovers();
         let tag = format!("{:06x}", rand::random::<u32>() & 0xff_ffff);
-        let bridge = format!("kfl{tag}");
-        sh(&["ip", "link", "add", &bridge, "type", "bridge"]);
+        let switch = format!("kfl{tag}-sw");
+        sh(&["ip", "netns", "add", &switch]);
         let mut net = Net {
-            bridge: bridge.clone(),
+            switch: switch.clone(),
             namespaces: Vec::new(),
         };
+        for key in [
+            "net.bridge.bridge-nf-call-iptables",
+            "net.bridge.bridge-nf-call-ip6tables",
+            "net.bridge.bridge-nf-call-arptables",
+        ] {
+            // Absent when br_netfilter is not loaded: nothing to turn off.
+            let path = format!("/proc/sys/{}", key.replace('.', "/"));
+            if std::path::Path::new(&path).exists() {
+                sh(&[
+                    "ip",
+                    "netns",
+                    "exec",
+                    &switch,
+                    "sysctl",
+                    "-q",
+                    "-w",
+                    &format!("{key}=0"),
+                ]);
+            }
+        }
+        let bridge = format!("kfl{tag}");
+        sh(&[
+            "ip", "-n", &switch, "link", "add", &bridge, "type", "bridge",
+        ]);
+        sh(&["ip", "-n", &switch, "link", "set", &bridge, "up"]);
+        // The root namespace's leg: the gateway address the hosts reach
+        // PostgreSQL at.
+        let root_leg = format!("kfl{tag}r");
+        let switch_leg = format!("kfl{tag}s");
+        sh(&[
+            "ip",
+            "link",
+            "add",
+            &root_leg,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &switch_leg,
+            "netns",
+            &switch,
+        ]);
+        sh(&[
+            "ip",
+            "-n",
+            &switch,
+            "link",
+            "set",
+            &switch_leg,
+            "master",
+            &bridge,
+            "up",
+        ]);
         sh(&[
             "ip",
             "addr",
             "add",
             &format!("{SUBNET}.1/24"),
             "dev",
-            &bridge,
+            &root_leg,
         ]);
-        sh(&["ip", "link", "set", &bridge, "up"]);
+        sh(&["ip", "link", "set", &root_leg, "up"]);
         for i in 0..hosts {
             let ns = format!("kfl{tag}-{i}");
             sh(&["ip", "netns", "add", &ns]);
@@ -64,9 +129,12 @@ impl Net {
             let outer = format!("kfl{tag}h{i}");
             let inner = format!("kfl{tag}n{i}");
             sh(&[
-                "ip", "link", "add", &outer, "type", "veth", "peer", "name", &inner, "netns", &ns,
+                "ip", "-n", &switch, "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+                "netns", &ns,
             ]);
-            sh(&["ip", "link", "set", &outer, "master", &bridge, "up"]);
+            sh(&[
+                "ip", "-n", &switch, "link", "set", &outer, "master", &bridge, "up",
+            ]);
             let addr = format!("{}/24", net.addr(i));
             sh(&["ip", "-n", &ns, "addr", "add", &addr, "dev", &inner]);
             sh(&["ip", "-n", &ns, "link", "set", &inner, "up"]);
@@ -131,12 +199,11 @@ impl Net {
 
 impl Drop for Net {
     fn drop(&mut self) {
-        for ns in &self.namespaces {
+        // The switch's namespace takes its bridge and every veth (the root
+        // leg's peer included) with it.
+        for ns in self.namespaces.iter().chain([&self.switch]) {
             let _ = Command::new("ip").args(["netns", "delete", ns]).status();
         }
-        let _ = Command::new("ip")
-            .args(["link", "delete", &self.bridge])
-            .status();
     }
 }
 

@@ -5,6 +5,7 @@
 //! the `serial_` group) is as isolated as before.
 
 mod api;
+mod api_access;
 mod cli;
 mod common;
 mod container;

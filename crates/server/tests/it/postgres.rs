@@ -82,6 +82,10 @@ fn serial_two_daemons_on_one_postgres_never_touch_each_others_agents() {
         .unwrap();
     }
     let out = Command::new(BIN)
+        .env(
+            "KICI_SCALER_API_TOKEN",
+            crate::common::daemon::TEST_API_TOKEN,
+        )
         .arg("serve")
         .arg("--config")
         .arg(clone.path("scalers.yaml"))

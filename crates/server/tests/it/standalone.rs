@@ -75,8 +75,8 @@ impl Dir {
     }
 }
 
-/// A command with a clean environment: no `KICI_*`, `TMPDIR` in the test
-/// dir (so `run`'s temporary state dir can be checked), the agent on PATH.
+/// A command with a clean environment: no `KICI_*` but the test API token,
+/// `TMPDIR` in the test dir (so `run`'s temporary state dir can be checked), the agent on PATH.
 fn command(dir: &Dir) -> Command {
     let mut cmd = Command::new(BIN);
     for (k, _) in std::env::vars() {
@@ -85,7 +85,11 @@ fn command(dir: &Dir) -> Command {
         }
     }
     cmd.env("TMPDIR", dir.tmp())
-        .env("PATH", format!("{}:/usr/bin:/bin", agent_dir().display()));
+        .env("PATH", format!("{}:/usr/bin:/bin", agent_dir().display()))
+        .env(
+            "KICI_SCALER_API_TOKEN",
+            crate::common::daemon::TEST_API_TOKEN,
+        );
     cmd
 }
 
@@ -525,25 +529,12 @@ impl Daemon {
     }
 }
 
-/// One HTTP/1.0 request (the answer ends with the connection).
+/// One HTTP/1.0 request with the test API token; panics if the daemon
+/// cannot be reached.
 fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
-    if let Some(b) = body {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            b.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body.unwrap_or(""));
-    s.write_all(req.as_bytes()).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, body.to_owned())
+    let (status, body) = crate::common::daemon::http(addr, method, path, &[], body);
+    assert_ne!(status, 0, "{method} {path}: the daemon did not answer");
+    (status, body)
 }
 
 /// `GET /v1/jobs/{id}/logs`, read as it comes.
@@ -559,7 +550,12 @@ impl Logs {
     fn open(addr: &str, id: &str) -> Self {
         let mut stream = std::net::TcpStream::connect(addr).unwrap();
         stream.set_read_timeout(Some(PATIENCE)).unwrap();
-        write!(stream, "GET /v1/jobs/{id}/logs HTTP/1.0\r\n\r\n").unwrap();
+        write!(
+            stream,
+            "GET /v1/jobs/{id}/logs HTTP/1.0\r\nAuthorization: Bearer {}\r\n\r\n",
+            crate::common::daemon::TEST_API_TOKEN
+        )
+        .unwrap();
         Self {
             stream,
             raw: String::new(),

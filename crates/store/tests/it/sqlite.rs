@@ -40,6 +40,43 @@ async fn rows_survive_reopen() {
     assert_eq!(s.leases().await.unwrap(), vec![lease]);
 }
 
+/// The store holds job command lines: its file, `-wal` and `-shm` are the
+/// owner's only wherever it lives (`--state sqlite:/path` outside the state
+/// dir too), a missing parent dir is created 0700, and a file an older
+/// version left 0644 is tightened.
+#[tokio::test]
+async fn the_database_and_its_wal_and_shm_are_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    let parent = dir.path().join("elsewhere");
+    let db = parent.join("state.db");
+    let url = StoreUrl::Sqlite(db.clone());
+    let s = open(&url, InstanceId::random(), StoreOptions::default())
+        .await
+        .unwrap();
+    s.put_agent(&sample_agent(1)).await.unwrap();
+    assert_eq!(mode(&parent), 0o700, "parent dir");
+    for name in ["state.db", "state.db-wal", "state.db-shm"] {
+        assert_eq!(mode(&parent.join(name)), 0o600, "{name}");
+    }
+    s.close().await;
+    drop(s);
+    for name in ["state.db", "state.db-wal", "state.db-shm"] {
+        let p = parent.join(name);
+        if p.exists() {
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+    }
+    let s = open(&url, InstanceId::random(), StoreOptions::default())
+        .await
+        .unwrap();
+    s.put_agent(&sample_agent(2)).await.unwrap();
+    for name in ["state.db", "state.db-wal", "state.db-shm"] {
+        assert_eq!(mode(&parent.join(name)), 0o600, "{name} after reopen");
+    }
+}
+
 #[tokio::test]
 async fn unwritable_path_is_an_error_not_a_fallback() {
     let dir = tempfile::tempdir().unwrap();

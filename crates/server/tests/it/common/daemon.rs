@@ -28,6 +28,10 @@ pub const CGROUP_V2: &str = "/sys/fs/cgroup/unified";
 /// destroyed (the registration timeout is far away), like a slow guest.
 pub const SLEEPING_AGENT: &str = "#!/bin/sh\nexec sleep 1000\n";
 
+/// The API token every test daemon serves with (any TCP listener requires
+/// one) and every test client sends unless a test says otherwise.
+pub const TEST_API_TOKEN: &str = "kici-test-api-token-0123456789abcdef";
+
 /// A test's directory: `scalers.yaml`, `state/`, `ledger/`.
 pub struct Dir(pub tempfile::TempDir);
 
@@ -113,7 +117,8 @@ impl Dir {
             .to_owned()
     }
 
-    /// `kici-scaler <args>` with no inherited `KICI_*` variable.
+    /// `kici-scaler <args>` with no inherited `KICI_*` variable but the
+    /// test API token ([`TEST_API_TOKEN`]; a test's own `env` overrides it).
     pub fn command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(BIN);
         cmd.args(args);
@@ -122,6 +127,7 @@ impl Dir {
                 cmd.env_remove(k);
             }
         }
+        cmd.env("KICI_SCALER_API_TOKEN", TEST_API_TOKEN);
         cmd
     }
 
@@ -442,7 +448,9 @@ impl Daemon {
 }
 
 /// One HTTP/1.0 request over TCP (the answer ends with the connection);
-/// `(0, "")` when the daemon cannot be reached or hangs up.
+/// `(0, "")` when the daemon cannot be reached or hangs up. It carries the
+/// test API token unless `headers` name an `Authorization` of their own (an
+/// empty one: no `Authorization` header at all).
 pub fn http(
     addr: &str,
     method: &str,
@@ -455,8 +463,16 @@ pub fn http(
     };
     s.set_read_timeout(Some(PATIENCE)).unwrap();
     let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
+    if !headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+    {
+        req.push_str(&format!("Authorization: Bearer {TEST_API_TOKEN}\r\n"));
+    }
     for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
+        if !v.is_empty() {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
     }
     if let Some(b) = body {
         req.push_str(&format!(

@@ -5,6 +5,7 @@
 pub mod daemon;
 pub mod firecracker;
 pub mod firecracker_standin;
+pub mod users;
 
 use serde_json::{json, Value};
 
