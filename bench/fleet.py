@@ -153,7 +153,9 @@ def drive(hosts: list[Daemon], url: str, n: int, clients: int) -> float:
             for i in range(c, n, clients):
                 conn = conns[i % len(hosts)]
                 body = json.dumps({"jobId": f"t-{i}", "labels": ["bench"]})
-                conn.request("POST", "/v1/scale", body=body, headers={"Content-Type": "application/json"})
+                conn.request("POST", "/v1/scale", body=body,
+                             headers={"Content-Type": "application/json",
+                                      "Authorization": f"Bearer {hosts[0].token}"})
                 resp = conn.getresponse()
                 answer = resp.read()
                 if resp.status not in (200, 202):

@@ -60,6 +60,10 @@ def vm_field(pid: int, field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/{pid}/status")
 
 
+# The API token of every daemon a bench run starts.
+API_TOKEN = os.urandom(24).hex()
+
+
 class Daemon:
     """One `kici-scaler serve` with its own temp state dir, config and marks dir."""
 
@@ -107,6 +111,10 @@ class Daemon:
         self.log_path = os.path.join(self.tmp, "serve.log")
         self.log = open(self.log_path, "wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KICI_SCALER_")}
+        # A TCP listener needs an API token (at least 32 bytes); one for
+        # every daemon of the run, so that a fleet's hosts share it.
+        self.token = API_TOKEN
+        env["KICI_SCALER_API_TOKEN"] = self.token
         self.proc = subprocess.Popen(
             [
                 os.path.join(bin_dir, "kici-scaler"), "serve",
@@ -154,7 +162,7 @@ class Daemon:
     def request(self, method: str, path: str, body: object | None = None) -> tuple[int, bytes]:
         if self.conn is None:
             self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        headers = {}
+        headers = {"Authorization": f"Bearer {self.token}"}
         data = None
         if body is not None:
             data = json.dumps(body).encode()

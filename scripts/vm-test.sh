@@ -284,6 +284,23 @@ dpkg -i /mnt/kici/kici-scaler.deb | tail -n 3
 systemctl is-enabled kici-scaler || true
 kici-scaler --version'
 
+check "packaged defaults: the API is the unix socket only (0600, root), no TCP port; root's client finds it, nobody is refused" '
+set -e
+stat -c "%a %U %n" /etc/default/kici-scaler /etc/kici-scaler/daemon.toml
+test "$(stat -c %a /etc/default/kici-scaler)" = 600
+test "$(stat -c %a /etc/kici-scaler/daemon.toml)" = 600
+systemctl start kici-scaler
+stat -c "%a %U %F %n" /run/kici-scaler/api.sock
+test "$(stat -c %a /run/kici-scaler/api.sock)" = 600
+test "$(stat -c %U /run/kici-scaler/api.sock)" = root
+# 7878 = 0x1EC6; state 0A = LISTEN.
+none grep -qE "^ *[0-9]+: [0-9A-F]+:1EC6 [0-9A-F]+:[0-9A-F]+ 0A" /proc/net/tcp /proc/net/tcp6
+echo "nothing listens on TCP 7878"
+kici-scaler status | head -n 3
+none runuser -u nobody -- kici-scaler status
+runuser -u nobody -- kici-scaler status 2>&1 | head -n 1 || true
+systemctl stop kici-scaler'
+
 check "configure: API on 0.0.0.0:7878 with a token; scalers local (1 CPU, 1g) and oom (0.5 CPU, 64m)" "
 set -e
 sed -i 's/^listen = .*/listen = \"0.0.0.0:7878\"/; s/^bare-metal-pids-max = .*/bare-metal-pids-max = 256/' /etc/kici-scaler/daemon.toml
