@@ -249,25 +249,35 @@ pub fn follow(
     } else {
         after
     };
+    // Events up to `newest` happened before this reader came: replays,
+    // which never carry a claim code.
     let start = (log, after, queued, host);
-    stream::unfold(start, |(log, mut after, mut queued, host)| async move {
-        loop {
-            if let Some(event) = queued.pop_front() {
-                return Some((Ok(event), (log, after, queued, host)));
-            }
-            match log.read_after(after) {
-                Next::Events { gap, events } => {
-                    if let Some(gap) = gap {
-                        queued.push_back(reset_event(gap, ResetCause::Evicted, host.as_deref()));
-                    }
-                    for e in &events {
-                        queued.push_back(rendered(e.id, &e.name, &e.json, host.as_deref()));
-                        after = e.id;
-                    }
+    stream::unfold(
+        start,
+        move |(log, mut after, mut queued, host)| async move {
+            loop {
+                if let Some(event) = queued.pop_front() {
+                    return Some((Ok(event), (log, after, queued, host)));
                 }
-                Next::Wait => log.wait_after(after).await,
-                Next::Closed => return None,
+                match log.read_after(after) {
+                    Next::Events { gap, events } => {
+                        if let Some(gap) = gap {
+                            queued.push_back(reset_event(
+                                gap,
+                                ResetCause::Evicted,
+                                host.as_deref(),
+                            ));
+                        }
+                        for e in &events {
+                            let json = e.json_for(e.id > newest);
+                            queued.push_back(rendered(e.id, &e.name, json, host.as_deref()));
+                            after = e.id;
+                        }
+                    }
+                    Next::Wait => log.wait_after(after).await,
+                    Next::Closed => return None,
+                }
             }
-        }
-    })
+        },
+    )
 }

@@ -23,12 +23,19 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 /// One event as the SSE stream sends it: its id, its type (the SSE
-/// `event:` name) and its JSON (the `data:`, also what the store keeps).
+/// `event:` name) and its JSON (the `data:`).
+///
+/// A scale-up event's claim code is a credential: it goes only to readers
+/// that were following when the event happened ([`LoggedEvent::json_for`]).
+/// Replays — a `Last-Event-ID` from the buffer, the store's copy — get the
+/// event without it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoggedEvent {
     pub id: u64,
     pub name: String,
     pub json: String,
+    /// The JSON without secrets, when it differs from `json`.
+    replay: Option<String>,
 }
 
 impl LoggedEvent {
@@ -41,10 +48,23 @@ impl LoggedEvent {
         // fail; should it, the event still takes its place.
         let json = serde_json::to_string(&stamped)
             .unwrap_or_else(|e| format!(r#"{{"id":{id},"error":"not encodable: {e}"}}"#));
+        let name = stamped.event.name().to_owned();
+        let replay = (name == SCALE_UP).then(|| without_claim_code(&json));
         Self {
             id,
-            name: stamped.event.name().to_owned(),
+            name,
             json,
+            replay,
+        }
+    }
+
+    /// The `data:` for a reader: the whole event if it is `live` (the
+    /// reader was following when it happened), else the event without its
+    /// secrets.
+    pub fn json_for(&self, live: bool) -> &str {
+        match &self.replay {
+            Some(replay) if !live => replay,
+            _ => &self.json,
         }
     }
 
@@ -54,10 +74,12 @@ impl LoggedEvent {
             .ok()
             .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
             .unwrap_or_else(|| "unknown".to_owned());
+        // The store never holds a secret (see `to_record`).
         Self {
             id: r.seq,
             name,
             json: r.body,
+            replay: None,
         }
     }
 
@@ -65,15 +87,10 @@ impl LoggedEvent {
     /// the store never holds a redeemable code (the live stream has it; a
     /// replay from the store does not).
     pub fn to_record(&self, at: UnixMillis) -> EventRecord {
-        let body = if self.name == SCALE_UP {
-            without_claim_code(&self.json)
-        } else {
-            self.json.clone()
-        };
         EventRecord {
             seq: self.id,
             at,
-            body,
+            body: self.json_for(false).to_owned(),
         }
     }
 }

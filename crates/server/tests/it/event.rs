@@ -936,7 +936,6 @@ fn receiver(secret: &'static str) -> (String, std::sync::mpsc::Receiver<Received
 
 #[test]
 fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
-    use std::io::{Read, Write};
     let (url, received) = receiver("s3cret-for-the-hook");
     let dir = Dir::with_config(&format!(
         "version: 1\nscalers:\n  - name: hooked\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [hooked]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 60\n      provisioner:\n        webhook: {{url: \"{url}\", secretEnv: HOOK_SECRET}}\n"
@@ -947,6 +946,8 @@ fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
         &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
         &[("HOOK_SECRET", "s3cret-for-the-hook")],
     );
+    // A reader following before the scale-up happens.
+    let mut live = events_stream(&d.addr, None);
     let (status, answer) = d.scale("w1", &["hooked"]);
     assert!(status < 300, "{status} {answer}");
     let up = received.recv_timeout(PATIENCE).unwrap();
@@ -965,37 +966,25 @@ fn a_webhook_gets_signed_events_and_the_event_stream_carries_them_too() {
         },
     );
 
-    // The same event on /v1/events, with its code (the live stream).
-    let mut s = std::net::TcpStream::connect(&d.addr).unwrap();
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(
-        s,
-        "GET /v1/events HTTP/1.0\r\nAuthorization: Bearer {}\r\nLast-Event-ID: 0\r\n\r\n",
-        crate::common::daemon::TEST_API_TOKEN
-    )
-    .unwrap();
-    let mut raw = String::new();
-    let mut buf = [0u8; 4096];
-    let sse = loop {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "the stream ended early");
-        raw.push_str(std::str::from_utf8(&buf[..n]).unwrap());
-        if let Some(i) = raw.find("\r\n\r\n") {
-            if raw.starts_with("HTTP/") {
-                raw.drain(..i + 4);
-            }
-        }
-        if let Some(e) = crate::common::take_sse_events(&mut raw)
-            .into_iter()
-            .find(|e| e.event == "scale-up")
-        {
-            break e;
-        }
-    };
+    // The same event on /v1/events, with its code, for the reader that was
+    // following when it happened.
+    let sse = next_event(&mut live, "scale-up");
     assert_eq!(sse.data["requestId"], up.body["requestId"]);
     assert_eq!(sse.data["claimCode"], up.body["claimCode"]);
     assert_eq!(sse.data["claimUrl"], format!("http://{claims}/v1/claims"));
-    drop(s);
+    drop(live);
+    // A replay from the buffer (Last-Event-ID: 0) has the event, not the
+    // code: a code is for whoever follows the stream as it happens.
+    let mut replay = events_stream(&d.addr, Some(0));
+    let replayed = next_event(&mut replay, "scale-up");
+    assert_eq!(replayed.data["requestId"], up.body["requestId"]);
+    assert!(
+        replayed.data.get("claimCode").is_none(),
+        "{:?}",
+        replayed.data
+    );
+    assert!(!replayed.data.to_string().contains("kcc_"));
+    drop(replay);
     // The store's copy of the stream never holds the code.
     let (_, stored) = sh(&format!(
         "sqlite3 {} \"SELECT body FROM events WHERE body LIKE '%scale-up%'\"",
@@ -1062,4 +1051,62 @@ fn the_reconciler_tears_down_an_instance_no_recorded_agent_owns() {
         1.0
     );
     d.terminate();
+}
+
+/// `GET /v1/events` (resuming after `last_event_id` if given), its head read.
+struct EventsStream {
+    stream: std::net::TcpStream,
+    raw: String,
+}
+
+fn events_stream(addr: &str, last_event_id: Option<u64>) -> EventsStream {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    let resume = last_event_id.map_or(String::new(), |id| format!("Last-Event-ID: {id}\r\n"));
+    write!(
+        stream,
+        "GET /v1/events HTTP/1.0\r\nAuthorization: Bearer {}\r\n{resume}\r\n",
+        crate::common::daemon::TEST_API_TOKEN
+    )
+    .unwrap();
+    let mut s = EventsStream {
+        stream,
+        raw: String::new(),
+    };
+    // The head first: once it is read, the reader is following.
+    while !s.raw.contains("\r\n\r\n") {
+        s.read_some();
+    }
+    let i = s.raw.find("\r\n\r\n").unwrap();
+    assert!(
+        s.raw.starts_with("HTTP/1.0 200") || s.raw.starts_with("HTTP/1.1 200"),
+        "{}",
+        s.raw
+    );
+    s.raw.drain(..i + 4);
+    s
+}
+
+impl EventsStream {
+    fn read_some(&mut self) {
+        use std::io::Read;
+        let mut buf = [0u8; 4096];
+        let n = self.stream.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        self.raw.push_str(std::str::from_utf8(&buf[..n]).unwrap());
+    }
+}
+
+/// The next SSE event named `name`.
+fn next_event(s: &mut EventsStream, name: &str) -> crate::common::SseEvent {
+    loop {
+        if let Some(e) = crate::common::take_sse_events(&mut s.raw)
+            .into_iter()
+            .find(|e| e.event == name)
+        {
+            return e;
+        }
+        s.read_some();
+    }
 }
