@@ -126,6 +126,23 @@ impl<K: Eq + Hash + Clone> RateLimiter<K> {
         Ok(())
     }
 
+    /// Whether `key` has a token at `now`, without taking it (for a budget
+    /// drawn on only by requests that turn out to fail).
+    pub fn peek(&mut self, key: &K, now: Instant) -> Result<(), Limited> {
+        let limit = self.limit;
+        let Some(bucket) = self.buckets.get_mut(key) else {
+            return Ok(());
+        };
+        refill(bucket, &limit, now);
+        if bucket.tokens == 0 {
+            let since = now.saturating_duration_since(bucket.stamp);
+            return Err(Limited {
+                retry_after: limit.refill_every.saturating_sub(since),
+            });
+        }
+        Ok(())
+    }
+
     /// How many keys are tracked.
     pub fn tracked(&self) -> usize {
         self.buckets.len()
@@ -189,6 +206,22 @@ mod tests {
             refill_every: Duration::from_secs(secs),
             max_keys,
         }
+    }
+
+    #[test]
+    fn peek_never_takes_a_token() {
+        let mut l = RateLimiter::new(limit(2, 10, 4));
+        let t0 = Instant::now();
+        assert!(l.peek(&"k", t0).is_ok(), "an unknown key has its burst");
+        for _ in 0..5 {
+            assert!(l.peek(&"k", t0).is_ok());
+        }
+        l.check(&"k", t0).unwrap();
+        l.check(&"k", t0).unwrap();
+        let refused = l.peek(&"k", t0 + Duration::from_secs(4)).unwrap_err();
+        assert_eq!(refused.retry_after, Duration::from_secs(6));
+        assert!(l.peek(&"k", t0 + Duration::from_secs(10)).is_ok());
+        l.check(&"k", t0 + Duration::from_secs(10)).unwrap();
     }
 
     #[test]

@@ -56,7 +56,22 @@ pub struct Provisioning {
     binding: watch::Sender<Option<Binding>>,
     locks: Mutex<HashMap<AgentId, Arc<tokio::sync::Mutex<()>>>>,
     limiter: Mutex<RateLimiter<IpAddr>>,
+    /// Failed redemptions, all sources together ([`FAILED_REDEMPTIONS`]).
+    failures: Mutex<RateLimiter<()>>,
 }
+
+/// The budget of failed redemptions (unknown, consumed, expired codes) the
+/// claim endpoint answers, whatever their source: 100 at once, then 10 a
+/// second. The per-address limit alone lets an attacker with many addresses
+/// guess (hopelessly: codes are 256 bits) at whatever rate their addresses
+/// add up to; this caps the work they cause. Past it every redemption is
+/// answered 429 with Retry-After until the budget refills — legitimate
+/// instances retry, and a valid code is never spent by a refusal.
+const FAILED_REDEMPTIONS: RateLimit = RateLimit {
+    burst: 100,
+    refill_every: Duration::from_millis(100),
+    max_keys: 1,
+};
 
 /// Why provisioning could not start.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +102,7 @@ impl Provisioning {
             binding: watch::channel(None).0,
             locks: Mutex::new(HashMap::new()),
             limiter: Mutex::new(RateLimiter::new(RateLimit::default())),
+            failures: Mutex::new(RateLimiter::new(FAILED_REDEMPTIONS)),
         }))
     }
 
@@ -273,6 +289,9 @@ impl Provisioning {
         {
             return Err(Redeem::Limited(limited.retry_after));
         }
+        if let Err(limited) = self.failures.lock().peek(&(), Instant::now()) {
+            return Err(Redeem::Limited(limited.retry_after));
+        }
         let Some(binding) = self.binding().await else {
             return Err(Redeem::Failed(RedeemError::Mint(
                 "the daemon is not ready".into(),
@@ -286,7 +305,13 @@ impl Provisioning {
             move |record: &ClaimRecord| mint(&tokens, record),
         )
         .await
-        .map_err(Redeem::Failed)
+        .map_err(|e| {
+            if matches!(e, RedeemError::Malformed | RedeemError::Refused(_)) {
+                // Spent only by failures; running dry refuses the next ones.
+                let _ = self.failures.lock().check(&(), Instant::now());
+            }
+            Redeem::Failed(e)
+        })
     }
 }
 

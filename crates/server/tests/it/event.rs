@@ -375,6 +375,71 @@ fn recording_daemon(config: &str) -> (Dir, Daemon, String) {
     (dir, d, claims)
 }
 
+/// Failed redemptions are capped across every source address together:
+/// fifteen loopback addresses, each within its own limit of ten, send 150
+/// codes that do not exist; past the daemon-wide budget of failures they
+/// are refused 429 with Retry-After, however many addresses send them.
+#[test]
+fn failed_redemptions_are_capped_across_source_addresses() {
+    let (_dir, _d, claims) = recording_daemon(
+        "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      provisioner:\n        command: [\"RECORD\"]\n",
+    );
+    let target: std::net::SocketAddr = claims.parse().unwrap();
+    let mut refused = 0;
+    let mut unknown = 0;
+    for source in 10..25u8 {
+        for _ in 0..10 {
+            let from = std::net::SocketAddr::from(([127, 0, 0, source], 0));
+            let (status, head) = redeem_from(from, target, &format!("kcc_{}", "1".repeat(64)));
+            match status {
+                429 => {
+                    assert!(head.to_ascii_lowercase().contains("retry-after:"), "{head}");
+                    refused += 1;
+                }
+                403 => unknown += 1,
+                other => panic!("{other}: {head}"),
+            }
+        }
+    }
+    assert!(
+        unknown <= 110,
+        "at most the budget (and what refilled) was answered: {unknown}"
+    );
+    assert!(refused >= 40, "the rest was refused: {refused} of 150");
+}
+
+/// `POST /v1/claims` with `code` from the local address `from`; the status
+/// and the response head.
+fn redeem_from(from: std::net::SocketAddr, to: std::net::SocketAddr, code: &str) -> (u16, String) {
+    use rustix::net::{bind, connect, socket, AddressFamily, SocketType};
+    use std::io::{Read, Write};
+    let fd = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    bind(&fd, &from).unwrap();
+    connect(&fd, &to).unwrap();
+    let mut s = std::net::TcpStream::from(fd);
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let body = serde_json::json!({ "claimCode": code }).to_string();
+    write!(
+        s,
+        "POST /v1/claims HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let head = answer
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, head)
+}
+
 #[test]
 fn claims_are_single_use_expire_die_with_their_agent_and_are_rate_limited() {
     let (dir, d, claims) = recording_daemon(
