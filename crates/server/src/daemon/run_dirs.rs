@@ -11,7 +11,9 @@
 //! - `$XDG_RUNTIME_DIR/kici-scaler/` when `XDG_RUNTIME_DIR` is set to an
 //!   absolute path (the runtime dir must be owned by us and not
 //!   group/other-writable);
-//! - otherwise `/run/kici-scaler/` for root;
+//! - otherwise `/run/kici-scaler-runs/` for root (not `/run/kici-scaler/`:
+//!   that is the service's runtime directory, which systemd removes with
+//!   everything in it whenever the service stops);
 //! - otherwise `kici-scaler-<uid>/` in the temp dir (`$TMPDIR`, else
 //!   `/tmp`): created 0700, and refused when it already exists but is not
 //!   ours (someone else made it first).
@@ -33,7 +35,7 @@ use std::path::{Path, PathBuf};
 /// The prefix of `run`'s state dirs inside the parent.
 pub const RUN_DIR_PREFIX: &str = "kici-scaler-run-";
 /// Root's parent when `XDG_RUNTIME_DIR` is not set.
-pub const SYSTEM_PARENT: &str = "/run/kici-scaler";
+pub const SYSTEM_PARENT: &str = "/run/kici-scaler-runs";
 /// The parent's name inside `$XDG_RUNTIME_DIR`.
 const XDG_PARENT_NAME: &str = "kici-scaler";
 /// The parent's mode when this process creates it.
