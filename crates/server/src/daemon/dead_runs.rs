@@ -53,11 +53,11 @@ impl RunDir {
     /// dir (the main file and the drop-ins as they are now).
     pub fn record(state_dir: &Path, main: &Path, drop_ins: Option<&Path>) -> io::Result<()> {
         let dir = state_dir.join(CONFIG_DIR);
-        std::fs::create_dir_all(&dir)?;
+        private_dir(&dir)?;
         std::fs::copy(main, dir.join(MAIN_FILE))?;
         if let Some(drop_ins) = drop_ins {
             let target = dir.join(DROP_IN_DIR);
-            std::fs::create_dir_all(&target)?;
+            private_dir(&target)?;
             for entry in std::fs::read_dir(drop_ins)? {
                 let entry = entry?;
                 let path = entry.path();
@@ -72,6 +72,13 @@ impl RunDir {
         }
         Ok(())
     }
+}
+
+/// Creates a dir of the snapshot 0700, whatever the umask: the sweep
+/// refuses one that others may write.
+fn private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().mode(0o700).create(dir)
 }
 
 /// What was swept of one dead `run`.
@@ -310,5 +317,35 @@ async fn destroy_with(
         Ok(destroyed)
     } else {
         Err(errors)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// The snapshot's dirs are private whatever the umask left, so the
+    /// sweep (which refuses dirs others may write) can trust them.
+    #[test]
+    fn the_recorded_configuration_is_private() {
+        let src = tempfile::tempdir().unwrap();
+        let main = src.path().join("scalers.yaml");
+        std::fs::write(&main, "version: 1\n").unwrap();
+        let drop_ins = src.path().join("scalers.d");
+        std::fs::create_dir(&drop_ins).unwrap();
+        std::fs::write(drop_ins.join("10-x.yaml"), "version: 1\n").unwrap();
+        let state = tempfile::tempdir().unwrap();
+
+        RunDir::record(state.path(), &main, Some(&drop_ins)).unwrap();
+        for dir in [CONFIG_DIR.to_owned(), format!("{CONFIG_DIR}/{DROP_IN_DIR}")] {
+            let mode = std::fs::metadata(state.path().join(&dir))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o077, 0, "{dir}: {mode:o}");
+        }
+        assert!(state.path().join("config/scalers.d/10-x.yaml").is_file());
     }
 }
