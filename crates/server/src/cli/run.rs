@@ -1,8 +1,8 @@
 //! `kici-scaler run`: one job end to end from the command line.
 //!
 //! With `--config`, `run` is a small daemon of its own for the job's
-//! lifetime: a temporary state dir (`kici-scaler-run-*` in the temp dir,
-//! removed at exit) with a fresh instance id — so it never touches a
+//! lifetime: a temporary state dir (`kici-scaler-run-*` in a parent only
+//! its user can write, see [`crate::daemon::run_dirs`]; removed at exit) with a fresh instance id — so it never touches a
 //! running `serve` or its agents —, the engine, the agent gateway on an
 //! ephemeral loopback port and the backends the configuration uses. It
 //! submits the job, writes the job's output to its own stdout and stderr as
@@ -323,8 +323,17 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
         &crate::daemon::settings::DaemonFile::default(),
         &mut Vec::new(),
     );
+    // Where its state dir goes, verified before anything is read from or
+    // written there.
+    let location = crate::daemon::run_dirs::Location::current();
+    let parent = location.prepare().map_err(|e| {
+        Failed(format!(
+            "cannot keep the run's state dir in {}: {e}",
+            location.parent().display()
+        ))
+    })?;
     // What an earlier `run` killed with SIGKILL left goes first.
-    for swept in crate::daemon::dead_runs::sweep(&std::env::temp_dir(), &tuning).await {
+    for swept in crate::daemon::dead_runs::sweep(&tuning).await {
         let _ = writeln!(
             std::io::stderr(),
             "kici-scaler: swept what a killed `kici-scaler run` left behind (instance {}: {} resource(s){})",
@@ -341,8 +350,8 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
     // Its own state dir and instance id: nothing here is shared with a
     // running `serve`.
     let temp = tempfile::Builder::new()
-        .prefix(crate::daemon::dead_runs::RUN_DIR_PREFIX)
-        .tempdir()
+        .prefix(crate::daemon::run_dirs::RUN_DIR_PREFIX)
+        .tempdir_in(&parent.path)
         .map_err(|e| Failed(format!("cannot create a temporary state dir: {e}")))?;
     let state_dir = StateDir::open(temp.path(), false)?;
     let instance = state_dir.instance_id();

@@ -1,7 +1,8 @@
 //! What a `kici-scaler run` killed with SIGKILL left behind, and sweeping it.
 //!
 //! `run` keeps its whole life in a temporary state dir
-//! (`kici-scaler-run-*` in the temp dir) holding, like a daemon's, the
+//! (`kici-scaler-run-*` in a private parent, see
+//! [`crate::daemon::run_dirs`]) holding, like a daemon's, the
 //! instance id its agents' resources are tagged with and the lock it holds
 //! while it lives (the lock file names its pid). Beside them it keeps a
 //! snapshot of the configuration it ran ([`RunDir::record`]), so that
@@ -16,18 +17,27 @@
 //! A dir whose lock is held is alive; a dir without an instance id is still
 //! being created (the id is written only once the lock is held) and is left
 //! alone.
+//!
+//! The sweep acts with this process's privileges on what it finds, so it
+//! trusts a run dir only when it is ours beyond doubt: every parent
+//! [`Location::all`] names is verified first, and a run dir is opened
+//! without following a symbolic link and must be owned by us with mode 0700
+//! ([`DirRule::Private`]); the files it reads or locks inside (instance id,
+//! lock, configuration snapshot) must be regular files of ours, opened
+//! without following a link. Anything else is left alone and logged.
 
 use crate::daemon::backends::{BackendContext, BackendRegistry};
-use crate::daemon::identity::{IdentityError, StateDir, INSTANCE_ID_FILE};
+use crate::daemon::identity::{IdentityError, StateDir, INSTANCE_ID_FILE, LOCK_FILE};
+use crate::daemon::run_dirs::{self, DirRule, Location, Parent, Untrusted};
 use crate::daemon::settings::BackendTuning;
 use kici_model::InstanceId;
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The prefix of `run`'s temporary state dirs.
-pub const RUN_DIR_PREFIX: &str = "kici-scaler-run-";
+pub use crate::daemon::run_dirs::RUN_DIR_PREFIX;
 /// The configuration snapshot inside a run dir.
 const CONFIG_DIR: &str = "config";
 const MAIN_FILE: &str = "scalers.yaml";
@@ -43,11 +53,11 @@ impl RunDir {
     /// dir (the main file and the drop-ins as they are now).
     pub fn record(state_dir: &Path, main: &Path, drop_ins: Option<&Path>) -> io::Result<()> {
         let dir = state_dir.join(CONFIG_DIR);
-        std::fs::create_dir_all(&dir)?;
+        private_dir(&dir)?;
         std::fs::copy(main, dir.join(MAIN_FILE))?;
         if let Some(drop_ins) = drop_ins {
             let target = dir.join(DROP_IN_DIR);
-            std::fs::create_dir_all(&target)?;
+            private_dir(&target)?;
             for entry in std::fs::read_dir(drop_ins)? {
                 let entry = entry?;
                 let path = entry.path();
@@ -64,6 +74,13 @@ impl RunDir {
     }
 }
 
+/// Creates a dir of the snapshot 0700, whatever the umask: the sweep
+/// refuses one that others may write.
+fn private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().mode(0o700).create(dir)
+}
+
 /// What was swept of one dead `run`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SweptRun {
@@ -75,21 +92,51 @@ pub struct SweptRun {
     pub errors: Vec<String>,
 }
 
-/// Sweeps every dead run dir in `temp_dir`. Never fails: what it cannot
-/// do is reported per dir (and logged), and the next sweep tries again.
-pub async fn sweep(temp_dir: &Path, tuning: &BackendTuning) -> Vec<SweptRun> {
-    let Ok(entries) = std::fs::read_dir(temp_dir) else {
+/// Sweeps every dead run dir of this user, wherever a `run` of this user
+/// keeps them ([`Location::all`]). Never fails: what it cannot do is
+/// reported per dir (and logged), and the next sweep tries again.
+pub async fn sweep(tuning: &BackendTuning) -> Vec<SweptRun> {
+    let mut swept = Vec::new();
+    for location in Location::all() {
+        match location.existing() {
+            Ok(Some(parent)) => swept.extend(sweep_in(&parent, tuning).await),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(
+                dir = %location.parent().display(),
+                error = %e,
+                "not sweeping dead `kici-scaler run`s there: the dir cannot be trusted"
+            ),
+        }
+    }
+    swept
+}
+
+/// Sweeps every dead run dir in a verified parent.
+pub async fn sweep_in(parent: &Parent, tuning: &BackendTuning) -> Vec<SweptRun> {
+    let Ok(entries) = std::fs::read_dir(&parent.path) else {
         return Vec::new();
     };
     let mut swept = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let is_run_dir = name.to_str().is_some_and(|n| n.starts_with(RUN_DIR_PREFIX))
-            && entry.file_type().is_ok_and(|t| t.is_dir());
-        if !is_run_dir || !entry.path().join(INSTANCE_ID_FILE).is_file() {
+        let Some(name) = name.to_str().filter(|n| n.starts_with(RUN_DIR_PREFIX)) else {
             continue;
+        };
+        let dir = parent.path.join(name);
+        match trusted_run_dir(parent, name) {
+            Ok(true) => {}
+            // Still being created: its id comes once its lock is held.
+            Ok(false) => continue,
+            Err(e) => {
+                tracing::warn!(
+                    dir = %dir.display(),
+                    error = %e,
+                    "not a run dir of ours; left alone"
+                );
+                continue;
+            }
         }
-        if let Some(run) = sweep_one(&entry.path(), tuning).await {
+        if let Some(run) = sweep_one(&dir, tuning).await {
             if run.errors.is_empty() {
                 tracing::info!(
                     dir = %run.dir.display(),
@@ -109,6 +156,54 @@ pub async fn sweep(temp_dir: &Path, tuning: &BackendTuning) -> Vec<SweptRun> {
         }
     }
     swept
+}
+
+/// Whether the run dir `name` in `parent` is ours to sweep: the dir itself
+/// ([`DirRule::Private`]) and everything the sweep reads or writes in it.
+/// `Ok(false)`: ours, but without an instance id yet.
+fn trusted_run_dir(parent: &Parent, name: &str) -> Result<bool, Untrusted> {
+    let path = parent.path.join(name);
+    let dir = parent.open_run_dir(name)?;
+    if run_dirs::open_file(&dir, &path, INSTANCE_ID_FILE)?.is_none() {
+        return Ok(false);
+    }
+    run_dirs::open_file(&dir, &path, LOCK_FILE)?;
+    let config_path = path.join(CONFIG_DIR);
+    let Some(config) = open_subdir(&dir, &path, CONFIG_DIR)? else {
+        return Ok(true);
+    };
+    run_dirs::open_file(&config, &config_path, MAIN_FILE)?;
+    let drop_ins_path = config_path.join(DROP_IN_DIR);
+    if let Some(drop_ins) = open_subdir(&config, &config_path, DROP_IN_DIR)? {
+        // The fd was verified; the listing reads the same, private, dir.
+        for entry in std::fs::read_dir(&drop_ins_path)
+            .map_err(|source| Untrusted::Open {
+                path: drop_ins_path.clone(),
+                source,
+            })?
+            .flatten()
+        {
+            if let Some(file) = entry.file_name().to_str() {
+                run_dirs::open_file(&drop_ins, &drop_ins_path, file)?;
+            } else {
+                return Err(Untrusted::WrongType {
+                    path: entry.path(),
+                    expected: "file with a UTF-8 name",
+                });
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// A subdirectory of a verified run dir, itself ours and not writable by
+/// others (`None` if missing).
+fn open_subdir(dir: &OwnedFd, dir_path: &Path, name: &str) -> Result<Option<OwnedFd>, Untrusted> {
+    match run_dirs::open_dir_in(dir.as_fd(), dir_path, name, DirRule::Owned) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(Untrusted::Open { source, .. }) if source.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// `None`: the dir is alive (or not ours to judge).
@@ -222,5 +317,35 @@ async fn destroy_with(
         Ok(destroyed)
     } else {
         Err(errors)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// The snapshot's dirs are private whatever the umask left, so the
+    /// sweep (which refuses dirs others may write) can trust them.
+    #[test]
+    fn the_recorded_configuration_is_private() {
+        let src = tempfile::tempdir().unwrap();
+        let main = src.path().join("scalers.yaml");
+        std::fs::write(&main, "version: 1\n").unwrap();
+        let drop_ins = src.path().join("scalers.d");
+        std::fs::create_dir(&drop_ins).unwrap();
+        std::fs::write(drop_ins.join("10-x.yaml"), "version: 1\n").unwrap();
+        let state = tempfile::tempdir().unwrap();
+
+        RunDir::record(state.path(), &main, Some(&drop_ins)).unwrap();
+        for dir in [CONFIG_DIR.to_owned(), format!("{CONFIG_DIR}/{DROP_IN_DIR}")] {
+            let mode = std::fs::metadata(state.path().join(&dir))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o077, 0, "{dir}: {mode:o}");
+        }
+        assert!(state.path().join("config/scalers.d/10-x.yaml").is_file());
     }
 }

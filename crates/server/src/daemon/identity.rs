@@ -19,7 +19,7 @@
 
 use kici_model::{IdError, InstanceId};
 use std::fmt;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -37,6 +37,8 @@ pub const MACHINE_ID_FILE: &str = "machine-id";
 
 /// The state dir is private: it will hold the store and token hashes.
 const STATE_DIR_MODE: u32 = 0o700;
+/// The lock file's mode when this process creates it.
+const LOCK_FILE_MODE: u32 = 0o600;
 
 /// Why a state dir could not be opened. Each message names the file involved
 /// and, where the operator can fix something, how.
@@ -225,18 +227,29 @@ fn create_private_dir(path: &Path) -> Result<(), IdentityError> {
 /// pid in it.
 fn acquire_lock(dir: &Path) -> Result<File, IdentityError> {
     let path = dir.join(LOCK_FILE);
+    let lock_err = |source: io::Error| IdentityError::Lock {
+        path: path.clone(),
+        source,
+    };
     // Never truncate on open: the content is the current holder's pid, which
-    // a refused starter reads to name it.
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|source| IdentityError::Lock {
-            path: path.clone(),
-            source,
-        })?;
+    // a refused starter reads to name it. Never through a symbolic link
+    // either: the pid written below must land in this dir's own file, not in
+    // one a link points at.
+    let file = rustix::fs::open(
+        &path,
+        rustix::fs::OFlags::RDWR
+            | rustix::fs::OFlags::CREATE
+            | rustix::fs::OFlags::NOFOLLOW
+            | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::from_raw_mode(LOCK_FILE_MODE),
+    )
+    .map(File::from)
+    .map_err(|errno| lock_err(errno.into()))?;
+    // Nor anything but a regular file (a FIFO or device in its place).
+    let stat = rustix::fs::fstat(&file).map_err(|errno| lock_err(errno.into()))?;
+    if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err(lock_err(io::Error::other("not a regular file")));
+    }
     // A daemon killed a moment ago can leave the lock held briefly by a
     // child it forked but that had not exec'd yet (the descriptor is
     // close-on-exec, not close-on-fork). When the recorded holder is dead,
@@ -257,12 +270,7 @@ fn acquire_lock(dir: &Path) -> Result<File, IdentityError> {
                     holder,
                 });
             }
-            Err(errno) => {
-                return Err(IdentityError::Lock {
-                    path,
-                    source: errno.into(),
-                })
-            }
+            Err(errno) => return Err(lock_err(errno.into())),
         }
     }
     let pid = format!("{}\n", std::process::id());
@@ -335,7 +343,16 @@ fn write_atomically(dir: &Path, name: &str, content: &str) -> Result<(), Identit
         source,
     };
     let result = (|| {
-        let mut f = File::create(&tmp)?;
+        // Not through a symbolic link left at the temp name.
+        let mut f = File::from(rustix::fs::open(
+            &tmp,
+            rustix::fs::OFlags::WRONLY
+                | rustix::fs::OFlags::CREATE
+                | rustix::fs::OFlags::TRUNC
+                | rustix::fs::OFlags::NOFOLLOW
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::from_raw_mode(0o644),
+        )?);
         f.write_all(content.as_bytes())?;
         f.sync_all()?;
         fs::rename(&tmp, &target)?;
@@ -346,4 +363,32 @@ fn write_atomically(dir: &Path, name: &str, content: &str) -> Result<(), Identit
         let _ = fs::remove_file(&tmp);
     }
     result.map_err(err)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    /// A `lock` planted as a symbolic link is refused, and the file it
+    /// points at keeps its content (no pid written through the link).
+    #[test]
+    fn a_lock_that_is_a_symlink_is_refused_and_its_target_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("precious");
+        std::fs::write(&target, "precious content\n").unwrap();
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        std::os::unix::fs::symlink(&target, state.join(LOCK_FILE)).unwrap();
+        let machine_id = dir.path().join("machine-id");
+        std::fs::write(&machine_id, "0123456789abcdef0123456789abcdef\n").unwrap();
+
+        let e = StateDir::open_with_machine_id(&state, &machine_id, false).unwrap_err();
+        assert!(matches!(e, IdentityError::Lock { .. }), "{e}");
+        assert!(e.to_string().contains("lock"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(&target).unwrap(),
+            "precious content\n"
+        );
+    }
 }

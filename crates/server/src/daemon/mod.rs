@@ -21,6 +21,7 @@ pub mod crashpoints;
 pub mod dead_runs;
 pub mod identity;
 pub mod reload;
+pub mod run_dirs;
 pub mod serving;
 pub mod settings;
 pub mod stack;
@@ -299,7 +300,7 @@ async fn run(
     // beside start-up (it concerns other instances only).
     let dead_run_tuning = settings.backends.clone();
     tokio::spawn(async move {
-        crate::daemon::dead_runs::sweep(&std::env::temp_dir(), &dead_run_tuning).await;
+        crate::daemon::dead_runs::sweep(&dead_run_tuning).await;
     });
 
     // Both listeners before any agent exists: a busy port costs nothing.

@@ -102,7 +102,8 @@ impl World {
     }
 
     /// The binary with a clean environment (no `KICI_*` but the test API
-    /// token) and `TMPDIR` in the test dir.
+    /// token) and `XDG_RUNTIME_DIR` in the test dir (where `run` keeps its
+    /// state dir).
     fn command(&self) -> Command {
         let mut cmd = Command::new(BIN);
         for (k, _) in std::env::vars() {
@@ -110,10 +111,8 @@ impl World {
                 cmd.env_remove(k);
             }
         }
-        cmd.env("TMPDIR", self.path("tmp")).env(
-            "KICI_SCALER_API_TOKEN",
-            crate::common::daemon::TEST_API_TOKEN,
-        );
+        cmd.env("XDG_RUNTIME_DIR", self.path("tmp"))
+            .env("KICI_SCALER_API_TOKEN", crate::common::daemon::TEST_API_TOKEN);
         cmd
     }
 }
@@ -275,7 +274,7 @@ fn serial_run_runs_a_job_in_a_container_and_leaves_nothing() {
     // instance's own), its temporary state dir (store, leases).
     assert_eq!(containers_of(instance), Vec::<String>::new());
     assert_eq!(rules_of(instance), Vec::<String>::new());
-    let left: Vec<_> = std::fs::read_dir(world.path("tmp"))
+    let left: Vec<_> = std::fs::read_dir(world.path("tmp").join("kici-scaler"))
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();

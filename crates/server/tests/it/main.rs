@@ -24,5 +24,6 @@ mod gateway;
 mod postgres;
 mod reconcile;
 mod recovery;
+mod run_dirs;
 mod standalone;
 mod state_dir;

@@ -73,10 +73,17 @@ impl Dir {
         std::fs::create_dir_all(&t).unwrap();
         t
     }
+
+    /// Where `run` keeps its state dirs (with `XDG_RUNTIME_DIR` at
+    /// [`Dir::tmp`]).
+    fn runs(&self) -> PathBuf {
+        self.tmp().join("kici-scaler")
+    }
 }
 
 /// A command with a clean environment: no `KICI_*` but the test API token,
-/// `TMPDIR` in the test dir (so `run`'s temporary state dir can be checked), the agent on PATH.
+/// `XDG_RUNTIME_DIR` in the test dir (so `run`'s temporary state dir can be
+/// checked), the agent on PATH.
 fn command(dir: &Dir) -> Command {
     let mut cmd = Command::new(BIN);
     for (k, _) in std::env::vars() {
@@ -84,7 +91,7 @@ fn command(dir: &Dir) -> Command {
             cmd.env_remove(k);
         }
     }
-    cmd.env("TMPDIR", dir.tmp())
+    cmd.env("XDG_RUNTIME_DIR", dir.tmp())
         .env("PATH", format!("{}:/usr/bin:/bin", agent_dir().display()))
         .env(
             "KICI_SCALER_API_TOKEN",
@@ -110,9 +117,9 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// Nothing of `run` is left in the temp dir.
+/// Nothing of `run` is left where it keeps its state dirs.
 fn assert_run_left_nothing(dir: &Dir) {
-    let left: Vec<_> = std::fs::read_dir(dir.tmp())
+    let left: Vec<_> = std::fs::read_dir(dir.runs())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
@@ -433,7 +440,7 @@ fn what_a_killed_run_left_is_swept_by_the_next_run() {
     assert!(!process_gone(escaped), "the escaped child died with `run`");
     assert!(cgroup.exists(), "the agent's cgroup went with `run`");
     assert_eq!(
-        std::fs::read_dir(dir.tmp()).unwrap().count(),
+        std::fs::read_dir(dir.runs()).unwrap().count(),
         1,
         "its state dir"
     );
