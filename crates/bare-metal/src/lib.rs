@@ -49,4 +49,5 @@ pub use bare_metal::{
     AdoptError, BareMetalBackend, BareMetalError, BareMetalOptions, BareMetalProblem,
     BareMetalSetupError, DestroyError, SpawnError, SpawnMethod,
 };
+pub use bare_metal::user::{Credentials, UserError};
 pub use failpoints::FAILPOINTS;
