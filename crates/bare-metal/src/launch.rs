@@ -18,8 +18,8 @@
 
 #![allow(unsafe_code)]
 
-use rustix::fd::{AsRawFd, FromRawFd, OwnedFd};
 use crate::bare_metal::user::Switch;
+use rustix::fd::{AsRawFd, FromRawFd, OwnedFd};
 use rustix::process::Pid;
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -215,7 +215,9 @@ pub fn launch(launch: &Launch<'_>) -> Result<ClonedChild, LaunchError> {
         work: work.as_raw_fd(),
         v1_procs_start: launch.v1_procs.as_ptr(),
         v1_procs_len: launch.v1_procs.len(),
-        switch: launch.switch.map_or(std::ptr::null(), |s| s as *const Switch),
+        switch: launch
+            .switch
+            .map_or(std::ptr::null(), |s| s as *const Switch),
         err: err_write.as_raw_fd(),
     };
 

@@ -32,7 +32,10 @@ impl AgentFiles {
                 fs::remove_dir_all(d)?;
             }
         }
-        fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
         // Mode 0700 even under a permissive umask: only its user enters.
         fs::DirBuilder::new().mode(0o700).create(work)?;
         fs::set_permissions(work, fs::Permissions::from_mode(0o700))?;

@@ -210,9 +210,7 @@ fn may_switch_ids() -> bool {
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .is_some_and(|eff| {
-            eff & (1 << CAP_SETUID) != 0 && eff & (1 << CAP_SETGID) != 0
-        })
+        .is_some_and(|eff| eff & (1 << CAP_SETUID) != 0 && eff & (1 << CAP_SETGID) != 0)
 }
 
 /// The ids the child takes, prepared before the fork: the child itself

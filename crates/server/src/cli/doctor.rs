@@ -222,8 +222,7 @@ pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
         &HostPaths::discover(tuning.cgroup_root.as_deref()),
         &tuning.container_network,
     );
-    if let Ok(loaded) = kici_config::load(&args.config.config, args.config.config_dir.as_deref())
-    {
+    if let Ok(loaded) = kici_config::load(&args.config.config, args.config.config_dir.as_deref()) {
         let work_root = tuning
             .bare_metal_work_dir
             .clone()
