@@ -5,7 +5,10 @@
 //! only in the environment, never in argv), in its own session and process
 //! group, stdin from `/dev/null`, stdout and stderr appended to
 //! `<state dir>/agents/<agent id>/{stdout,stderr}.log`, working directory
-//! `<state dir>/agents/<agent id>/work`. The child is created inside its
+//! `<work root>/<instance>/<agent id>` (outside the state dir, mode 0700,
+//! owned by the agent's user). A scaler naming `x-kici-scaler.user` runs its
+//! agents as that user ([`user`]): the child drops the daemon's user after
+//! entering its cgroups and before exec. The child is created inside its
 //! tracking cgroup (`clone3(CLONE_INTO_CGROUP)`, [`crate::launch`]; where the
 //! kernel refuses that, it writes itself into `cgroup.procs` before exec)
 //! and enters its v1 limit cgroups before exec, so nothing it forks can
@@ -33,8 +36,9 @@
 //! This module holds the options, the shared state and the [`Backend`]
 //! implementation; the steps live in submodules: `spawn` (directory, cgroup,
 //! limits, process), `exit_watch`, `teardown` (destroy and an aborted
-//! spawn), `adopt` (after a restart; resource handles) and `errors`
-//! ([`BareMetalError`], [`BareMetalProblem`] and the step errors).
+//! spawn), `adopt` (after a restart; resource handles), [`user`] (the
+//! agent's user) and `errors` ([`BareMetalError`], [`BareMetalProblem`] and
+//! the step errors).
 
 use crate::cgroup::{self, AgentCgroups, CgroupLayout, Controllers, LimitPlan};
 use crate::failpoints;
@@ -60,7 +64,7 @@ use rustix::io::Errno;
 use rustix::process::{Pid, PidfdFlags, Signal};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, OpenOptions};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -74,12 +78,14 @@ mod errors;
 mod exit_watch;
 mod spawn;
 mod teardown;
+pub mod user;
 
 use adopt::{handle_for, read_marker};
 pub use errors::{AdoptError, BareMetalError, BareMetalProblem, DestroyError, SpawnError};
 use exit_watch::{watch_adopted, watch_exit, ExitWatch};
 use spawn::{AgentChild, AgentContext, Spawned};
 use teardown::{kill_cgroup, remove_cgroups, StartedLeader};
+use user::{Credentials, Switch, UserError};
 
 /// `logsSource` of forwarded lines (upstream's value for bare-metal).
 pub const LOG_SOURCE: &str = "bare-metal";
@@ -110,6 +116,14 @@ pub struct BareMetalOptions {
     pub instance: InstanceId,
     /// Per-agent directories go under `<state_dir>/agents/<agent id>/`.
     pub state_dir: PathBuf,
+    /// Agents' working directories go under `<work_root>/<instance>/`:
+    /// outside the state dir, which agents running as another user must not
+    /// enter. Default: [`BareMetalOptions::default_work_root`].
+    pub work_root: PathBuf,
+    /// Log a warning for each scaler that names no `x-kici-scaler.user`
+    /// while this process runs as root (its agents would run as root).
+    /// `serve` sets it; `run` runs the invoking user's own command.
+    pub warn_root_agents: bool,
     /// The topmost cgroup v2 directory kici-scaler writes to (tracking, and
     /// limits where it has controllers): the v2 mount, or the daemon's own
     /// delegated cgroup ([`crate::cgroup::discover`]).
@@ -161,6 +175,19 @@ impl BareMetalOptions {
     /// is forwarded to the daemon's log anyway).
     pub const DEFAULT_LOG_KEEP_BYTES: u64 = 16 << 20;
 
+    /// `<state dir>-work` beside the state dir (`/var/lib/kici-scaler` →
+    /// `/var/lib/kici-scaler-work`).
+    pub fn default_work_root(state_dir: &Path) -> PathBuf {
+        let mut name = state_dir
+            .file_name()
+            .map_or_else(|| "kici-scaler".into(), |n| n.to_os_string());
+        name.push("-work");
+        state_dir
+            .parent()
+            .unwrap_or_else(|| Path::new("/"))
+            .join(name)
+    }
+
     /// The cgroups where this process's discovery puts them
     /// ([`crate::cgroup::discover::host_placement`]); both env lists from
     /// `daemon_env` (usually `std::env::vars()`).
@@ -171,6 +198,8 @@ impl BareMetalOptions {
     ) -> Self {
         let mut options = Self {
             instance,
+            work_root: Self::default_work_root(&state_dir),
+            warn_root_agents: false,
             state_dir,
             cgroup_root: PathBuf::new(),
             cgroup_tree: crate::cgroup::TREE.to_owned(),
@@ -216,6 +245,11 @@ pub enum BareMetalSetupError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot create the agents' work directory {}: {source}", path.display())]
+    WorkDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// What one spawned agent holds while this daemon follows it.
@@ -231,6 +265,12 @@ struct Inner {
     /// [`BareMetalOptions::cgroup_refusal`].
     cgroup_refusal: Option<crate::cgroup::discover::DiscoveryError>,
     agents_dir: PathBuf,
+    /// `<work root>/<instance>`: the agents' working directories.
+    work_dir: PathBuf,
+    /// Agent users as last resolved (by `validate`: at start-up and on
+    /// reload), so a spawn makes no NSS lookup.
+    users: Mutex<HashMap<kici_model::AgentUser, Credentials>>,
+    warn_root_agents: bool,
     system: SystemEnv,
     forwarded: ForwardedEnv,
     tracked: Mutex<HashMap<AgentId, Tracked>>,
@@ -272,6 +312,18 @@ impl BareMetalBackend {
                 path: agents_dir.clone(),
                 source,
             })?;
+        let work_dir = options.work_root.join(options.instance.to_string());
+        // Search-only for others: an agent reaches its own directory (mode
+        // 0700, its user's) but cannot list the others.
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o711)
+            .create(&work_dir)
+            .and_then(|()| fs::set_permissions(&work_dir, fs::Permissions::from_mode(0o711)))
+            .map_err(|source| BareMetalSetupError::WorkDir {
+                path: work_dir.clone(),
+                source,
+            })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 layout: CgroupLayout::new(
@@ -282,6 +334,9 @@ impl BareMetalBackend {
                 .with_tree(options.cgroup_tree),
                 cgroup_refusal: options.cgroup_refusal,
                 agents_dir,
+                work_dir,
+                users: Mutex::new(HashMap::new()),
+                warn_root_agents: options.warn_root_agents,
                 system,
                 forwarded,
                 tracked: Mutex::new(HashMap::new()),
@@ -303,6 +358,30 @@ impl BareMetalBackend {
     /// `<state dir>/agents/<agent id>`.
     pub fn agent_dir(&self, agent: AgentId) -> PathBuf {
         self.inner.agents_dir.join(agent.to_string())
+    }
+
+    /// `<work root>/<instance>/<agent id>`: the agent's working directory.
+    pub fn work_dir(&self, agent: AgentId) -> PathBuf {
+        self.inner.work_dir.join(agent.to_string())
+    }
+
+    /// Removes this instance's directory under the work root, and the work
+    /// root itself, when they are empty (every agent is gone).
+    pub fn remove_empty_work_dirs(&self) {
+        let _ = fs::remove_dir(&self.inner.work_dir);
+        if let Some(root) = self.inner.work_dir.parent() {
+            let _ = fs::remove_dir(root);
+        }
+    }
+
+    /// `user` resolved: as `validate` last found it, else looked up now.
+    fn credentials(&self, user: &kici_model::AgentUser) -> Result<Credentials, UserError> {
+        if let Some(c) = self.inner.users.lock().get(user) {
+            return Ok(c.clone());
+        }
+        let c = Credentials::resolve(user)?;
+        self.inner.users.lock().insert(user.clone(), c.clone());
+        Ok(c)
     }
 
     /// Where destroyed agents' logs are kept (bounded, see [`kici_host::logs`]).
@@ -329,6 +408,39 @@ impl Backend for BareMetalBackend {
         let BackendSettings::BareMetal(settings) = &scaler.backend else {
             return Err(ScalerProblem::from(BareMetalProblem::NotBareMetal).into());
         };
+        let credentials = match &scaler.ext.agent_user {
+            None => {
+                if self.inner.warn_root_agents && rustix::process::geteuid().is_root() {
+                    tracing::warn!(
+                        scaler = scaler.name.as_str(),
+                        "bare-metal agents of this scaler run as root, the daemon's user: they can read the daemon's state and secrets; name an unprivileged user in x-kici-scaler.user (the package creates kici-agent)"
+                    );
+                }
+                None
+            }
+            Some(user) => match Credentials::resolve(user) {
+                Ok(c) => {
+                    self.inner.users.lock().insert(user.clone(), c.clone());
+                    Some(c)
+                }
+                Err(e) => {
+                    errors.push(BareMetalProblem::User(e).into());
+                    None
+                }
+            },
+        };
+        if let Some(c) = credentials.as_ref().filter(|c| c.switch) {
+            if let Some(denied) = c.denied_on_path(&self.inner.work_dir, 0o1) {
+                errors.push(
+                    BareMetalProblem::WorkDirUnreachable {
+                        user: c.name.clone(),
+                        dir: self.inner.work_dir.clone(),
+                        denied,
+                    }
+                    .into(),
+                );
+            }
+        }
         for (index, label_set) in scaler.label_sets.iter().enumerate() {
             let LabelSetBackend::BareMetal { binary_path } = &label_set.backend else {
                 errors.push(BareMetalProblem::NoBinaryPath { index }.into());
@@ -350,6 +462,18 @@ impl Backend for BareMetalBackend {
                 Ok(_) => {
                     if rustix::fs::access(binary_path, Access::EXEC_OK).is_err() {
                         errors.push(BareMetalProblem::BinaryNotExecutable { index, path }.into());
+                    } else if let Some(c) = credentials.as_ref().filter(|c| c.switch) {
+                        if let Some(denied) = c.denied_on_path(binary_path, 0o1) {
+                            errors.push(
+                                BareMetalProblem::BinaryUnreachable {
+                                    index,
+                                    path,
+                                    user: c.name.clone(),
+                                    denied,
+                                }
+                                .into(),
+                            );
+                        }
                     }
                 }
             }
@@ -558,6 +682,29 @@ impl Backend for BareMetalBackend {
                         &AgentCgroups::default(),
                         Some(&dir),
                     ),
+                    created_at: entry
+                        .metadata()
+                        .and_then(|m| m.modified())
+                        .unwrap_or(SystemTime::UNIX_EPOCH),
+                });
+            }
+        }
+        // Work directories left alone (a crash after the rest went).
+        if let Ok(entries) = fs::read_dir(&self.inner.work_dir) {
+            for entry in entries.flatten() {
+                let Some(agent) = entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.parse::<AgentId>().ok())
+                else {
+                    continue;
+                };
+                if owned.iter().any(|o| o.agent == Some(agent)) {
+                    continue;
+                }
+                owned.push(OwnedResource {
+                    agent: Some(agent),
+                    handle: handle_for(None, agent, &AgentCgroups::default(), None),
                     created_at: entry
                         .metadata()
                         .and_then(|m| m.modified())

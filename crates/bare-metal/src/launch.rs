@@ -7,8 +7,8 @@
 //! `clone3(CLONE_INTO_CGROUP)` (Linux ≥ 5.7) creates the child in the
 //! target cgroup instead — no migration, no grace period. This module owns
 //! that fork/exec: the child makes only raw, async-signal-safe system calls
-//! (new session, v1 limit cgroups, stdio, working directory, signal state,
-//! `execve`) and reports a failed `execve` through a close-on-exec pipe, as
+//! (new session, v1 limit cgroups, the agent's user, stdio, working
+//! directory, signal state, `execve`) and reports a failed `execve` through a close-on-exec pipe, as
 //! `std::process::Command` does. `CLONE_PIDFD` hands back a pidfd naming the
 //! child from its first instant.
 //!
@@ -18,6 +18,7 @@
 
 #![allow(unsafe_code)]
 
+use crate::bare_metal::user::Switch;
 use rustix::fd::{AsRawFd, FromRawFd, OwnedFd};
 use rustix::process::Pid;
 use std::ffi::{CString, OsStr};
@@ -94,6 +95,8 @@ pub struct Launch<'a> {
     pub cgroup: &'a OwnedFd,
     /// `cgroup.procs` of v1 limit cgroups: the child writes itself there.
     pub v1_procs: &'a [OwnedFd],
+    /// The user the child becomes after entering its cgroups, before exec.
+    pub switch: Option<&'a Switch>,
 }
 
 /// The kernel refused `clone3(CLONE_INTO_CGROUP)`: use the fallback.
@@ -212,6 +215,9 @@ pub fn launch(launch: &Launch<'_>) -> Result<ClonedChild, LaunchError> {
         work: work.as_raw_fd(),
         v1_procs_start: launch.v1_procs.as_ptr(),
         v1_procs_len: launch.v1_procs.len(),
+        switch: launch
+            .switch
+            .map_or(std::ptr::null(), |s| s as *const Switch),
         err: err_write.as_raw_fd(),
     };
 
@@ -292,6 +298,8 @@ struct ChildFds {
     work: libc::c_int,
     v1_procs_start: *const OwnedFd,
     v1_procs_len: usize,
+    /// Null: the child keeps the daemon's user.
+    switch: *const Switch,
     err: libc::c_int,
 }
 
@@ -312,12 +320,12 @@ unsafe fn child_exec(
     // in this copy of the address space; nothing allocates, locks or
     // unwinds. Failures write errno to the close-on-exec pipe and `_exit`.
     unsafe {
-        let fail = |fds: &ChildFds| -> ! {
-            let errno = *libc::__errno_location();
+        let fail_with = |fds: &ChildFds, errno: i32| -> ! {
             let bytes = errno.to_ne_bytes();
             libc::write(fds.err, bytes.as_ptr().cast(), bytes.len());
             libc::_exit(127)
         };
+        let fail = |fds: &ChildFds| -> ! { fail_with(fds, *libc::__errno_location()) };
         if libc::setsid() < 0 {
             fail(fds);
         }
@@ -325,6 +333,13 @@ unsafe fn child_exec(
         for procs in v1 {
             if libc::write(procs.as_raw_fd(), b"0".as_ptr().cast(), 1) != 1 {
                 fail(fds);
+            }
+        }
+        // In its cgroups (which only the daemon's user may write), the
+        // child gives up that user for good.
+        if let Some(switch) = fds.switch.as_ref() {
+            if let Err(e) = switch.apply() {
+                fail_with(fds, e.raw_os_error());
             }
         }
         for (from, to) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {

@@ -45,6 +45,7 @@ pub mod cgroup;
 pub mod failpoints;
 pub mod launch;
 
+pub use bare_metal::user::{Credentials, UserError};
 pub use bare_metal::{
     AdoptError, BareMetalBackend, BareMetalError, BareMetalOptions, BareMetalProblem,
     BareMetalSetupError, DestroyError, SpawnError, SpawnMethod,

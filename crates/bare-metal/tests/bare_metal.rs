@@ -165,7 +165,9 @@ async fn agent_runs_in_its_own_session_and_cgroup(method: SpawnMethod) {
     assert_eq!(link("fd/0"), Path::new("/dev/null"));
     assert_eq!(link("fd/1"), dir.join("stdout.log"));
     assert_eq!(link("fd/2"), dir.join("stderr.log"));
-    assert_eq!(link("cwd"), dir.join("work"));
+    let work = fx.backend.work_dir(agent);
+    assert_eq!(link("cwd"), work);
+    assert!(!work.starts_with(fx.path("state")), "{}", work.display());
     assert_eq!(signal_mask(pid, "SigBlk"), 0);
     assert_eq!(
         signal_mask(pid, "SigIgn") & (1 << (13 - 1)),
@@ -214,6 +216,102 @@ async fn agent_runs_in_its_own_session_and_cgroup(method: SpawnMethod) {
 #[tokio::test]
 async fn serial_agent_runs_in_its_own_session_and_cgroup_with_argv0_only() {
     agent_runs_in_its_own_session_and_cgroup(SpawnMethod::Auto).await;
+}
+
+/// A host user of this test's own, removed when dropped.
+struct TestUser(String);
+
+impl TestUser {
+    fn create() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        let name = format!("kici-b-{:08x}", nanos ^ std::process::id());
+        let ok = std::process::Command::new("useradd")
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                &name,
+            ])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "useradd {name}");
+        TestUser(name)
+    }
+}
+
+impl Drop for TestUser {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("pkill")
+            .args(["-KILL", "-u", &self.0])
+            .status();
+        let _ = std::process::Command::new("userdel").arg(&self.0).status();
+    }
+}
+
+/// `Uid:` / `Gid:` / `Groups:` of `/proc/<pid>/status`.
+fn ids(pid: i32) -> (String, String, String) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    (field("Uid:"), field("Gid:"), field("Groups:"))
+}
+
+/// A scaler naming `x-kici-scaler.user` runs its agents as that user —
+/// real, effective, saved ids and groups — whichever way the child is
+/// started, in a work dir of its own, removed with the agent.
+#[tokio::test]
+async fn serial_agent_runs_as_the_scalers_user_either_way_it_is_started() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let user = TestUser::create();
+    let creds = kici_bare_metal::Credentials::resolve(&kici_model::AgentUser {
+        user: user.0.clone(),
+        group: None,
+    })
+    .unwrap();
+    for method in [SpawnMethod::Auto, SpawnMethod::PreExec] {
+        let fx = Fixture::with(|o| o.spawn_method = method);
+        // The user must reach the script and its work root.
+        std::fs::set_permissions(fx.dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        let binary = fx.script("agent.sh", "exec sleep 1000");
+        let mut scaler = (*simple_scaler(&binary)).clone();
+        scaler.ext.agent_user = Some(kici_model::AgentUser {
+            user: user.0.clone(),
+            group: None,
+        });
+        let scaler = Arc::new(scaler);
+        fx.backend.validate(&scaler).await.unwrap();
+        let (spec, _rx) = spawn_spec(&scaler, 0);
+        let agent = spec.agent;
+        let handle = fx.backend.spawn(spec).await.unwrap();
+        let pid = pid_of(&handle.id).pid.as_raw_nonzero().get();
+        let (uid, gid, groups) = ids(pid);
+        let u = creds.uid.to_string();
+        let g = creds.gid.to_string();
+        assert_eq!(uid, [u.as_str(); 4].join(" "), "{method:?}");
+        assert_eq!(gid, [g.as_str(); 4].join(" "), "{method:?}");
+        let expected: Vec<String> = creds.groups.iter().map(u32::to_string).collect();
+        assert_eq!(groups, expected.join(" "), "{method:?}");
+        let work = fx.backend.work_dir(agent);
+        let meta = std::fs::metadata(&work).unwrap();
+        assert_eq!((meta.uid(), meta.mode() & 0o7777), (creds.uid, 0o700));
+        fx.backend
+            .destroy(&agent, Some(&handle), GRACE)
+            .await
+            .unwrap();
+        assert!(!work.exists(), "{method:?}: {} is left", work.display());
+    }
 }
 
 #[tokio::test]

@@ -7,11 +7,11 @@ use crate::node::Node;
 use crate::resources::{self, NamedCap};
 use crate::yaml::{classify, quote, Scalar};
 use kici_model::{
-    BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime, ContainerSettings,
-    EventSettings, FirecrackerSettings, LabelSet, MachinePool, Origin, PlatformArch, PlatformOs,
-    ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, ResourceCap, ResourceRequest, Role,
-    Roles, ScalerEntry, ScalerExtension, ScalerName, ScalerPlatform, ScalerType, UlimitName,
-    UlimitValue, WarmPoolConfig,
+    AgentUser, BackendSettings, BackoffPolicy, BareMetalSettings, ContainerRuntime,
+    ContainerSettings, EventSettings, FirecrackerSettings, LabelSet, MachinePool, Origin,
+    PlatformArch, PlatformOs, ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook,
+    ResourceCap, ResourceRequest, Role, Roles, ScalerEntry, ScalerExtension, ScalerName,
+    ScalerPlatform, ScalerType, UlimitName, UlimitValue, WarmPoolConfig,
 };
 use kici_provision::config::PathSegment;
 use std::collections::{BTreeMap, HashMap};
@@ -81,7 +81,7 @@ const OWNED: [(&str, &[ScalerType]); 14] = [
     ("memSizeMib", FIRECRACKER),
 ];
 
-const EXT_KEYS: [&str; 12] = [
+const EXT_KEYS: [&str; 14] = [
     "provisionTimeoutSeconds",
     "registrationTimeoutSeconds",
     "pendingDispatchTimeoutSeconds",
@@ -94,6 +94,8 @@ const EXT_KEYS: [&str; 12] = [
     "fleetMaxAgents",
     "fleetResourceCap",
     "provisioner",
+    "user",
+    "group",
 ];
 
 const BACKOFF_KEYS: [&str; 4] = [
@@ -490,7 +492,71 @@ fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtensi
     if let Some(cap) = cx.opt(&obj, "fleetResourceCap", resources::cap).value() {
         ext.fleet_resource_cap = Some(cap);
     }
+    ext.agent_user = agent_user(cx, &obj, kind);
     (cx.error_count() == before).then_some(ext)
+}
+
+/// `user` / `group`: who a bare-metal scaler's agents run as. Names only
+/// (resolved on the host when the daemon starts); `group` needs `user`.
+fn agent_user(cx: &mut Cx, obj: &Obj<'_>, kind: ScalerType) -> Option<AgentUser> {
+    let user = cx
+        .opt(obj, "user", |cx, v| account_name(cx, v, "user"))
+        .value();
+    let group = cx
+        .opt(obj, "group", |cx, v| account_name(cx, v, "group"))
+        .value();
+    if kind != ScalerType::BareMetal {
+        for key in ["user", "group"] {
+            if obj.map.get(key).is_some() {
+                cx.err_field(
+                    obj,
+                    key,
+                    format!("{key} applies to bare-metal scalers only, not to type \"{kind}\""),
+                );
+            }
+        }
+        return None;
+    }
+    match (user, group) {
+        (Some(user), group) => Some(AgentUser { user, group }),
+        (None, Some(_)) => {
+            cx.err_field(
+                obj,
+                "group",
+                "group needs user: name the user the agents run as too",
+            );
+            None
+        }
+        (None, None) => None,
+    }
+}
+
+/// A user or group name as `getpwnam(3)` takes it: not empty, not all
+/// digits (a number is not looked up as a name), no `:`, whitespace or
+/// control characters, not starting with `-`.
+fn account_name(cx: &mut Cx, v: &Val<'_>, what: &str) -> Option<String> {
+    let s = cx.string(v)?;
+    let problem = if s.is_empty() {
+        Some("must not be empty")
+    } else if s.bytes().all(|b| b.is_ascii_digit()) {
+        Some("must be a name, not a number")
+    } else if s.starts_with('-') {
+        Some("must not start with '-'")
+    } else if s
+        .chars()
+        .any(|c| c == ':' || c == '/' || c.is_whitespace() || c.is_control())
+    {
+        Some("must not contain ':', '/', whitespace or control characters")
+    } else {
+        None
+    };
+    match problem {
+        Some(p) => {
+            cx.err(v, format!("expected a {what} name; {} {p}", quote(&s)));
+            None
+        }
+        None => Some(s),
+    }
 }
 
 /// Largest ulimit value taken: every integer up to it is exact in a YAML

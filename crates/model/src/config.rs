@@ -730,6 +730,22 @@ pub struct ScalerExtension {
     /// In a fleet: CPU and memory of this pool across every host.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fleet_resource_cap: Option<crate::ResourceCap>,
+    /// Bare-metal scalers: the host user (and group) the agents run as;
+    /// `None`: the daemon's own user. Names, resolved by the backend on
+    /// this host when it starts and on reload.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_user: Option<AgentUser>,
+}
+
+/// `x-kici-scaler.user` / `.group` of a bare-metal scaler: who its agents
+/// run as. Names as `getpwnam(3)` / `getgrnam(3)` take them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentUser {
+    pub user: String,
+    /// The primary group; `None`: the user's own (its passwd entry's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
 }
 
 impl ScalerExtension {
@@ -740,6 +756,7 @@ impl ScalerExtension {
             ulimits: BTreeMap::new(),
             fleet_max_agents: None,
             fleet_resource_cap: None,
+            agent_user: None,
         }
     }
 }

@@ -40,12 +40,12 @@ pub mod secret;
 pub mod time;
 
 pub use config::{
-    BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config, ContainerRuntime,
-    ContainerSettings, Deadlines, EnvName, EventSettings, FirecrackerLabelSet, FirecrackerNetwork,
-    FirecrackerSettings, HostAccess, HostAccessError, ImagePullPolicy, LabelSetBackend,
-    LabelSetConfig, LabelSetExtension, MachinePool, NetworkPolicy, PlatformArch, PlatformOs,
-    ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, Role, Roles, ScalerEntry,
-    ScalerExtension, ScalerPlatform, UlimitName, UlimitValue, WarmPoolConfig,
+    AgentUser, BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config,
+    ContainerRuntime, ContainerSettings, Deadlines, EnvName, EventSettings, FirecrackerLabelSet,
+    FirecrackerNetwork, FirecrackerSettings, HostAccess, HostAccessError, ImagePullPolicy,
+    LabelSetBackend, LabelSetConfig, LabelSetExtension, MachinePool, NetworkPolicy, PlatformArch,
+    PlatformOs, ProvisionerSettings, ProvisionerTarget, ProvisionerWebhook, Role, Roles,
+    ScalerEntry, ScalerExtension, ScalerPlatform, UlimitName, UlimitValue, WarmPoolConfig,
     LEGACY_PLATFORM_TAINT_LABELS,
 };
 pub use ids::{AgentId, IdError, InstanceId, JobId, ScalerName, ScalerType};

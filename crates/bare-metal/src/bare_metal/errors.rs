@@ -114,6 +114,22 @@ pub enum BareMetalProblem {
         root: PathBuf,
         v1: PathBuf,
     },
+    /// `x-kici-scaler.user` / `.group` cannot be used here.
+    #[error(transparent)]
+    User(#[from] UserError),
+    #[error("x-kici-scaler.user: {user:?} cannot reach its work directories under {}: {denied}", dir.display())]
+    WorkDirUnreachable {
+        user: String,
+        dir: PathBuf,
+        denied: user::Denied,
+    },
+    #[error("labelSets[{index}].binaryPath: {} cannot be run by x-kici-scaler.user {user:?}: {denied}", path.display())]
+    BinaryUnreachable {
+        index: usize,
+        path: PathBuf,
+        user: String,
+        denied: user::Denied,
+    },
 }
 
 impl BareMetalProblem {
@@ -123,14 +139,17 @@ impl BareMetalProblem {
             | Self::NoBinaryPath { .. }
             | Self::BinaryUnreadable { .. }
             | Self::BinaryNotAFile { .. }
-            | Self::BinaryNotExecutable { .. } => ProblemKind::Setting,
+            | Self::BinaryNotExecutable { .. }
+            | Self::User(_)
+            | Self::BinaryUnreachable { .. } => ProblemKind::Setting,
             Self::NoCgroupPlace(_)
             | Self::NotCgroupV2(_)
             | Self::CgroupRootReadOnly(_)
             | Self::AgentsDirReadOnly(_)
             | Self::NoMemoryController { .. }
             | Self::NoCpuController { .. }
-            | Self::NoPidsController { .. } => ProblemKind::Host,
+            | Self::NoPidsController { .. }
+            | Self::WorkDirUnreachable { .. } => ProblemKind::Host,
         }
     }
 }
@@ -173,6 +192,8 @@ pub enum SpawnError {
     Injected(&'static str),
     #[error("the agent process {0} vanished before it could be identified: {1}")]
     Identify(u32, std::io::Error),
+    #[error(transparent)]
+    User(UserError),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -186,6 +207,11 @@ pub enum DestroyError {
     Survivors(PathBuf),
     #[error(transparent)]
     Cgroup(#[from] cgroup::CgroupError),
+    #[error("cannot remove the work directory {}: {source}", dir.display())]
+    WorkDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot retire the logs in {}: {source}", dir.display())]
     Logs {
         dir: PathBuf,

@@ -11,7 +11,8 @@ pub(super) struct Spawned {
     pub(super) dir: PathBuf,
 }
 
-/// The agent's directory with fresh, empty log files.
+/// The agent's directory with fresh, empty log files, and its working
+/// directory (outside the state dir, owned by the agent's user).
 pub(super) struct AgentFiles {
     pub(super) stdout: fs::File,
     pub(super) stderr: fs::File,
@@ -19,16 +20,32 @@ pub(super) struct AgentFiles {
 }
 
 impl AgentFiles {
-    pub(super) fn create(dir: &Path, context: &AgentContext) -> std::io::Result<Self> {
-        if dir.exists() {
-            // A leftover of an agent with the same id: not ours to keep.
-            fs::remove_dir_all(dir)?;
+    pub(super) fn create(
+        dir: &Path,
+        work: &Path,
+        owner: Option<&Credentials>,
+        context: &AgentContext,
+    ) -> std::io::Result<Self> {
+        for d in [dir, work] {
+            if d.exists() {
+                // A leftover of an agent with the same id: not ours to keep.
+                fs::remove_dir_all(d)?;
+            }
         }
-        let work = dir.join("work");
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
-            .create(&work)?;
+            .create(dir)?;
+        // Mode 0700 even under a permissive umask: only its user enters.
+        fs::DirBuilder::new().mode(0o700).create(work)?;
+        fs::set_permissions(work, fs::Permissions::from_mode(0o700))?;
+        if let Some(owner) = owner.filter(|o| o.switch) {
+            rustix::fs::chown(
+                work,
+                Some(rustix::fs::Uid::from_raw(owner.uid)),
+                Some(rustix::fs::Gid::from_raw(owner.gid)),
+            )?;
+        }
         let open = |name: &str| {
             OpenOptions::new()
                 .create_new(true)
@@ -40,7 +57,7 @@ impl AgentFiles {
         Ok(Self {
             stdout: open(logs::Stream::Stdout.file_name())?,
             stderr: open(logs::Stream::Stderr.file_name())?,
-            work,
+            work: work.to_owned(),
         })
     }
 }
@@ -145,6 +162,7 @@ pub(super) fn start_process(
     files: &AgentFiles,
     cgroups: &AgentCgroups,
     method: SpawnMethod,
+    switch: Option<Switch>,
 ) -> Result<(AgentChild, ProcessIdentity), SpawnError> {
     let exec_err = |source| SpawnError::Exec {
         binary: binary.to_owned(),
@@ -162,6 +180,7 @@ pub(super) fn start_process(
                 work: &files.work,
                 cgroup: &tracking,
                 v1_procs: &v1_procs,
+                switch: switch.as_ref(),
             });
             match launched {
                 Ok(cloned) => child = Some(AgentChild::Cloned(cloned)),
@@ -184,7 +203,7 @@ pub(super) fn start_process(
                 .stdout(stdout)
                 .stderr(stderr)
                 .current_dir(&files.work);
-            enter_session_and_cgroups(&mut command, procs);
+            enter_session_and_cgroups(&mut command, procs, switch);
             let child = command.spawn().map_err(exec_err)?;
             // `command` holds the cgroup.procs descriptors; they close with it.
             drop(command);
@@ -210,23 +229,34 @@ pub(super) fn start_process(
 
 /// In the child, between fork and exec: a new session (so a new process
 /// group, detached from the daemon's terminal and signals), then `0` — "the
-/// writing process" — into each cgroup's `cgroup.procs`. The agent is in its
-/// cgroups before its first instruction; whatever it forks is too.
+/// writing process" — into each cgroup's `cgroup.procs`, then the agent's
+/// user ([`Switch::apply`]: the cgroup files are the daemon user's, so the
+/// switch comes after them). The agent is in its cgroups before its first
+/// instruction; whatever it forks is too.
 #[allow(unsafe_code)]
-pub(super) fn enter_session_and_cgroups(command: &mut Command, procs: Vec<rustix::fd::OwnedFd>) {
+pub(super) fn enter_session_and_cgroups(
+    command: &mut Command,
+    procs: Vec<rustix::fd::OwnedFd>,
+    switch: Option<Switch>,
+) {
     let hook = move || -> std::io::Result<()> {
         rustix::process::setsid()?;
         for fd in &procs {
             rustix::io::write(fd, b"0")?;
         }
+        if let Some(switch) = &switch {
+            switch.apply()?;
+        }
         Ok(())
     };
     // SAFETY: the hook runs in the forked child of a multi-threaded process,
-    // where only async-signal-safe calls are allowed. It makes two raw
-    // syscalls (setsid, write) through rustix, which neither allocates nor
-    // takes locks; `procs` was allocated before the fork and is only
-    // borrowed; errors convert into `io::Error::from_raw_os_error`, which
-    // does not allocate either.
+    // where only async-signal-safe calls are allowed. It makes raw syscalls
+    // (setsid, write, setgroups, setresgid, setresuid) through rustix, which
+    // neither allocates nor takes locks; `procs` and `switch` were
+    // allocated before the fork and are only borrowed; errors convert into
+    // `io::Error::from_raw_os_error`, which does not allocate either. (The
+    // `Command` sets no uid of its own: std would switch before this hook,
+    // and the cgroup writes need the daemon's user.)
     unsafe {
         command.pre_exec(hook);
     }
@@ -256,14 +286,21 @@ impl BareMetalBackend {
         if let Some(max) = inner.pids_max {
             plan = plan.with_pids(max, &controllers, &inner.layout)?;
         }
-        let env = agent_env(spec, ScalerType::BareMetal, &inner.system, &inner.forwarded);
-
+        let credentials = match &spec.scaler.ext.agent_user {
+            Some(user) => Some(self.credentials(user).map_err(SpawnError::User)?),
+            None => None,
+        };
         let dir = self.agent_dir(spec.agent);
+        let work = self.work_dir(spec.agent);
+        let mut env = agent_env(spec, ScalerType::BareMetal, &inner.system, &inner.forwarded);
+        if let Some(c) = credentials.as_ref().filter(|c| c.switch) {
+            user_env(&mut env, c, &work, spec);
+        }
         let context = AgentContext {
             scaler: spec.scaler.name.clone(),
             job: spec.job.clone(),
         };
-        let files = AgentFiles::create(&dir, &context)
+        let files = AgentFiles::create(&dir, &work, credentials.as_ref(), &context)
             .map_err(|source| SpawnError::Files {
                 path: dir.clone(),
                 source,
@@ -276,6 +313,7 @@ impl BareMetalBackend {
             Ok(files) => files,
             Err(e) => {
                 let _ = fs::remove_dir_all(&dir);
+                let _ = fs::remove_dir_all(&work);
                 return Err(e);
             }
         };
@@ -288,11 +326,20 @@ impl BareMetalBackend {
             Ok(c) => c,
             Err(e) => {
                 let _ = fs::remove_dir_all(&dir);
+                let _ = fs::remove_dir_all(&work);
                 self.prune_empty_cgroups();
                 return Err(e.into());
             }
         };
-        match start_process(binary_path, env, &files, &cgroups, inner.spawn_method) {
+        let switch = credentials.as_ref().and_then(Credentials::switch);
+        match start_process(
+            binary_path,
+            env,
+            &files,
+            &cgroups,
+            inner.spawn_method,
+            switch,
+        ) {
             Ok((child, identity)) => Ok(Spawned {
                 child,
                 identity,
@@ -303,6 +350,7 @@ impl BareMetalBackend {
                 let _ = cgroups.remove();
                 self.prune_empty_cgroups();
                 let _ = fs::remove_dir_all(&dir);
+                let _ = fs::remove_dir_all(&work);
                 Err(e)
             }
         }
@@ -347,12 +395,38 @@ impl BareMetalBackend {
             tracing::warn!(agent_id = %agent, error = %e, "aborted spawn: cannot remove its cgroups");
         }
         self.prune_empty_cgroups();
-        match fs::remove_dir_all(dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(agent_id = %agent, error = %e, "aborted spawn: cannot remove its directory")
+        for d in [dir, &self.work_dir(agent)] {
+            match fs::remove_dir_all(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(agent_id = %agent, error = %e, dir = %d.display(), "aborted spawn: cannot remove its directory")
+                }
             }
+        }
+    }
+}
+
+/// The login variables of an agent that runs as another user: its own
+/// name, and a home it may write (its passwd home when that exists, else
+/// its work dir) — never the daemon's. A label set's `env:` still wins.
+fn user_env(env: &mut Vec<(String, String)>, user: &Credentials, work: &Path, spec: &SpawnSpec) {
+    let home = if user.home.is_dir() {
+        user.home.as_path()
+    } else {
+        work
+    };
+    for (name, value) in [
+        ("HOME", home.display().to_string()),
+        ("USER", user.name.clone()),
+        ("LOGNAME", user.name.clone()),
+    ] {
+        if spec.label_set.env.keys().any(|k| k.as_str() == name) {
+            continue;
+        }
+        match env.iter_mut().find(|(k, _)| k == name) {
+            Some(slot) => slot.1 = value,
+            None => env.push((name.to_owned(), value)),
         }
     }
 }

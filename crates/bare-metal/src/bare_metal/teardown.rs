@@ -135,6 +135,15 @@ impl BareMetalBackend {
         // Copying the log tails and removing directories can take
         // milliseconds on a busy disk: not on a tokio worker, where it would
         // stall every task queued behind it.
+        let work = self.work_dir(agent);
+        let removed_work = work.clone();
+        tokio::task::spawn_blocking(move || match fs::remove_dir_all(&removed_work) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+        .map_err(|source| DestroyError::WorkDir { dir: work, source })?;
         let (from, retired) = (dir.clone(), self.retired_dir());
         tokio::task::spawn_blocking(move || logs::retire(&from, &retired))
             .await

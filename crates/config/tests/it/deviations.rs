@@ -7,7 +7,7 @@
 use crate::common;
 use common::*;
 use kici_config::load_documents;
-use kici_model::{ScalerExtension, ScalerType, UlimitName, UlimitValue};
+use kici_model::{AgentUser, ScalerExtension, ScalerType, UlimitName, UlimitValue};
 use std::time::Duration;
 
 #[test]
@@ -596,6 +596,86 @@ fn scaler_extension_ulimits() {
     assert_eq!(
         err_lines(&bare_metal),
         ["scalers.yaml:7:16: scalers[0].x-kici-scaler.ulimits: ulimits apply to container scalers only, not to type \"bare-metal\""]
+    );
+}
+
+/// `x-kici-scaler.user` / `.group`: who a bare-metal scaler's agents run
+/// as, by name; upstream's numeric `uid`/`gid` stay Firecracker's.
+#[test]
+fn scaler_extension_agent_user() {
+    let metal = |ext: &str| {
+        with_scalers(&format!(
+            "  - name: b\n    type: bare-metal\n    maxAgents: 1\n    x-kici-scaler: {ext}\n    labelSets:\n      - labels: [b]\n        binaryPath: /bin/true\n"
+        ))
+    };
+    let l = ok(&metal("{user: kici-agent}"));
+    assert_eq!(
+        l.config.scalers[0].ext.agent_user,
+        Some(AgentUser {
+            user: "kici-agent".into(),
+            group: None
+        })
+    );
+    let l = ok(&metal("{user: kici-agent, group: ci}"));
+    assert_eq!(
+        l.config.scalers[0].ext.agent_user,
+        Some(AgentUser {
+            user: "kici-agent".into(),
+            group: Some("ci".into())
+        })
+    );
+    assert_eq!(ok(&metal("{}")).config.scalers[0].ext.agent_user, None);
+
+    assert_eq!(
+        err_lines(&metal("{group: ci}")),
+        ["scalers.yaml:6:28: scalers[0].x-kici-scaler.group: group needs user: name the user the agents run as too"]
+    );
+    assert_eq!(
+        err_lines(&metal("{user: 1001}")),
+        ["scalers.yaml:6:27: scalers[0].x-kici-scaler.user: expected a string, got 1001 (quote it to use it as a string)"]
+    );
+    assert_error(
+        &metal("{user: \"1001\"}"),
+        &["x-kici-scaler.user: expected a user name; \"1001\" must be a name, not a number"],
+    );
+    assert_error(
+        &metal("{user: \"\"}"),
+        &["x-kici-scaler.user: expected a user name; \"\" must not be empty"],
+    );
+    assert_error(
+        &metal("{user: \"ci:ci\"}"),
+        &["x-kici-scaler.user: expected a user name; \"ci:ci\" must not contain ':'"],
+    );
+    assert_error(
+        &metal("{user: ci, group: \"-x\"}"),
+        &["x-kici-scaler.group: expected a group name; \"-x\" must not start with '-'"],
+    );
+    assert_error(
+        &metal("{username: ci}"),
+        &["x-kici-scaler.username", "unrecognized key"],
+    );
+    // Other types' agents do not run as a host user.
+    let container = with_scalers(&container("c", "a").replace(
+        "    labelSets:",
+        "    x-kici-scaler: {user: ci}\n    labelSets:",
+    ));
+    assert_error(
+        &container,
+        &["scalers[0].x-kici-scaler.user: user applies to bare-metal scalers only, not to type \"container\""],
+    );
+    // Upstream's uid/gid belong to Firecracker (the jailer's ids) and are
+    // ignored, with a warning, on a bare-metal scaler: a config written for
+    // upstream keeps running its agents as before.
+    let l = ok(&with_scalers(
+        "  - name: b\n    type: bare-metal\n    maxAgents: 1\n    uid: 1000\n    labelSets:\n      - labels: [b]\n        binaryPath: /bin/true\n",
+    ));
+    assert_eq!(l.config.scalers[0].ext.agent_user, None);
+    let warnings: Vec<String> = l.warnings.iter().map(ToString::to_string).collect();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("`uid` only applies to firecracker scalers")),
+        "{warnings:?}"
     );
 }
 

@@ -222,6 +222,15 @@ pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
         &HostPaths::discover(tuning.cgroup_root.as_deref()),
         &tuning.container_network,
     );
+    if let Ok(loaded) = kici_config::load(&args.config.config, args.config.config_dir.as_deref()) {
+        let work_root = tuning
+            .bare_metal_work_dir
+            .clone()
+            .unwrap_or_else(|| BareMetalOptions::default_work_root(&state_dir));
+        let rows = agent_user_checks(&loaded.config, &work_root);
+        report.ok &= rows.iter().all(|r| r.status != Status::Fail);
+        report.checks.extend(rows);
+    }
     for p in problems {
         report
             .checks
@@ -247,6 +256,62 @@ pub fn doctor(args: &DoctorArgs, out: &mut dyn Write) -> Result<Outcome, CliErro
     } else {
         Outcome::Failed
     })
+}
+
+/// Per bare-metal scaler, who its agents run as: `warn` when no
+/// `x-kici-scaler.user` is named and this runs as root (so would a root
+/// `serve`'s agents), `fail` when the named user or group does not exist,
+/// cannot be switched to, or cannot reach its work directories.
+pub fn agent_user_checks(config: &Config, work_root: &Path) -> Vec<CheckRow> {
+    let root = rustix::process::geteuid().is_root();
+    config
+        .scalers
+        .iter()
+        .filter(|s| s.kind == ScalerType::BareMetal)
+        .map(|s| {
+            let check = format!("agent user ({})", s.name);
+            let Some(user) = &s.ext.agent_user else {
+                return if root {
+                    CheckRow::new(check, Status::Warn, crate::cli::ROOT_AGENTS_WARNING)
+                } else {
+                    CheckRow::new(
+                        check,
+                        Status::Ok,
+                        format!(
+                            "agents run as the daemon's own user (uid {})",
+                            rustix::process::geteuid().as_raw()
+                        ),
+                    )
+                };
+            };
+            match kici_bare_metal::Credentials::resolve(user) {
+                Err(e) => CheckRow::new(check, Status::Fail, e.to_string()),
+                Ok(c) => match c.denied_on_path(work_root, 0o1).filter(|_| c.switch) {
+                    Some(denied) => CheckRow::new(
+                        check,
+                        Status::Fail,
+                        format!(
+                            "{:?} cannot reach the work root {}: {denied}",
+                            c.name,
+                            work_root.display()
+                        ),
+                    ),
+                    None => CheckRow::new(
+                        check,
+                        Status::Ok,
+                        format!(
+                            "agents run as {} (uid {}, gid {}, groups {:?}), work dirs under {}",
+                            c.name,
+                            c.uid,
+                            c.gid,
+                            c.groups,
+                            work_root.display()
+                        ),
+                    ),
+                },
+            }
+        })
+        .collect()
 }
 
 /// Every check, in report order.

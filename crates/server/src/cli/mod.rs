@@ -416,7 +416,7 @@ fn validate(
     out: &mut dyn Write,
     err: &mut dyn Write,
 ) -> Result<Outcome, CliError> {
-    let loaded = match load(&args.config, err) {
+    let mut loaded = match load(&args.config, err) {
         Ok(loaded) => loaded,
         Err(CliError::Config(errors)) if args.json => {
             // The JSON document reports the errors too; stderr still lists them.
@@ -426,6 +426,10 @@ fn validate(
         }
         Err(e) => return Err(e),
     };
+    for w in root_agent_warnings(&loaded.config) {
+        writeln!(err, "warning: {w}")?;
+        loaded.warnings.push(w);
+    }
     if args.json {
         serde_json::to_writer(&mut *out, &ValidateJson::valid(&loaded))?;
         writeln!(out)?;
@@ -434,6 +438,29 @@ fn validate(
     }
     Ok(Outcome::Ok)
 }
+
+/// A warning for each bare-metal scaler that names no
+/// `x-kici-scaler.user`: its agents run as the daemon's own user, root
+/// under the packaged service. (Not a loader warning: `run` rightly runs
+/// such agents as the user who runs it.)
+pub fn root_agent_warnings(config: &kici_model::Config) -> Vec<kici_config::Diagnostic> {
+    config
+        .scalers
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.kind == kici_model::ScalerType::BareMetal && s.ext.agent_user.is_none())
+        .map(|(i, s)| {
+            kici_config::Diagnostic::new(
+                s.origin.clone(),
+                format!("scalers[{i}]"),
+                ROOT_AGENTS_WARNING,
+            )
+        })
+        .collect()
+}
+
+/// What [`root_agent_warnings`] and `doctor` say.
+pub const ROOT_AGENTS_WARNING: &str = "bare-metal agents of this scaler run as the daemon's own user: under a root `serve` (the packaged service) they run as root and can read the daemon's state and secrets; name an unprivileged user in x-kici-scaler.user (the package creates kici-agent)";
 
 /// `ok: 3 scalers, 7 label sets, 0 warnings (scalers.yaml, scalers.d/10-gpu.yaml)`
 pub fn validate_summary(loaded: &Loaded) -> String {

@@ -145,6 +145,12 @@ impl BackendRegistry {
                         std::env::vars().collect(),
                     );
                     options.pids_max = ctx.tuning.bare_metal_pids_max;
+                    if let Some(root) = &ctx.tuning.bare_metal_work_dir {
+                        options.work_root = root.clone();
+                    }
+                    // `serve` warns about agents running as root; `run`
+                    // runs its invoking user's own command.
+                    options.warn_root_agents = !ctx.ephemeral;
                     options.log_keep_bytes = ctx.tuning.bare_metal_log_keep_bytes;
                     options.place(crate::daemon::cgroups::place_self(
                         ctx.tuning.cgroup_root.as_deref(),
@@ -154,9 +160,12 @@ impl BackendRegistry {
                     let cleanup = backend.clone();
                     Ok(Started {
                         backend: Arc::new(backend),
-                        // Every agent's cgroup is gone; the instance's (now
-                        // empty) directories above them go too.
-                        after_shutdown: Some(Box::new(move || cleanup.prune_empty_cgroups())),
+                        // Every agent's cgroup and work dir is gone; the
+                        // instance's (now empty) directories above them go too.
+                        after_shutdown: Some(Box::new(move || {
+                            cleanup.prune_empty_cgroups();
+                            cleanup.remove_empty_work_dirs();
+                        })),
                         agent_gateway: None,
                         rule_sweep: None,
                         orphan_reports: None,

@@ -229,6 +229,14 @@ async fn sweep_one(dir: &Path, tuning: &BackendTuning) -> Option<SweptRun> {
     }
     drop(state);
     if run.errors.is_empty() {
+        // The bare-metal agents' work dirs are gone with their agents;
+        // what held them goes too (empty, or nothing is removed).
+        let work_root = tuning
+            .bare_metal_work_dir
+            .clone()
+            .unwrap_or_else(|| kici_bare_metal::BareMetalOptions::default_work_root(dir));
+        let _ = std::fs::remove_dir(work_root.join(instance.to_string()));
+        let _ = std::fs::remove_dir(&work_root);
         if let Err(e) = std::fs::remove_dir_all(dir) {
             run.errors
                 .push(format!("cannot remove {}: {e}", dir.display()));

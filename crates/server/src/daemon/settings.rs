@@ -313,6 +313,7 @@ pub struct DaemonFile {
     pub container_ulimits: Option<Vec<String>>,
     pub bare_metal_pids_max: Option<NumberOrWord>,
     pub bare_metal_log_keep_bytes: Option<NumberOrWord>,
+    pub bare_metal_work_dir: Option<PathBuf>,
     pub container_network: Option<String>,
     pub container_subnet: Option<String>,
     pub container_bridge: Option<String>,
@@ -430,6 +431,14 @@ pub struct BackendArgs {
         env = "KICI_SCALER_BARE_METAL_LOG_KEEP_BYTES"
     )]
     pub bare_metal_log_keep_bytes: Option<Limit>,
+    // Also the --help text, where <…> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
+    /// Where bare-metal agents' working directories go (as
+    /// DIR/<instance>/<agent>, each owned by the agent's user, mode 0700);
+    /// outside the state dir, which agents must not enter
+    /// [default: <state-dir>-work].
+    #[arg(long, value_name = "DIR", env = "KICI_SCALER_BARE_METAL_WORK_DIR")]
+    pub bare_metal_work_dir: Option<PathBuf>,
     /// The Docker/Podman network agent containers join (created when
     /// missing, checked when present) [default: kici-scaler-net].
     #[arg(long, value_name = "NAME", env = "KICI_SCALER_CONTAINER_NETWORK")]
@@ -461,6 +470,9 @@ pub struct BackendTuning {
     pub bare_metal_pids_max: Option<NonZeroU64>,
     /// Disk kept of each bare-metal agent log; `None`: all of it.
     pub bare_metal_log_keep_bytes: Option<NonZeroU64>,
+    /// Bare-metal agents' work root; `None`: beside the state dir
+    /// ([`kici_bare_metal::BareMetalOptions::default_work_root`]).
+    pub bare_metal_work_dir: Option<PathBuf>,
     /// The agent containers' network.
     pub container_network: kici_container::NetworkSettings,
     /// Between two sweeps of the Firecracker backend's own orphans.
@@ -480,6 +492,7 @@ impl Default for BackendTuning {
             bare_metal_log_keep_bytes: NonZeroU64::new(
                 kici_bare_metal::BareMetalOptions::DEFAULT_LOG_KEEP_BYTES,
             ),
+            bare_metal_work_dir: None,
             container_network: kici_container::NetworkSettings::default(),
             firecracker_sweep_interval: kici_firecracker::DEFAULT_SWEEP_INTERVAL,
             orphan_min_age: Duration::from_secs(DEFAULT_RECONCILE_SECONDS),
@@ -571,6 +584,10 @@ impl BackendArgs {
                 .cgroup_root
                 .clone()
                 .or_else(|| file.cgroup_root.clone()),
+            bare_metal_work_dir: self
+                .bare_metal_work_dir
+                .clone()
+                .or_else(|| file.bare_metal_work_dir.clone()),
             ..defaults
         }
     }

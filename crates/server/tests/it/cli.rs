@@ -111,12 +111,18 @@ fn validate_prints_a_one_line_summary() {
     assert_eq!(
         stdout(&out),
         format!(
-            "ok: 2 scalers, 3 label sets, 0 warnings ({}, {})\n",
+            "ok: 2 scalers, 3 label sets, 1 warning ({}, {})\n",
             cfg.main().display(),
             cfg.drop_in_dir().join("10-gpu.yaml").display()
         )
     );
-    assert_eq!(stderr(&out), "");
+    // The drop-in's bare-metal scaler names no agent user.
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("scalers[1]: bare-metal agents of this scaler run as the daemon's own user"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -384,7 +390,8 @@ fn the_shipped_examples_are_valid_and_route() {
     let ex = examples();
     let quick = run_with_config("validate", &ex.join("quickstart.yaml"), None, &[]);
     assert_eq!(quick.status.code(), Some(0), "{}", stderr(&quick));
-    assert!(stdout(&quick).starts_with("ok: 1 scaler, 1 label set, 0 warnings ("));
+    // Its agents run as whoever runs `run`: the one warning says so.
+    assert!(stdout(&quick).starts_with("ok: 1 scaler, 1 label set, 1 warning ("));
 
     let routed = run_with_config(
         "route",

@@ -4,6 +4,7 @@
 //! a process of its own, so process-global state (env vars, signal handlers,
 //! the `serial_` group) is as isolated as before.
 
+mod agent_user;
 mod api;
 mod api_access;
 mod cli;

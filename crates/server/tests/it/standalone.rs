@@ -441,8 +441,8 @@ fn what_a_killed_run_left_is_swept_by_the_next_run() {
     assert!(cgroup.exists(), "the agent's cgroup went with `run`");
     assert_eq!(
         std::fs::read_dir(dir.runs()).unwrap().count(),
-        1,
-        "its state dir"
+        2,
+        "its state dir and, beside it, its agents' work dirs"
     );
 
     let config = dir.config(&agent_binary(), 1, "");
