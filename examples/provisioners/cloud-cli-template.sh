@@ -9,12 +9,17 @@
 #   x-kici-scaler:
 #     provisioner:
 #       command: ["/usr/local/lib/kici/cloud-provision.sh"]
+#       env:
+#         CLOUD_REGION: eu-west-1
+#         CLOUD_IMAGE_ID: ami-0123456789abcdef0
+#         CLOUD_SUBNET_ID: subnet-0123456789abcdef0
+#         CLOUD_SECURITY_GROUP: sg-0123456789abcdef0
+#       passEnv: [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN]
 #       timeoutSeconds: 120
 #
 # The contract (see examples/provisioners/README.md):
-#   - the event JSON arrives on stdin; KICI_PROVISION_EVENT (scale-up |
-#     scale-down), KICI_PROVISION_REQUEST_ID and KICI_PROVISION_AGENT_ID are
-#     set too;
+#   - the event JSON arrives on stdin; PROVISION_EVENT (scale-up |
+#     scale-down), PROVISION_REQUEST_ID and PROVISION_AGENT_ID are set too;
 #   - exit 0 = done. Anything else (or running past timeoutSeconds, after
 #     which the whole process group is killed) is retried with backoff, so
 #     every step must be safe to run twice;
@@ -24,16 +29,18 @@
 #     each): never print the claim code.
 #
 # Needs: bash, jq, the cloud CLI with credentials in this process's
-# environment (kici-scaler passes its own environment through, minus its
-# KICI_SCALER_* settings and the webhook secret).
+# environment. The command gets nothing of kici-scaler's environment but
+# PATH, HOME, LANG and LC_ALL: the settings below come from the scaler's
+# `provisioner.env`, the credentials from the daemon's environment through
+# `passEnv` (an instance role or a credentials file under HOME works too).
 
 set -euo pipefail
 
 # --- settings you will change --------------------------------------------
-REGION="${PROVISION_REGION:-eu-west-1}"
-IMAGE_ID="${PROVISION_IMAGE_ID:-ami-0123456789abcdef0}"   # an image with kici-agent-lite at /usr/local/bin
-SUBNET_ID="${PROVISION_SUBNET_ID:-subnet-0123456789abcdef0}"
-SECURITY_GROUP="${PROVISION_SECURITY_GROUP:-sg-0123456789abcdef0}"
+REGION="${CLOUD_REGION:-eu-west-1}"
+IMAGE_ID="${CLOUD_IMAGE_ID:-ami-0123456789abcdef0}"   # an image with kici-agent-lite at /usr/local/bin
+SUBNET_ID="${CLOUD_SUBNET_ID:-subnet-0123456789abcdef0}"
+SECURITY_GROUP="${CLOUD_SECURITY_GROUP:-sg-0123456789abcdef0}"
 # --------------------------------------------------------------------------
 
 event_json="$(cat)"
@@ -65,7 +72,7 @@ existing_instances() {
         --query 'Reservations[].Instances[].InstanceId' --output text
 }
 
-case "$KICI_PROVISION_EVENT" in
+case "$PROVISION_EVENT" in
 scale-up)
     # A redelivery of a scale-up we already acted on: nothing to do.
     if [ -n "$(existing_instances)" ]; then
@@ -118,7 +125,7 @@ scale-down)
     ;;
 
 *)
-    echo "unknown event ${KICI_PROVISION_EVENT:-<unset>}; ignoring" >&2
+    echo "unknown event ${PROVISION_EVENT:-<unset>}; ignoring" >&2
     # Exit 0: a newer kici-scaler's event this script does not know must
     # not be retried forever.
     exit 0

@@ -8,20 +8,22 @@
 # integration tests run; it is also a small, complete example of the
 # contract (run as root: it creates namespaces and links).
 #
-# The event JSON arrives on stdin; KICI_PROVISION_EVENT, _REQUEST_ID and
-# _AGENT_ID say which one without parsing. Exit 0 = done (the daemon
+# The event JSON arrives on stdin; PROVISION_EVENT, PROVISION_REQUEST_ID
+# and PROVISION_AGENT_ID say which one without parsing. Exit 0 = done (the daemon
 # retries anything else). Both events may come twice (at-least-once
 # delivery), and a scale-down may come for an instance never booted: each
 # step below is idempotent.
 #
-# Settings (environment, inherited from the daemon):
+# Settings, in its environment (the command gets nothing else of the
+# daemon's: name them in the scaler's `provisioner.env`, or in `passEnv` to
+# take them from the daemon's environment):
 #   NETNS_PREFIX     first two octets of the instances' /30 links (e.g. 10.213)
 #   NETNS_AGENT      path of kici-agent-lite
 #   NETNS_LOG_DIR    where each instance's agent log and the events go
 set -eu
 
 event=$(cat)
-agent=$KICI_PROVISION_AGENT_ID
+agent=$PROVISION_AGENT_ID
 hex=${agent##*-}              # the agent id's 8 hex digits: unique per agent
 ns="kici-$hex"
 host_if="kh$hex"              # ≤ 15 characters, as link names must be
@@ -35,7 +37,7 @@ b=$(( $(printf '%d' "0x$(printf '%s' "$hex" | cut -c3-4)") & 252 ))
 host_ip="$NETNS_PREFIX.$a.$((b + 1))"
 guest_ip="$NETNS_PREFIX.$a.$((b + 2))"
 
-case "$KICI_PROVISION_EVENT" in
+case "$PROVISION_EVENT" in
 scale-up)
     code=$(printf '%s' "$event" | jq -r .claimCode)
     url=$(printf '%s' "$event" | jq -r .claimUrl)
@@ -52,14 +54,12 @@ scale-up)
         ip -n "$ns" route add default via "$host_ip"
     fi
     # Detached (its own session, no pipes back to the daemon): it outlives
-    # this command, like an instance outlives its provisioning call. The
-    # agent refuses KICI_* variables outside its contract: this command's
-    # own do not follow it (a real instance would not have them either).
-    # The code goes in the environment, never on a command line (which any
-    # local user can read).
+    # this command, like an instance outlives its provisioning call. It
+    # inherits this command's environment as it is: none of it is a KICI_*
+    # name the agent would refuse. The code goes in the environment, never
+    # on a command line (which any local user can read).
     KICI_CLAIM_CODE="$code" KICI_CLAIM_URL="$url" \
-        ip netns exec "$ns" env -u KICI_PROVISION_EVENT -u KICI_PROVISION_REQUEST_ID \
-        -u KICI_PROVISION_AGENT_ID setsid "$NETNS_AGENT" \
+        ip netns exec "$ns" setsid "$NETNS_AGENT" \
         </dev/null >"$log_dir/$ns.log" 2>&1 &
     ;;
 scale-down)

@@ -341,6 +341,8 @@ fn provisioner_settings(cx: &mut Cx, v: &Val<'_>) -> Option<ProvisionerSettings>
             };
             Some(ProvisionerSettings {
                 target,
+                env: c.env,
+                pass_env: c.pass_env,
                 timeout: c.timeout,
                 max_attempts: c.retry.max_attempts,
             })

@@ -199,6 +199,13 @@ impl EventSettings {
 #[serde(rename_all = "camelCase")]
 pub struct ProvisionerSettings {
     pub target: ProvisionerTarget,
+    /// `env`: literal variables for the command's environment.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// `passEnv`: variables the command gets from the daemon's environment
+    /// (names only; their values are read at delivery).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pass_env: Vec<String>,
     /// Bound on one delivery attempt.
     #[serde(serialize_with = "ser_secs")]
     pub timeout: Duration,

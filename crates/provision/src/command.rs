@@ -13,17 +13,24 @@
 //!   After the command exits, its pipes are read for at most
 //!   [`PIPE_DRAIN_GRACE`]: a detached grandchild still holding them does not
 //!   hold up the delivery.
-//! - The environment is the daemon's, minus every `KICI_SCALER_*` variable
-//!   (the daemon's own settings, which include its API token) and the
-//!   webhook's secret variable, plus
-//!   `KICI_PROVISION_EVENT` (`scale-up`/`scale-down`), `KICI_PROVISION_REQUEST_ID`
-//!   and `KICI_PROVISION_AGENT_ID`, so a script can branch without parsing
-//!   JSON first.
+//! - The environment starts empty: nothing of the daemon's reaches the
+//!   command unless named (another scaler's webhook secret, a database
+//!   password, the daemon's `KICI_SCALER_*` settings stay out). It holds
+//!   [`CommandEnv`] — `PATH` (the daemon's, else [`DEFAULT_PATH`]),
+//!   `HOME`, `LANG` and `LC_ALL` when the daemon has them, the
+//!   scaler's `passEnv` and `env` — plus `PROVISION_EVENT`
+//!   (`scale-up`/`scale-down`), `PROVISION_REQUEST_ID` and
+//!   `PROVISION_AGENT_ID`, so a script can branch without parsing JSON
+//!   first. None of it is a `KICI_*` name, so a script may start the agent
+//!   with its own environment plus `KICI_CLAIM_CODE`/`KICI_CLAIM_URL`.
 //! - Exit status 0 is delivered; anything else (non-zero, a signal, the
 //!   timeout, a command that cannot start) is a failed attempt.
 
+use crate::config::ProvisionerConfig;
+pub use crate::config::{ENV_AGENT_ID, ENV_EVENT, ENV_REQUEST_ID};
 use parking_lot::Mutex;
 use rustix::process::{kill_process_group, Pid, Signal};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::process::Stdio;
 use std::sync::Arc;
@@ -36,21 +43,62 @@ use tokio::task::JoinHandle;
 pub const DEFAULT_CAPTURE_LIMIT: usize = 64 * 1024;
 /// How long the pipes are still read after the command exited.
 pub const PIPE_DRAIN_GRACE: Duration = Duration::from_millis(500);
-/// Variables removed from the command's environment (by prefix).
-pub const STRIPPED_ENV_PREFIX: &str = "KICI_SCALER_";
-pub const ENV_EVENT: &str = "KICI_PROVISION_EVENT";
-pub const ENV_REQUEST_ID: &str = "KICI_PROVISION_REQUEST_ID";
-pub const ENV_AGENT_ID: &str = "KICI_PROVISION_AGENT_ID";
+/// `PATH` when the daemon has none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The daemon's variables every command gets when they are set: where
+/// programs are, whose home, which locale.
+pub const INHERITED_ENV: [&str; 4] = ["PATH", "HOME", "LANG", "LC_ALL"];
 
-/// What the command is told about the event besides its JSON.
+/// The environment a provisioner command starts with (the event
+/// variables aside): [`INHERITED_ENV`], then `passEnv`, then `env`, each
+/// over the one before.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommandEnv(BTreeMap<String, String>);
+
+impl CommandEnv {
+    /// Reads the daemon's side through `lookup_env` (the daemon passes the
+    /// process environment; tests a map). A `passEnv` name that is unset
+    /// is left out, like an unset inherited one; `PATH` falls back to
+    /// [`DEFAULT_PATH`].
+    pub fn resolve(
+        config: &ProvisionerConfig,
+        lookup_env: impl Fn(&str) -> Option<String>,
+    ) -> Self {
+        let mut vars = BTreeMap::new();
+        for name in INHERITED_ENV
+            .iter()
+            .copied()
+            .chain(config.pass_env.iter().map(String::as_str))
+        {
+            if let Some(value) = lookup_env(name) {
+                vars.insert(name.to_owned(), value);
+            }
+        }
+        vars.entry("PATH".to_owned())
+            .or_insert_with(|| DEFAULT_PATH.to_owned());
+        vars.extend(config.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        Self(vars)
+    }
+
+    /// The variables, by name.
+    pub fn vars(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0.get(name).map(String::as_str)
+    }
+}
+
+/// What the command is told: its environment and the event (besides its
+/// JSON on stdin).
 #[derive(Debug, Clone, Copy)]
 pub struct EventEnv<'a> {
     pub event: &'a str,
     pub request_id: &'a str,
     pub agent_id: &'a str,
-    /// Further variables left out of its environment (the webhook's
-    /// `secretEnv`: the command has no business with the signing key).
-    pub remove: &'a [String],
+    /// Everything else it gets.
+    pub base: &'a CommandEnv,
 }
 
 /// Up to a bound of a stream's bytes, and how many more there were.
@@ -168,18 +216,10 @@ pub async fn run_once(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
-        .kill_on_drop(true);
-    for (name, _) in std::env::vars_os() {
-        if name
-            .to_str()
-            .is_some_and(|n| n.starts_with(STRIPPED_ENV_PREFIX))
-        {
-            cmd.env_remove(name);
-        }
-    }
-    for name in env.remove {
-        cmd.env_remove(name);
-    }
+        .kill_on_drop(true)
+        // Nothing of the daemon's environment but what `base` names.
+        .env_clear()
+        .envs(env.base.vars());
     cmd.env(ENV_EVENT, env.event)
         .env(ENV_REQUEST_ID, env.request_id)
         .env(ENV_AGENT_ID, env.agent_id);

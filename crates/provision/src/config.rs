@@ -8,12 +8,18 @@
 //!     webhook:
 //!       url: https://provisioner.internal.example.com/kici
 //!       secretEnv: KICI_PROVISIONER_SECRET
+//!     env:                 # literal variables for the command
+//!       CLOUD_REGION: eu-west-1
+//!     passEnv: [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY]  # from the daemon's environment
 //!     timeoutSeconds: 30   # per attempt (default 30)
 //!     maxAttempts: 5       # attempts per event (default 5)
 //! ```
 //!
 //! At least one of `command` and `webhook`; with both, an event counts as
-//! delivered once both took it. The parser works on the block as a JSON
+//! delivered once both took it. `env` and `passEnv` shape the command's
+//! environment, which otherwise holds only `PATH`, `HOME`, `LANG`, `LC_ALL`
+//! and the event variables ([`EVENT_ENV`]): nothing else of the daemon's
+//! environment reaches it. The parser works on the block as a JSON
 //! value and reports every problem at once, each with a [`FieldPath`]
 //! relative to the `provisioner` block (`command[0]`, `webhook.secretEnv`),
 //! so `kici-config` can put the file position of the node at that path in
@@ -22,6 +28,7 @@
 
 use crate::retry::RetryPolicy;
 use serde_json::{Map, Value};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
@@ -32,7 +39,28 @@ pub const MAX_TIMEOUT_SECONDS: u64 = 3600;
 /// Largest `maxAttempts`.
 pub const MAX_ATTEMPTS: u64 = 100;
 
-const KEYS: [&str; 4] = ["command", "webhook", "timeoutSeconds", "maxAttempts"];
+/// The command's event variables: which event (`scale-up`/`scale-down`),
+/// its `requestId` and its `agentId`, so a script can branch without
+/// parsing JSON first. Outside the `KICI_*` names on purpose: a script that
+/// starts the agent passes its environment on, and the agent refuses
+/// `KICI_*` variables it does not know.
+pub const ENV_EVENT: &str = "PROVISION_EVENT";
+pub const ENV_REQUEST_ID: &str = "PROVISION_REQUEST_ID";
+pub const ENV_AGENT_ID: &str = "PROVISION_AGENT_ID";
+/// Every event variable; `env` and `passEnv` may not name one.
+pub const EVENT_ENV: [&str; 3] = [ENV_EVENT, ENV_REQUEST_ID, ENV_AGENT_ID];
+/// The daemon's own settings (its API token among them): `passEnv` may not
+/// name one.
+pub const DAEMON_ENV_PREFIX: &str = "KICI_SCALER_";
+
+const KEYS: [&str; 6] = [
+    "command",
+    "webhook",
+    "env",
+    "passEnv",
+    "timeoutSeconds",
+    "maxAttempts",
+];
 const WEBHOOK_KEYS: [&str; 2] = ["url", "secretEnv"];
 
 /// Where the operator's provisioner is and how hard to try it.
@@ -40,6 +68,12 @@ const WEBHOOK_KEYS: [&str; 2] = ["url", "secretEnv"];
 pub struct ProvisionerConfig {
     pub command: Option<CommandTarget>,
     pub webhook: Option<WebhookTarget>,
+    /// `env`: variables set, with these values, in the command's
+    /// environment (over anything of the same name).
+    pub env: BTreeMap<String, String>,
+    /// `passEnv`: variables copied from the daemon's environment into the
+    /// command's when set there (an unset one is left out).
+    pub pass_env: Vec<String>,
     /// Bound on one attempt (a command run, an HTTP exchange).
     pub timeout: Duration,
     pub retry: RetryPolicy,
@@ -165,6 +199,23 @@ pub fn parse_provisioner(value: &Value) -> Result<ProvisionerConfig, Provisioner
         .map(Duration::from_secs)
         .unwrap_or(DEFAULT_TIMEOUT),
     };
+    let env = obj
+        .get("env")
+        .map(|v| literal_env(&mut p, &root.key("env"), v))
+        .unwrap_or_default();
+    let secret_env = webhook.as_ref().map(|w| w.secret_env.as_str());
+    let pass_env = obj
+        .get("passEnv")
+        .map(|v| pass_env(&mut p, &root.key("passEnv"), v, &env, secret_env))
+        .unwrap_or_default();
+    for key in ["env", "passEnv"] {
+        if obj.contains_key(key) && !obj.contains_key("command") {
+            p.push(
+                root.key(key),
+                "only applies to `command` (the environment of the provisioner command), and there is none",
+            );
+        }
+    }
     let mut retry = RetryPolicy::default();
     if let Some(v) = obj.get("maxAttempts") {
         if let Some(n) = int_in(&mut p, &root.key("maxAttempts"), v, 1, MAX_ATTEMPTS) {
@@ -184,6 +235,8 @@ pub fn parse_provisioner(value: &Value) -> Result<ProvisionerConfig, Provisioner
     Ok(ProvisionerConfig {
         command,
         webhook,
+        env,
+        pass_env,
         timeout,
         retry,
     })
@@ -336,6 +389,116 @@ fn webhook_url(p: &mut Problems, at: &FieldPath, v: &Value) -> Option<url::Url> 
     Some(url)
 }
 
+const ENV_NAME_SHAPE: &str = "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)";
+
+/// `env: {NAME: value}`; the valid entries (the problems are pushed).
+fn literal_env(p: &mut Problems, at: &FieldPath, v: &Value) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let Some(obj) = v.as_object() else {
+        p.push(
+            at.clone(),
+            format!(
+                "expected a mapping of variable names to values, got {}",
+                kind(v)
+            ),
+        );
+        return out;
+    };
+    for (name, value) in obj {
+        let here = at.key(name);
+        let name_ok = env_name_usable(p, &here, name);
+        match value {
+            Value::String(s) if s.contains('\0') => p.push(here, "must not contain a NUL byte"),
+            Value::String(s) if name_ok => {
+                out.insert(name.clone(), s.clone());
+            }
+            Value::String(_) => {}
+            other => p.push(
+                here,
+                format!(
+                    "expected a string value (quote numbers and booleans), got {}",
+                    kind(other)
+                ),
+            ),
+        }
+    }
+    out
+}
+
+/// `passEnv: [NAME, …]`; the valid names (the problems are pushed).
+fn pass_env(
+    p: &mut Problems,
+    at: &FieldPath,
+    v: &Value,
+    literal: &BTreeMap<String, String>,
+    secret_env: Option<&str>,
+) -> Vec<String> {
+    let Some(items) = v.as_array() else {
+        p.push(
+            at.clone(),
+            format!("expected a list of variable names, got {}", kind(v)),
+        );
+        return Vec::new();
+    };
+    let mut out: Vec<String> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let here = at.index(i);
+        let Some(name) = item.as_str() else {
+            p.push(
+                here,
+                format!("expected {ENV_NAME_SHAPE}, got {}", kind(item)),
+            );
+            continue;
+        };
+        if !env_name_usable(p, &here, name) {
+            continue;
+        }
+        if name.starts_with(DAEMON_ENV_PREFIX) {
+            p.push(
+                here,
+                format!(
+                    "{name} is one of kici-scaler's own settings ({DAEMON_ENV_PREFIX}*, its API token among them): never passed to a provisioner"
+                ),
+            );
+        } else if secret_env == Some(name) {
+            p.push(
+                here,
+                format!("{name} holds the webhook's signing secret (webhook.secretEnv): the command has no business with it"),
+            );
+        } else if literal.contains_key(name) {
+            p.push(
+                here,
+                format!("{name} is also set in `env`: give it one source"),
+            );
+        } else if out.iter().any(|n| n == name) {
+            p.push(here, format!("{name} is listed twice"));
+        } else {
+            out.push(name.to_owned());
+        }
+    }
+    out
+}
+
+/// A name `env` or `passEnv` may use: well formed and not an event
+/// variable (pushes the problem and says `false` otherwise).
+fn env_name_usable(p: &mut Problems, at: &FieldPath, name: &str) -> bool {
+    if !is_env_name(name) {
+        p.push(
+            at.clone(),
+            format!("expected {ENV_NAME_SHAPE}, got {name:?}"),
+        );
+        false
+    } else if EVENT_ENV.contains(&name) {
+        p.push(
+            at.clone(),
+            format!("{name} is set by kici-scaler for every event and cannot be configured"),
+        );
+        false
+    } else {
+        true
+    }
+}
+
 fn is_env_name(s: &str) -> bool {
     let mut bytes = s.bytes();
     matches!(bytes.next(), Some(b'A'..=b'Z' | b'a'..=b'z' | b'_'))
@@ -393,7 +556,7 @@ mod tests {
                 "retries": 2
             })),
             [
-                "provisioner.retries: unknown key `retries` (expected one of: command, webhook, timeoutSeconds, maxAttempts)",
+                "provisioner.retries: unknown key `retries` (expected one of: command, webhook, env, passEnv, timeoutSeconds, maxAttempts)",
                 "provisioner.command[0]: the program must not be empty",
                 "provisioner.command[1]: expected a string, got a number",
                 "provisioner.webhook.extra: unknown key `extra` (expected one of: url, secretEnv)",
@@ -424,6 +587,64 @@ mod tests {
             [
                 "provisioner.webhook.url: credentials in the URL are not allowed (the request is signed with secretEnv's secret)",
                 "provisioner.webhook.secretEnv: missing required key `secretEnv` (the environment variable holding the signing secret)",
+            ]
+        );
+    }
+
+    #[test]
+    fn env_and_pass_env() {
+        let c = parse_provisioner(&json!({
+            "command": ["provision"],
+            "env": {"CLOUD_REGION": "eu-west-1", "PATH": "/opt/cloud/bin:/usr/bin:/bin"},
+            "passEnv": ["AWS_ACCESS_KEY_ID", "KICI_LOG_LEVEL"]
+        }))
+        .unwrap();
+        assert_eq!(
+            c.env,
+            BTreeMap::from([
+                ("CLOUD_REGION".to_owned(), "eu-west-1".to_owned()),
+                ("PATH".to_owned(), "/opt/cloud/bin:/usr/bin:/bin".to_owned()),
+            ])
+        );
+        assert_eq!(c.pass_env, ["AWS_ACCESS_KEY_ID", "KICI_LOG_LEVEL"]);
+        let d = parse_provisioner(&json!({"command": ["provision"]})).unwrap();
+        assert!(d.env.is_empty() && d.pass_env.is_empty());
+    }
+
+    #[test]
+    fn env_and_pass_env_problems_with_their_paths() {
+        assert_eq!(
+            errors(json!({
+                "command": ["provision"],
+                "webhook": {"url": "https://h/", "secretEnv": "HOOK_SECRET"},
+                "env": {"1BAD": "x", "PROVISION_EVENT": "x", "PORT": 8080, "OK": "a\u{0}b", "TWICE": "x"},
+                "passEnv": ["KICI_SCALER_API_TOKEN", "HOOK_SECRET", "TWICE", "PGHOST", "PGHOST", "A-B", 3, "PROVISION_AGENT_ID"]
+            })),
+            [
+                "provisioner.env.1BAD: expected an environment variable name ([A-Za-z_][A-Za-z0-9_]*), got \"1BAD\"",
+                "provisioner.env.OK: must not contain a NUL byte",
+                "provisioner.env.PORT: expected a string value (quote numbers and booleans), got a number",
+                "provisioner.env.PROVISION_EVENT: PROVISION_EVENT is set by kici-scaler for every event and cannot be configured",
+                "provisioner.passEnv[0]: KICI_SCALER_API_TOKEN is one of kici-scaler's own settings (KICI_SCALER_*, its API token among them): never passed to a provisioner",
+                "provisioner.passEnv[1]: HOOK_SECRET holds the webhook's signing secret (webhook.secretEnv): the command has no business with it",
+                "provisioner.passEnv[2]: TWICE is also set in `env`: give it one source",
+                "provisioner.passEnv[4]: PGHOST is listed twice",
+                "provisioner.passEnv[5]: expected an environment variable name ([A-Za-z_][A-Za-z0-9_]*), got \"A-B\"",
+                "provisioner.passEnv[6]: expected an environment variable name ([A-Za-z_][A-Za-z0-9_]*), got a number",
+                "provisioner.passEnv[7]: PROVISION_AGENT_ID is set by kici-scaler for every event and cannot be configured",
+            ]
+        );
+        assert_eq!(
+            errors(json!({
+                "webhook": {"url": "https://h/", "secretEnv": "HOOK_SECRET"},
+                "env": ["A=b"],
+                "passEnv": "PGHOST"
+            })),
+            [
+                "provisioner.env: expected a mapping of variable names to values, got a list",
+                "provisioner.passEnv: expected a list of variable names, got a string",
+                "provisioner.env: only applies to `command` (the environment of the provisioner command), and there is none",
+                "provisioner.passEnv: only applies to `command` (the environment of the provisioner command), and there is none",
             ]
         );
     }

@@ -9,7 +9,7 @@
 //! so calling it again with the same event is a redelivery (same
 //! `requestId`).
 
-use crate::command::{self, CommandEnd, EventEnv, DEFAULT_CAPTURE_LIMIT};
+use crate::command::{self, CommandEnd, CommandEnv, EventEnv, DEFAULT_CAPTURE_LIMIT};
 use crate::config::{CommandTarget, ProvisionerConfig, WebhookTarget};
 use crate::event::ProvisionEvent;
 use crate::retry::RetryPolicy;
@@ -90,6 +90,8 @@ pub enum DelivererError {
 #[derive(Debug, Clone)]
 pub struct Deliverer {
     command: Option<CommandTarget>,
+    /// The command's environment, resolved when the deliverer is built.
+    command_env: CommandEnv,
     webhook: Option<(WebhookTarget, Secret)>,
     /// Set when the webhook URL is https.
     tls: Option<WebhookTls>,
@@ -99,9 +101,10 @@ pub struct Deliverer {
 }
 
 impl Deliverer {
-    /// Resolves the webhook secret through `lookup_env` (the daemon passes
-    /// the process environment; tests a map). An unset or empty variable is
-    /// an error: an unsigned webhook is never sent. An `https` webhook
+    /// Resolves the webhook secret and the command's environment
+    /// ([`CommandEnv::resolve`]) through `lookup_env` (the daemon passes
+    /// the process environment; tests a map). An unset or empty secret
+    /// variable is an error: an unsigned webhook is never sent. An `https` webhook
     /// trusts the system's root certificates, loaded here.
     pub fn new(
         config: &ProvisionerConfig,
@@ -120,8 +123,13 @@ impl Deliverer {
             Some(w) if w.url.scheme() == "https" => Some(WebhookTls::system_roots()?),
             _ => None,
         };
+        let command_env = match &config.command {
+            Some(_) => CommandEnv::resolve(config, &lookup_env),
+            None => CommandEnv::default(),
+        };
         Ok(Self {
             command: config.command.clone(),
+            command_env,
             webhook,
             tls,
             timeout: config.timeout,
@@ -194,16 +202,11 @@ impl Deliverer {
         event: &ProvisionEvent,
         body: &[u8],
     ) -> TargetReport {
-        let secret_env: Vec<String> = self
-            .webhook
-            .iter()
-            .map(|(w, _)| w.secret_env.clone())
-            .collect();
         let env = EventEnv {
             event: event.kind().as_str(),
             request_id: event.request_id().as_str(),
             agent_id: event.agent_id(),
-            remove: &secret_env,
+            base: &self.command_env,
         };
         let mut attempts = 0;
         loop {

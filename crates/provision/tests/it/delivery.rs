@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use kici_provision::command::{self, EventEnv};
+use kici_provision::command::{self, CommandEnv, EventEnv};
 use kici_provision::config::{CommandTarget, WebhookTarget};
 use kici_provision::signature::{verify_signature, SignatureError, REPLAY_WINDOW};
 use kici_provision::webhook::WebhookTls;
@@ -70,6 +70,8 @@ fn command_config(argv: Vec<String>, timeout: Duration, retry: RetryPolicy) -> P
     ProvisionerConfig {
         command: Some(CommandTarget { argv }),
         webhook: None,
+        env: Default::default(),
+        pass_env: Vec::new(),
         timeout,
         retry,
     }
@@ -77,6 +79,15 @@ fn command_config(argv: Vec<String>, timeout: Duration, retry: RetryPolicy) -> P
 
 fn no_env(_: &str) -> Option<String> {
     None
+}
+
+/// What a command gets from a daemon with an empty environment (`PATH`'s
+/// default).
+fn base_env() -> CommandEnv {
+    CommandEnv::resolve(
+        &command_config(Vec::new(), Duration::from_secs(1), fast_retry(1)),
+        no_env,
+    )
 }
 
 /// Whether `pid` is gone (or a zombie waiting for a reaper that is not us).
@@ -106,7 +117,7 @@ async fn command_gets_the_event_on_stdin_and_exit_zero_delivers() {
         dir.path(),
         "provision",
         &format!(
-            "cat > {out}\necho \"$KICI_PROVISION_EVENT $KICI_PROVISION_REQUEST_ID $KICI_PROVISION_AGENT_ID\" > {env}\necho booted",
+            "cat > {out}\necho \"$PROVISION_EVENT $PROVISION_REQUEST_ID $PROVISION_AGENT_ID\" > {env}\necho booted",
             out = out.display(),
             env = env_out.display()
         ),
@@ -279,7 +290,7 @@ async fn output_is_captured_up_to_the_bound_with_a_marker() {
             event: "scale-up",
             request_id: "r",
             agent_id: "a",
-            remove: &[],
+            base: &base_env(),
         },
         Duration::from_secs(10),
         64 * 1024,
@@ -315,7 +326,7 @@ async fn a_detached_child_holding_the_pipes_does_not_hold_up_delivery() {
             event: "scale-up",
             request_id: "r",
             agent_id: "a",
-            remove: &[],
+            base: &base_env(),
         },
         Duration::from_secs(10),
         1024,
@@ -471,6 +482,8 @@ fn webhook_config(url: &str, timeout: Duration, retry: RetryPolicy) -> Provision
             url: url.parse().unwrap(),
             secret_env: "HOOK_SECRET".into(),
         }),
+        env: Default::default(),
+        pass_env: Vec::new(),
         timeout,
         retry,
     }

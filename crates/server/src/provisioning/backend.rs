@@ -87,7 +87,8 @@ pub fn scale_down_reason(reason: DestroyReason) -> ScaleDownReason {
 }
 
 /// The delivery targets of a scaler's `provisioner` block (`None`: the
-/// event stream only). The webhook secret is read from the environment.
+/// event stream only). The webhook secret and the command's `passEnv`
+/// variables are read from the environment.
 pub fn deliverer(p: &ProvisionerSettings) -> Result<Deliverer, String> {
     let mut block = serde_json::Map::new();
     if let Some(argv) = p.target.command() {
@@ -98,6 +99,12 @@ pub fn deliverer(p: &ProvisionerSettings) -> Result<Deliverer, String> {
             "webhook".into(),
             serde_json::json!({"url": w.url, "secretEnv": w.secret_env}),
         );
+    }
+    if !p.env.is_empty() {
+        block.insert("env".into(), serde_json::json!(p.env));
+    }
+    if !p.pass_env.is_empty() {
+        block.insert("passEnv".into(), serde_json::json!(p.pass_env));
     }
     block.insert("timeoutSeconds".into(), p.timeout.as_secs().max(1).into());
     block.insert("maxAttempts".into(), p.max_attempts.into());

@@ -180,7 +180,7 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
     std::fs::write(
         dir.path("scalers.yaml"),
         format!(
-            "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 2\n    orchestratorUrl: ws://{ip}:{gw_port}/ws\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 30\n      provisioner:\n        command: [\"{script}\"]\n        timeoutSeconds: 20\n",
+            "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 2\n    orchestratorUrl: ws://{ip}:{gw_port}/ws\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 30\n      provisioner:\n        command: [\"{script}\"]\n        passEnv: [NETNS_PREFIX, NETNS_AGENT, NETNS_LOG_DIR]\n        timeoutSeconds: 20\n",
             ip = net.daemon_ip,
             script = netns_script().display()
         ),
@@ -354,6 +354,131 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
     });
     d.terminate();
     drop(instances);
+}
+
+/// The provisioner a new user writes first: it starts `kici-agent-lite`
+/// with the claim in `KICI_CLAIM_CODE`/`KICI_CLAIM_URL` and lets it inherit
+/// its own environment as it is (no variable removed). The agent refuses
+/// `KICI_*` variables it does not know, so this works only when nothing
+/// the command is given is one.
+const NATURAL_PROVISIONER: &str = r#"#!/bin/sh
+set -eu
+dir=DIR
+event=$(cat)
+agent=$(printf '%s' "$event" | jq -r .agentId)
+case $(printf '%s' "$event" | jq -r .event) in
+scale-up)
+    KICI_CLAIM_CODE=$(printf '%s' "$event" | jq -r .claimCode) \
+    KICI_CLAIM_URL=$(printf '%s' "$event" | jq -r .claimUrl) \
+        setsid AGENT </dev/null >"$dir/$agent.log" 2>&1 &
+    echo $! >"$dir/$agent.pid"
+    ;;
+scale-down)
+    if [ -f "$dir/$agent.pid" ]; then kill "$(cat "$dir/$agent.pid")" 2>/dev/null || true; fi
+    ;;
+esac
+"#;
+
+/// Kills the agents a [`NATURAL_PROVISIONER`] started, whatever a test did.
+struct StartedAgents<'a>(&'a Dir);
+
+impl Drop for StartedAgents<'_> {
+    fn drop(&mut self) {
+        let Ok(entries) = std::fs::read_dir(self.0 .0.path()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            if e.path().extension().is_some_and(|x| x == "pid") {
+                if let Ok(pid) = std::fs::read_to_string(e.path()) {
+                    let _ = sh(&format!("kill -9 {} 2>/dev/null", pid.trim()));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_provisioner_that_starts_the_agent_with_its_own_environment_runs_a_standalone_job() {
+    let dir = Dir::with_config("");
+    let agent_lite = agent_lite_dir().join("kici-agent-lite");
+    let script = dir.write_script(
+        "provision.sh",
+        &NATURAL_PROVISIONER
+            .replace("DIR", dir.0.path().to_str().unwrap())
+            .replace("AGENT", agent_lite.to_str().unwrap()),
+    );
+    std::fs::write(
+        dir.path("scalers.yaml"),
+        format!(
+            "version: 1\nscalers:\n  - name: cloud\n    type: event\n    maxAgents: 1\n    labelSets:\n      - labels: [cloud]\n    x-kici-scaler:\n      registrationTimeoutSeconds: 30\n      provisioner:\n        command: [\"{}\"]\n",
+            script.display()
+        ),
+    )
+    .unwrap();
+    let claims = free_loopback_addr();
+    // The daemon's environment holds a KICI_* name of the operator's (the
+    // webhook secret variable of the documentation's example): it must not
+    // reach the agent either.
+    let d = Daemon::start(
+        &dir,
+        &["--listen", "127.0.0.1:0", "--claims-listen", &claims],
+        &[("KICI_PROVISIONER_SECRET", "not-for-the-agent")],
+    );
+    let _agents = StartedAgents(&dir);
+
+    let body = serde_json::json!({
+        "labels": ["cloud"],
+        "command": ["sh", "-c", "echo ran-on-the-provisioned-agent"],
+    })
+    .to_string();
+    let (status, answer) = http(&d.addr, "POST", "/v1/jobs", &[], Some(&body));
+    assert!(
+        status == 200 || status == 201 || status == 202,
+        "{status} {answer}"
+    );
+    let job: Value = serde_json::from_str(&answer).unwrap();
+    let id = job["jobId"]
+        .as_str()
+        .or(job["id"].as_str())
+        .unwrap()
+        .to_owned();
+    let agent_logs = || {
+        std::fs::read_dir(dir.0.path())
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+            .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let end = loop {
+        let (_, body) = http(&d.addr, "GET", &format!("/v1/jobs/{id}"), &[], None);
+        let v: Value = serde_json::from_str(&body).unwrap_or_default();
+        if matches!(
+            v["state"].as_str(),
+            Some("succeeded" | "failed" | "aborted")
+        ) {
+            break v;
+        }
+        let logs = agent_logs();
+        assert!(
+            Instant::now() < deadline && !logs.contains("not connecting"),
+            "the job never ended: {v}; agent log: {logs}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        end["state"],
+        "succeeded",
+        "{end}; agent log: {}",
+        agent_logs()
+    );
+    let (_, stream) = http(&d.addr, "GET", &format!("/v1/jobs/{id}/logs"), &[], None);
+    let logs = stdout_of(&stream);
+    assert!(logs.contains("ran-on-the-provisioned-agent"), "{logs}");
+    wait_until("no agent is left", || d.agents().is_empty());
+    d.terminate();
 }
 
 /// A daemon whose scalers.yaml is `config` with `RECORD` replaced by the
@@ -606,7 +731,7 @@ fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out
     let failing = dir.write_script(
         "failing.sh",
         &format!(
-            "#!/bin/sh\n# Records every attempt, refuses every scale-up.\n{} <&0\n[ \"$KICI_PROVISION_EVENT\" = scale-down ] || exit 3\n",
+            "#!/bin/sh\n# Records every attempt, refuses every scale-up.\n{} <&0\n[ \"$PROVISION_EVENT\" = scale-down ] || exit 3\n",
             record.display()
         ),
     );
@@ -615,7 +740,7 @@ fn a_failing_provisioner_is_a_spawn_failure_and_one_that_boots_nothing_times_out
     let hanging = dir.write_script(
         "hanging.sh",
         &format!(
-            "#!/bin/sh\n{} <&0\n[ \"$KICI_PROVISION_EVENT\" = scale-down ] && exit 0\nsleep 977 &\necho $! >\"$(dirname \"$0\")/sleep.pid\"\nwait\n",
+            "#!/bin/sh\n{} <&0\n[ \"$PROVISION_EVENT\" = scale-down ] && exit 0\nsleep 977 &\necho $! >\"$(dirname \"$0\")/sleep.pid\"\nwait\n",
             record.display()
         ),
     );
@@ -718,7 +843,7 @@ const HANGING_RECORDER: &str = r#"#!/bin/sh
 d=$(dirname "$0")
 body=$(cat)
 printf '%s\n' "$body" >>"$d/events.jsonl"
-case "$KICI_PROVISION_EVENT" in
+case "$PROVISION_EVENT" in
 scale-up) marker=hang-up ;;
 *) marker=hang-down ;;
 esac
