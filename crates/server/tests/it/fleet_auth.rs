@@ -182,7 +182,12 @@ fn signed(key: &str, from: &str, to: &str, method: &str, path: &str) -> String {
 fn a_peer_call_without_the_fleet_key_is_refused_401() {
     let p = pair();
     let path = "/v1/status?local=true";
-    let get = |headers: &[(&str, &str)]| http(&p.a.addr, "GET", path, headers, None);
+    // Only the headers given: no bearer token (an empty one is left out).
+    let get = |extra: &[(&str, &str)]| {
+        let mut headers = vec![("Authorization", "")];
+        headers.extend_from_slice(extra);
+        http(&p.a.addr, "GET", path, &headers, None)
+    };
     // No credential at all, and a signature made with another key.
     assert_eq!(get(&[]).0, 401);
     let forged = signed(WRONG_KEY, &p.b_id, &p.a_id, "GET", path);
@@ -203,7 +208,13 @@ fn a_peer_call_without_the_fleet_key_is_refused_401() {
     // The fleet key opens the calls hosts make on each other only, not
     // the operator's.
     let reload = signed(KEY, &p.b_id, &p.a_id, "POST", "/v1/reload");
-    let (code, body) = http(&p.a.addr, "POST", "/v1/reload", &[(HEADER, &reload)], None);
+    let (code, body) = http(
+        &p.a.addr,
+        "POST",
+        "/v1/reload",
+        &[("Authorization", ""), (HEADER, &reload)],
+        None,
+    );
     assert_eq!(code, 401, "{body}");
     assert!(body.contains("only on the calls hosts make"), "{body}");
     // A stale signature: made 60 s ago.
