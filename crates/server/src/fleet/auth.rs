@@ -569,7 +569,7 @@ mod tests {
             &good.replacen("v1", "v2", 1),
             &good.replace(" 1000 ", " soon "),
             &format!("{good} extra"),
-            &good[..good.len() - 1].to_owned(),
+            &good[..good.len() - 1],
         ] {
             assert!(check(&k, bad, "/p", b"", 1000).is_err(), "{bad:?}");
         }

@@ -158,6 +158,7 @@ impl FleetHost {
     /// `GET /v1/fleet` —, takes back the fleet rows of the agents the
     /// engine recovered, installs the spawn gate and starts the lease,
     /// leader, claim and follow-up tasks.
+    #[allow(clippy::too_many_arguments)]
     pub async fn join(
         settings: FleetSettings,
         auth: auth::PeerAuth,
