@@ -994,6 +994,30 @@ mod tests {
     }
 
     #[test]
+    fn the_fleet_key_file_and_ca_come_from_the_daemon_config_and_flags_beat_it() {
+        let file: DaemonFile = toml::from_str(
+            "state = \"postgres://k@db/k\"\nfleet-key-file = \"/etc/k/fleet.key\"\nfleet-ca-cert = \"/etc/k/ca.pem\"\n",
+        )
+        .unwrap();
+        let s = DaemonSettings::resolve(&args(), Some(&file)).unwrap();
+        let fleet = s.fleet.unwrap();
+        assert_eq!(fleet.key_file, Some(PathBuf::from("/etc/k/fleet.key")));
+        assert_eq!(fleet.ca_cert, Some(PathBuf::from("/etc/k/ca.pem")));
+        let mut a = args();
+        a.fleet.fleet_key_file = Some("/run/k.key".into());
+        let s = DaemonSettings::resolve(&a, Some(&file)).unwrap();
+        assert_eq!(s.fleet.unwrap().key_file, Some(PathBuf::from("/run/k.key")));
+        // With SQLite there is no fleet: the settings are refused by name.
+        let alone: DaemonFile = toml::from_str("fleet-key-file = \"/etc/k/fleet.key\"\n").unwrap();
+        let e = DaemonSettings::resolve(&args(), Some(&alone)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("fleet-key-file: a fleet needs a PostgreSQL"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn yaml_and_toml_files_carry_the_same_keys() {
         let y: DaemonFile =
             serde_norway::from_str("listen: 0.0.0.0:9000\nshutdown-grace-seconds: 5\n").unwrap();
