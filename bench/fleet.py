@@ -44,11 +44,23 @@ def fresh_db(admin: str) -> str:
     return admin.rsplit("/", 1)[0] + "/" + name
 
 
+def fleet_key_file() -> str:
+    """A fresh fleet key in a file only its owner can read (a fleet host
+    refuses to start without one)."""
+    import tempfile
+    fd, path = tempfile.mkstemp(prefix="kici-bench-fleet-key-")
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+    return path
+
+
 def fleet(bin_dir: str, url: str, hosts: int, max_agents: int, extra: list[str]) -> list[Daemon]:
     name = f"bench-{random.randrange(1 << 32):08x}"
+    key = fleet_key_file()
     return [
         Daemon(bin_dir, max_agents=max_agents, sleep_secs=30,
-               serve_args=["--state", url, "--fleet", name, "--fleet-lease-seconds", "3", *extra])
+               serve_args=["--state", url, "--fleet", name, "--fleet-lease-seconds", "3",
+                           "--fleet-key-file", key, *extra])
         for _ in range(hosts)
     ]
 

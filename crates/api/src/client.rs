@@ -110,6 +110,15 @@ struct AnyErrorBody {
     errors: Vec<String>,
 }
 
+/// Headers computed for each request from what it sends: a request
+/// signature (what fleet hosts authenticate each other with) instead of,
+/// or beside, a bearer token.
+pub trait RequestSigner: Send + Sync {
+    /// The headers to add to `method path` (path with its query) sending
+    /// `body` (empty when there is none).
+    fn headers(&self, method: &str, path: &str, body: &[u8]) -> Vec<(String, String)>;
+}
+
 /// A raw answer: status and body.
 #[derive(Debug, Clone)]
 pub struct RawReply {
@@ -187,6 +196,7 @@ pub struct Client {
     target: Target,
     tls: Option<tokio_rustls::TlsConnector>,
     token: Option<String>,
+    signer: Option<Arc<dyn RequestSigner>>,
 }
 
 impl fmt::Debug for Client {
@@ -195,6 +205,7 @@ impl fmt::Debug for Client {
             .field("server", &self.server)
             .field("tls", &self.tls.is_some())
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("signed", &self.signer.is_some())
             .finish()
     }
 }
@@ -212,6 +223,7 @@ impl Client {
             target,
             tls: None,
             token: None,
+            signer: None,
         })
     }
 
@@ -225,6 +237,7 @@ impl Client {
             target,
             tls: Some(tokio_rustls::TlsConnector::from(config)),
             token: None,
+            signer: None,
         })
     }
 
@@ -232,6 +245,13 @@ impl Client {
     /// daemon's `KICI_SCALER_API_TOKEN`).
     pub fn with_token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
+        self
+    }
+
+    /// Adds the headers `signer` computes to every request (after the
+    /// token, if any).
+    pub fn with_signer(mut self, signer: Arc<dyn RequestSigner>) -> Self {
+        self.signer = Some(signer);
         self
     }
 
@@ -549,12 +569,19 @@ impl Client {
             .await
             .map_err(|e| self.http_error(e.to_string()))?;
         let conn = tokio::spawn(conn);
+        let signed = self
+            .signer
+            .as_ref()
+            .map(|s| s.headers(method.as_str(), path, body.as_deref().unwrap_or_default()));
         let mut builder = Request::builder()
             .method(method)
             .uri(path)
             .header(hyper::header::HOST, self.host_header());
         if let Some(token) = &self.token {
             builder = builder.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        for (name, value) in signed.into_iter().flatten() {
+            builder = builder.header(name, value);
         }
         if let Some(id) = last_event_id {
             builder = builder.header("last-event-id", id.to_string());

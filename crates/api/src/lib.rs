@@ -75,7 +75,7 @@ pub use agents::{
     ResourcesObject, UnreachableHost,
 };
 #[cfg(feature = "client")]
-pub use client::{ApiError, Client, ErrorAnswer, Events, JobLogs, RawReply};
+pub use client::{ApiError, Client, ErrorAnswer, Events, JobLogs, RawReply, RequestSigner};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, ReloadErrorBody};
 pub use events::{Event, Reset, StampedEvent, StreamEvent, RESET_EVENT};
 pub use fleet::{FleetHostObject, FleetObject, FleetPoolObject};

@@ -263,9 +263,7 @@ pub async fn list_agents(
             } else {
                 "/v1/agents?local=true"
             };
-            let (lists, unreachable) = fleet
-                .gather_reachable::<AgentList>(path, state.api_token.as_ref())
-                .await;
+            let (lists, unreachable) = fleet.gather_reachable::<AgentList>(path).await;
             agents.extend(lists.into_iter().flat_map(|l| l.agents));
             unreachable_hosts = unreachable;
             agents.sort_by(|a, b| {

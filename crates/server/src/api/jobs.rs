@@ -285,7 +285,6 @@ async fn cancel_in_fleet(
                     &axum::http::Method::DELETE,
                     &path,
                     bytes::Bytes::new(),
-                    state.api_token.as_ref(),
                 )
                 .await
                 .map_err(|e| {
@@ -408,8 +407,7 @@ fn follow_in_fleet(
                 None | Some(Ok(None)) => return,
                 Some(Ok(Some(place))) => {
                     if let Some(owner) = &place.owner {
-                        let relayed =
-                            relay_job_logs(&fleet, owner, &id, &mut next, &state, &relay).await;
+                        let relayed = relay_job_logs(&fleet, owner, &id, &mut next, &relay).await;
                         if relayed == Relayed::Ended {
                             return;
                         }
@@ -448,10 +446,9 @@ async fn relay_job_logs(
     owner: &kici_fleet::Owner,
     id: &JobId,
     next: &mut u64,
-    state: &AppState,
     relay: &Relay,
 ) -> Relayed {
-    let opened = fleet.job_logs_at(owner, id, next.checked_sub(1), state.api_token.as_ref());
+    let opened = fleet.job_logs_at(owner, id, next.checked_sub(1));
     let mut logs = match relay.unless_left(opened).await {
         None => return Relayed::Ended,
         Some(Err(_)) => return Relayed::Broke,

@@ -310,10 +310,16 @@ async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> ApiError {
     )
 }
 
-/// Bearer token (when the daemon has one) and the cross-origin guard, for
-/// every request, before routing.
+/// Bearer token (when the daemon has one) — or, on the calls fleet hosts
+/// make on each other, the fleet's signature instead — and the
+/// cross-origin guard, for every request, before routing.
 async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(expected) = &state.api_token {
+    let request = if request.headers().contains_key(crate::fleet::auth::HEADER) {
+        match peer_signed(&state, request).await {
+            Ok(request) => request,
+            Err(refused) => return refused,
+        }
+    } else if let Some(expected) = &state.api_token {
         let presented = request
             .headers()
             .get(header::AUTHORIZATION)
@@ -329,7 +335,10 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
             )
             .into_response();
         }
-    }
+        request
+    } else {
+        request
+    };
     // A browser page may POST to a loopback daemon without a preflight when
     // the request has no body or a "simple" content type; it always sends
     // Origin then. API clients and orchestrators do not.
@@ -342,6 +351,59 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         .into_response();
     }
     next.run(request).await
+}
+
+/// A call signed with the fleet key (see [`crate::fleet::auth`]): let
+/// through, instead of with the API token, when it is one of the calls
+/// hosts make on each other and its signature verifies — which needs its
+/// body, read here and handed on. Anything else is refused 401.
+async fn peer_signed(state: &AppState, request: Request) -> Result<Request, Response> {
+    use crate::fleet::auth::{unix_now, HEADER};
+    let refuse = |why: String| {
+        tracing::warn!(reason = %why, "fleet: a peer call refused");
+        ApiError::unauthorized(why).into_response()
+    };
+    let Some(fleet) = state.fleet() else {
+        return Err(refuse(
+            "a fleet signature, but this host is in no fleet".to_owned(),
+        ));
+    };
+    let uri = request.uri();
+    if !crate::fleet::peer::peer_route(request.method(), uri.path(), uri.query()) {
+        return Err(refuse(format!(
+            "the fleet signature is accepted only on the calls hosts make on each other, not on {} {}",
+            request.method(),
+            uri.path()
+        )));
+    }
+    let path = uri
+        .path_and_query()
+        .map_or_else(|| uri.path().to_owned(), |p| p.as_str().to_owned());
+    let header = request
+        .headers()
+        .get(HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let (parts, body) = request.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::PayloadTooLarge,
+            format!("the body is larger than {MAX_BODY_BYTES} bytes"),
+        )
+        .into_response());
+    };
+    match fleet
+        .auth()
+        .check(&header, parts.method.as_str(), &path, &body, unix_now())
+    {
+        Ok(from) => {
+            tracing::debug!(from = %from, method = %parts.method, path, "fleet: a peer call");
+            Ok(Request::from_parts(parts, axum::body::Body::from(body)))
+        }
+        Err(refusal) => Err(refuse(refusal.to_string())),
+    }
 }
 
 /// In a fleet, a call about one agent or one request that another host
@@ -383,16 +445,7 @@ async fn to_owner(State(state): State<AppState>, request: Request, next: Next) -
             .into_response()
         }
     };
-    match fleet
-        .forward(
-            &what,
-            &method,
-            &path,
-            body.clone(),
-            state.api_token.as_ref(),
-        )
-        .await
-    {
+    match fleet.forward(&what, &method, &path, body.clone()).await {
         // The owner does not know it (yet, or any more): answered here.
         Ok(Some((404, _))) | Ok(None) => {
             next.run(Request::from_parts(parts, axum::body::Body::from(body)))

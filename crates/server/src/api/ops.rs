@@ -35,7 +35,7 @@ pub async fn status(
     let mut status = status_object(state.instance, &state.runtime.status());
     if let (Some(fleet), false) = (state.fleet(), local) {
         let (hosts, unreachable) = fleet
-            .gather_reachable::<StatusObject>("/v1/status?local=true", state.api_token.as_ref())
+            .gather_reachable::<StatusObject>("/v1/status?local=true")
             .await;
         status.hosts = hosts;
         status

@@ -144,7 +144,6 @@ fn follow_fleet(
     );
     let local = relay.clone();
     tokio::spawn(async move { local.pipe(own).await });
-    let token = state.api_token.clone();
     tokio::spawn(async move {
         let following = Arc::new(parking_lot::Mutex::new(std::collections::HashSet::new()));
         loop {
@@ -154,14 +153,10 @@ fn follow_fleet(
                     if !following.lock().insert(peer.instance_id.clone()) {
                         continue;
                     }
-                    let (relay, fleet, following, token) = (
-                        relay.clone(),
-                        fleet.clone(),
-                        Arc::clone(&following),
-                        token.clone(),
-                    );
+                    let (relay, fleet, following) =
+                        (relay.clone(), fleet.clone(), Arc::clone(&following));
                     tokio::spawn(async move {
-                        relay_peer(&fleet, &url, &peer.instance_id, token.as_ref(), &relay).await;
+                        relay_peer(&fleet, &url, &peer.instance_id, &relay).await;
                         following.lock().remove(&peer.instance_id);
                     });
                 }
@@ -176,14 +171,8 @@ fn follow_fleet(
 
 /// Relays one peer's own events, each with its `host`, until its stream
 /// ends or the reader leaves.
-async fn relay_peer(
-    fleet: &crate::fleet::FleetHost,
-    url: &str,
-    instance: &str,
-    token: Option<&kici_model::Secret>,
-    relay: &Relay,
-) {
-    let Some(Ok(mut events)) = relay.unless_left(fleet.events_at(url, token)).await else {
+async fn relay_peer(fleet: &crate::fleet::FleetHost, url: &str, instance: &str, relay: &Relay) {
+    let Some(Ok(mut events)) = relay.unless_left(fleet.events_at(url, instance)).await else {
         return;
     };
     loop {

@@ -93,6 +93,10 @@ pub enum ServeError {
     Crashpoints(#[from] crate::daemon::crashpoints::CrashpointError),
     #[error("{0}")]
     Fleet(#[from] crate::fleet::JoinError),
+    #[error("{0}")]
+    FleetKey(#[from] crate::fleet::auth::FleetKeyError),
+    #[error("fleet-ca-cert: {0}")]
+    FleetTls(TlsError),
     #[error("shutdown: {0} agent(s) were not destroyed within the shutdown grace")]
     AgentsLeft(usize),
 }
@@ -112,12 +116,43 @@ pub fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     }
     let registry = registry_for(args);
     let api_token = api_token_from_env(&settings)?;
+    let peers = fleet_credentials(&settings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("kici-scaler")
         .build()
         .map_err(ServeError::Runtime)?;
-    runtime.block_on(run(settings, registry, api_token))
+    runtime.block_on(run(settings, registry, api_token, peers))
+}
+
+/// A fleet host's key (`KICI_SCALER_FLEET_KEY` or `--fleet-key-file`,
+/// required) and how it verifies `https` peers; `None` off a fleet.
+fn fleet_credentials(
+    settings: &DaemonSettings,
+) -> Result<Option<(crate::fleet::auth::FleetKeys, crate::fleet::auth::PeerTls)>, ServeError> {
+    use crate::fleet::auth::{peer_tls, FleetKeys, FLEET_KEY_ENV};
+    let Some(fleet) = &settings.fleet else {
+        return Ok(None);
+    };
+    let env = std::env::var(FLEET_KEY_ENV).ok();
+    let keys = FleetKeys::load(env.as_deref(), fleet.key_file.as_deref(), &fleet.name)?;
+    let tls = peer_tls(fleet.ca_cert.as_deref()).map_err(ServeError::FleetTls)?;
+    let https = fleet
+        .advertise_url
+        .as_deref()
+        .is_some_and(|u| u.starts_with("https://"));
+    if https && settings.tls.is_none() {
+        tracing::warn!(
+            url = ?fleet.advertise_url,
+            "--advertise-url is https but this host serves plain HTTP (no --tls-cert): peers reach it only through a TLS proxy in front of it"
+        );
+    }
+    if !https {
+        tracing::info!(
+            "fleet peers call this host over plain HTTP: the fleet key authenticates the calls, but what they carry (job output, environment) crosses the network in clear"
+        );
+    }
+    Ok(Some((keys, tls)))
 }
 
 fn registry_for(args: &ServeArgs) -> BackendRegistry {
@@ -265,6 +300,7 @@ async fn run(
     settings: DaemonSettings,
     registry: BackendRegistry,
     api_token: Option<Secret>,
+    peers: Option<(crate::fleet::auth::FleetKeys, crate::fleet::auth::PeerTls)>,
 ) -> Result<(), ServeError> {
     let state_dir = StateDir::open(&settings.state_dir, settings.reset_identity)?;
     let instance = state_dir.instance_id();
@@ -455,10 +491,12 @@ async fn run(
     // Joined last: the engine holds its recovered agents, so the fleet rows
     // of those agents are taken back (or the agents destroyed) before this
     // host claims anything.
-    let fleet = match (&settings.fleet, &settings.state) {
-        (Some(fleet_settings), kici_store::StoreUrl::Postgres(url)) => {
+    let fleet = match (&settings.fleet, &settings.state, peers) {
+        (Some(fleet_settings), kici_store::StoreUrl::Postgres(url), Some((keys, tls))) => {
+            let auth = crate::fleet::auth::PeerAuth::new(keys, &instance.to_string(), tls);
             let host = crate::fleet::FleetHost::join(
                 fleet_settings.clone(),
+                auth,
                 url,
                 instance,
                 &config,

@@ -321,6 +321,8 @@ pub struct DaemonFile {
     pub fleet: Option<String>,
     pub no_fleet: Option<bool>,
     pub advertise_url: Option<String>,
+    pub fleet_key_file: Option<PathBuf>,
+    pub fleet_ca_cert: Option<PathBuf>,
     pub fleet_lease_seconds: Option<u64>,
     pub fleet_placement: Option<String>,
     pub fleet_max_agents: Option<u32>,
@@ -334,6 +336,8 @@ impl DaemonFile {
             fleet: self.fleet.clone(),
             no_fleet: self.no_fleet,
             advertise_url: self.advertise_url.clone(),
+            fleet_key_file: self.fleet_key_file.clone(),
+            fleet_ca_cert: self.fleet_ca_cert.clone(),
             fleet_lease_seconds: self.fleet_lease_seconds,
             fleet_placement: self.fleet_placement.clone(),
             fleet_max_agents: self.fleet_max_agents,
@@ -1004,6 +1008,30 @@ mod tests {
         assert_eq!(s.engine.pending_ttl, Duration::from_secs(30));
         assert_eq!(s.engine.max_pending, 5);
         assert_eq!(s.state, StoreUrl::Sqlite("/srv/k/state.db".into()));
+    }
+
+    #[test]
+    fn the_fleet_key_file_and_ca_come_from_the_daemon_config_and_flags_beat_it() {
+        let file: DaemonFile = toml::from_str(
+            "state = \"postgres://k@db/k\"\nfleet-key-file = \"/etc/k/fleet.key\"\nfleet-ca-cert = \"/etc/k/ca.pem\"\n",
+        )
+        .unwrap();
+        let s = DaemonSettings::resolve(&args(), Some(&file)).unwrap();
+        let fleet = s.fleet.unwrap();
+        assert_eq!(fleet.key_file, Some(PathBuf::from("/etc/k/fleet.key")));
+        assert_eq!(fleet.ca_cert, Some(PathBuf::from("/etc/k/ca.pem")));
+        let mut a = args();
+        a.fleet.fleet_key_file = Some("/run/k.key".into());
+        let s = DaemonSettings::resolve(&a, Some(&file)).unwrap();
+        assert_eq!(s.fleet.unwrap().key_file, Some(PathBuf::from("/run/k.key")));
+        // With SQLite there is no fleet: the settings are refused by name.
+        let alone: DaemonFile = toml::from_str("fleet-key-file = \"/etc/k/fleet.key\"\n").unwrap();
+        let e = DaemonSettings::resolve(&args(), Some(&alone)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("fleet-key-file: a fleet needs a PostgreSQL"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -58,6 +58,13 @@ pub fn client_config(ca: &Path) -> Result<rustls::ClientConfig, TlsError> {
     for cert in load_certs(ca)? {
         roots.add(cert)?;
     }
+    client_config_with_roots(roots)
+}
+
+/// A client configuration trusting exactly `roots`.
+pub fn client_config_with_roots(
+    roots: rustls::RootCertStore,
+) -> Result<rustls::ClientConfig, TlsError> {
     let mut config = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?
         .with_root_certificates(roots)

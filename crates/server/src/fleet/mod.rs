@@ -20,6 +20,7 @@
 //! spawn gate records the agent against the claim under the host's lease
 //! epoch before the backend is called.
 
+pub mod auth;
 pub mod jobs;
 pub mod peer;
 pub mod settings;
@@ -66,6 +67,8 @@ pub struct FleetHost(Arc<Inner>);
 
 struct Inner {
     settings: FleetSettings,
+    /// The fleet key and peer TLS: how calls to and from peers are trusted.
+    auth: Arc<auth::PeerAuth>,
     fleet: Fleet,
     queue: Queue,
     guard: LeaseGuard,
@@ -155,8 +158,10 @@ impl FleetHost {
     /// `GET /v1/fleet` —, takes back the fleet rows of the agents the
     /// engine recovered, installs the spawn gate and starts the lease,
     /// leader, claim and follow-up tasks.
+    #[allow(clippy::too_many_arguments)]
     pub async fn join(
         settings: FleetSettings,
+        auth: auth::PeerAuth,
         url: &str,
         instance: InstanceId,
         config: &Config,
@@ -203,6 +208,7 @@ impl FleetHost {
             .collect();
         jobs.set_host(instance.to_string());
         let host = Self(Arc::new(Inner {
+            auth: Arc::new(auth),
             queue: fleet.queue(),
             guard: membership.guard().clone(),
             settings,
@@ -256,6 +262,11 @@ impl FleetHost {
 
     pub fn instance(&self) -> InstanceId {
         self.0.instance
+    }
+
+    /// How this host signs its calls to peers and checks theirs.
+    pub fn auth(&self) -> &auth::PeerAuth {
+        &self.0.auth
     }
 
     pub fn refused_pools(&self) -> &[String] {

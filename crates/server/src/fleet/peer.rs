@@ -1,7 +1,13 @@
 //! Calls only the owner can carry out — one agent's view and reports,
 //! destroying it, cancelling a request it holds — carried to the host that
-//! owns the agent or the request (its advertised URL, with the API token:
-//! every host of a fleet shares it) and answered as that host answered.
+//! owns the agent or the request and answered as that host answered.
+//!
+//! Every peer call goes to the URL the peer advertised (read from the
+//! fleet's database), over TLS when it is `https` (verified as
+//! [`super::auth::peer_tls`] says), signed with the fleet key
+//! ([`super::auth`]) — never with the operator's API token, which a
+//! database writer could otherwise collect by rewriting a URL. What a peer
+//! accepts such a signature for is [`peer_route`].
 //!
 //! A call is forwarded only when this host does not know the agent or job
 //! and the database names another live host as its owner, so a forwarded
@@ -15,8 +21,8 @@
 use super::FleetHost;
 use axum::http::Method;
 use bytes::Bytes;
-use kici_model::Secret;
 use serde::de::DeserializeOwned;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a fleet-wide read waits for each peer: a read must stay fast
@@ -66,6 +72,29 @@ pub fn owner_only(method: &Method, path: &str) -> Option<OwnedBy> {
     None
 }
 
+/// Whether `method path` (with its `query`) is a call hosts make on each
+/// other — what the fleet's signature is accepted for instead of the API
+/// token: the owner-only calls, a job's log stream, and a host's own part
+/// of a fleet-wide read (`local=true`).
+pub fn peer_route(method: &Method, path: &str, query: Option<&str>) -> bool {
+    if owner_only(method, path).is_some() {
+        return true;
+    }
+    if method != Method::GET {
+        return false;
+    }
+    if let Some(job) = path.strip_prefix("/v1/jobs/") {
+        if let Some((id, "logs")) = job.split_once('/') {
+            return !id.is_empty() && !id.contains('/');
+        }
+    }
+    let local = query
+        .unwrap_or_default()
+        .split('&')
+        .any(|p| p == "local" || p == "local=true");
+    local && matches!(path, "/v1/status" | "/v1/agents" | "/v1/events")
+}
+
 /// Why a call could not be carried to its owner.
 #[derive(Debug, thiserror::Error)]
 pub enum PeerError {
@@ -91,7 +120,6 @@ impl FleetHost {
         method: &Method,
         path: &str,
         body: Bytes,
-        token: Option<&Secret>,
     ) -> Result<Option<(u16, Bytes)>, PeerError> {
         let queue = self.queue();
         let owner = match what {
@@ -111,7 +139,9 @@ impl FleetHost {
             url: url.clone(),
             reason,
         };
-        let client = peer_client(&url, token).map_err(unreachable)?;
+        let client = self
+            .peer_client(&url, &owner.instance)
+            .map_err(unreachable)?;
         let body = (!body.is_empty()).then(|| body.to_vec());
         let reply =
             tokio::time::timeout(PEER_CALL_TIMEOUT, client.raw(method.as_str(), path, body))
@@ -130,12 +160,14 @@ impl FleetHost {
     pub async fn gather<T: DeserializeOwned>(
         &self,
         path: &str,
-        token: Option<&Secret>,
     ) -> Result<Vec<PeerPart<T>>, kici_fleet::FleetError> {
         let asks = self.live_peers().await?.into_iter().map(|h| async move {
             let answer = match &h.url {
                 None => Err(no_url()),
-                Some(url) => read_peer(url, path, token).await,
+                Some(url) => match self.peer_client(url, &h.instance_id) {
+                    Ok(client) => read_peer(&client, path).await,
+                    Err(e) => Err(e),
+                },
             };
             PeerPart {
                 instance: h.instance_id,
@@ -162,21 +194,16 @@ impl FleetHost {
         owner: &kici_fleet::Owner,
         id: &kici_model::JobId,
         after: Option<u64>,
-        token: Option<&Secret>,
     ) -> Result<kici_api::JobLogs, String> {
         let url = owner.url.as_deref().ok_or_else(no_url)?;
-        let client = peer_client(url, token)?;
+        let client = self.peer_client(url, &owner.instance)?;
         open_stream(client.job_logs(id.as_str(), after)).await
     }
 
-    /// Opens the event stream of the peer at `url`: its own events only,
-    /// from now on.
-    pub async fn events_at(
-        &self,
-        url: &str,
-        token: Option<&Secret>,
-    ) -> Result<kici_api::Events, String> {
-        let client = peer_client(url, token)?;
+    /// Opens the event stream of peer `instance` at `url`: its own events
+    /// only, from now on.
+    pub async fn events_at(&self, url: &str, instance: &str) -> Result<kici_api::Events, String> {
+        let client = self.peer_client(url, instance)?;
         open_stream(client.local_events()).await
     }
 }
@@ -196,13 +223,22 @@ async fn open_stream<T>(
         .map_err(|e| e.to_string())
 }
 
-/// A client of a peer's control API, with the fleet's API token.
-fn peer_client(url: &str, token: Option<&Secret>) -> Result<kici_api::Client, String> {
-    let client = kici_api::Client::new(url).map_err(|e| e.to_string())?;
-    Ok(match token {
-        Some(token) => client.with_token(token.expose()),
-        None => client,
-    })
+impl FleetHost {
+    /// A client of peer `instance`'s control API at `url` (as it
+    /// advertised it): TLS for `https`, every request signed for that
+    /// peer with the fleet key, and no API token.
+    fn peer_client(&self, url: &str, instance: &str) -> Result<kici_api::Client, String> {
+        use super::auth::PeerTls;
+        let client = match self.auth().tls() {
+            PeerTls::Config(config) => kici_api::Client::with_tls(url, Arc::clone(config)),
+            PeerTls::Unavailable(why) if url.starts_with("https://") => {
+                return Err(why.clone());
+            }
+            PeerTls::Unavailable(_) => kici_api::Client::new(url),
+        }
+        .map_err(|e| e.to_string())?;
+        Ok(client.with_signer(self.auth().signer_for(instance)))
+    }
 }
 
 impl FleetHost {
@@ -212,11 +248,10 @@ impl FleetHost {
     pub async fn gather_reachable<T: DeserializeOwned>(
         &self,
         path: &str,
-        token: Option<&Secret>,
     ) -> (Vec<T>, Vec<kici_api::UnreachableHost>) {
         let mut answers = Vec::new();
         let mut unreachable = Vec::new();
-        match self.gather::<T>(path, token).await {
+        match self.gather::<T>(path).await {
             Ok(parts) => {
                 for part in parts {
                     match part.answer {
@@ -240,11 +275,9 @@ impl FleetHost {
 }
 
 async fn read_peer<T: DeserializeOwned>(
-    url: &str,
+    client: &kici_api::Client,
     path: &str,
-    token: Option<&Secret>,
 ) -> Result<T, String> {
-    let client = peer_client(url, token)?;
     let reply = tokio::time::timeout(PEER_READ_TIMEOUT, client.raw("GET", path, None))
         .await
         .map_err(|_| format!("no answer within {PEER_READ_TIMEOUT:?}"))?
@@ -292,5 +325,26 @@ mod tests {
         assert_eq!(owner_only(&Method::GET, "/v1/jobs/job-1/logs"), None);
         assert_eq!(owner_only(&Method::POST, "/v1/jobs"), None);
         assert_eq!(owner_only(&Method::GET, "/v1/status"), None);
+    }
+
+    #[test]
+    fn the_fleet_signature_opens_only_the_calls_hosts_make_on_each_other() {
+        let peer = |m: Method, p: &str, q: Option<&str>| peer_route(&m, p, q);
+        assert!(peer(Method::POST, "/v1/agents/a1/registered", None));
+        assert!(peer(Method::DELETE, "/v1/jobs/j1", None));
+        assert!(peer(Method::GET, "/v1/jobs/j1/logs", None));
+        assert!(peer(Method::GET, "/v1/status", Some("local=true")));
+        assert!(peer(Method::GET, "/v1/agents", Some("all=true&local=true")));
+        assert!(peer(Method::GET, "/v1/events", Some("local=true")));
+        // Operator calls stay behind the API token.
+        assert!(!peer(Method::GET, "/v1/status", None));
+        assert!(!peer(Method::GET, "/v1/status", Some("local=false")));
+        assert!(!peer(Method::POST, "/v1/reload", None));
+        assert!(!peer(Method::POST, "/v1/scale", None));
+        assert!(!peer(Method::POST, "/v1/jobs", None));
+        assert!(!peer(Method::POST, "/v1/scalers/local/drain", None));
+        assert!(!peer(Method::GET, "/v1/fleet", Some("local=true")));
+        assert!(!peer(Method::GET, "/metrics", Some("local=true")));
+        assert!(!peer(Method::POST, "/v1/jobs/j1/logs", None));
     }
 }

@@ -4,6 +4,7 @@
 use clap::Args;
 use kici_fleet::{Caps, Placement};
 use kici_model::{MemoryBytes, MilliCpu};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// The fleet a daemon joins when none is named.
@@ -27,6 +28,16 @@ pub struct FleetArgs {
     /// them [default: the --listen address].
     #[arg(long, value_name = "URL", env = "KICI_SCALER_ADVERTISE_URL")]
     pub advertise_url: Option<String>,
+    /// The fleet key (the same on every host; at least 32 bytes) read from
+    /// FILE, which only its owner may read; or set KICI_SCALER_FLEET_KEY.
+    /// Hosts sign their calls to each other with it; a fleet host needs one.
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_FLEET_KEY_FILE")]
+    pub fleet_key_file: Option<PathBuf>,
+    /// PEM CA certificate(s) the certificates of peers advertised as
+    /// https:// are verified against [default: the platform's trusted
+    /// roots].
+    #[arg(long, value_name = "FILE", env = "KICI_SCALER_FLEET_CA_CERT")]
+    pub fleet_ca_cert: Option<PathBuf>,
     /// Fleet lease length, renewed every third of it; a host silent this
     /// long is declared lost (3 to 3600) [default: 15].
     #[arg(long, value_name = "SECONDS", env = "KICI_SCALER_FLEET_LEASE_SECONDS")]
@@ -53,6 +64,8 @@ pub struct FleetFile {
     pub fleet: Option<String>,
     pub no_fleet: Option<bool>,
     pub advertise_url: Option<String>,
+    pub fleet_key_file: Option<PathBuf>,
+    pub fleet_ca_cert: Option<PathBuf>,
     pub fleet_lease_seconds: Option<u64>,
     pub fleet_placement: Option<String>,
     pub fleet_max_agents: Option<u32>,
@@ -68,6 +81,11 @@ pub struct FleetSettings {
     /// This host's control API as peers reach it (`None`: not reachable;
     /// calls only this host can carry out are refused elsewhere).
     pub advertise_url: Option<String>,
+    /// `--fleet-key-file` (else the key is in `KICI_SCALER_FLEET_KEY`).
+    pub key_file: Option<PathBuf>,
+    /// `--fleet-ca-cert`: what https peers are verified against (else the
+    /// platform's roots).
+    pub ca_cert: Option<PathBuf>,
     pub lease: Duration,
     pub placement: Placement,
     pub global_caps: Caps,
@@ -91,6 +109,14 @@ impl FleetArgs {
             .advertise_url
             .clone()
             .or_else(|| file.advertise_url.clone());
+        let key_file = self
+            .fleet_key_file
+            .clone()
+            .or_else(|| file.fleet_key_file.clone());
+        let ca_cert = self
+            .fleet_ca_cert
+            .clone()
+            .or_else(|| file.fleet_ca_cert.clone());
         let lease = self.fleet_lease_seconds.or(file.fleet_lease_seconds);
         let placement = self
             .fleet_placement
@@ -107,6 +133,8 @@ impl FleetArgs {
             let given: Vec<&str> = [
                 ("fleet", name.is_some()),
                 ("advertise-url", url.is_some()),
+                ("fleet-key-file", key_file.is_some()),
+                ("fleet-ca-cert", ca_cert.is_some()),
                 ("fleet-lease-seconds", lease.is_some()),
                 ("fleet-placement", placement.is_some()),
                 ("fleet-max-agents", max_agents.is_some()),
@@ -174,6 +202,8 @@ impl FleetArgs {
         (errors.len() == before).then(|| FleetSettings {
             name,
             advertise_url: url,
+            key_file,
+            ca_cert,
             lease: Duration::from_secs(lease),
             placement,
             global_caps: Caps {
@@ -285,6 +315,8 @@ mod tests {
             fleet_max_cpu: Some(-1.0),
             fleet_max_memory: Some("lots".into()),
             no_fleet: false,
+            fleet_key_file: None,
+            fleet_ca_cert: None,
         };
         let errors = resolve(args, true).unwrap_err();
         let starts: Vec<&str> = errors

@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 const PG_PORT: u16 = 54349;
 const SUBNET: &str = "10.213.77";
 const TOKEN: &str = "fleet-test-token-0123456789abcdef0123";
+/// The fleet key every host signs its calls to the others with.
+const FLEET_KEY: &str = "fleet-test-fleet-key-0123456789abcdef0123";
 /// Short leases keep failover tests quick: renewed every second.
 const LEASE_SECONDS: &str = "3";
 
@@ -423,6 +425,7 @@ impl Fleet {
             }
         }
         cmd.env("KICI_SCALER_API_TOKEN", TOKEN);
+        cmd.env("KICI_SCALER_FLEET_KEY", FLEET_KEY);
         for (k, v) in &self.env {
             cmd.env(k, v);
         }

@@ -21,6 +21,7 @@ mod firecracker_crash;
 mod firecracker_rootfs_cli;
 mod firecracker_testkit_e2e;
 mod fleet;
+mod fleet_auth;
 mod gateway;
 mod postgres;
 mod reconcile;

@@ -86,6 +86,11 @@ fn serial_two_daemons_on_one_postgres_never_touch_each_others_agents() {
             "KICI_SCALER_API_TOKEN",
             crate::common::daemon::TEST_API_TOKEN,
         )
+        // Joins a fleet (no --no-fleet), which needs a fleet key to start.
+        .env(
+            "KICI_SCALER_FLEET_KEY",
+            "postgres-test-fleet-key-0123456789abcdef",
+        )
         .arg("serve")
         .arg("--config")
         .arg(clone.path("scalers.yaml"))
