@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 //! Who can reach the control API, tried as another local user would: the
 //! default listener is a unix socket only the daemon's user can open, and a
 //! TCP listener (loopback included) answers nothing without the token.
