@@ -262,6 +262,10 @@ vm 'systemctl is-system-running --wait >/dev/null; echo booted' 600 >/dev/null \
     || die "the guest did not boot (serial console above)"
 log "guest up ($(elapsed))"
 
+# The highest exposure `systemd-analyze security` may give the packaged unit
+# (docs/security.md explains each exposure that remains).
+MAX_EXPOSURE=3.5
+
 token="vmtest-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 export KICI_SCALER_API_TOKEN="$token"
 server="http://127.0.0.1:$api_port"
@@ -311,6 +315,8 @@ scalers:
     type: bare-metal
     maxAgents: 1
     enforceCgroups: true
+    x-kici-scaler:
+      user: kici-agent
     labelSets:
       - labels: [oom]
         binaryPath: /usr/bin/kici-agent-lite
@@ -332,6 +338,13 @@ echo "unit cgroup: $unit (delegated: $(getfattr --only-values -n trusted.delegat
 echo "$unit/cgroup.procs: [$(cat $unit/cgroup.procs | tr "\n" " ")]"
 journalctl -u kici-scaler -o cat | grep "cgroup placement" | head -n 2' 600
 
+check "the unit's sandbox: systemd-analyze security exposure at most $MAX_EXPOSURE (the committed number)" "
+set -e
+systemd-analyze security kici-scaler.service | grep -E '^✗' | cut -c1-140 || true
+score=\$(systemd-analyze security kici-scaler.service | sed -n 's/.*exposure level for kici-scaler.service: \\([0-9.]*\\).*/\\1/p')
+echo \"exposure score: \$score (at most $MAX_EXPOSURE)\"
+awk -v s=\"\$score\" -v max=$MAX_EXPOSURE 'BEGIN { exit !(s != \"\" && s + 0 <= max + 0) }'"
+
 check "doctor: the service (delegated), this shell's unit (not delegated), --cgroup-root" '
 set -e
 echo "# kici-scaler doctor (from kici-vm-runner.service; the running daemon row is the service)"
@@ -344,9 +357,21 @@ kici-scaler doctor --config /etc/kici-scaler/scalers.yaml --state-dir /run/kici-
 rmdir /sys/fs/cgroup/kici-test.slice' 600
 
 log "--- a bare-metal job end to end: kici-scaler run --server $server (from this host)"
-out=$(host_run --labels linux -- sh -c 'echo hello from the vm; cat /proc/self/cgroup') || die "run --server failed: $out"
+out=$(host_run --labels linux -- sh -c 'echo hello from the vm; cat /proc/self/cgroup; echo "user $(id -un)"
+for f in /var/lib/kici-scaler/state.db /var/lib/kici-scaler/provision-claim.key /etc/default/kici-scaler /etc/kici-scaler/daemon.toml; do
+    if cat "$f" >/dev/null 2>&1; then echo "read $f"; else echo "cannot read $f"; fi
+done
+for p in $(pgrep -x kici-scaler); do
+    if tr "\0" "\n" <"/proc/$p/environ" >/dev/null 2>&1; then echo "read the daemon environ"; else echo "cannot read the daemon environ"; fi
+done
+if ls /var/lib/kici-scaler >/dev/null 2>&1; then echo "listed the state dir"; else echo "cannot list the state dir"; fi
+cat /proc/$(pgrep -o -x kici-scaler)/environ 2>/dev/null || true') || die "run --server failed: $out"
 printf '%s\n' "$out" | sed 's/^/    /'
 grep -qx 'hello from the vm' <<<"$out" || die "the job's output did not come back"
+grep -qx 'user kici-agent' <<<"$out" || die "the job did not run as kici-agent"
+grep -qE '^(read|listed) ' <<<"$out" && die "the job read the daemon's secrets"
+grep -q "$token" <<<"$out" && die "the API token reached the job"
+[ "$(grep -c '^cannot ' <<<"$out")" -ge 6 ] || die "the job's read attempts did not all run"
 agent_cgroup=$(sed -n 's/^0:://p' <<<"$out")
 [[ $agent_cgroup == /system.slice/kici-scaler.service/agents/*/local/scaler-bare-metal-* ]] \
     || die "the agent ran in $agent_cgroup, not under the unit's agents/ subtree"
