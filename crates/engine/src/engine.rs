@@ -845,8 +845,9 @@ impl Engine {
         ])
     }
 
-    /// Cancels a pending request, or the bound agent if it has not registered.
-    /// Returns whether anything was cancelled.
+    /// Cancels a pending request, or the bound agent if its job has not
+    /// started (it is still spawning, or registered and waiting for the
+    /// job). Returns whether anything was cancelled.
     pub fn cancel_scale(&mut self, job: &JobId, now: Instant) -> bool {
         if let Some(entry) = self.pending.remove(job) {
             self.jobs.remove(job);
@@ -856,10 +857,12 @@ impl Engine {
         let Some(agent) = self.jobs.get(job).and_then(|r| r.agent) else {
             return false;
         };
-        let early = self
-            .agents
-            .get(&agent)
-            .is_some_and(|a| a.state.is_spawning());
+        // Still spawning, or registered and waiting for the job to start:
+        // the agent exists for this job alone, which nobody will run now.
+        let early = self.agents.get(&agent).is_some_and(|a| {
+            a.state.is_spawning()
+                || (a.state == AgentState::Registered && a.mode == Mode::Orchestrator)
+        });
         if early {
             self.jobs.remove(job);
             let mut standalone = false;
@@ -1118,8 +1121,9 @@ impl Engine {
         }
     }
 
-    /// A failure: destroy, back off the label set, re-queue an unstarted
-    /// orchestrator job or end a standalone one.
+    /// A failure: destroy, back off the label set, then re-queue an
+    /// orchestrator job whose agent never registered, end an orchestrator
+    /// job whose dispatcher had its chance, or end a standalone one.
     fn fail(
         &mut self,
         agent: AgentId,
@@ -1127,6 +1131,12 @@ impl Engine {
         detail: Option<String>,
         now: Instant,
     ) {
+        // Before the transition: whether the agent ever registered (an agent
+        // failing in a spawning state never could take a job).
+        let never_registered = self
+            .agents
+            .get(&agent)
+            .is_some_and(|a| a.state.is_spawning());
         let Ok(_) = self.apply(agent, AgentEvent::Failed(reason), now, None, detail.clone()) else {
             return;
         };
@@ -1151,9 +1161,30 @@ impl Engine {
             reason,
             detail,
         }) {
-            self.requeue_unstarted_job(agent, now);
+            if never_registered && reason.before_dispatch() {
+                self.requeue_unstarted_job(agent, now);
+            } else {
+                self.end_orchestrator_job(agent);
+            }
         }
         self.issue_destroy(agent, now);
+    }
+
+    /// An orchestrator job whose agent registered and then failed (it
+    /// waited past the pending-dispatch timeout, outlived its lifetime, or
+    /// exited): its dispatcher had its chance to give it the job, so the
+    /// request ends here and is never admitted again by itself. Only a new
+    /// request for the job id brings it back.
+    fn end_orchestrator_job(&mut self, agent: AgentId) {
+        let Some(a) = self.agents.get_mut(&agent) else {
+            return;
+        };
+        let Some(job) = a.job.take() else {
+            return;
+        };
+        if self.jobs.get(&job).is_some_and(|r| r.agent == Some(agent)) {
+            self.jobs.remove(&job);
+        }
     }
 
     /// A standalone agent leaves with its job unfinished: the job ends

@@ -113,6 +113,14 @@ impl FailureReason {
         }
     }
 
+    /// Failures that can only happen before the agent could take a job
+    /// (it never came up, or never registered): the job may go back to the
+    /// queue. The others — the agent waited for a job past its timeout, or
+    /// outlived its lifetime — mean its dispatcher had its chance.
+    pub fn before_dispatch(self) -> bool {
+        !matches!(self, Self::LifetimeExceeded | Self::PendingDispatchTimeout)
+    }
+
     /// Failures that say something about the label set's health and so feed
     /// its backoff and circuit breaker. A lifetime overrun is the job's doing.
     pub fn counts_against_label_set(self) -> bool {

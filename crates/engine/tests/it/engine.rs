@@ -321,6 +321,117 @@ fn provision_timeout_destroys_backs_off_and_requeues_the_job() {
     assert_eq!(spawn_orders(&mut e).len(), 1, "retried after backoff");
 }
 
+/// An orchestrator job whose agent registered and then waited past the
+/// pending-dispatch timeout (nobody dispatched it, or it went elsewhere)
+/// ends: the request is not admitted again by itself, so the job id never
+/// gets a second agent.
+#[test]
+fn a_job_whose_agent_waited_past_pending_dispatch_ends_and_gets_no_second_agent() {
+    let mut clock = Clock::new();
+    let mut e = engine(BASIC);
+    let a = spawned(
+        &e.request_scale(orchestrator_request("j1", &["docker"]), clock.now())
+            .unwrap(),
+    );
+    assert_eq!(spawn_orders(&mut e).len(), 1);
+    let now = clock.now();
+    e.spawn_succeeded(
+        a,
+        ResourceHandle {
+            id: format!("h-{a}"),
+            ..Default::default()
+        },
+        now,
+    );
+    e.agent_registered(a, now).unwrap();
+    let now = clock.advance(60);
+    e.tick(now);
+    let view = e.agent(a, now).unwrap();
+    assert_eq!(view.state, AgentState::Destroying);
+    assert_eq!(
+        view.failure_reason,
+        Some(FailureReason::PendingDispatchTimeout)
+    );
+    assert_eq!(e.pending_len(), 0, "not back in the queue");
+    finish_destroy(&mut e, now);
+    for _ in 0..5 {
+        let now = clock.advance(60);
+        e.tick(now);
+        assert!(spawn_orders(&mut e).is_empty(), "no second agent");
+    }
+    // A new request for the job id is a new request.
+    assert!(matches!(
+        e.request_scale(orchestrator_request("j1", &["docker"]), clock.now())
+            .unwrap(),
+        ScaleOutcome::Spawning { .. }
+    ));
+}
+
+/// A cancel of a bound request whose agent registered but has not started
+/// the job destroys the agent, and nothing comes back.
+#[test]
+fn a_cancel_of_a_registered_unstarted_agent_destroys_it_and_nothing_comes_back() {
+    let mut clock = Clock::new();
+    let mut e = engine(BASIC);
+    let a = spawned(
+        &e.request_scale(orchestrator_request("j1", &["docker"]), clock.now())
+            .unwrap(),
+    );
+    spawn_orders(&mut e);
+    let now = clock.now();
+    e.spawn_succeeded(
+        a,
+        ResourceHandle {
+            id: format!("h-{a}"),
+            ..Default::default()
+        },
+        now,
+    );
+    e.agent_registered(a, now).unwrap();
+    assert!(e.cancel_scale(&job("j1"), now), "cancelled");
+    assert_eq!(state(&e, a, now), AgentState::Destroying);
+    assert_eq!(destroy_orders(&mut e), vec![a]);
+    e.destroy_finished(a, now);
+    assert_eq!(e.pending_len(), 0);
+    for _ in 0..3 {
+        let now = clock.advance(60);
+        e.tick(now);
+        assert!(spawn_orders(&mut e).is_empty(), "nothing comes back");
+    }
+}
+
+/// An agent that exits after it registered (its dispatcher may have given
+/// it the job) ends its request; one that exits before registering is
+/// retried after the backoff.
+#[test]
+fn only_an_agent_that_never_registered_gives_its_job_back() {
+    let mut clock = Clock::new();
+    let mut e = engine(BASIC);
+    let a = spawned(
+        &e.request_scale(orchestrator_request("j1", &["docker"]), clock.now())
+            .unwrap(),
+    );
+    spawn_orders(&mut e);
+    let now = clock.now();
+    let handle = |a: AgentId| ResourceHandle {
+        id: format!("h-{a}"),
+        ..Default::default()
+    };
+    e.spawn_succeeded(a, handle(a), now);
+    e.agent_registered(a, now).unwrap();
+    e.agent_exited(a, false, "exited 1".into(), now);
+    assert_eq!(e.pending_len(), 0, "registered: the request ended");
+
+    let b = spawned(
+        &e.request_scale(orchestrator_request("j2", &["docker"]), now)
+            .unwrap(),
+    );
+    spawn_orders(&mut e);
+    e.spawn_succeeded(b, handle(b), now);
+    e.agent_exited(b, false, "exited 1".into(), now);
+    assert_eq!(e.pending_len(), 1, "never registered: back in the queue");
+}
+
 /// The job effects among the engine's effects since the last call.
 fn job_effects(e: &mut Engine) -> Vec<JobEffect> {
     e.take_effects()
