@@ -9,57 +9,7 @@ use serde_json::Value;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
-/// A host user of this test's own (unique name), removed when dropped —
-/// whatever the test's outcome.
-struct TestUser {
-    name: String,
-    uid: u32,
-}
-
-impl TestUser {
-    fn create() -> Self {
-        let name = format!(
-            "kici-t-{:08x}",
-            rand_u32() ^ std::process::id().rotate_left(16)
-        );
-        let status = Command::new("useradd")
-            .args([
-                "--system",
-                "--no-create-home",
-                "--shell",
-                "/usr/sbin/nologin",
-                &name,
-            ])
-            .status()
-            .unwrap();
-        assert!(status.success(), "useradd {name}");
-        let out = Command::new("id").args(["-u", &name]).output().unwrap();
-        let uid = String::from_utf8(out.stdout)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        TestUser { name, uid }
-    }
-}
-
-impl Drop for TestUser {
-    fn drop(&mut self) {
-        // Nothing of the user may outlive the test (the daemon destroys its
-        // agents; this is for a failed test).
-        let _ = Command::new("pkill")
-            .args(["-KILL", "-u", &self.name])
-            .status();
-        let _ = Command::new("userdel").arg(&self.name).status();
-    }
-}
-
-fn rand_u32() -> u32 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos()
-}
+use crate::common::users::LocalUser as TestUser;
 
 /// A test dir others may traverse (not list): the agents' work root lives
 /// beside the state dir, and the agent's user must reach it. The state dir
@@ -129,7 +79,7 @@ fn bare_metal_jobs_run_as_the_named_user_and_cannot_read_the_daemons_secrets() {
         rustix::process::geteuid().is_root(),
         "this test runs as root (it creates a user)"
     );
-    let user = TestUser::create();
+    let user = TestUser::create("kici-t-");
     let dir = traversable_dir(&metal_config(&format!(
         "    x-kici-scaler:\n      user: {}\n",
         user.name

@@ -111,8 +111,10 @@ impl World {
                 cmd.env_remove(k);
             }
         }
-        cmd.env("XDG_RUNTIME_DIR", self.path("tmp"))
-            .env("KICI_SCALER_API_TOKEN", crate::common::daemon::TEST_API_TOKEN);
+        cmd.env("XDG_RUNTIME_DIR", self.path("tmp")).env(
+            "KICI_SCALER_API_TOKEN",
+            crate::common::daemon::TEST_API_TOKEN,
+        );
         cmd
     }
 }

@@ -14,71 +14,13 @@ use crate::common::daemon::{wait_until, Daemon, Dir as DaemonDir, CGROUP_V2};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kici-scaler");
 /// What the root-owned file the attacker points a `lock` at holds.
 const PRECIOUS: &str = "root's precious content\n";
 
-/// A local user made for one test; removed with its files on drop.
-struct User {
-    name: String,
-    uid: u32,
-}
-
-impl User {
-    fn new() -> User {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "kicird{}x{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        let out = Command::new("useradd")
-            .args(["--no-create-home", "--shell", "/usr/sbin/nologin", &name])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "useradd {name}: {}",
-            text(&out.stderr)
-        );
-        // Removed on drop from here on, whatever fails next.
-        let mut user = User { name, uid: 0 };
-        let out = Command::new("id")
-            .args(["-u", &user.name])
-            .output()
-            .unwrap();
-        user.uid = text(&out.stdout).trim().parse().unwrap();
-        assert_ne!(user.uid, 0);
-        user
-    }
-
-    /// Runs `script` as this user with `sh`, `args` as `$1`…; panics if it
-    /// fails.
-    fn sh(&self, script: &str, args: &[&str]) {
-        let out = Command::new("runuser")
-            .args(["-u", &self.name, "--", "sh", "-ec", script, "sh"])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "as {}: {script}: {}",
-            self.name,
-            text(&out.stderr)
-        );
-    }
-}
-
-impl Drop for User {
-    fn drop(&mut self) {
-        // Its commands ran to their end in `sh`; nothing of it is left
-        // running.
-        let _ = Command::new("userdel").arg(&self.name).status();
-    }
-}
+/// A local user made for one test (removed on drop).
+type User = crate::common::users::LocalUser;
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -194,7 +136,7 @@ fn bare_metal_config(binary: &str) -> String {
 #[test]
 fn run_as_root_ignores_a_run_dir_another_user_planted_in_the_temp_dir() {
     let world = World::new();
-    let attacker = User::new();
+    let attacker = User::create("kicird-");
     let planted = world.plant(
         &attacker,
         "kici-scaler-run-planted",
@@ -223,7 +165,7 @@ fn run_as_root_ignores_a_run_dir_another_user_planted_in_the_temp_dir() {
 #[test]
 fn run_as_root_ignores_run_dirs_in_its_runtime_dir_it_cannot_trust() {
     let world = World::new();
-    let attacker = User::new();
+    let attacker = User::create("kicird-");
     let runs = world.path("runtime/kici-scaler");
     std::fs::create_dir(&runs).unwrap();
     mode(&runs, 0o700);
@@ -264,7 +206,7 @@ fn run_as_root_ignores_run_dirs_in_its_runtime_dir_it_cannot_trust() {
 #[test]
 fn run_refuses_a_runtime_dir_of_another_user() {
     let world = World::new();
-    let attacker = User::new();
+    let attacker = User::create("kicird-");
     let theirs = world.path("shared/theirs");
     attacker.sh("mkdir -m 700 \"$1\"", &[theirs.to_str().unwrap()]);
 
@@ -284,7 +226,7 @@ fn run_refuses_a_runtime_dir_of_another_user() {
 #[test]
 fn run_as_root_does_not_sweep_a_live_daemons_agents_for_a_planted_dir() {
     let world = World::new();
-    let attacker = User::new();
+    let attacker = User::create("kicird-");
     let dir = DaemonDir::bare_metal(1);
     let daemon_runtime = dir.path("runtime");
     std::fs::create_dir(&daemon_runtime).unwrap();

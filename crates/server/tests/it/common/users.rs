@@ -31,9 +31,32 @@ impl LocalUser {
             "useradd {name}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let id = Command::new("id").args(["-u", &name]).output().unwrap();
-        let uid = String::from_utf8_lossy(&id.stdout).trim().parse().unwrap();
-        Self { name, uid }
+        // Removed on drop from here on, whatever fails next.
+        let mut user = Self { name, uid: 0 };
+        let id = Command::new("id")
+            .args(["-u", &user.name])
+            .output()
+            .unwrap();
+        user.uid = String::from_utf8_lossy(&id.stdout).trim().parse().unwrap();
+        assert_ne!(user.uid, 0);
+        user
+    }
+
+    /// Runs `script` as this user with `sh -e`, `args` as `$1`…; panics if
+    /// it fails.
+    pub fn sh(&self, script: &str, args: &[&str]) {
+        let out = Command::new("runuser")
+            .args(["-u", &self.name, "--", "sh", "-ec", script, "sh"])
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "as {}: {script}: {}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// `program args…` run as this user (`runuser -u`, no shell, no
