@@ -901,11 +901,13 @@ fn stalled_connections_cannot_take_the_daemon_down() {
     // (nothing, half a head, half a body), 120 on the gateway (nothing).
     let mut api = stalled(&d.addr, 50, "");
     api.extend(stalled(&d.addr, 50, "GET /healthz HTTP/1.1\r\nHost: x\r\n"));
-    let half_bodies = stalled(
-        &d.addr,
-        40,
-        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"labels\":",
+    // With the token: an unauthenticated body is refused 401 before it is
+    // read, and this is about a body that never finishes.
+    let half_body = format!(
+        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"labels\":",
+        common::daemon::TEST_API_TOKEN
     );
+    let half_bodies = stalled(&d.addr, 40, &half_body);
     let gateway = stalled(&d.gateway, 120, "");
 
     // Behind them all, real clients are served.
