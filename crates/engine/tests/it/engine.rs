@@ -405,7 +405,7 @@ fn a_cancel_of_a_registered_unstarted_agent_destroys_it_and_nothing_comes_back()
 /// retried after the backoff.
 #[test]
 fn only_an_agent_that_never_registered_gives_its_job_back() {
-    let mut clock = Clock::new();
+    let clock = Clock::new();
     let mut e = engine(BASIC);
     let a = spawned(
         &e.request_scale(orchestrator_request("j1", &["docker"]), clock.now())
