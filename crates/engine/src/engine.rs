@@ -90,6 +90,11 @@ pub struct EngineSettings {
     /// many). Nothing that must happen depends on it: control flows
     /// through effects.
     pub event_buffer: usize,
+    /// Whether an orchestrator job whose agent failed before it registered
+    /// goes back to this engine's own queue. Off in a fleet: there the
+    /// fleet's queue takes it back (the engine's own queue would admit it
+    /// again outside the fleet's caps), and the engine just lets it go.
+    pub requeue_unstarted: bool,
 }
 
 impl Default for EngineSettings {
@@ -102,6 +107,7 @@ impl Default for EngineSettings {
             destroy_retry: Duration::from_secs(30),
             agent_idle_default: Duration::from_secs(5),
             event_buffer: 4096,
+            requeue_unstarted: true,
         }
     }
 }
@@ -1161,7 +1167,7 @@ impl Engine {
             reason,
             detail,
         }) {
-            if never_registered && reason.before_dispatch() {
+            if never_registered && reason.before_dispatch() && self.settings.requeue_unstarted {
                 self.requeue_unstarted_job(agent, now);
             } else {
                 self.end_orchestrator_job(agent);

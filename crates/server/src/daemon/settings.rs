@@ -855,6 +855,9 @@ impl DaemonSettings {
                         pending_ttl,
                         starvation,
                         max_pending,
+                        // In a fleet its queue re-queues a failed spawn's
+                        // request, under the fleet's caps.
+                        requeue_unstarted: fleet.is_none(),
                         ..defaults
                     },
                     shutdown_grace,

@@ -695,12 +695,27 @@ impl FleetHost {
                 });
             }
             AgentState::Gone => {
+                // The failure is on the transition that failed the agent,
+                // not on its last one: the engine keeps it in the view.
+                let failure_reason = failure_reason.or_else(|| {
+                    self.0
+                        .runtime
+                        .call(|e, now| e.agent(*agent_id, now))
+                        .and_then(|view| view.failure_reason)
+                });
                 let outcome = match (failure_reason, detail) {
                     (Some(r), _) => format!("agent ended: {r}"),
                     (None, Some(d)) => format!("agent ended: {d}"),
                     (None, None) => "agent ended".to_owned(),
                 };
-                self.finish(*agent_id, &outcome).await;
+                // These failures only happen before an agent registers (the
+                // engine fails a registered agent only for the pending-
+                // dispatch timeout or its lifetime): nobody could have given
+                // it the job, so a scale request goes back to the fleet's
+                // queue at its place — never to the engine's own, which would
+                // admit it outside the fleet's caps.
+                let unstarted = failure_reason.is_some_and(|r| r.before_dispatch());
+                self.finish(*agent_id, &outcome, unstarted).await;
                 self.0.busy.lock().clear();
                 self.0.wake.notify_one();
             }
@@ -708,18 +723,31 @@ impl FleetHost {
         }
     }
 
-    async fn finish(&self, agent: AgentId, outcome: &str) {
+    async fn finish(&self, agent: AgentId, outcome: &str, unstarted: bool) {
         let Some(job) = self.0.bound.lock().remove(&agent) else {
             return;
         };
         self.0.claimed.lock().remove(&job);
+        let me = self.0.instance.to_string();
+        // A standalone job is in this host's job book, and ends with its
+        // agent (never served twice); a scale request whose agent never
+        // registered is served again.
+        if unstarted && self.0.jobs.view(&job).is_none() {
+            match self.0.queue.requeue(&me, job.as_str()).await {
+                Ok(true) => {
+                    tracing::info!(job_id = %job, agent_id = %agent, reason = %outcome, "fleet: a request whose agent never registered is queued again");
+                    return;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(job_id = %job, error = %e, "fleet: re-queueing a request failed");
+                    self.0.bound.lock().insert(agent, job);
+                    return;
+                }
+            }
+        }
         let outcome = self.outcome_of(&job, outcome).await;
-        if let Err(e) = self
-            .0
-            .queue
-            .complete(&self.0.instance.to_string(), job.as_str(), &outcome)
-            .await
-        {
+        if let Err(e) = self.0.queue.complete(&me, job.as_str(), &outcome).await {
             // Left `started`: finished by the next sweep of vanished agents.
             tracing::warn!(job_id = %job, error = %e, "fleet: finishing a request failed");
             self.0.bound.lock().insert(agent, job);
@@ -774,7 +802,7 @@ impl FleetHost {
             .copied()
             .collect();
         for agent in gone {
-            self.finish(agent, "agent ended").await;
+            self.finish(agent, "agent ended", false).await;
         }
     }
 
@@ -1067,7 +1095,7 @@ impl FleetHost {
         self.0.stop.send_replace(true);
         let agents: Vec<AgentId> = self.0.bound.lock().keys().copied().collect();
         for agent in agents {
-            self.finish(agent, "host shut down").await;
+            self.finish(agent, "host shut down", false).await;
         }
         let tasks = std::mem::take(&mut *self.0.tasks.lock());
         for t in tasks {

@@ -1602,3 +1602,176 @@ fn serial_fleet_standalone_job_of_a_partitioned_host_is_aborted_there_when_heale
         "{lines:#?}"
     );
 }
+
+/// The pool `waiters`: the real agent, which registers and then waits for a
+/// job nobody dispatches; it leaves after a second (`pending-dispatch-timeout`).
+fn waiters_pool(per_host: u32, fleet_max: u32) -> String {
+    format!(
+        "  - name: waiters\n    type: bare-metal\n    maxAgents: {per_host}\n    x-kici-scaler:\n      fleetMaxAgents: {fleet_max}\n      pendingDispatchTimeoutSeconds: 1\n    labelSets:\n      - labels: [waiter]\n        binaryPath: {}\n",
+        common::daemon::agent_lite_dir()
+            .join("kici-agent-lite")
+            .display()
+    )
+}
+
+/// Forty scale requests nobody dispatches, through three hosts, under a
+/// fleet cap of four: each agent registers, waits out its pending-dispatch
+/// timeout and leaves, and its request ends with it. Agent *processes*
+/// (counted in the hosts' cgroups, not in the database) never exceed the
+/// cap, each job id gets exactly one agent, and every request is served.
+#[test]
+fn serial_fleet_undispatched_requests_end_at_their_timeout_and_the_cap_holds_in_processes() {
+    const FLEET_MAX: usize = 4;
+    let fleet = Fleet::start_with(3, 2, 6, &[], &waiters_pool(3, FLEET_MAX as u32), &[]);
+    wait_until("every host up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 3
+    });
+    let instances: Vec<String> = fleet.hosts.iter().map(Host::instance).collect();
+    // Agent cgroups of the pool holding at least one process, all hosts.
+    let live_processes = || -> usize {
+        instances
+            .iter()
+            .map(|i| {
+                let pool = std::path::Path::new(common::daemon::CGROUP_V2)
+                    .join("kici-scaler")
+                    .join(i)
+                    .join("waiters");
+                std::fs::read_dir(&pool)
+                    .map(|d| {
+                        d.filter_map(Result::ok)
+                            .filter(|e| {
+                                std::fs::read_to_string(e.path().join("cgroup.procs"))
+                                    .is_ok_and(|p| !p.trim().is_empty())
+                            })
+                            .count()
+                    })
+                    .unwrap_or(0)
+            })
+            .sum()
+    };
+    for n in 0..40 {
+        let body =
+            serde_json::json!({"jobId": format!("waiting-{n}"), "labels": ["waiter"]}).to_string();
+        let (status, answer) = fleet.hosts[n % 3].call("POST", "/v1/scale", Some(&body));
+        assert!(status == 200 || status == 202, "{status} {answer}");
+    }
+    let mut most = 0;
+    wait_long(
+        "every request is served and ends",
+        Duration::from_secs(150),
+        || {
+            most = most.max(live_processes());
+            fleet.sql("SELECT count(*) FROM fleet_requests WHERE state = 'finished'")[0] == "40"
+        },
+    );
+    assert!(
+        most <= FLEET_MAX,
+        "{most} agent processes at once against a fleet cap of {FLEET_MAX}"
+    );
+    assert!(most > 0, "no agent process was ever seen");
+    // Each job id got one agent that came up: forty agents waited out
+    // their timeout, every one gone, none made after; the fleet recorded no
+    // job with a second agent. (Agents the entry path admitted and undid
+    // before their spawn are gone without a failure and never ran.)
+    std::thread::sleep(Duration::from_secs(3));
+    let mut timed_out = 0;
+    for h in &fleet.hosts {
+        let (status, v) = h.call("GET", "/v1/agents?all=true&local=true", None);
+        assert_eq!(status, 200, "{v}");
+        for a in v["agents"].as_array().unwrap() {
+            if a["scaler"] == "waiters" {
+                assert_eq!(a["state"], "gone", "{a}");
+                if a["failureReason"] == "pending-dispatch-timeout" {
+                    timed_out += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(timed_out, 40, "one agent per job id came up");
+    let twice = fleet.sql(
+        "SELECT job_id FROM fleet_agents WHERE pool = 'waiters' GROUP BY job_id HAVING count(*) > 1",
+    );
+    assert!(twice.is_empty(), "job ids with a second agent: {twice:?}");
+    assert_eq!(
+        fleet.sql("SELECT count(DISTINCT job_id) FROM fleet_agents WHERE pool = 'waiters'")[0],
+        "40"
+    );
+    assert_eq!(live_processes(), 0);
+    let outcomes = fleet.sql("SELECT DISTINCT outcome FROM fleet_requests WHERE pool = 'waiters'");
+    assert_eq!(
+        outcomes,
+        vec!["agent ended: pending-dispatch-timeout".to_owned()],
+        "{outcomes:?}"
+    );
+}
+
+/// A request whose agent fails before it registers (here: every agent of
+/// host 0 exits at once) goes back to the fleet's queue at its place —
+/// never to the failing host's own engine, which would serve it again
+/// outside the fleet's caps, nor finished — and is served once, when a host
+/// can.
+#[test]
+fn serial_fleet_a_request_whose_agent_never_registered_goes_back_to_the_fleets_queue() {
+    let fleet = Fleet::start(2, 2, 4, &[]);
+    wait_until("both hosts up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 2
+    });
+    // Host 0's agent now exits at once (exited-early, before registering).
+    std::fs::write(fleet.hosts[0].dir.path("agent.sh"), "#!/bin/sh\nexit 1\n").unwrap();
+    for n in 0..4 {
+        let (status, answer) = fleet.hosts[n % 2].scale(&format!("r-{n}"));
+        assert!(status == 200 || status == 202, "{answer}");
+    }
+    let failed_on_0 = || {
+        let (_, v) = fleet.hosts[0].call("GET", "/v1/agents?all=true&local=true", None);
+        v["agents"].as_array().map_or(0, |a| {
+            a.iter()
+                .filter(|a| a["failureReason"] == "exited-early")
+                .count()
+        })
+    };
+    wait_long(
+        "host 1 is full and host 0's agents fail before registering",
+        Duration::from_secs(60),
+        || fleet.hosts[1].agents().len() == 2 && failed_on_0() >= 2,
+    );
+    // The failures finished nothing.
+    assert_eq!(
+        fleet.sql("SELECT count(*) FROM fleet_requests WHERE state = 'finished'"),
+        vec!["0".to_owned()]
+    );
+    // Host 0's agent works again: after its backoff the two requests it
+    // failed are served — each once, by whichever host claims them.
+    std::fs::write(
+        fleet.hosts[0].dir.path("agent.sh"),
+        agent_script(fleet.record.path()),
+    )
+    .unwrap();
+    let serving = || -> BTreeMap<String, usize> {
+        let mut jobs = BTreeMap::new();
+        for h in &fleet.hosts {
+            for (state, job) in h.agents_with_jobs().into_values() {
+                if state != "destroying" && !job.is_empty() {
+                    *jobs.entry(job).or_insert(0) += 1;
+                }
+            }
+        }
+        jobs
+    };
+    wait_long(
+        "all four requests are served",
+        Duration::from_secs(90),
+        || serving().len() == 4,
+    );
+    let jobs = serving();
+    assert!(
+        jobs.values().all(|n| *n == 1),
+        "one agent per job: {jobs:?}"
+    );
+    assert_eq!(
+        fleet.sql("SELECT count(*) FROM fleet_requests WHERE state = 'started'"),
+        vec!["4".to_owned()]
+    );
+}
