@@ -953,7 +953,10 @@ async fn a_refused_claim_prints_the_servers_reason_and_exits_5() {
 
 #[tokio::test]
 async fn an_unreachable_claim_url_gives_up_at_its_deadline_with_exit_5() {
-    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // A port freed on a loopback address no other test listens on: on
+    // 127.0.0.1 another test's listener could be given the same port while
+    // the agent still POSTs to it.
+    let closed = TcpListener::bind("127.0.0.254:0").await.unwrap();
     let url = format!("http://{}/v1/claims", closed.local_addr().unwrap());
     drop(closed);
     let child = agent(
