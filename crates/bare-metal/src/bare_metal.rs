@@ -663,11 +663,7 @@ impl Backend for BareMetalBackend {
         // two, or a crash mid-destroy. Still ours, still to be removed.
         if let Ok(entries) = fs::read_dir(&self.inner.agents_dir) {
             for entry in entries.flatten() {
-                let Some(agent) = entry
-                    .file_name()
-                    .to_str()
-                    .and_then(|n| n.parse::<AgentId>().ok())
-                else {
+                let Some(agent) = agent_named(&entry) else {
                     continue;
                 };
                 if seen.contains(&agent) {
@@ -692,11 +688,7 @@ impl Backend for BareMetalBackend {
         // Work directories left alone (a crash after the rest went).
         if let Ok(entries) = fs::read_dir(&self.inner.work_dir) {
             for entry in entries.flatten() {
-                let Some(agent) = entry
-                    .file_name()
-                    .to_str()
-                    .and_then(|n| n.parse::<AgentId>().ok())
-                else {
+                let Some(agent) = agent_named(&entry) else {
                     continue;
                 };
                 if owned.iter().any(|o| o.agent == Some(agent)) {
@@ -732,4 +724,9 @@ impl Backend for BareMetalBackend {
                 .into()
             })
     }
+}
+
+/// The agent a directory entry is named after (agent and work dirs are).
+fn agent_named(entry: &fs::DirEntry) -> Option<AgentId> {
+    entry.file_name().to_str()?.parse().ok()
 }

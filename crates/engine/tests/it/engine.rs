@@ -40,8 +40,8 @@ fn state(e: &Engine, a: AgentId, now: std::time::Instant) -> AgentState {
     e.agent(a, now).unwrap().state
 }
 
-/// Backend up + registration + job dispatched.
-fn bring_up(e: &mut Engine, a: AgentId, now: std::time::Instant) {
+/// Backend up + registration, no job started.
+fn register(e: &mut Engine, a: AgentId, now: std::time::Instant) -> kici_engine::Registration {
     e.spawn_succeeded(
         a,
         ResourceHandle {
@@ -50,7 +50,12 @@ fn bring_up(e: &mut Engine, a: AgentId, now: std::time::Instant) {
         },
         now,
     );
-    let reg = e.agent_registered(a, now).unwrap();
+    e.agent_registered(a, now).unwrap()
+}
+
+/// Backend up + registration + job dispatched.
+fn bring_up(e: &mut Engine, a: AgentId, now: std::time::Instant) {
+    let reg = register(e, a, now);
     if let Some(job) = reg.bound_job_id {
         e.job_started(a, job, now).unwrap();
     }
@@ -335,15 +340,7 @@ fn a_job_whose_agent_waited_past_pending_dispatch_ends_and_gets_no_second_agent(
     );
     assert_eq!(spawn_orders(&mut e).len(), 1);
     let now = clock.now();
-    e.spawn_succeeded(
-        a,
-        ResourceHandle {
-            id: format!("h-{a}"),
-            ..Default::default()
-        },
-        now,
-    );
-    e.agent_registered(a, now).unwrap();
+    register(&mut e, a, now);
     let now = clock.advance(60);
     e.tick(now);
     let view = e.agent(a, now).unwrap();
@@ -379,15 +376,7 @@ fn a_cancel_of_a_registered_unstarted_agent_destroys_it_and_nothing_comes_back()
     );
     spawn_orders(&mut e);
     let now = clock.now();
-    e.spawn_succeeded(
-        a,
-        ResourceHandle {
-            id: format!("h-{a}"),
-            ..Default::default()
-        },
-        now,
-    );
-    e.agent_registered(a, now).unwrap();
+    register(&mut e, a, now);
     assert!(e.cancel_scale(&job("j1"), now), "cancelled");
     assert_eq!(state(&e, a, now), AgentState::Destroying);
     assert_eq!(destroy_orders(&mut e), vec![a]);
@@ -413,12 +402,7 @@ fn only_an_agent_that_never_registered_gives_its_job_back() {
     );
     spawn_orders(&mut e);
     let now = clock.now();
-    let handle = |a: AgentId| ResourceHandle {
-        id: format!("h-{a}"),
-        ..Default::default()
-    };
-    e.spawn_succeeded(a, handle(a), now);
-    e.agent_registered(a, now).unwrap();
+    register(&mut e, a, now);
     e.agent_exited(a, false, "exited 1".into(), now);
     assert_eq!(e.pending_len(), 0, "registered: the request ended");
 
@@ -427,7 +411,14 @@ fn only_an_agent_that_never_registered_gives_its_job_back() {
             .unwrap(),
     );
     spawn_orders(&mut e);
-    e.spawn_succeeded(b, handle(b), now);
+    e.spawn_succeeded(
+        b,
+        ResourceHandle {
+            id: format!("h-{b}"),
+            ..Default::default()
+        },
+        now,
+    );
     e.agent_exited(b, false, "exited 1".into(), now);
     assert_eq!(e.pending_len(), 1, "never registered: back in the queue");
 }

@@ -211,17 +211,7 @@ fn a_netns_instance_boots_on_a_scale_up_runs_a_standalone_job_and_goes_on_scale_
         "command": ["sh", "-c", "ip -4 -o addr show; echo from-the-namespace"],
     })
     .to_string();
-    let (status, answer) = http(&d.addr, "POST", "/v1/jobs", &[], Some(&body));
-    assert!(
-        status == 200 || status == 201 || status == 202,
-        "{status} {answer}"
-    );
-    let job: Value = serde_json::from_str(&answer).unwrap();
-    let id = job["jobId"]
-        .as_str()
-        .or(job["id"].as_str())
-        .unwrap()
-        .to_owned();
+    let id = post_job(&d, &body);
 
     let up = wait_event(&dir, "a scale-up", |e| e["event"] == "scale-up");
     let agent = up["agentId"].as_str().unwrap().to_owned();
@@ -431,17 +421,7 @@ fn a_provisioner_that_starts_the_agent_with_its_own_environment_runs_a_standalon
         "command": ["sh", "-c", "echo ran-on-the-provisioned-agent"],
     })
     .to_string();
-    let (status, answer) = http(&d.addr, "POST", "/v1/jobs", &[], Some(&body));
-    assert!(
-        status == 200 || status == 201 || status == 202,
-        "{status} {answer}"
-    );
-    let job: Value = serde_json::from_str(&answer).unwrap();
-    let id = job["jobId"]
-        .as_str()
-        .or(job["id"].as_str())
-        .unwrap()
-        .to_owned();
+    let id = post_job(&d, &body);
     let agent_logs = || {
         std::fs::read_dir(dir.0.path())
             .unwrap()
@@ -1299,4 +1279,19 @@ fn next_event(s: &mut EventsStream, name: &str) -> crate::common::SseEvent {
         }
         s.read_some();
     }
+}
+
+/// `POST /v1/jobs` with `body`, accepted: the job's id.
+fn post_job(d: &Daemon, body: &str) -> String {
+    let (status, answer) = http(&d.addr, "POST", "/v1/jobs", &[], Some(body));
+    assert!(
+        status == 200 || status == 201 || status == 202,
+        "{status} {answer}"
+    );
+    let job: Value = serde_json::from_str(&answer).unwrap();
+    job["jobId"]
+        .as_str()
+        .or(job["id"].as_str())
+        .unwrap()
+        .to_owned()
 }
