@@ -150,6 +150,18 @@ impl From<sqlx::Error> for FleetError {
     }
 }
 
+impl FleetError {
+    /// The host's session (kici-store) failed: unavailable stays
+    /// unavailable, anything else is a database error.
+    pub(crate) fn from_store(e: kici_store::StoreError) -> Self {
+        if e.is_unavailable() {
+            Self::Unavailable(e.to_string())
+        } else {
+            Self::Database(e.to_string())
+        }
+    }
+}
+
 /// Connection-level trouble (the same sorting as kici-store's).
 pub(crate) fn is_unavailable(e: &sqlx::Error) -> bool {
     match e {

@@ -1,11 +1,14 @@
 //! Leadership and the leader's chores.
 //!
 //! The leader is whichever host holds a session-level advisory lock keyed
-//! by the fleet's name, on a dedicated connection (outside the pool, so the
-//! lock lives exactly as long as that session). When the leader dies or its
-//! session is cut, PostgreSQL releases the lock and the next candidate's
-//! [`Leader::try_lead`] takes it; hosts call it every lease/3 or so, so
-//! leadership moves within one lease period.
+//! by the fleet's name, on the host's session ([`kici_store::PgSession`],
+//! the connection that also carries its `LISTEN`), so leadership costs no
+//! connection of its own and lives exactly as long as that session. When
+//! the leader dies or its session is cut, PostgreSQL releases the lock and
+//! the next candidate's [`Leader::try_lead`] takes it; hosts call it every
+//! lease/3 or so, so leadership moves within one lease period. A session
+//! cut off by a partition is ended by the server after its idle timeout
+//! ([`crate::FleetOptions::session_idle_timeout`]).
 //!
 //! The chores ([`Leader::run_chores`]) are conditional updates a non-leader
 //! could run just as safely: a host is declared lost only if its lease
@@ -19,8 +22,8 @@ use crate::error::FleetError;
 use crate::membership::jobs_and_pools;
 use crate::{notify, Fleet};
 use kici_model::InstanceId;
-use sqlx::postgres::PgConnection;
-use sqlx::{ConnectOptions, Connection, Row};
+use kici_store::{AdvisoryKey, Locked};
+use sqlx::Row;
 use std::time::Duration;
 
 /// A host the chores declared lost.
@@ -79,11 +82,8 @@ pub struct Leader {
     fleet: Fleet,
     instance: String,
     key: i64,
-    /// The session holding the lock, while leading.
-    session: Option<PgConnection>,
-    /// The server ends the leader's session after this long without a
-    /// query from it (`idle_session_timeout`).
-    idle_timeout: Option<std::time::Duration>,
+    /// The lock, as taken on the host's session, while leading.
+    locked: Option<Locked>,
 }
 
 impl std::fmt::Debug for Leader {
@@ -91,7 +91,7 @@ impl std::fmt::Debug for Leader {
         f.debug_struct("Leader")
             .field("fleet", &self.fleet.name())
             .field("instance", &self.instance)
-            .field("leading", &self.session.is_some())
+            .field("leading", &self.is_leader())
             .finish()
     }
 }
@@ -116,100 +116,81 @@ impl Leader {
             fleet,
             instance: instance.to_string(),
             key,
-            session: None,
-            idle_timeout: None,
+            locked: None,
         }
     }
 
-    /// Has the server end this leader's session — freeing the lock for the
-    /// next candidate — once it sent no query for `idle` (set it to the
-    /// lease). A leader cut off by a partition is otherwise still "alive"
-    /// to the server until TCP gives up, minutes later, and leadership
-    /// could not move. A healthy leader queries every `try_lead`, so call
-    /// that well within `idle`.
-    pub fn with_idle_timeout(mut self, idle: std::time::Duration) -> Self {
-        self.idle_timeout = Some(idle);
-        self
-    }
-
-    /// Whether this host held the lock at the last [`Leader::try_lead`].
+    /// Whether this host held the lock at the last [`Leader::try_lead`] and
+    /// its session has not been lost since.
     pub fn is_leader(&self) -> bool {
-        self.session.is_some()
+        self.locked.is_some_and(|l| self.fleet.session().holds(l))
     }
 
     /// Keeps or takes leadership; returns whether this host leads now. A
-    /// leader whose session no longer answers has lost the lock with it
-    /// (PostgreSQL releases a dead session's locks), so it tries to take it
-    /// again like any candidate. Becoming leader is recorded in
-    /// `fleet_fleets.leader` (for status).
+    /// leader whose session was lost has lost the lock with it (PostgreSQL
+    /// releases a dead session's locks), so it tries to take it again like
+    /// any candidate. Becoming leader is recorded in `fleet_fleets.leader`
+    /// (for status).
     pub async fn try_lead(&mut self) -> Result<bool, FleetError> {
-        if let Some(session) = self.session.as_mut() {
-            // A query, not a protocol ping: it must reset the server's
-            // idle-session timer.
-            let alive = tokio::time::timeout(
-                self.fleet.acquire_timeout(),
-                sqlx::query("SELECT 1").execute(&mut *session),
-            )
-            .await
-            .is_ok_and(|r| r.is_ok());
-            if alive {
-                return Ok(true);
-            }
+        if self.is_leader() {
+            return Ok(true);
+        }
+        if self.locked.take().is_some() {
             tracing::warn!(fleet = %self.fleet.name(), "the leader's session is gone; leadership lost");
-            self.session = None;
         }
-        let timeout = self.fleet.acquire_timeout();
-        let mut conn = tokio::time::timeout(timeout, self.fleet.connect_options().connect())
+        let Some(locked) = self
+            .fleet
+            .session()
+            .try_lock(AdvisoryKey::Single(self.key))
             .await
-            .map_err(|_| {
-                FleetError::Unavailable(format!("connecting to PostgreSQL took over {timeout:?}"))
-            })??;
-        if let Some(idle) = self.idle_timeout {
-            let ms = idle.as_millis().max(1);
-            // PostgreSQL 14 and later; an older server keeps TCP's timing.
-            if let Err(e) = sqlx::query(&format!("SET idle_session_timeout = {ms}"))
-                .execute(&mut conn)
-                .await
-            {
-                tracing::debug!(error = %e, "idle_session_timeout not available");
-            }
-        }
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(self.key)
-            .fetch_one(&mut conn)
-            .await?;
-        if !got {
-            // Best effort: the session ends either way.
-            let _ = conn.close().await;
+            .map_err(FleetError::from_store)?
+        else {
             return Ok(false);
-        }
-        sqlx::query(
+        };
+        let recorded = sqlx::query(
             "UPDATE fleet_fleets SET leader = $2, leader_since = fleet_now_ms() WHERE fleet = $1",
         )
         .bind(self.fleet.name())
         .bind(&self.instance)
-        .execute(&mut conn)
-        .await?;
+        .execute(self.fleet.pool())
+        .await;
+        if let Err(e) = recorded {
+            // Leading without the record would show a stale leader; give
+            // the lock back and try again at the next call.
+            self.release().await;
+            return Err(e.into());
+        }
         tracing::info!(fleet = %self.fleet.name(), instance = %self.instance, "leading the fleet");
-        self.session = Some(conn);
+        self.locked = Some(locked);
         Ok(true)
     }
 
     /// The backend process id of the session holding the lock (None when
     /// not leading), for operators (`pg_stat_activity`) and tests.
     pub async fn session_pid(&mut self) -> Option<i32> {
-        let session = self.session.as_mut()?;
-        sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(session)
-            .await
-            .ok()
+        if !self.is_leader() {
+            return None;
+        }
+        self.fleet.session().backend_pid().await
     }
 
-    /// Gives leadership up (ends the session holding the lock).
+    /// Gives leadership up (releases the lock; the host's session stays).
     pub async fn step_down(&mut self) {
-        if let Some(conn) = self.session.take() {
-            // Ending the session releases the lock; a broken one already did.
-            let _ = conn.close().await;
+        if self.locked.take().is_some() {
+            self.release().await;
+        }
+    }
+
+    async fn release(&self) {
+        if let Err(e) = self
+            .fleet
+            .session()
+            .unlock(AdvisoryKey::Single(self.key))
+            .await
+        {
+            // A lost session released it already; a session that does not
+            // answer is reset, which releases it too.
+            tracing::debug!(error = %e, "releasing leadership");
         }
     }
 

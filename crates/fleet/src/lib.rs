@@ -125,6 +125,7 @@ pub const HOST_LOST: &str = "host lost";
 /// ([`Leader::expire_queued`]).
 pub const EXPIRED: &str = "expired";
 
+use kici_store::{PgSession, SessionOptions, SharedPostgres};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -133,24 +134,31 @@ use std::time::Duration;
 /// The one NOTIFY channel of every fleet in a database; the payload names
 /// the fleet and the pool (channel names are identifiers of at most 63
 /// bytes, fleet names are free text).
-pub(crate) const CHANNEL: &str = "kici_fleet";
+pub const CHANNEL: &str = "kici_fleet";
 
-/// Connection settings of a [`Fleet`] handle.
+/// Connection settings of a [`Fleet`] handle made by [`Fleet::connect`].
 #[derive(Debug, Clone)]
 pub struct FleetOptions {
-    /// Pooled connections (claims, renewals, enqueues). The leader's
-    /// session and each [`Waker`]'s listener are extra, dedicated ones.
+    /// Every connection the handle holds: its session (leadership,
+    /// `LISTEN`) and the pooled ones (claims, renewals, enqueues). At
+    /// least 2.
     pub max_connections: u32,
-    /// Bound on waiting for a pooled connection (and on connecting the
-    /// dedicated ones): past it a call fails with [`FleetError::Unavailable`].
+    /// Bound on waiting for a pooled connection: past it a call fails with
+    /// [`FleetError::Unavailable`].
     pub acquire_timeout: Duration,
+    /// The server ends the session after this long without a query, so a
+    /// leader cut off from the database loses leadership in bounded time
+    /// (see [`kici_store::SessionOptions::idle_timeout`]). Set it to the
+    /// lease.
+    pub session_idle_timeout: Option<Duration>,
 }
 
 impl Default for FleetOptions {
     fn default() -> Self {
         Self {
-            max_connections: 8,
+            max_connections: 4,
             acquire_timeout: Duration::from_secs(3),
+            session_idle_timeout: None,
         }
     }
 }
@@ -162,8 +170,7 @@ impl Default for FleetOptions {
 pub struct Fleet {
     name: Arc<str>,
     pool: PgPool,
-    connect: PgConnectOptions,
-    acquire_timeout: Duration,
+    session: PgSession,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -173,24 +180,62 @@ impl std::fmt::Debug for Fleet {
 }
 
 impl Fleet {
-    /// Connects to `url`, applies the fleet migrations (refusing a schema
-    /// newer than this binary, [`FleetError::SchemaTooNew`]) and returns a
-    /// handle on fleet `name` (one database can hold several fleets).
+    /// Connects to `url` with a pool and a session of its own, applies the
+    /// fleet migrations (refusing a schema newer than this binary,
+    /// [`FleetError::SchemaTooNew`]) and returns a handle on fleet `name`
+    /// (one database can hold several fleets). A daemon whose state store
+    /// is in the same database uses [`Fleet::on`] instead, so that the
+    /// host's connections are one budget.
     pub async fn connect(url: &str, name: &str, options: FleetOptions) -> Result<Self, FleetError> {
         let connect = PgConnectOptions::from_str(url)
             .map_err(|e| FleetError::InvalidUrl(e.to_string()))?
             .application_name(&format!("kici-fleet {name}"));
         let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections.max(1))
+            .max_connections(options.max_connections.max(2))
             .acquire_timeout(options.acquire_timeout)
             .test_before_acquire(true)
             .connect_lazy_with(connect.clone());
-        schema::migrate(&pool).await?;
+        let session = PgSession::open(
+            &pool,
+            SessionOptions {
+                idle_timeout: options.session_idle_timeout,
+                call_timeout: options.acquire_timeout,
+                ..SessionOptions::default()
+            },
+        )
+        .await
+        .map_err(FleetError::from_store)?;
+        let fleet = Self::on(
+            SharedPostgres {
+                pool: pool.clone(),
+                session: session.clone(),
+                connect,
+            },
+            name,
+        )
+        .await;
+        if fleet.is_err() {
+            session.close().await;
+            pool.close().await;
+        }
+        fleet
+    }
+
+    /// A handle on fleet `name` over the host's existing pool and session
+    /// (a PostgreSQL state store's, [`kici_store::StateStore::postgres`]):
+    /// the fleet holds no connection of its own. Applies the migrations and
+    /// has the session `LISTEN` on [`CHANNEL`].
+    pub async fn on(shared: SharedPostgres, name: &str) -> Result<Self, FleetError> {
+        schema::migrate(&shared.pool).await?;
+        shared
+            .session
+            .listen(CHANNEL)
+            .await
+            .map_err(FleetError::from_store)?;
         Ok(Self {
             name: name.into(),
-            pool,
-            connect,
-            acquire_timeout: options.acquire_timeout,
+            pool: shared.pool,
+            session: shared.session,
         })
     }
 
@@ -222,21 +267,21 @@ impl Fleet {
     }
 
     /// A listener woken by arrivals and releases in `pools` (see [`Waker`]).
-    pub async fn waker(&self, pools: &[String]) -> Result<Waker, FleetError> {
-        Waker::listen(self, pools).await
+    pub fn waker(&self, pools: &[String]) -> Waker {
+        Waker::listen(self, pools)
     }
 
-    /// Closes the pooled connections.
+    /// The host's session (leadership, `LISTEN`).
+    pub fn session(&self) -> &PgSession {
+        &self.session
+    }
+
+    /// Ends the session and closes the pooled connections (of a handle made
+    /// by [`Fleet::connect`]; one made [`Fleet::on`] a store's connections
+    /// is closed with the store).
     pub async fn close(&self) {
+        self.session.close().await;
         self.pool.close().await;
-    }
-
-    pub(crate) fn connect_options(&self) -> &PgConnectOptions {
-        &self.connect
-    }
-
-    pub(crate) fn acquire_timeout(&self) -> Duration {
-        self.acquire_timeout
     }
 }
 

@@ -33,7 +33,8 @@ use crate::membership::{Caps, LeaseGuard};
 use crate::placement::HostLoad;
 use crate::{non_negative, notify, to_db, Fleet, CHANNEL};
 use kici_model::{InstanceId, MemoryBytes, MilliCpu};
-use sqlx::postgres::{PgListener, PgRow};
+use kici_store::Notice;
+use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 use std::collections::HashSet;
 use std::time::Duration;
@@ -1281,13 +1282,13 @@ async fn fence(
 }
 
 /// Tells a host when to try claiming: woken by NOTIFYs of arrivals and
-/// releases in its pools, with a fallback poll (at most 1 s) so a lost
-/// notification (listener reconnecting, database restart) delays a claim
-/// by at most that.
+/// releases in its pools (received on the host's session), with a fallback
+/// poll (at most 1 s) so a lost notification (session reconnecting,
+/// database restart) delays a claim by at most that.
 pub struct Waker {
     fleet: Fleet,
     pools: HashSet<String>,
-    listener: Option<PgListener>,
+    notices: tokio::sync::broadcast::Receiver<Notice>,
     poll: Duration,
 }
 
@@ -1296,7 +1297,6 @@ impl std::fmt::Debug for Waker {
         f.debug_struct("Waker")
             .field("fleet", &self.fleet.name())
             .field("pools", &self.pools)
-            .field("listening", &self.listener.is_some())
             .finish()
     }
 }
@@ -1305,15 +1305,13 @@ impl std::fmt::Debug for Waker {
 pub const FALLBACK_POLL: Duration = Duration::from_secs(1);
 
 impl Waker {
-    pub(crate) async fn listen(fleet: &Fleet, pools: &[String]) -> Result<Self, FleetError> {
-        let mut w = Self {
+    pub(crate) fn listen(fleet: &Fleet, pools: &[String]) -> Self {
+        Self {
             fleet: fleet.clone(),
             pools: pools.iter().cloned().collect(),
-            listener: None,
+            notices: fleet.session().subscribe(),
             poll: FALLBACK_POLL,
-        };
-        w.connect().await?;
-        Ok(w)
+        }
     }
 
     /// Shortens the fallback poll (never lengthens it past 1 s).
@@ -1322,66 +1320,31 @@ impl Waker {
         self
     }
 
-    async fn connect(&mut self) -> Result<(), FleetError> {
-        // The listener's connection is a dedicated one, in a pool of its
-        // own: `PgListener` keeps the connection it takes for its whole
-        // life, and taken from the fleet's pool it would shrink the pool for
-        // claims and make `Fleet::close` (which waits for every pooled
-        // connection to come back) wait for the waker to be dropped.
-        let dedicated = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(self.fleet.acquire_timeout())
-            .connect_lazy_with(self.fleet.connect_options().clone());
-        let mut l = tokio::time::timeout(
-            self.fleet.acquire_timeout(),
-            PgListener::connect_with(&dedicated),
-        )
-        .await
-        .map_err(|_| FleetError::Unavailable("connecting the fleet listener timed out".into()))??;
-        l.listen(CHANNEL).await?;
-        self.listener = Some(l);
-        Ok(())
-    }
-
     /// Waits until a request arrives or is released in one of the pools
     /// (true), or the fallback poll interval passes (false). Never fails: a
-    /// broken listener is dropped and reconnected on a later call, and
-    /// meanwhile this is a plain poll.
+    /// reset of the session or missed notifications count as a wake-up
+    /// (the caller looks at the queue).
     pub async fn wait(&mut self) -> bool {
+        use tokio::sync::broadcast::error::RecvError;
         let deadline = tokio::time::Instant::now() + self.poll;
-        if self.listener.is_none() {
-            // Bounded by the poll deadline: with the database down, waiting
-            // on a connect must not stretch the poll past 1 s.
-            match tokio::time::timeout_at(deadline, self.connect()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::debug!(error = %e, "fleet listener not connected; polling"),
-                Err(_) => return false,
-            }
-        }
-        let Some(listener) = self.listener.as_mut() else {
-            tokio::time::sleep_until(deadline).await;
-            return false;
-        };
         loop {
-            match tokio::time::timeout_at(deadline, listener.try_recv()).await {
+            match tokio::time::timeout_at(deadline, self.notices.recv()).await {
                 Err(_) => return false,
-                Ok(Ok(Some(n))) => {
-                    let Ok([fleet, pool]) = serde_json::from_str::<[String; 2]>(n.payload()) else {
+                Ok(Ok(Notice::Notification { channel, payload })) => {
+                    if channel != CHANNEL {
+                        continue;
+                    }
+                    let Ok([fleet, pool]) = serde_json::from_str::<[String; 2]>(&payload) else {
                         continue;
                     };
                     if fleet == self.fleet.name() && self.pools.contains(&pool) {
                         return true;
                     }
                 }
-                // Connection lost (None) or failed: notifications sent
-                // meanwhile are gone, so report a wake-up and let the caller
-                // look at the queue.
-                Ok(Ok(None)) => return true,
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "fleet listener failed; reconnecting later");
-                    self.listener = None;
+                Ok(Ok(Notice::Reset)) | Ok(Err(RecvError::Lagged(_))) => return true,
+                Ok(Err(RecvError::Closed)) => {
                     tokio::time::sleep_until(deadline).await;
-                    return true;
+                    return false;
                 }
             }
         }

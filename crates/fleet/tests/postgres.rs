@@ -406,11 +406,13 @@ async fn stale_epoch_claim_is_refused() {
 #[tokio::test]
 async fn leadership_moves_when_the_leaders_session_dies() {
     let db = TestDb::new().await;
+    // Two hosts: two handles, each with its own session.
     let fleet = db.fleet("lead").await;
+    let fleet_b = db.fleet("lead").await;
     let _a = join(&fleet, 1, vec![], LONG).await;
-    let _b = join(&fleet, 2, vec![], LONG).await;
+    let _b = join(&fleet_b, 2, vec![], LONG).await;
     let mut la = fleet.leader(id(1));
-    let mut lb = fleet.leader(id(2));
+    let mut lb = fleet_b.leader(id(2));
     assert!(la.try_lead().await.unwrap());
     assert!(!lb.try_lead().await.unwrap());
     assert!(la.try_lead().await.unwrap(), "a leader keeps leading");
@@ -456,6 +458,7 @@ async fn leadership_moves_when_the_leaders_session_dies() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     fleet.close().await;
+    fleet_b.close().await;
     db.drop_db().await;
 }
 
@@ -716,9 +719,7 @@ async fn waker_wakes_on_arrival_and_polls_otherwise() {
     let db = step("create the database", TestDb::new()).await;
     let fleet = step("connect the fleet", db.fleet("wake")).await;
     let other = step("connect the other fleet", db.fleet("wake-other")).await;
-    let mut waker = step("start the waker", fleet.waker(&["p".to_owned()]))
-        .await
-        .unwrap();
+    let mut waker = fleet.waker(&["p".to_owned()]);
 
     let t = Instant::now();
     assert!(

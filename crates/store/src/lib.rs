@@ -45,6 +45,7 @@ pub mod error;
 pub mod ipam;
 mod postgres;
 pub mod record;
+pub mod session;
 mod sql;
 mod sqlite;
 pub mod url;
@@ -55,6 +56,7 @@ pub use record::{
     AgentRecord, ClaimRedemption, ClaimRow, EventRecord, JobRecord, OutboxRecord, PendingRecord,
     ResourceNames, UnixMillis,
 };
+pub use session::{AdvisoryKey, Locked, Notice, PgSession, SessionOptions};
 pub use url::{AddressScope, AddressScopeError, StoreOptions, StoreUrl};
 
 use async_trait::async_trait;
@@ -98,6 +100,12 @@ pub trait StateStore: IpAllocator {
     /// [`StoreError::IdentityInUse`] if another session took the lock
     /// meanwhile.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// On PostgreSQL, the store's pool and the host's session, for the
+    /// parts of the host that work in the same database (a fleet): sharing
+    /// them keeps the host's connections within
+    /// [`StoreOptions::max_connections`]. `None` on SQLite.
+    fn postgres(&self) -> Option<SharedPostgres>;
 
     /// One read-only round trip on the connections writes use: whether the
     /// store answers now (bounded by the pool's acquire timeout). Writes
@@ -198,12 +206,24 @@ pub trait StateStore: IpAllocator {
     async fn close(&self);
 }
 
+/// A PostgreSQL store's connections, shared with the rest of the host
+/// ([`StateStore::postgres`]).
+#[derive(Debug, Clone)]
+pub struct SharedPostgres {
+    /// The host's pool (its size is all the host holds, session included).
+    pub pool: sqlx::PgPool,
+    /// The host's session (one of the pool's connections).
+    pub session: PgSession,
+    /// How the pool connects (for tools that need a connection of their own).
+    pub connect: sqlx::postgres::PgConnectOptions,
+}
+
 /// Opens (creating if needed) the store at `url` for `owner`, applies the
 /// migrations and records the instance.
 ///
 /// SQLite: creates the file and its directory; never falls back to another
 /// location. PostgreSQL: takes a session advisory lock keyed by `owner`,
-/// held on a dedicated connection for the store's life, and fails with
+/// held on the host's session for the store's life, and fails with
 /// [`StoreError::IdentityInUse`] if another session holds it.
 pub async fn open(
     url: &StoreUrl,

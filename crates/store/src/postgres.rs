@@ -1,11 +1,16 @@
 //! The shared store: PostgreSQL, for several instances (hosts) at once.
 //!
+//! Connections: one pool, whose size ([`crate::StoreOptions::max_connections`])
+//! is everything this store holds. One of its connections is the host's
+//! [`PgSession`], which carries the session-level state: the identity lock
+//! here, and whatever else of the host shares the database
+//! ([`crate::StateStore::postgres`], e.g. a fleet's `LISTEN` and leadership).
+//!
 //! Identity: a session-level advisory lock keyed by the instance id, taken
-//! at open on a dedicated connection outside the pool and held for the
-//! store's life, so two daemons with one instance id (a cloned image) cannot
-//! both run against one database. If that connection is lost (server
-//! restart) the lock goes with it; [`crate::StateStore::ping`] takes it
-//! again.
+//! at open on the session and held for the store's life, so two daemons
+//! with one instance id (a cloned image) cannot both run against one
+//! database. If the session is lost (server restart) the lock goes with it;
+//! [`crate::StateStore::ping`] takes it again.
 //!
 //! IP claims use `FOR UPDATE SKIP LOCKED` on the pre-filled pool: concurrent
 //! allocators (in this or other instances) each lock a different free row
@@ -17,11 +22,12 @@
 //! service resumes without a restart when the server returns.
 
 use crate::error::{classify, StoreError};
-use crate::{StoreKind, StoreOptions};
+use crate::session::{AdvisoryKey, Locked, PgSession, SessionOptions};
+use crate::{SharedPostgres, StoreKind, StoreOptions};
 use ipnet::Ipv4Net;
 use kici_model::InstanceId;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, Postgres, Transaction};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Transaction};
 use std::collections::HashSet;
 use std::str::FromStr;
 use std::time::Duration;
@@ -34,6 +40,9 @@ const LOCK_NAMESPACE: i32 = 0x6b69_6369;
 /// waited for before the instance is reported in use.
 const DEAD_SESSION_WAIT: Duration = Duration::from_secs(3);
 const LOCK_RETRY: Duration = Duration::from_millis(50);
+/// A pooled connection unused this long is closed: an idle host holds its
+/// session and little else.
+const IDLE_CONNECTION: Duration = Duration::from_secs(30);
 
 /// [`crate::StateStore`] on PostgreSQL.
 pub(crate) struct PgStore {
@@ -41,13 +50,13 @@ pub(crate) struct PgStore {
     owner_text: String,
     pool: PgPool,
     connect: PgConnectOptions,
-    /// The connection holding the advisory lock (`None` once lost).
-    lock: tokio::sync::Mutex<Option<PgConnection>>,
+    /// The host's session, holding the identity lock.
+    session: PgSession,
+    /// The identity lock, as last taken (`None` once found lost).
+    lock: tokio::sync::Mutex<Option<Locked>>,
     filled: tokio::sync::Mutex<HashSet<Ipv4Net>>,
     /// [`StoreOptions::address_scope`].
     address_scope: Option<crate::AddressScope>,
-    /// Bounds (re)connecting the lock connection, like pool acquires.
-    connect_timeout: Duration,
 }
 
 impl PgStore {
@@ -75,12 +84,33 @@ impl PgStore {
                 reason: e.to_string(),
             })?
             .application_name(&format!("kici-scaler {owner}"));
-        let lock = Self::take_lock(&connect, owner, options.acquire_timeout).await?;
+        // The session is one of the pool's connections: the pool's size
+        // is everything this host holds (at least one more for queries).
         let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections.max(1))
+            .max_connections(options.max_connections.max(2))
+            .min_connections(0)
             .acquire_timeout(options.acquire_timeout)
+            .idle_timeout(Some(IDLE_CONNECTION))
             .test_before_acquire(true)
             .connect_lazy_with(connect.clone());
+        let session = PgSession::open(
+            &pool,
+            SessionOptions {
+                channels: Vec::new(),
+                keepalive: options.session_keepalive,
+                idle_timeout: options.session_idle_timeout,
+                call_timeout: options.acquire_timeout.max(Duration::from_secs(1)),
+            },
+        )
+        .await?;
+        let lock = match Self::take_lock(&session, owner).await {
+            Ok(l) => l,
+            Err(e) => {
+                session.close().await;
+                pool.close().await;
+                return Err(e);
+            }
+        };
         // sqlx serialises concurrent migrators with its own advisory lock.
         crate::migrations::POSTGRES
             .run(&pool)
@@ -99,10 +129,10 @@ impl PgStore {
             owner_text,
             pool,
             connect,
+            session,
             lock: tokio::sync::Mutex::new(Some(lock)),
             filled: tokio::sync::Mutex::new(HashSet::new()),
             address_scope: options.address_scope.clone(),
-            connect_timeout: options.acquire_timeout,
         })
     }
 
@@ -116,45 +146,26 @@ impl PgStore {
         (LOCK_NAMESPACE, i32::from_ne_bytes(bits.to_ne_bytes()))
     }
 
-    /// The session holding `owner`'s advisory lock for the store's life. A
-    /// lock already held is waited for up to [`DEAD_SESSION_WAIT`] (its
-    /// holder may have just died).
-    async fn take_lock(
-        connect: &PgConnectOptions,
-        owner: InstanceId,
-        timeout: Duration,
-    ) -> Result<PgConnection, StoreError> {
-        let mut conn = tokio::time::timeout(timeout, connect.connect())
-            .await
-            .map_err(|_| {
-                StoreError::Unavailable(format!("connecting to PostgreSQL took over {timeout:?}"))
-            })?
-            .map_err(classify)?;
+    /// Takes `owner`'s advisory lock on the session. A lock already held is
+    /// waited for up to [`DEAD_SESSION_WAIT`] (its holder may have just
+    /// died).
+    async fn take_lock(session: &PgSession, owner: InstanceId) -> Result<Locked, StoreError> {
         let (ns, key) = Self::lock_keys(owner);
         // A daemon killed a moment ago holds the lock until PostgreSQL
         // notices its session is gone (its backend reads the closed socket):
         // that takes a moment, not a restart's worth of refusals. A live
         // holder still holds it after the wait.
         let mut waited = Duration::ZERO;
-        let got = loop {
-            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
-                .bind(ns)
-                .bind(key)
-                .fetch_one(&mut conn)
-                .await
-                .map_err(classify)?;
-            if got || waited >= DEAD_SESSION_WAIT {
-                break got;
+        loop {
+            if let Some(locked) = session.try_lock(AdvisoryKey::Pair(ns, key)).await? {
+                return Ok(locked);
+            }
+            if waited >= DEAD_SESSION_WAIT {
+                return Err(StoreError::IdentityInUse { owner });
             }
             tokio::time::sleep(LOCK_RETRY).await;
             waited += LOCK_RETRY;
-        };
-        if !got {
-            // Best effort: the session ends either way.
-            let _ = conn.close().await;
-            return Err(StoreError::IdentityInUse { owner });
         }
-        Ok(conn)
     }
 
     fn reader(&self) -> &PgPool {
@@ -177,24 +188,29 @@ impl PgStore {
             .await
             .map_err(classify)?;
         let mut lock = self.lock.lock().await;
-        if let Some(conn) = lock.as_mut() {
-            if conn.ping().await.is_ok() {
-                return Ok(());
-            }
-            tracing::warn!(owner = %self.owner, "lost the connection holding the instance's advisory lock; taking it again");
-            *lock = None;
+        if lock.is_some_and(|l| self.session.holds(l)) {
+            return Ok(());
         }
-        *lock = Some(Self::take_lock(&self.connect, self.owner, self.connect_timeout).await?);
+        if lock.take().is_some() {
+            tracing::warn!(owner = %self.owner, "the database session holding the instance's advisory lock was lost; taking the lock again");
+        }
+        *lock = Some(Self::take_lock(&self.session, self.owner).await?);
         Ok(())
     }
 
+    fn postgres_impl(&self) -> Option<SharedPostgres> {
+        Some(SharedPostgres {
+            pool: self.pool.clone(),
+            session: self.session.clone(),
+            connect: self.connect.clone(),
+        })
+    }
+
     async fn close_impl(&self) {
+        // Ending the session releases the advisory lock (a broken one
+        // already did); then every pooled connection can come back.
+        self.session.close().await;
         self.pool.close().await;
-        if let Some(conn) = self.lock.lock().await.take() {
-            // Ending the session releases the advisory lock; if the
-            // connection is already broken the server released it.
-            let _ = conn.close().await;
-        }
     }
 }
 

@@ -501,6 +501,10 @@ macro_rules! impl_state_store {
                 self.ping_impl().await
             }
 
+            fn postgres(&self) -> Option<$crate::SharedPostgres> {
+                self.postgres_impl()
+            }
+
             async fn reachable(&self) -> Result<(), $crate::StoreError> {
                 sqlx::query("SELECT 1")
                     .execute(self.writer())

@@ -172,6 +172,10 @@ impl SqliteStore {
         Ok(())
     }
 
+    fn postgres_impl(&self) -> Option<crate::SharedPostgres> {
+        None
+    }
+
     async fn close_impl(&self) {
         self.reader.close().await;
         self.writer.close().await;

@@ -93,10 +93,18 @@ pub struct StoreOptions {
     /// before failing with [`StoreError::Unavailable`]. Bounds how long a
     /// scale request hangs while PostgreSQL is down. Default 1 s.
     pub acquire_timeout: Duration,
-    /// Pool size. PostgreSQL: connections (plus one held for the advisory
-    /// lock). SQLite: readers (there is always exactly one writer).
-    /// Default 16.
+    /// Pool size. PostgreSQL: every connection the store holds, the
+    /// host's session (identity lock, `LISTEN`) included, so at least 2;
+    /// idle ones beyond the session are closed after 30 s. SQLite: readers
+    /// (there is always exactly one writer). Default 4.
     pub max_connections: u32,
+    /// PostgreSQL: how often the session sends a query when idle.
+    pub session_keepalive: Duration,
+    /// PostgreSQL: the server ends the session after this long without a
+    /// query (`idle_session_timeout`), releasing its locks, so that a host
+    /// cut off from the database loses them on the server's side in bounded
+    /// time. `None`: the server's setting.
+    pub session_idle_timeout: Option<Duration>,
     /// SQLite only: how long a statement waits for the file lock held by
     /// another process before failing with `Unavailable`. Default 5 s.
     pub sqlite_busy_timeout: Duration,
@@ -154,7 +162,9 @@ impl Default for StoreOptions {
     fn default() -> Self {
         Self {
             acquire_timeout: Duration::from_secs(1),
-            max_connections: 16,
+            max_connections: 4,
+            session_keepalive: Duration::from_secs(1),
+            session_idle_timeout: None,
             sqlite_busy_timeout: Duration::from_secs(5),
             address_scope: None,
         }

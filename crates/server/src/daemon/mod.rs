@@ -284,15 +284,30 @@ fn remove_stale_socket(path: &std::path::Path) -> io::Result<()> {
 
 /// A PostgreSQL database may be shared by daemons on several machines, each
 /// with its own bridges: guest address pools are scoped by machine id there
-/// (SQLite is one machine's file, so nothing to scope).
-fn store_options(state: &kici_store::StoreUrl, state_dir: &StateDir) -> StoreOptions {
-    let address_scope = match state {
-        kici_store::StoreUrl::Postgres(_) => state_dir.machine_id().parse().ok(),
-        _ => None,
-    };
-    StoreOptions {
-        address_scope,
-        ..StoreOptions::default()
+/// (SQLite is one machine's file, so nothing to scope). On PostgreSQL the
+/// store's pool is all the host holds (the fleet shares it); in a fleet the
+/// server ends a silent session after one lease, so a host cut off from the
+/// database loses leadership in bounded time.
+fn store_options(
+    state: &kici_store::StoreUrl,
+    database_connections: u32,
+    fleet_lease: Option<Duration>,
+    state_dir: &StateDir,
+) -> StoreOptions {
+    let defaults = StoreOptions::default();
+    match state {
+        kici_store::StoreUrl::Postgres(_) => StoreOptions {
+            address_scope: state_dir.machine_id().parse().ok(),
+            max_connections: database_connections,
+            session_idle_timeout: fleet_lease,
+            // Well within the idle timeout, so a healthy session is never
+            // ended by it.
+            session_keepalive: fleet_lease.map_or(defaults.session_keepalive, |l| {
+                (l / 3).min(defaults.session_keepalive)
+            }),
+            ..defaults
+        },
+        kici_store::StoreUrl::Sqlite(_) => defaults,
     }
 }
 
@@ -355,7 +370,12 @@ async fn run(
     let store = kici_store::open(
         &settings.state,
         instance,
-        store_options(&settings.state, &state_dir),
+        store_options(
+            &settings.state,
+            settings.database_connections,
+            settings.fleet.as_ref().map(|f| f.lease),
+            &state_dir,
+        ),
     )
     .await
     .map_err(ServeError::Store)?;
@@ -491,13 +511,13 @@ async fn run(
     // Joined last: the engine holds its recovered agents, so the fleet rows
     // of those agents are taken back (or the agents destroyed) before this
     // host claims anything.
-    let fleet = match (&settings.fleet, &settings.state, peers) {
-        (Some(fleet_settings), kici_store::StoreUrl::Postgres(url), Some((keys, tls))) => {
+    let fleet = match (&settings.fleet, store.postgres(), peers) {
+        (Some(fleet_settings), Some(postgres), Some((keys, tls))) => {
             let auth = crate::fleet::auth::PeerAuth::new(keys, &instance.to_string(), tls);
             let host = crate::fleet::FleetHost::join(
                 fleet_settings.clone(),
                 auth,
-                url,
+                postgres,
                 instance,
                 &config,
                 runtime.clone(),
@@ -703,16 +723,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn address_pools_are_scoped_by_machine_on_postgres_only() {
+    fn address_pools_are_scoped_by_machine_and_connections_bounded_on_postgres_only() {
         let dir = tempfile::tempdir().unwrap();
         let machine = dir.path().join("machine-id");
         std::fs::write(&machine, "0123456789abcdef0123456789abcdef\n").unwrap();
         let state_dir =
             StateDir::open_with_machine_id(&dir.path().join("state"), &machine, false).unwrap();
         let pg: kici_store::StoreUrl = "postgres://u@localhost/db".parse().unwrap();
-        let scope = store_options(&pg, &state_dir).address_scope.unwrap();
+        let lease = Some(Duration::from_secs(9));
+        let options = store_options(&pg, 2, lease, &state_dir);
+        let scope = options.address_scope.unwrap();
         assert_eq!(scope.as_str(), "0123456789abcdef0123456789abcdef");
+        assert_eq!(options.max_connections, 2);
+        assert_eq!(options.session_idle_timeout, lease);
         let sqlite: kici_store::StoreUrl = "sqlite:/tmp/x.db".parse().unwrap();
-        assert_eq!(store_options(&sqlite, &state_dir).address_scope, None);
+        let options = store_options(&sqlite, 2, lease, &state_dir);
+        assert_eq!(options.address_scope, None);
+        assert_eq!(options.session_idle_timeout, None);
     }
 }

@@ -256,6 +256,12 @@ pub struct ServeArgs {
     /// open-file limit) [default: 4096].
     #[arg(long, value_name = "N", env = "KICI_SCALER_GATEWAY_MAX_CONNECTIONS")]
     pub gateway_max_connections: Option<usize>,
+    /// With a PostgreSQL --state: every connection this host holds to the
+    /// database, its session (identity lock, fleet leadership and LISTEN)
+    /// included; at least 2. Hosts × this must fit the server's
+    /// max_connections (see docs/fleet.md) [default: 4].
+    #[arg(long, value_name = "N", env = "KICI_SCALER_DATABASE_CONNECTIONS")]
+    pub database_connections: Option<u32>,
     /// How forwarded agent output is logged: wrapped (the agent's line as
     /// the string field `line` of the daemon's own event) or upstream
     /// (KiCI's shape: a JSON line's own fields at the top level, with
@@ -309,6 +315,7 @@ pub struct DaemonFile {
     pub http_body_timeout_seconds: Option<u64>,
     pub max_connections: Option<usize>,
     pub gateway_max_connections: Option<usize>,
+    pub database_connections: Option<u32>,
     pub agent_log_format: Option<AgentLogFormat>,
     pub container_ulimits: Option<Vec<String>>,
     pub bare_metal_pids_max: Option<NumberOrWord>,
@@ -673,6 +680,9 @@ pub struct DaemonSettings {
     pub api_limits: ConnectionLimits,
     /// Each agent gateway listener's connection bounds.
     pub gateway_limits: ConnectionLimits,
+    /// PostgreSQL state only: every connection the host holds, its session
+    /// included.
+    pub database_connections: u32,
     /// The fleet this host joins (PostgreSQL state only).
     pub fleet: Option<crate::fleet::settings::FleetSettings>,
     /// The shape of forwarded agent output in the log.
@@ -827,6 +837,23 @@ impl DaemonSettings {
             max_connections: gateway_max_connections,
             ..api_limits
         };
+        let database_connections = pick(
+            &args.database_connections,
+            &file.database_connections,
+            DEFAULT_DATABASE_CONNECTIONS,
+        );
+        if !(MIN_DATABASE_CONNECTIONS..=MAX_DATABASE_CONNECTIONS).contains(&database_connections) {
+            errors.push(format!(
+                "database-connections: {database_connections} is out of range; expected {MIN_DATABASE_CONNECTIONS} to {MAX_DATABASE_CONNECTIONS} (one is the host's session, the rest serve queries)"
+            ));
+        } else if (args.database_connections.is_some() || file.database_connections.is_some())
+            && !matches!(state, Some(StoreUrl::Postgres(_)))
+        {
+            errors.push(
+                "database-connections applies to a PostgreSQL --state only (SQLite is a file, not a server)"
+                    .to_owned(),
+            );
+        }
         let mut backends = args.backend.resolve(file, &mut errors);
         backends.firecracker_sweep_interval = Duration::from_secs(firecracker_sweep);
         backends.orphan_min_age = Duration::from_secs(reconcile_age);
@@ -872,6 +899,7 @@ impl DaemonSettings {
                     backends,
                     api_limits,
                     gateway_limits,
+                    database_connections,
                     fleet,
                     agent_log_format: pick(
                         &args.agent_log_format,
@@ -953,6 +981,13 @@ fn check_timeout(field: &str, seconds: u64, errors: &mut Vec<String>) {
 }
 
 const MAX_TIMEOUT_SECONDS: u64 = 3600;
+
+/// A PostgreSQL host's connections: the session and three for queries.
+pub const DEFAULT_DATABASE_CONNECTIONS: u32 = 4;
+/// The session and one for queries.
+const MIN_DATABASE_CONNECTIONS: u32 = 2;
+/// Far above what a host can use, far below a server's limit.
+const MAX_DATABASE_CONNECTIONS: u32 = 100;
 
 /// A periodic task's interval: 1 s to a day. Zero would spin; a timer
 /// further out than the clock can count would panic when armed, and a

@@ -31,8 +31,8 @@ use crate::jobs::JobBook;
 use kici_engine::runtime::{Runtime, SpawnGate};
 use kici_engine::{AgentState, EngineEvent, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
-    Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, FleetOptions, HostSpec, Leader,
-    LeaseGuard, Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
+    Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, HostSpec, Leader, LeaseGuard,
+    Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
 };
 use kici_model::{AgentId, Config, InstanceId, JobId, ScalerName};
 use parking_lot::Mutex;
@@ -162,7 +162,7 @@ impl FleetHost {
     pub async fn join(
         settings: FleetSettings,
         auth: auth::PeerAuth,
-        url: &str,
+        postgres: kici_store::SharedPostgres,
         instance: InstanceId,
         config: &Config,
         runtime: Runtime,
@@ -173,9 +173,9 @@ impl FleetHost {
             fleet: settings.name.clone(),
             source,
         };
-        let fleet = Fleet::connect(url, &settings.name, FleetOptions::default())
-            .await
-            .map_err(err)?;
+        // The store's pool and session: the host's connections are one
+        // budget (`database-connections`).
+        let fleet = Fleet::on(postgres, &settings.name).await.map_err(err)?;
         let mut spec = HostSpec::new(instance, &hostname(), env!("CARGO_PKG_VERSION"));
         spec.url = settings.advertise_url.clone();
         spec.pools = pool_definitions(config);
@@ -611,18 +611,7 @@ impl FleetHost {
     async fn claim_loop(self) {
         let inner = Arc::clone(&self.0);
         let mut stop = inner.stop.subscribe();
-        let mut waker = loop {
-            match inner.fleet.waker(&inner.pools).await {
-                Ok(w) => break w,
-                Err(e) => {
-                    tracing::warn!(error = %e, "fleet: cannot listen for arrivals; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                        _ = stop.wait_for(|s| *s) => return,
-                    }
-                }
-            }
-        };
+        let mut waker = inner.fleet.waker(&inner.pools);
         loop {
             if *stop.borrow() {
                 return;
@@ -811,10 +800,7 @@ impl FleetHost {
     async fn lease_loop(self) {
         let inner = Arc::clone(&self.0);
         let mut stop = inner.stop.subscribe();
-        let mut leader = inner
-            .fleet
-            .leader(inner.instance)
-            .with_idle_timeout(inner.settings.lease);
+        let mut leader = inner.fleet.leader(inner.instance);
         // Renewals every lease/3; the leader's checks twice as often, so a
         // lapsed lease is acted on within lease/6 of its expiry.
         let every = (inner.settings.lease / 6).max(Duration::from_millis(250));
@@ -1107,7 +1093,8 @@ impl FleetHost {
                 tracing::warn!(error = %e, "fleet: leaving failed; the leader declares this host lost when its lease expires");
             }
         }
-        self.0.fleet.close().await;
+        // The pool and the session are the store's: closed with it, which
+        // also releases leadership if this host held it.
         tracing::info!("left the fleet");
     }
 }
