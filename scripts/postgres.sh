@@ -14,6 +14,8 @@
 #   KICI_PG_BASE  parent dir (default /var/tmp/kici-scaler-pg); every parent
 #                 must be traversable by the postgres user.
 #   KICI_PG_BIN   server binaries (default /usr/lib/postgresql/15/bin).
+#   KICI_PG_MAX_CONNECTIONS  the server's max_connections (default 300; a
+#                 stock server has 100). Only at start.
 #   KICI_PG_LISTEN  extra address to listen on beside 127.0.0.1 (the fleet
 #                 tests' bridge address, reachable from their network
 #                 namespaces); its /24 gets trust auth too. Only at start.
@@ -90,7 +92,7 @@ start() {
     fi
     # 9>&-: the server must not inherit (and so hold forever) the start lock.
     as_pg "$bin/pg_ctl" -D "$data" -l "$log" -w -t 30 start 9>&- -o \
-        "-k $sock -c listen_addresses=$listen -p $port -c fsync=on -c synchronous_commit=on -c max_connections=300" \
+        "-k $sock -c listen_addresses=$listen -p $port -c fsync=on -c synchronous_commit=on -c max_connections=${KICI_PG_MAX_CONNECTIONS:-300}" \
         >/dev/null || { tail -20 "$log" >&2; die "start failed"; }
     ready || die "started but not accepting connections; see $log"
     echo "postgres.sh: started on 127.0.0.1:$port (data $data)"
