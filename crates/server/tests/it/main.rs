@@ -30,3 +30,4 @@ mod recovery;
 mod run_dirs;
 mod standalone;
 mod state_dir;
+mod ui;

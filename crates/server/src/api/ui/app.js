@@ -379,15 +379,30 @@ function renderAgents() {
     const p = val(x.a), q2 = val(y.a);
     return (p < q2 ? -1 : p > q2 ? 1 : x.a.agentId < y.a.agentId ? -1 : 1) * dir;
   });
-  const html = new Array(rows.length);
-  for (let i = 0; i < rows.length; i++) {
-    const r = rows[i];
-    const c = r.cells;
-    html[i] = `<tr data-id="${esc(c[0])}"${c[0] === S.selected ? ' class="sel"' : ''}><td>${esc(c[0])}</td><td>${esc(c[1])}</td><td>${esc(c[2])}</td><td class="s-${esc(c[3])}">${esc(c[3])}</td><td>${c[4]}</td><td>${esc(c[5])}</td><td>${esc(c[6])}</td><td>${esc(c[7])}</td></tr>`;
-  }
-  $('agents').tBodies[0].innerHTML = html.join('');
+  S.rows = rows;
+  drawAgentRows();
   $('agent-count').textContent = `${rows.length} of ${S.agents.size}`;
   for (const th of $('agents').tHead.rows[0].cells) th.className = th.dataset.key === key ? (dir > 0 ? 'asc' : 'desc') : '';
+}
+
+// Only the rows in (and near) the scrolled view are in the document, with
+// spacers for the rest: an update costs the same at 10 or 10,000 agents.
+const ROW_H = 22;
+const ROWS_AROUND = 15;
+
+function drawAgentRows() {
+  const rows = S.rows || [];
+  const view = $('agents').parentElement;
+  const first = Math.max(0, Math.floor(view.scrollTop / ROW_H) - ROWS_AROUND);
+  const last = Math.min(rows.length, first + Math.ceil((view.clientHeight || 480) / ROW_H) + 2 * ROWS_AROUND);
+  const html = [];
+  if (first > 0) html.push(`<tr class="spacer" style="height:${first * ROW_H}px"></tr>`);
+  for (let i = first; i < last; i++) {
+    const c = rows[i].cells;
+    html.push(`<tr data-id="${esc(c[0])}"${c[0] === S.selected ? ' class="sel"' : ''}><td>${esc(c[0])}</td><td>${esc(c[1])}</td><td>${esc(c[2])}</td><td class="s-${esc(c[3])}">${esc(c[3])}</td><td>${c[4]}</td><td>${esc(c[5])}</td><td>${esc(c[6])}</td><td>${esc(c[7])}</td></tr>`);
+  }
+  if (last < rows.length) html.push(`<tr class="spacer" style="height:${(rows.length - last) * ROW_H}px"></tr>`);
+  $('agents').tBodies[0].innerHTML = html.join('');
 }
 
 function renderDetail() {
@@ -509,6 +524,7 @@ function wire() {
     const jr = e.target.closest('#jobs tbody tr');
     if (jr) showOutput(jr.dataset.job);
   });
+  $('agents').parentElement.addEventListener('scroll', drawAgentRows, { passive: true });
   $('filter').addEventListener('input', (e) => { S.filter = e.target.value; render(); });
   $('error-close').addEventListener('click', () => { $('error').hidden = true; });
   $('logout').addEventListener('click', () => { sessionStorage.removeItem(TOKEN_KEY); location.reload(); });
