@@ -28,6 +28,7 @@ mod postgres;
 mod reconcile;
 mod recovery;
 mod run_dirs;
+mod schema;
 mod standalone;
 mod state_dir;
 mod ui;
