@@ -13,6 +13,7 @@ mod container;
 mod container_crash;
 mod container_egress;
 mod daemon;
+mod dashboard;
 mod dispatch;
 mod docs;
 mod doctor;

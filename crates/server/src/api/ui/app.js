@@ -16,7 +16,6 @@ const S = {
   agents: new Map(),      // agentId -> agent (GET /v1/agents shape, plus `since` in ms)
   transitions: new Map(), // agentId -> [{at, from, to, cause, detail, failureReason}]
   jobs: new Map(),        // jobId -> JobView
-  pendingAge: {},         // scaler -> oldest pending request's age (seconds)
   series: [],             // [{t, counts: {state: n}, pending}]
   sort: { key: 'agentId', dir: 1 },
   filter: '',
@@ -158,16 +157,6 @@ async function loadJobs() {
   render();
 }
 
-// The oldest pending request's age per scaler, from the daemon's metrics.
-async function loadPendingAge() {
-  const text = await api('GET', '/metrics');
-  const ages = {};
-  const re = /^kici_orch_scaler_pending_age_seconds\{[^}]*scaler="([^"]*)"[^}]*\} (\S+)$/gm;
-  let m;
-  while ((m = re.exec(text))) ages[m[1]] = Math.max(ages[m[1]] || 0, Number(m[2]));
-  S.pendingAge = ages;
-}
-
 const later = {};
 // Runs `f` once, `ms` from the first call since it last ran.
 function debounce(name, ms, f) {
@@ -225,7 +214,7 @@ function setConnected(on) {
 }
 
 function loadAll() {
-  return Promise.all([loadStatus(), loadAgents(), loadJobs(), loadFleet(), loadPendingAge()]);
+  return Promise.all([loadStatus(), loadAgents(), loadJobs(), loadFleet()]);
 }
 
 // ------------------------------------------------------------------ chart
@@ -316,14 +305,13 @@ function renderScalers() {
     const c = s.agents;
     const flags = (s.cordoned ? '<span class="badge cordoned">cordoned</span>' : '') + (s.draining ? '<span class="badge draining">draining</span>' : '');
     const breakers = s.labelSets.map((l) => `<div>#${l.index} [${esc(l.labels.join(', '))}] <span class="badge ${esc(l.breaker)}" data-breaker="${l.index}">${esc(l.breaker)}</span>${l.consecutiveFailures ? ` ${l.consecutiveFailures} failures` : ''}</div>`).join('');
-    const age = S.pendingAge[s.name];
     const n = esc(s.name);
     return `<div class="card" data-scaler="${n}">
 <h3>${n} <span class="muted">${esc(s.backend)}</span> <span class="flags">${flags}</span></h3>
 <dl class="kv">
 <dt>agents</dt><dd class="counts">${c.active} active: ${c.spawning} spawning, ${c.registered} registered, ${c.idle} idle, ${c.busy} busy, ${c.draining} draining, ${c.destroying} destroying</dd>
 <dt>warm</dt><dd class="warm">${s.warmIdle} ready / ${s.warmTarget} target</dd>
-<dt>pending</dt><dd class="pending">${s.pending}${s.pending && age ? `, oldest ${dur(age)}` : ''}</dd>
+<dt>pending</dt><dd class="pending">${s.pending}</dd>
 <dt>spawns</dt><dd>${s.spawns.inFlight} in flight / ${s.spawns.maxConcurrent} max, ${s.spawns.waiting} waiting</dd>
 </dl>
 <dl class="kv caps">${usage(s.usage)}</dl>
@@ -573,10 +561,10 @@ async function start() {
 
 takeFragmentToken();
 wire();
-// Times in state move on; the chart gets a point every SAMPLE_MS; ages
-// and the fleet are polled (they are not events).
+// Times in state move on; the chart gets a point every SAMPLE_MS; the
+// fleet and the status are polled too (lease ages are not events).
 setInterval(() => { if (S.ready) { sample(); render(); } }, 1000);
-setInterval(() => { if (S.ready) Promise.all([loadFleet(), loadPendingAge(), loadStatus()]).catch(showError); }, 5000);
+setInterval(() => { if (S.ready) Promise.all([loadFleet(), loadStatus()]).catch(showError); }, 5000);
 start();
 
 // For tests and for the curious: the state, and a render-budget check.
