@@ -563,3 +563,43 @@ pub fn parse_agent(raw: &str) -> Result<kici_model::AgentId, ApiError> {
         .field("id")
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::own_origin;
+    use axum::http::{header, HeaderMap, HeaderValue};
+
+    fn headers(origin: &'static str, host: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::ORIGIN, HeaderValue::from_static(origin));
+        h.insert(header::HOST, HeaderValue::from_static(host));
+        h
+    }
+
+    #[test]
+    fn the_console_is_its_own_origin() {
+        for (origin, host) in [
+            ("http://127.0.0.1:7878", "127.0.0.1:7878"),
+            ("http://localhost:7878", "localhost:7878"),
+            ("http://[::1]:7878", "[::1]:7878"),
+            ("https://10.0.0.5:7878", "10.0.0.5:7878"),
+        ] {
+            assert!(own_origin(&headers(origin, host), false), "{origin}");
+        }
+        // Another page; or a name that could be anyone's (DNS rebinding)
+        // when no token vouches for the caller.
+        for (origin, host) in [
+            ("http://evil.example", "127.0.0.1:7878"),
+            ("http://127.0.0.1:7879", "127.0.0.1:7878"),
+            ("http://evil.example:7878", "evil.example:7878"),
+            ("null", "127.0.0.1:7878"),
+        ] {
+            assert!(!own_origin(&headers(origin, host), false), "{origin}");
+        }
+        assert!(own_origin(
+            &headers("https://ci.example:7878", "ci.example:7878"),
+            true
+        ));
+        assert!(!own_origin(&HeaderMap::new(), true));
+    }
+}

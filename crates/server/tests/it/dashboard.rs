@@ -12,7 +12,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 fn repo(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(rel)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel)
 }
 
 /// Families the dashboard deliberately leaves out, and why. None today:
@@ -21,7 +23,15 @@ const LEFT_OUT: &[(&str, &str)] = &[];
 
 /// The families a live daemon exports (`# TYPE` lines).
 fn exported() -> BTreeSet<String> {
+    // A warm pool: its families exist only where one is configured.
     let dir = Dir::bare_metal(2);
+    let config = std::fs::read_to_string(dir.path("scalers.yaml")).unwrap();
+    let config = config.replace(
+        "    maxAgents: 2\n",
+        "    maxAgents: 2\n    warmPool: { enabled: true, size: 1 }\n",
+    );
+    assert!(config.contains("warmPool"), "{config}");
+    std::fs::write(dir.path("scalers.yaml"), config).unwrap();
     let d = Daemon::start(&dir, &["--listen", "127.0.0.1:0"], &[]);
     let text = d.metrics();
     let families: BTreeSet<String> = text
@@ -41,7 +51,8 @@ fn names_in(expr: &str) -> Vec<String> {
     let mut i = 0;
     while let Some(at) = expr[i..].find("kici_") {
         let start = i + at;
-        let boundary = start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
+        let boundary =
+            start == 0 || !(bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
         let end = expr[start..]
             .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .map_or(expr.len(), |e| start + e);
@@ -73,7 +84,10 @@ fn dashboard_exprs(dash: &Value) -> Vec<(String, String)> {
         for p in list.as_array().into_iter().flatten() {
             let title = p["title"].as_str().unwrap_or("?");
             for t in p["targets"].as_array().into_iter().flatten() {
-                out.push((format!("panel {title:?}"), t["expr"].as_str().unwrap().to_owned()));
+                out.push((
+                    format!("panel {title:?}"),
+                    t["expr"].as_str().unwrap().to_owned(),
+                ));
             }
             panels(&p["panels"], out);
         }
@@ -92,7 +106,10 @@ fn rules_exprs(rules: &Value) -> Vec<(String, String)> {
     for g in rules["groups"].as_array().unwrap() {
         for r in g["rules"].as_array().unwrap() {
             out.push((
-                format!("rule {}", r["alert"].as_str().or(r["record"].as_str()).unwrap()),
+                format!(
+                    "rule {}",
+                    r["alert"].as_str().or(r["record"].as_str()).unwrap()
+                ),
                 r["expr"].as_str().unwrap().to_owned(),
             ));
         }
@@ -119,12 +136,19 @@ fn the_dashboard_and_the_rules_name_what_the_daemon_exports() {
     let all: Vec<(bool, String, String)> = dash_exprs
         .into_iter()
         .map(|(place, expr)| (true, place, expr))
-        .chain(rules_exprs(&rules).into_iter().map(|(place, expr)| (false, place, expr)))
+        .chain(
+            rules_exprs(&rules)
+                .into_iter()
+                .map(|(place, expr)| (false, place, expr)),
+        )
         .collect();
     for (from_dash, place, expr) in &all {
         let from_dash = *from_dash;
         let names = names_in(expr);
-        assert!(!names.is_empty(), "{place}: no kici-scaler metric in {expr}");
+        assert!(
+            !names.is_empty(),
+            "{place}: no kici-scaler metric in {expr}"
+        );
         for n in names {
             match family_of(&n, &families) {
                 Some(f) if from_dash => {
@@ -137,8 +161,14 @@ fn the_dashboard_and_the_rules_name_what_the_daemon_exports() {
     }
     assert!(unknown.is_empty(), "{}", unknown.join("\n"));
     for (f, why) in LEFT_OUT {
-        assert!(families.contains(*f), "LEFT_OUT names {f}, which is not exported");
-        assert!(!on_panels.contains(*f), "LEFT_OUT names {f} ({why}), but a panel shows it");
+        assert!(
+            families.contains(*f),
+            "LEFT_OUT names {f}, which is not exported"
+        );
+        assert!(
+            !on_panels.contains(*f),
+            "LEFT_OUT names {f} ({why}), but a panel shows it"
+        );
     }
     let missing: Vec<&String> = families
         .iter()
@@ -150,18 +180,27 @@ fn the_dashboard_and_the_rules_name_what_the_daemon_exports() {
     // panel and query uses it.
     let vars = dash["templating"]["list"].as_array().unwrap();
     assert!(
-        vars.iter()
-            .any(|v| v["name"] == "datasource" && v["type"] == "datasource" && v["query"] == "prometheus"),
+        vars.iter().any(|v| v["name"] == "datasource"
+            && v["type"] == "datasource"
+            && v["query"] == "prometheus"),
         "no datasource variable"
     );
     let mut stack = vec![&dash["panels"]];
     while let Some(list) = stack.pop() {
         for p in list.as_array().into_iter().flatten() {
             if p["type"] != "row" {
-                assert_eq!(p["datasource"]["uid"], "${datasource}", "panel {}", p["title"]);
+                assert_eq!(
+                    p["datasource"]["uid"], "${datasource}",
+                    "panel {}",
+                    p["title"]
+                );
             }
             for t in p["targets"].as_array().into_iter().flatten() {
-                assert_eq!(t["datasource"]["uid"], "${datasource}", "panel {}", p["title"]);
+                assert_eq!(
+                    t["datasource"]["uid"], "${datasource}",
+                    "panel {}",
+                    p["title"]
+                );
             }
             stack.push(&p["panels"]);
         }
