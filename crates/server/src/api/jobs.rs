@@ -34,14 +34,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(job_logs))
 }
 
-pub use kici_api::{JobAccepted, JobBody};
-
-/// `GET /v1/jobs`: this host's standalone jobs.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
-pub struct JobList {
-    /// Running ones and the finished ones still kept, by job id.
-    pub jobs: Vec<JobView>,
-}
+pub use kici_api::{JobAccepted, JobBody, JobList};
 
 /// This host's standalone jobs: the running ones and the finished ones it
 /// still keeps (the same views as `GET /v1/jobs/{id}`), by job id.
