@@ -29,6 +29,8 @@ DEBIAN_PACKAGES=(
     qemu-system-x86    # scripts/vm-test.sh: the pure cgroup v2 guest with systemd (TCG)
     qemu-utils         # scripts/vm-test.sh: qemu-img overlays of the cached guest image
     mmdebstrap         # scripts/vm-test.sh: the guest's Debian 12 root filesystem
+    chromium           # the web console's browser tests (headless, DevTools protocol)
+    prometheus         # promtool: the shipped alerting rules are checked with it
 )
 
 want_base=1
@@ -58,6 +60,7 @@ REQUIRED_COMMANDS=(
     podman:podman nft:nftables iptables:iptables busybox:busybox-static
     mkfs.ext4:e2fsprogs ip:iproute2 qemu-system-x86_64:qemu-system-x86
     qemu-img:qemu-utils mmdebstrap:mmdebstrap
+    chromium:chromium promtool:prometheus
 )
 
 # Installs the whole list in one apt transaction, whatever is already present:

@@ -12,7 +12,7 @@ use crate::agents::{
 };
 use crate::error::{ErrorCode, ErrorDetail};
 use crate::events::StreamEvent;
-use crate::jobs::{JobAccepted, JobBody, JobLogEvent, JobView};
+use crate::jobs::{JobAccepted, JobBody, JobList, JobLogEvent, JobView};
 use crate::routes::path_segment;
 use crate::scale::{ScaleAnswer, ScaleBody};
 use crate::sse::{SseEvent, SseParser};
@@ -284,6 +284,11 @@ impl Client {
     pub async fn job(&self, id: &str) -> Result<JobView, ApiError> {
         let path = format!("/v1/jobs/{}", path_segment(id));
         self.call(Method::GET, &path, None::<&()>).await
+    }
+
+    /// `GET /v1/jobs`: the answering host's jobs.
+    pub async fn jobs(&self) -> Result<JobList, ApiError> {
+        self.call(Method::GET, "/v1/jobs", None::<&()>).await
     }
 
     /// `DELETE /v1/jobs/{id}`: the job's state after the cancel.

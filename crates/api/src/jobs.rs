@@ -40,6 +40,14 @@ pub struct JobAccepted {
     pub state: JobState,
 }
 
+/// `GET /v1/jobs`: the jobs of the host that answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JobList {
+    /// Running ones and the finished ones still kept, by job id.
+    pub jobs: Vec<JobView>,
+}
+
 /// A job as the API shows it (`GET /v1/jobs/{id}`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -79,7 +79,7 @@ pub use client::{ApiError, Client, ErrorAnswer, Events, JobLogs, RawReply, Reque
 pub use error::{ErrorBody, ErrorCode, ErrorDetail, ReloadErrorBody};
 pub use events::{Event, Reset, StampedEvent, StreamEvent, RESET_EVENT};
 pub use fleet::{FleetHostObject, FleetObject, FleetPoolObject};
-pub use jobs::{JobAccepted, JobBody, JobLogEvent, JobView, OutputData, Truncated};
+pub use jobs::{JobAccepted, JobBody, JobList, JobLogEvent, JobView, OutputData, Truncated};
 pub use kici_protocol::{ChunkData, OutputStream};
 pub use names::{
     AgentStateName, BackendName, BreakerName, CapName, EndKind, FailureReasonName, JobState,

@@ -20,6 +20,7 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/v1/scale"),
     route("DELETE", "/v1/scale/{jobId}"),
     route("POST", "/v1/jobs"),
+    route("GET", "/v1/jobs"),
     route("GET", "/v1/jobs/{id}"),
     route("DELETE", "/v1/jobs/{id}"),
     route("GET", "/v1/jobs/{id}/logs"),

@@ -29,12 +29,26 @@ use utoipa_axum::routes;
 /// The routes of this module, for [`super::router_with`].
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(submit_job))
+        .routes(routes!(submit_job, list_jobs))
         .routes(routes!(get_job, cancel_job))
         .routes(routes!(job_logs))
 }
 
-pub use kici_api::{JobAccepted, JobBody};
+pub use kici_api::{JobAccepted, JobBody, JobList};
+
+/// This host's standalone jobs: the running ones and the finished ones it
+/// still keeps (the same views as `GET /v1/jobs/{id}`), by job id.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs",
+    tag = "jobs",
+    responses((status = 200, description = "The jobs", body = JobList))
+)]
+pub async fn list_jobs(State(state): State<AppState>) -> Json<JobList> {
+    let mut jobs = state.jobs.list();
+    jobs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+    Json(JobList { jobs })
+}
 
 /// A job body parsed into the book's request; every problem names its
 /// field.

@@ -12,7 +12,8 @@
 //! - [`stream`]: `GET /v1/events`;
 //! - [`jobs`]: standalone jobs, `/v1/jobs*`, joined through
 //!   [`router_with`]'s `extra` routes (as any further group would be);
-//! - [`relay`]: SSE streams a task feeds (what a fleet host relays).
+//! - [`relay`]: SSE streams a task feeds (what a fleet host relays);
+//! - [`ui`]: the web console at `/ui/` (static; outside the guard).
 //!
 //! The agent gateway (`/ws`) has its own listener (see [`crate::gateway`]).
 
@@ -24,6 +25,7 @@ pub mod relay;
 pub mod scale;
 pub mod scalers;
 pub mod stream;
+pub mod ui;
 pub mod wire;
 
 use crate::daemon::reload::Reload;
@@ -292,6 +294,10 @@ pub fn router_with(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), to_owner))
         .layer(middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
+        // The console's page and assets hold no data: no token (a browser
+        // cannot send one with a navigation). Merged after the guard so
+        // that only these few paths skip it.
+        .merge(ui::routes())
 }
 
 async fn no_route(method: Method, uri: axum::http::Uri) -> ApiError {
@@ -341,8 +347,13 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
     };
     // A browser page may POST to a loopback daemon without a preflight when
     // the request has no body or a "simple" content type; it always sends
-    // Origin then. API clients and orchestrators do not.
-    if request.method() != Method::GET && request.headers().contains_key(header::ORIGIN) {
+    // Origin then. API clients and orchestrators do not. The console (this
+    // daemon's own page) sends its own origin, and is let through: see
+    // [`own_origin`].
+    if request.method() != Method::GET
+        && request.headers().contains_key(header::ORIGIN)
+        && !own_origin(request.headers(), state.api_token.is_some())
+    {
         return ApiError::new(
             StatusCode::FORBIDDEN,
             ErrorCode::CrossOrigin,
@@ -351,6 +362,39 @@ async fn guard(State(state): State<AppState>, request: Request, next: Next) -> R
         .into_response();
     }
     next.run(request).await
+}
+
+/// Whether a request's `Origin` is this daemon's own, that is the console
+/// served at `/ui/` by this daemon: the origin is `http(s)://` + the
+/// request's `Host`. A page elsewhere could only match by pointing a name
+/// it controls at this address (DNS rebinding); so without a token (which
+/// that page cannot know) the host must also be an address or `localhost`,
+/// which no foreign page can be served from.
+fn own_origin(headers: &axum::http::HeaderMap, token_checked: bool) -> bool {
+    let (Some(origin), Some(host)) = (
+        headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()),
+        headers.get(header::HOST).and_then(|v| v.to_str().ok()),
+    ) else {
+        return false;
+    };
+    let Some(origin_host) = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    if !origin_host.eq_ignore_ascii_case(host) {
+        return false;
+    }
+    if token_checked {
+        return true;
+    }
+    // `host[:port]`, `[v6]:port`.
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok()
 }
 
 /// A call signed with the fleet key (see [`crate::fleet::auth`]): let
@@ -518,4 +562,44 @@ pub fn parse_agent(raw: &str) -> Result<kici_model::AgentId, ApiError> {
         )
         .field("id")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_origin;
+    use axum::http::{header, HeaderMap, HeaderValue};
+
+    fn headers(origin: &'static str, host: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::ORIGIN, HeaderValue::from_static(origin));
+        h.insert(header::HOST, HeaderValue::from_static(host));
+        h
+    }
+
+    #[test]
+    fn the_console_is_its_own_origin() {
+        for (origin, host) in [
+            ("http://127.0.0.1:7878", "127.0.0.1:7878"),
+            ("http://localhost:7878", "localhost:7878"),
+            ("http://[::1]:7878", "[::1]:7878"),
+            ("https://10.0.0.5:7878", "10.0.0.5:7878"),
+        ] {
+            assert!(own_origin(&headers(origin, host), false), "{origin}");
+        }
+        // Another page; or a name that could be anyone's (DNS rebinding)
+        // when no token vouches for the caller.
+        for (origin, host) in [
+            ("http://evil.example", "127.0.0.1:7878"),
+            ("http://127.0.0.1:7879", "127.0.0.1:7878"),
+            ("http://evil.example:7878", "evil.example:7878"),
+            ("null", "127.0.0.1:7878"),
+        ] {
+            assert!(!own_origin(&headers(origin, host), false), "{origin}");
+        }
+        assert!(own_origin(
+            &headers("https://ci.example:7878", "ci.example:7878"),
+            true
+        ));
+        assert!(!own_origin(&HeaderMap::new(), true));
+    }
 }

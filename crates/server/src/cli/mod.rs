@@ -8,6 +8,7 @@
 //! message` lines; logs are JSON lines on stderr (see [`init_logging`]).
 
 pub mod client;
+pub mod console;
 pub mod doctor;
 pub mod firecracker;
 pub mod generate;
@@ -91,6 +92,12 @@ pub enum Command {
     /// Cordon a scaler, cancel its pending requests, destroy its idle
     /// agents; busy ones leave after their job.
     Drain(ScalerArgs),
+    /// Print the link to a running daemon's web console (with the token
+    /// from KICI_SCALER_API_TOKEN in its fragment; for a unix socket, the
+    /// SSH tunnel to open first).
+    Ui(ClientArgs),
+    /// Print the JSON Schema (draft 2020-12) of scalers.yaml, for editors.
+    Schema,
     /// Check what the bare-metal backend needs on this host: agent
     /// binaries, cgroups, the state and ledger directories.
     Doctor(crate::cli::doctor::DoctorArgs),
@@ -384,6 +391,8 @@ pub fn execute(
         Command::Sweep(args) => crate::cli::sweep::sweep(args, out),
         Command::Firecracker(args) => crate::cli::firecracker::firecracker(args, out, err),
         Command::Generate(args) => crate::cli::generate::generate(args, out),
+        Command::Ui(args) => crate::cli::console::ui(args, out),
+        Command::Schema => crate::cli::console::schema(out),
         Command::Failpoints => {
             for name in crate::daemon::crashpoints::all() {
                 writeln!(out, "{name}")?;

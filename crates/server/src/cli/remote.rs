@@ -134,6 +134,8 @@ async fn run(
         | Command::Sweep(_)
         | Command::Firecracker(_)
         | Command::Generate(_)
+        | Command::Ui(_)
+        | Command::Schema
         | Command::Failpoints => Err(CliError::NotOneShot),
     }
 }

@@ -403,6 +403,13 @@ impl JobBook {
         b.jobs.get(id).map(|job| self.viewed(job))
     }
 
+    /// Every job this host records (finished ones it still keeps), in no
+    /// particular order.
+    pub fn list(&self) -> Vec<JobView> {
+        let b = self.books.lock();
+        b.jobs.values().map(|job| self.viewed(job)).collect()
+    }
+
     /// The job's view once it has ended, waiting at most `within` for
     /// that; `None` if it is unknown or still running then.
     pub async fn wait_end(&self, id: &JobId, within: std::time::Duration) -> Option<JobView> {

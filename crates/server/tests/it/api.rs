@@ -1507,7 +1507,7 @@ async fn the_router_and_the_openapi_document_agree_in_both_directions() {
     }
     // And the other way: nothing outside the document is routed.
     for (method, path) in [
-        ("GET", "/v1/jobs"),
+        ("GET", "/v1/scale"),
         ("GET", "/ws"),
         ("POST", "/v1/status"),
         ("GET", "/v1/reload"),

@@ -166,4 +166,4 @@ pub const DESIGN_ROUTES: &[(&str, &str)] = &[
 ];
 
 /// Routes served beyond that contract (documented in docs/operations.md).
-pub const EXTRA_ROUTES: &[(&str, &str)] = &[("delete", "/v1/jobs/{id}")];
+pub const EXTRA_ROUTES: &[(&str, &str)] = &[("delete", "/v1/jobs/{id}"), ("get", "/v1/jobs")];
