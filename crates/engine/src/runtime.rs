@@ -114,14 +114,23 @@ impl Bootstrapper for DefaultBootstrap {
     }
 }
 
-/// A last check before a backend creates an agent for a job, after the
-/// agent's record is written: a coordinator that hands jobs to several
-/// hosts refuses the spawn of a job this host no longer holds. A refusal
-/// fails the spawn before anything exists on the host.
+/// The port of a coordinator that hands jobs to several hosts (a fleet):
+/// what it must know before this host acts, asked at the moment and
+/// awaited — never told afterwards through the event stream.
 #[async_trait::async_trait]
-pub trait SpawnGate: Send + Sync {
-    /// `Err(reason)`: the agent must not be created.
-    async fn admit(&self, agent: AgentId, job: Option<&JobId>) -> Result<(), String>;
+pub trait Coordinator: Send + Sync {
+    /// A last check before a backend creates an agent for a job, after the
+    /// agent's record is written: a job this host no longer holds is
+    /// refused. `Err(reason)`: the agent must not be created (the spawn
+    /// fails before anything exists on the host).
+    async fn may_spawn(&self, agent: AgentId, job: Option<&JobId>) -> Result<(), String>;
+
+    /// Before the engine accepts an agent's registration (after which its
+    /// job may run): the coordinator records it durably, so that a host
+    /// lost later is known to have let the job run and it is not served
+    /// again. `Err(reason)`: not recorded — the registration is refused
+    /// (the agent may try again), and the job has not run.
+    async fn record_registration(&self, agent: AgentId) -> Result<(), String>;
 }
 
 /// An event with its stream position (the SSE `id`) and wall-clock time.
@@ -151,8 +160,9 @@ struct Inner {
     settled: Notify,
     /// Set once by `shutdown`; every background task ends when it flips.
     stop: watch::Sender<bool>,
-    /// Consulted before every spawn (see [`SpawnGate`]); set at most once.
-    gate: std::sync::OnceLock<Arc<dyn SpawnGate>>,
+    /// Consulted before every spawn and registration (see
+    /// [`Coordinator`]); set at most once.
+    gate: std::sync::OnceLock<Arc<dyn Coordinator>>,
 }
 
 /// A cheap, cloneable handle on the running engine.
@@ -519,7 +529,7 @@ impl Runtime {
             }
             crate::failpoints::hit(crate::failpoints::SPAWN_RECORDED);
             if let Some(gate) = rt.inner.gate.get() {
-                if let Err(reason) = gate.admit(agent, spec.job.as_ref()).await {
+                if let Err(reason) = gate.may_spawn(agent, spec.job.as_ref()).await {
                     rt.inner.spawns.lock().remove(&agent);
                     let detail = format!("not spawned: {reason}");
                     rt.call(|e2, now| e2.spawn_failed(agent, detail, now));
@@ -750,10 +760,15 @@ impl Runtime {
         self.call(|e, now| e.request_scale_now(request, now))
     }
 
-    /// Installs the check every spawn passes before its backend is called
-    /// (see [`SpawnGate`]). `false` if one was installed already.
-    pub fn set_spawn_gate(&self, gate: Arc<dyn SpawnGate>) -> bool {
-        self.inner.gate.set(gate).is_ok()
+    /// Installs the coordinator every spawn and registration is checked
+    /// with (see [`Coordinator`]). `false` if one was installed already.
+    pub fn set_coordinator(&self, coordinator: Arc<dyn Coordinator>) -> bool {
+        self.inner.gate.set(coordinator).is_ok()
+    }
+
+    /// The coordinator installed by [`Runtime::set_coordinator`], if any.
+    pub fn coordinator(&self) -> Option<Arc<dyn Coordinator>> {
+        self.inner.gate.get().cloned()
     }
 
     pub fn cancel_scale(&self, job: &JobId) -> bool {

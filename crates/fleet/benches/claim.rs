@@ -246,5 +246,136 @@ fn claim(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, claim);
+/// Live agents behind the capped pool of [`claim_cost`].
+const LIVE_AGENTS: [i64; 2] = [0, 20_000];
+/// Claim-and-release cycles per measured round.
+const CYCLES: u32 = 200;
+
+/// The cost of one claim as the pool's live agents grow: a pool with a cap
+/// (so the claim checks usage) and 0 or 20,000 live agents; one queued
+/// request claimed and released again, `CYCLES` times a round. Printed: the
+/// time per claim at each size and the ratio of the largest to none (1.0:
+/// the claim's cost does not grow with the agents it counts).
+fn claim_cost(c: &mut Criterion) {
+    let admin = admin_url();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let reachable = !admin.is_empty()
+        && rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(3), sqlx::PgConnection::connect(&admin))
+                .await
+                .is_ok_and(|c| c.is_ok())
+        });
+    if !reachable {
+        eprintln!("claim-cost bench skipped: no PostgreSQL reachable");
+        return;
+    }
+    let db = format!("kici_fleet_cost_{}", std::process::id());
+    rt.block_on(async {
+        let mut c = sqlx::PgConnection::connect(&admin).await.unwrap();
+        sqlx::query(&format!("CREATE DATABASE {db}"))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    });
+    let url = with_database(&admin, &db);
+    let mut per_claim: BTreeMap<i64, Duration> = BTreeMap::new();
+    let mut group = c.benchmark_group("fleet_claim_cost");
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_secs(1));
+    group.measurement_time(Duration::from_secs(10));
+    group.throughput(Throughput::Elements(u64::from(CYCLES)));
+    for live in LIVE_AGENTS {
+        let name = format!("cost-{live}");
+        let (fleet, membership) = rt.block_on(async {
+            let fleet = Fleet::connect(&url, &name, FleetOptions::default())
+                .await
+                .unwrap();
+            let mut spec = HostSpec::new("00000001".parse().unwrap(), "bench", "0");
+            spec.pools = vec![PoolDefinition {
+                name: "p".into(),
+                label_sets: serde_json::json!([{"labels": ["p"]}]),
+                fleet_caps: Caps {
+                    max_agents: Some(10_000_000),
+                    ..Caps::default()
+                },
+                host_max_agents: None,
+            }];
+            spec.lease = Duration::from_secs(3600);
+            spec.margin = Duration::from_secs(60);
+            let m = fleet.join(spec).await.unwrap();
+            sqlx::query(
+                "INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, \
+                     memory_bytes, state, created_at, updated_at) \
+                 SELECT $1, 'a' || g, '00000001', 1, 'p', 'j' || g, 100, 1048576, 'live', 0, 0 \
+                 FROM generate_series(1, $2) g",
+            )
+            .bind(&name)
+            .bind(live)
+            .execute(fleet.pool())
+            .await
+            .unwrap();
+            sqlx::query(
+                "INSERT INTO fleet_requests (fleet, job_id, kind, pool, body, answer, milli_cpu, memory_bytes, \
+                     entry_host, state, arrived_at) \
+                 VALUES ($1, 'the-request', 'scale', 'p', '{}', '{}', 100, 1048576, '00000001', 'queued', 0)",
+            )
+            .bind(&name)
+            .execute(fleet.pool())
+            .await
+            .unwrap();
+            sqlx::query("ANALYZE fleet_agents")
+                .execute(fleet.pool())
+                .await
+                .unwrap();
+            (fleet, m)
+        });
+        let q = fleet.queue();
+        let pools = vec!["p".to_owned()];
+        let total = Arc::new(Mutex::new((Duration::ZERO, 0u64)));
+        group.bench_function(format!("{live}_live_agents"), |b| {
+            b.iter_custom(|iters| {
+                let took = rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        for _ in 0..CYCLES {
+                            let claim = q.claim(membership.guard(), &pools).await.unwrap().unwrap();
+                            assert!(q.release(&claim).await.unwrap());
+                        }
+                    }
+                    start.elapsed()
+                });
+                let mut t = total.lock().unwrap();
+                t.0 += took;
+                t.1 += iters * u64::from(CYCLES);
+                took
+            });
+        });
+        let (t, n) = *total.lock().unwrap();
+        per_claim.insert(live, t / u32::try_from(n.max(1)).unwrap_or(u32::MAX));
+        rt.block_on(async {
+            membership.leave().await.unwrap();
+            fleet.close().await;
+        });
+    }
+    group.finish();
+    if let (Some(none), Some(many)) = (per_claim.get(&0), per_claim.get(&20_000)) {
+        println!(
+            "claim + release: {none:?} with no live agents, {many:?} with 20,000; ratio {:.2}",
+            many.as_secs_f64() / none.as_secs_f64().max(f64::MIN_POSITIVE)
+        );
+    }
+    rt.block_on(async {
+        let mut c = sqlx::PgConnection::connect(&admin).await.unwrap();
+        sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)"))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    });
+}
+
+criterion_group!(benches, claim, claim_cost);
 criterion_main!(benches);

@@ -288,17 +288,11 @@ pub struct Queue {
     fleet: Fleet,
 }
 
-const USAGE_POOL: &str = "SELECT count(*) AS n, COALESCE(sum(milli_cpu), 0)::BIGINT AS cpu, \
-        COALESCE(sum(memory_bytes), 0)::BIGINT AS mem FROM ( \
-      SELECT milli_cpu, memory_bytes FROM fleet_requests WHERE fleet = $1 AND pool = $2 AND state = 'claimed' \
-      UNION ALL \
-      SELECT milli_cpu, memory_bytes FROM fleet_agents WHERE fleet = $1 AND pool = $2 AND state = 'live') u";
-
-const USAGE_FLEET: &str = "SELECT count(*) AS n, COALESCE(sum(milli_cpu), 0)::BIGINT AS cpu, \
-        COALESCE(sum(memory_bytes), 0)::BIGINT AS mem FROM ( \
-      SELECT milli_cpu, memory_bytes FROM fleet_requests WHERE fleet = $1 AND state = 'claimed' \
-      UNION ALL \
-      SELECT milli_cpu, memory_bytes FROM fleet_agents WHERE fleet = $1 AND state = 'live') u";
+/// The fleet's usage: the sum of its pools' counters (kept exact by the
+/// triggers of migration 4), one row per pool, not per agent.
+const USAGE_FLEET: &str = "SELECT COALESCE(sum(used_agents), 0)::BIGINT AS n, \
+        COALESCE(sum(used_cpu), 0)::BIGINT AS cpu, COALESCE(sum(used_memory), 0)::BIGINT AS mem \
+      FROM fleet_pools WHERE fleet = $1";
 
 fn usage_row(r: &PgRow) -> Result<Usage, FleetError> {
     Ok(Usage {
@@ -401,7 +395,7 @@ impl Queue {
                 .map(|(answer, state)| Entered::Existing { answer, state });
         };
         let mut start = false;
-        if let Some(pool_caps) = pool_caps {
+        if let Some(pool_row) = pool_caps {
             fence(&mut tx, name, guard.instance(), epoch).await?;
             let older: bool = sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM fleet_requests WHERE fleet = $1 AND pool = $2 \
@@ -416,8 +410,7 @@ impl Queue {
                 && caps_admit(
                     &mut tx,
                     name,
-                    &req.pool,
-                    &pool_caps,
+                    &pool_row,
                     &global,
                     req.cpu.millis(),
                     req.memory.bytes(),
@@ -512,7 +505,7 @@ impl Queue {
     ) -> Result<PoolAttempt, FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
-        let (global, Some(pool_caps)) = lock_caps(&mut tx, name, pool).await? else {
+        let (global, Some(pool_row)) = lock_caps(&mut tx, name, pool).await? else {
             // No host ever defined the pool: nobody may claim in it.
             return Ok(PoolAttempt::Empty);
         };
@@ -535,7 +528,7 @@ impl Queue {
             "memory_bytes",
             head.try_get("memory_bytes")?,
         )?;
-        if !caps_admit(&mut tx, name, pool, &pool_caps, &global, cpu, memory).await? {
+        if !caps_admit(&mut tx, name, &pool_row, &global, cpu, memory).await? {
             return Ok(PoolAttempt::AtCap);
         }
         let job_id: String = head.try_get("job_id")?;
@@ -663,8 +656,8 @@ impl Queue {
         };
         // The claim's lock order: fleet, pool, host, request, agent.
         let mut tx = self.fleet.pool().begin().await?;
-        let (global, pool_caps) = lock_caps(&mut tx, name, &pool).await?;
-        let pool_caps = pool_caps.unwrap_or_default();
+        let (global, pool_row) = lock_caps(&mut tx, name, &pool).await?;
+        let pool_row = pool_row.unwrap_or_default();
         fence(&mut tx, name, instance, epoch).await?;
         let request_state: Option<String> = sqlx::query_scalar(
             "SELECT state FROM fleet_requests WHERE fleet = $1 AND job_id = $2 AND claimed_by = $3 \
@@ -686,27 +679,10 @@ impl Queue {
         if request_state.is_none() || agent_state == "gone" {
             return Ok(Adopted::NotOurs);
         }
-        if agent_state != "live" {
-            let used = usage_row(
-                &sqlx::query(USAGE_POOL)
-                    .bind(name)
-                    .bind(&pool)
-                    .fetch_one(&mut *tx)
-                    .await?,
-            )?;
-            let fleet_used = if global.any() {
-                usage_row(
-                    &sqlx::query(USAGE_FLEET)
-                        .bind(name)
-                        .fetch_one(&mut *tx)
-                        .await?,
-                )?
-            } else {
-                Usage::default()
-            };
-            if !used.admits(&pool_caps, cpu, memory) || !fleet_used.admits(&global, cpu, memory) {
-                return Ok(Adopted::OverCap);
-            }
+        if agent_state != "live"
+            && !caps_admit(&mut tx, name, &pool_row, &global, cpu, memory).await?
+        {
+            return Ok(Adopted::OverCap);
         }
         sqlx::query(
             "UPDATE fleet_requests SET state = 'started', claim_epoch = $3 WHERE fleet = $1 AND job_id = $2",
@@ -1001,15 +977,18 @@ impl Queue {
         non_negative("fleet_requests", "count", n)
     }
 
-    /// Usage of `pool` (claimed requests + live agents), one statement.
+    /// Usage of `pool` (claimed requests + live agents), as counted on its
+    /// row (zero for a pool nobody defined).
     pub async fn pool_usage(&self, pool: &str) -> Result<Usage, FleetError> {
-        usage_row(
-            &sqlx::query(USAGE_POOL)
-                .bind(self.fleet.name())
-                .bind(pool)
-                .fetch_one(self.fleet.pool())
-                .await?,
+        let row = sqlx::query(
+            "SELECT used_agents AS n, used_cpu AS cpu, used_memory AS mem FROM fleet_pools \
+             WHERE fleet = $1 AND pool = $2",
         )
+        .bind(self.fleet.name())
+        .bind(pool)
+        .fetch_optional(self.fleet.pool())
+        .await?;
+        row.as_ref().map_or(Ok(Usage::default()), usage_row)
     }
 
     /// Usage of the whole fleet, one statement.
@@ -1027,11 +1006,7 @@ impl Queue {
     /// [`crate::should_claim`].
     pub async fn pool_loads(&self, pool: &str) -> Result<Vec<HostLoad>, FleetError> {
         let rows = sqlx::query(
-            "SELECT hp.instance_id, hp.host_max_agents, \
-                 (SELECT count(*) FROM fleet_requests r WHERE r.fleet = hp.fleet AND r.pool = hp.pool \
-                     AND r.state = 'claimed' AND r.claimed_by = hp.instance_id) \
-               + (SELECT count(*) FROM fleet_agents a WHERE a.fleet = hp.fleet AND a.pool = hp.pool \
-                     AND a.state = 'live' AND a.instance_id = hp.instance_id) AS agents \
+            "SELECT hp.instance_id, hp.host_max_agents, hp.used_agents AS agents \
              FROM fleet_host_pools hp JOIN fleet_hosts h ON h.fleet = hp.fleet AND h.instance_id = hp.instance_id \
              WHERE hp.fleet = $1 AND hp.pool = $2 AND h.state = 'up' AND h.lease_expires_at > fleet_now_ms() \
              ORDER BY hp.instance_id",
@@ -1083,16 +1058,23 @@ async fn fleet_caps(conn: &mut PgConnection, fleet: &str, lock: bool) -> Result<
     )
 }
 
+/// A pool's caps and its usage as counted on its row.
+#[derive(Debug, Clone, Copy, Default)]
+struct PoolRow {
+    caps: Caps,
+    used: Usage,
+}
+
 /// The caps an admission in `pool` is checked against, locked in the
 /// claim's lock order: the fleet row first (locked only when a global cap
 /// is set: without one, claims of different pools need not serialise
-/// fleet-wide), then the pool's row. The pool's caps are `None` when no
-/// host ever defined the pool.
+/// fleet-wide), then the pool's row, with its usage counters. The pool is
+/// `None` when no host ever defined it.
 async fn lock_caps(
     conn: &mut PgConnection,
     fleet: &str,
     pool: &str,
-) -> Result<(Caps, Option<Caps>), FleetError> {
+) -> Result<(Caps, Option<PoolRow>), FleetError> {
     let global = fleet_caps(&mut *conn, fleet, false).await?;
     let global = if global.any() {
         fleet_caps(&mut *conn, fleet, true).await?
@@ -1100,22 +1082,26 @@ async fn lock_caps(
         global
     };
     let row = sqlx::query(
-        "SELECT max_agents, max_cpu, max_memory FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
+        "SELECT max_agents, max_cpu, max_memory, used_agents AS n, used_cpu AS cpu, used_memory AS mem \
+         FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR UPDATE",
     )
     .bind(fleet)
     .bind(pool)
     .fetch_optional(&mut *conn)
     .await?;
-    let pool_caps = match row {
-        Some(row) => Some(Caps::from_db(
-            "fleet_pools",
-            row.try_get("max_agents")?,
-            row.try_get("max_cpu")?,
-            row.try_get("max_memory")?,
-        )?),
+    let pool_row = match row {
+        Some(row) => Some(PoolRow {
+            caps: Caps::from_db(
+                "fleet_pools",
+                row.try_get("max_agents")?,
+                row.try_get("max_cpu")?,
+                row.try_get("max_memory")?,
+            )?,
+            used: usage_row(&row)?,
+        }),
         None => None,
     };
-    Ok((global, pool_caps))
+    Ok((global, pool_row))
 }
 
 /// An agent started for a request, as `fleet_agents` records it.
@@ -1210,27 +1196,19 @@ async fn notify_if_waiting(
 }
 
 /// Whether the pool's and the fleet's usage leave room for `cpu`/`memory`
-/// more (the callers hold the rows the sums depend on, locked).
+/// more (the callers hold the rows the counts depend on, locked: the pool's
+/// row, and the fleet's row when a global cap is set — only claims, which
+/// take those locks, increase usage).
 async fn caps_admit(
     conn: &mut PgConnection,
     fleet: &str,
-    pool: &str,
-    pool_caps: &Caps,
+    pool: &PoolRow,
     global: &Caps,
     cpu: u64,
     memory: u64,
 ) -> Result<bool, FleetError> {
-    if pool_caps.any() {
-        let used = usage_row(
-            &sqlx::query(USAGE_POOL)
-                .bind(fleet)
-                .bind(pool)
-                .fetch_one(&mut *conn)
-                .await?,
-        )?;
-        if !used.admits(pool_caps, cpu, memory) {
-            return Ok(false);
-        }
+    if pool.caps.any() && !pool.used.admits(&pool.caps, cpu, memory) {
+        return Ok(false);
     }
     if global.any() {
         let used = usage_row(

@@ -38,10 +38,15 @@ const MIGRATIONS: &[Migration] = &[
         description: "request secrets",
         sql: include_str!("../migrations/0003_request_secret.sql"),
     },
+    Migration {
+        version: 4,
+        description: "usage counters",
+        sql: include_str!("../migrations/0004_usage_counters.sql"),
+    },
 ];
 
 /// The newest schema version this binary knows.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// Key of the transaction-level advisory lock migrations run under
 /// ("kflt-mig" in ASCII; single-key locks live apart from kici-store's

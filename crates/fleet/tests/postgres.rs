@@ -221,6 +221,7 @@ async fn concurrent_claimers_never_exceed_fleet_caps() {
     .unwrap();
     assert_eq!(not_once, 0);
     entry.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -347,6 +348,7 @@ async fn lapsed_lease_returns_claims_in_order_to_another_host() {
         Adopted::NotOurs
     );
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -397,6 +399,7 @@ async fn stale_epoch_claim_is_refused() {
     // A release of the stale claim changes nothing.
     assert!(!q.release(&claim).await.unwrap());
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -459,6 +462,7 @@ async fn leadership_moves_when_the_leaders_session_dies() {
     }
     fleet.close().await;
     fleet_b.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -488,6 +492,7 @@ async fn schema_newer_than_binary_is_refused() {
         other => panic!("expected SchemaTooNew, got {other:?}"),
     }
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -514,6 +519,7 @@ async fn concurrent_migrations_apply_once() {
         .unwrap();
     assert_eq!(n, kici_fleet::SCHEMA_VERSION);
     drop(c);
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -603,6 +609,7 @@ async fn pool_definition_mismatch_is_refused() {
     .unwrap();
     assert_eq!(fp, c.spec().pools[0].fingerprint());
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -652,6 +659,7 @@ async fn dedupe_by_job_id() {
     assert_eq!(new, 1);
     fleet.close().await;
     other_fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -702,6 +710,7 @@ async fn hand_back_returns_claims_at_once() {
         .collect();
     assert!(states.contains(&"left".to_owned()), "{states:?}");
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -783,6 +792,7 @@ async fn chores_purge_old_rows() {
     assert_eq!(q.state("old").await.unwrap(), None);
     assert_eq!(b.hosts().await.unwrap().len(), 1);
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -822,6 +832,7 @@ async fn lost_requests_are_abandoned_after_the_retention() {
         Some((RequestState::Finished, Some(id(1).to_string())))
     );
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -911,6 +922,7 @@ async fn lost_hosts_jobs_that_ran_are_aborted_and_secrets_do_not_outlive_them() 
         "kept for the next host"
     );
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -965,6 +977,7 @@ async fn queued_requests_expire_after_their_time() {
             .unwrap();
     assert_eq!(secrets, 0);
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }
 
@@ -1058,5 +1071,6 @@ async fn enqueue_started_starts_only_the_head_under_the_caps() {
     ));
     assert_eq!(q.pool_usage("p").await.unwrap().agents, 2, "the cap held");
     fleet.close().await;
+    db.assert_counters_exact().await;
     db.drop_db().await;
 }

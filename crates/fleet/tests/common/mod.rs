@@ -87,6 +87,48 @@ impl TestDb {
         sqlx::PgConnection::connect(&self.url).await.unwrap()
     }
 
+    /// Every pool's and host's usage counters equal a recount of the rows
+    /// they stand for (claimed requests + live agents), in every fleet of
+    /// the database.
+    pub async fn assert_counters_exact(&self) {
+        let mut c = self.conn().await;
+        /// fleet, pool, counters (agents, cpu, memory), recounts (same).
+        type PoolCounts = (String, String, i64, i64, i64, i64, i64, i64);
+        let pools: Vec<PoolCounts> = sqlx::query_as(
+            "SELECT p.fleet, p.pool, p.used_agents, p.used_cpu, p.used_memory, \
+                 count(u.*), COALESCE(sum(u.milli_cpu), 0)::BIGINT, COALESCE(sum(u.memory_bytes), 0)::BIGINT \
+             FROM fleet_pools p LEFT JOIN ( \
+                 SELECT fleet, pool, milli_cpu, memory_bytes FROM fleet_requests WHERE state = 'claimed' \
+                 UNION ALL SELECT fleet, pool, milli_cpu, memory_bytes FROM fleet_agents WHERE state = 'live') u \
+               ON u.fleet = p.fleet AND u.pool = p.pool \
+             GROUP BY p.fleet, p.pool, p.used_agents, p.used_cpu, p.used_memory",
+        )
+        .fetch_all(&mut c)
+        .await
+        .unwrap();
+        for (fleet, pool, n, cpu, mem, rn, rcpu, rmem) in pools {
+            assert_eq!(
+                (n, cpu, mem),
+                (rn, rcpu, rmem),
+                "pool {pool} of fleet {fleet}: counters vs recount"
+            );
+        }
+        let hosts: Vec<(String, String, i64, i64)> = sqlx::query_as(
+            "SELECT hp.instance_id, hp.pool, hp.used_agents, \
+                 (SELECT count(*) FROM fleet_requests r WHERE r.fleet = hp.fleet AND r.pool = hp.pool \
+                     AND r.state = 'claimed' AND r.claimed_by = hp.instance_id) \
+               + (SELECT count(*) FROM fleet_agents a WHERE a.fleet = hp.fleet AND a.pool = hp.pool \
+                     AND a.state = 'live' AND a.instance_id = hp.instance_id) \
+             FROM fleet_host_pools hp",
+        )
+        .fetch_all(&mut c)
+        .await
+        .unwrap();
+        for (host, pool, n, recount) in hosts {
+            assert_eq!(n, recount, "host {host} in pool {pool}: counter vs recount");
+        }
+    }
+
     pub async fn drop_db(self) {
         let mut c = sqlx::PgConnection::connect(&self.admin).await.unwrap();
         sqlx::query(&format!("DROP DATABASE {} WITH (FORCE)", self.name))

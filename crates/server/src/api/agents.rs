@@ -45,7 +45,8 @@ fn is_gone(state: &AppState, agent: AgentId) -> bool {
         (status = 404, description = "Not an agent of this instance", body = ErrorBody),
         (status = 409, description = "The agent cannot register in its state", body = ErrorBody),
         (status = 415, description = "Not application/json", body = ErrorBody),
-        (status = 422, description = "A field is invalid", body = ErrorBody)
+        (status = 422, description = "A field is invalid", body = ErrorBody),
+        (status = 503, description = "In a fleet: the registration could not be recorded; retry", body = ErrorBody)
     )
 )]
 pub async fn registered(
@@ -55,9 +56,12 @@ pub async fn registered(
 ) -> Result<Json<RegistrationAnswer>, ApiError> {
     let agent = parse_agent(&id)?;
     let enrolment = state.enrolment();
-    let registration = enrolment
+    enrolment
         .verify(agent, &body.token)
-        .and_then(|()| enrolment.register(agent, Via::Orchestrator))
+        .map_err(refusal_error)?;
+    let registration = enrolment
+        .register(agent, Via::Orchestrator)
+        .await
         .map_err(refusal_error)?;
     Ok(Json(RegistrationAnswer {
         bound_job_id: registration.bound_job_id.map(|j| j.to_string()),
@@ -120,6 +124,12 @@ fn refusal_error(refusal: Refusal) -> ApiError {
             .field("token")
         }
         Refusal::Engine { source, .. } => agent_error(source),
+        // The fleet's database did not take the registration: retryable.
+        Refusal::Unrecorded { .. } => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ErrorCode::StoreUnavailable,
+            refusal.to_string(),
+        ),
     }
 }
 

@@ -114,6 +114,10 @@ pub fn serve(args: &ServeArgs) -> Result<(), ServeError> {
     if !armed.is_empty() {
         tracing::warn!(failpoints = ?armed, "crash failpoints armed: this daemon kills itself when it reaches them");
     }
+    let failing = crate::daemon::crashpoints::arm_failures_from_env()?;
+    if !failing.is_empty() {
+        tracing::warn!(failpoints = ?failing, "error failpoints armed: these steps fail as told");
+    }
     let registry = registry_for(args);
     let api_token = api_token_from_env(&settings)?;
     let peers = fleet_credentials(&settings)?;

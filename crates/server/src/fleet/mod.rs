@@ -28,7 +28,7 @@ pub mod view;
 
 use crate::events::metrics::Metrics;
 use crate::jobs::JobBook;
-use kici_engine::runtime::{Runtime, SpawnGate};
+use kici_engine::runtime::{Coordinator, Runtime};
 use kici_engine::{AgentState, EngineEvent, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
     Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, HostSpec, Leader, LeaseGuard,
@@ -235,7 +235,7 @@ impl FleetHost {
         host.settle_held().await;
         host.0
             .runtime
-            .set_spawn_gate(Arc::new(ClaimGate(Arc::downgrade(&host.0))));
+            .set_coordinator(Arc::new(FleetCoordinator(Arc::downgrade(&host.0))));
         let tasks = vec![
             tokio::spawn(host.clone().lease_loop()),
             tokio::spawn(host.clone().claim_loop()),
@@ -638,10 +638,12 @@ impl FleetHost {
 
     // -------------------------------------------------------- follow-up
 
-    /// Follows the agents of this host's claims: a registration is recorded
-    /// (the job is the orchestrator's from then on), an agent's end
-    /// finishes its request. Any agent ending wakes the claim loop (local
-    /// capacity freed).
+    /// Follows the ends of this host's agents, to finish their requests at
+    /// once and wake the claim loop (local capacity freed). The stream only
+    /// makes this prompt: every lease/3 the requests of agents the engine no
+    /// longer has are finished from its state ([`FleetHost::finish_vanished`]),
+    /// so a missed event or a failed completion is caught up, and nothing
+    /// that must be recorded before a job runs depends on it.
     async fn follow_agents(
         self,
         mut events: broadcast::Receiver<Arc<kici_engine::runtime::SequencedEvent>>,
@@ -671,45 +673,33 @@ impl FleetHost {
         else {
             return;
         };
-        match to {
-            // Every agent passes through `registered` once.
-            AgentState::Registered if self.0.bound.lock().contains_key(agent_id) => {
-                let q = self.0.queue.clone();
-                let me = self.0.instance.to_string();
-                let agent = agent_id.to_string();
-                tokio::spawn(async move {
-                    if let Err(e) = q.mark_registered(&me, &agent).await {
-                        tracing::warn!(agent_id = %agent, error = %e, "fleet: recording a registration failed");
-                    }
-                });
-            }
-            AgentState::Gone => {
-                // The failure is on the transition that failed the agent,
-                // not on its last one: the engine keeps it in the view.
-                let failure_reason = failure_reason.or_else(|| {
-                    self.0
-                        .runtime
-                        .call(|e, now| e.agent(*agent_id, now))
-                        .and_then(|view| view.failure_reason)
-                });
-                let outcome = match (failure_reason, detail) {
-                    (Some(r), _) => format!("agent ended: {r}"),
-                    (None, Some(d)) => format!("agent ended: {d}"),
-                    (None, None) => "agent ended".to_owned(),
-                };
-                // These failures only happen before an agent registers (the
-                // engine fails a registered agent only for the pending-
-                // dispatch timeout or its lifetime): nobody could have given
-                // it the job, so a scale request goes back to the fleet's
-                // queue at its place — never to the engine's own, which would
-                // admit it outside the fleet's caps.
-                let unstarted = failure_reason.is_some_and(|r| r.before_dispatch());
-                self.finish(*agent_id, &outcome, unstarted).await;
-                self.0.busy.lock().clear();
-                self.0.wake.notify_one();
-            }
-            _ => {}
+        // A registration was recorded before the engine accepted it (the
+        // coordinator's `record_registration`); only ends are followed here.
+        if *to != AgentState::Gone {
+            return;
         }
+        // The failure is on the transition that failed the agent, not on
+        // its last one: the engine keeps it in the view.
+        let failure_reason = failure_reason.or_else(|| {
+            self.0
+                .runtime
+                .call(|e, now| e.agent(*agent_id, now))
+                .and_then(|view| view.failure_reason)
+        });
+        let outcome = match (failure_reason, detail) {
+            (Some(r), _) => format!("agent ended: {r}"),
+            (None, Some(d)) => format!("agent ended: {d}"),
+            (None, None) => "agent ended".to_owned(),
+        };
+        // These failures only happen before an agent registers (the engine
+        // fails a registered agent only for the pending-dispatch timeout or
+        // its lifetime): nobody could have given it the job, so a scale
+        // request goes back to the fleet's queue at its place — never to the
+        // engine's own, which would admit it outside the fleet's caps.
+        let unstarted = failure_reason.is_some_and(|r| r.before_dispatch());
+        self.finish(*agent_id, &outcome, unstarted).await;
+        self.0.busy.lock().clear();
+        self.0.wake.notify_one();
     }
 
     async fn finish(&self, agent: AgentId, outcome: &str, unstarted: bool) {
@@ -1110,13 +1100,70 @@ pub enum EntryError {
     Body(String),
 }
 
-/// The spawn gate: an agent for a fleet claim is bound to it (recorded
-/// `live` under this host's epoch, fenced) before its backend creates it.
-struct ClaimGate(std::sync::Weak<Inner>);
+/// The engine's coordinator: an agent for a fleet claim is bound to it
+/// (recorded `live` under this host's epoch, fenced) before its backend
+/// creates it, and its registration is recorded before the engine accepts
+/// it.
+struct FleetCoordinator(std::sync::Weak<Inner>);
+
+/// Every failpoint of the fleet's host side (see the daemon's crashpoints):
+/// - `kici_scaler::fleet::registration`: recording an agent's registration
+///   fails as a database error would.
+pub const FAILPOINTS: &[&str] = &[REGISTRATION_FAILPOINT];
+const REGISTRATION_FAILPOINT: &str = "kici_scaler::fleet::registration";
+
+/// Attempts at recording a registration before it is refused, and the
+/// pause between them: a transient database error costs the agent a moment,
+/// not its registration.
+const REGISTRATION_ATTEMPTS: u32 = 4;
+const REGISTRATION_RETRY: Duration = Duration::from_millis(250);
+
+/// Whether the registration failpoint fires now (never without the
+/// `failpoints` feature).
+fn registration_fails_here() -> bool {
+    fail::fail_point!(REGISTRATION_FAILPOINT, |_| true);
+    false
+}
 
 #[async_trait::async_trait]
-impl SpawnGate for ClaimGate {
-    async fn admit(&self, agent: AgentId, job: Option<&JobId>) -> Result<(), String> {
+impl Coordinator for FleetCoordinator {
+    async fn record_registration(&self, agent: AgentId) -> Result<(), String> {
+        let Some(inner) = self.0.upgrade() else {
+            return Ok(());
+        };
+        // Agents of this host's fleet requests only (a warm agent has none).
+        if !inner.bound.lock().contains_key(&agent) {
+            return Ok(());
+        }
+        let me = inner.instance.to_string();
+        let id = agent.to_string();
+        let mut last = String::new();
+        for attempt in 1..=REGISTRATION_ATTEMPTS {
+            let recorded = if registration_fails_here() {
+                Err(FleetError::Unavailable(format!(
+                    "failpoint {REGISTRATION_FAILPOINT}"
+                )))
+            } else {
+                inner.queue.mark_registered(&me, &id).await
+            };
+            match recorded {
+                // `false`: recorded already (the agent registered again).
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(agent_id = %agent, attempt, error = %e, "fleet: recording a registration failed");
+                    last = e.to_string();
+                }
+            }
+            if attempt < REGISTRATION_ATTEMPTS {
+                tokio::time::sleep(REGISTRATION_RETRY).await;
+            }
+        }
+        Err(format!(
+            "the fleet could not record the registration: {last}"
+        ))
+    }
+
+    async fn may_spawn(&self, agent: AgentId, job: Option<&JobId>) -> Result<(), String> {
         let (Some(inner), Some(job)) = (self.0.upgrade(), job) else {
             return Ok(());
         };

@@ -60,6 +60,10 @@ pub enum Refusal {
         #[source]
         source: AgentError,
     },
+    /// The coordinator (a fleet) could not record the registration: it is
+    /// not accepted, so the job has not run; the agent may try again.
+    #[error("agent {agent} cannot register now: {reason}; try again")]
+    Unrecorded { agent: AgentId, reason: String },
 }
 
 /// The backend could not clear the agent's bootstrap data (Firecracker's
@@ -134,9 +138,20 @@ impl Enrolment {
         Ok(())
     }
 
-    /// The agent registered: the engine is told. Its answer names the job
-    /// the agent was spawned for and the labels a job must carry.
-    pub fn register(&self, agent: AgentId, via: Via) -> Result<Registration, Refusal> {
+    /// The agent registered: the coordinator (in a fleet) records it, then
+    /// the engine is told — in that order, so a job never runs unknown to
+    /// the fleet. Its answer names the job the agent was spawned for and
+    /// the labels a job must carry.
+    pub async fn register(&self, agent: AgentId, via: Via) -> Result<Registration, Refusal> {
+        if let Some(coordinator) = self.runtime.coordinator() {
+            coordinator
+                .record_registration(agent)
+                .await
+                .map_err(|reason| {
+                    tracing::warn!(agent_id = %agent, reason = %reason, via = via.as_str(), "registration not recorded by the fleet; refused");
+                    Refusal::Unrecorded { agent, reason }
+                })?;
+        }
         let registration = self.runtime.agent_registered(agent).map_err(|e| {
             tracing::warn!(agent_id = %agent, error = %e, via = via.as_str(), "registration refused by the engine");
             match e {

@@ -464,7 +464,7 @@ impl Gateway {
             // Gone already: its end finds this session in the map.
             let _ = old.commands.send(Command::Supersede);
         }
-        let registration = match self.enrolment.register(agent, Via::Gateway) {
+        let registration = match self.enrolment.register(agent, Via::Gateway).await {
             Ok(r) => r,
             Err(refusal) => {
                 {

@@ -1507,6 +1507,52 @@ fn serial_fleet_standalone_job_on_a_killed_host_ends_aborted_host_lost() {
     );
 }
 
+/// The database refuses the first write of a registration (a failpoint,
+/// as a transient error would), then the host that ran the job is killed:
+/// the registration was recorded before the agent got its job (retried, not
+/// fire-and-forget), so the fleet knows the job ran on the lost host and
+/// does not run it again elsewhere.
+#[test]
+fn serial_fleet_a_registration_the_database_refused_once_is_recorded_and_the_job_runs_once() {
+    let mut fleet = Fleet::start_jobs(
+        3,
+        &[(
+            "KICI_SCALER_FAIL_AT",
+            "kici_scaler::fleet::registration=1*return",
+        )],
+    );
+    let id = fleet.post_job(0, "refused-once", "1000");
+    wait_long("the job runs", PATIENCE, || {
+        fleet.job(1, &id)["state"] == "running"
+    });
+    let owner = fleet.job_host(&id);
+    let injected = fleet.hosts[owner]
+        .daemon
+        .as_mut()
+        .unwrap()
+        .lines_so_far()
+        .iter()
+        .any(|l| l.contains("recording a registration failed"));
+    assert!(injected, "the failpoint refused the first write");
+    assert_eq!(
+        fleet.sql(&format!(
+            "SELECT a.registered_at IS NOT NULL FROM fleet_agents a JOIN fleet_requests r \
+             ON r.agent_id = a.agent_id WHERE r.job_id = '{id}'"
+        )),
+        ["t"],
+        "the registration is recorded before the job runs"
+    );
+    fleet.hosts[owner].daemon.as_mut().unwrap().kill9();
+    common::daemon::kill_instance_cgroups(&fleet.hosts[owner].instance());
+    let other = (owner + 1) % 3;
+    wait_long("the job ends aborted (host lost)", PATIENCE, || {
+        let v = fleet.job(other, &id);
+        v["state"] == "failed" && v["end"] == "aborted"
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(fleet.runs_of("refused-once"), 1, "{}", fleet.job_runs());
+}
+
 #[test]
 fn serial_fleet_standalone_job_on_a_host_restarted_at_once_ends_aborted_and_runs_once() {
     let mut fleet = Fleet::start_jobs(3, &[]);
