@@ -39,7 +39,7 @@ pub enum CrashpointError {
     #[error("{CRASH_AT_ENV} or {FAIL_AT_ENV} is set but this binary was built without the `failpoints` feature")]
     NotBuiltIn,
     #[error(
-        "{FAIL_AT_ENV}: `{0}` is not NAME=ACTIONS (e.g. kici_scaler::fleet::registration=1*return)"
+        "{FAIL_AT_ENV}: `{0}` is not NAME=ACTIONS (e.g. kici_scaler::registration::record=1*return)"
     )]
     Malformed(String),
     #[error("{FAIL_AT_ENV}: the actions of `{name}` are not valid: {reason}")]

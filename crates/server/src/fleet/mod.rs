@@ -1107,10 +1107,10 @@ pub enum EntryError {
 struct FleetCoordinator(std::sync::Weak<Inner>);
 
 /// Every failpoint of the fleet's host side (see the daemon's crashpoints):
-/// - `kici_scaler::fleet::registration`: recording an agent's registration
+/// - `kici_scaler::registration::record`: recording an agent's registration
 ///   fails as a database error would.
 pub const FAILPOINTS: &[&str] = &[REGISTRATION_FAILPOINT];
-const REGISTRATION_FAILPOINT: &str = "kici_scaler::fleet::registration";
+const REGISTRATION_FAILPOINT: &str = "kici_scaler::registration::record";
 
 /// Attempts at recording a registration before it is refused, and the
 /// pause between them: a transient database error costs the agent a moment,

@@ -1518,7 +1518,7 @@ fn serial_fleet_a_registration_the_database_refused_once_is_recorded_and_the_job
         3,
         &[(
             "KICI_SCALER_FAIL_AT",
-            "kici_scaler::fleet::registration=1*return",
+            "kici_scaler::registration::record=1*return",
         )],
     );
     let id = fleet.post_job(0, "refused-once", "1000");

@@ -212,6 +212,7 @@ fn every_step_of_every_backend_has_a_failpoint() {
         "kici_scaler::reconcile::reaped",
         "kici_scaler::reconcile::lease_released",
         "kici_scaler::reconcile::settled",
+        "kici_scaler::registration::record",
         "kici_store::ip::claimed",
         "kici_store::ip::released",
         // The container backend: every provisioning and release step.
