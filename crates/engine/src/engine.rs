@@ -399,7 +399,12 @@ struct Agent {
     seq: u64,
     /// Released exactly once, when the agent reaches `gone`.
     reservation: Option<Reservation>,
+    /// The job it is bound to or running now.
     job: Option<JobId>,
+    /// The last job it was bound to once `job` let go of it (completed,
+    /// ended, cancelled, given back): its gone view names the job it
+    /// served.
+    last_job: Option<JobId>,
     run_id: Option<String>,
     mode: Mode,
     /// Counts toward its label set's warm pool (spawned warm, not yet taken).
@@ -458,6 +463,16 @@ impl Agent {
             .as_ref()
             .map(|r| r.requests())
             .unwrap_or_default()
+    }
+
+    /// Lets go of its job (completed, ended, cancelled, given back),
+    /// remembering it for the agent's last view.
+    fn release_job(&mut self) -> Option<JobId> {
+        let job = self.job.take();
+        if job.is_some() {
+            self.last_job.clone_from(&job);
+        }
+        job
     }
 
     fn idle_ttl(&self, settings: &EngineSettings) -> Duration {
@@ -873,7 +888,7 @@ impl Engine {
             self.jobs.remove(job);
             let mut standalone = false;
             if let Some(a) = self.agents.get_mut(&agent) {
-                a.job = None;
+                a.release_job();
                 standalone = a.mode == Mode::Standalone;
             }
             self.stop(agent, StopCause::Cancelled, now);
@@ -1032,6 +1047,7 @@ impl Engine {
             seq: self.next_seq,
             reservation: Some(reservation),
             job,
+            last_job: None,
             run_id,
             mode,
             warm,
@@ -1185,7 +1201,7 @@ impl Engine {
         let Some(a) = self.agents.get_mut(&agent) else {
             return;
         };
-        let Some(job) = a.job.take() else {
+        let Some(job) = a.release_job() else {
             return;
         };
         if self.jobs.get(&job).is_some_and(|r| r.agent == Some(agent)) {
@@ -1228,7 +1244,7 @@ impl Engine {
         let Some(a) = self.agents.get_mut(&agent) else {
             return;
         };
-        let Some(job) = a.job.take() else {
+        let Some(job) = a.release_job() else {
             return;
         };
         let Some(record) = self.jobs.get_mut(&job) else {

@@ -350,6 +350,7 @@ impl Engine {
             seq: self.next_seq,
             reservation,
             job: record.job.clone(),
+            last_job: None,
             run_id: record.run_id,
             mode: record.mode,
             warm: record.warm,

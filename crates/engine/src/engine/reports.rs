@@ -160,7 +160,7 @@ impl Engine {
             });
         }
         a.last_exit_code = exit_code;
-        a.job = None;
+        a.release_job();
         let mode = a.mode;
         let drain = a.drain_after_job;
         let name = a.name().clone();
@@ -214,7 +214,12 @@ impl Engine {
         if let Some(mut a) = self.agents.remove(&agent) {
             // Its last view keeps what it had (job, resources) for
             // `GET /v1/agents?all=true`: taken before they are released.
-            let view = self.view(&a, now);
+            // A job it let go of earlier (completed, ended, cancelled) is
+            // still the job it served.
+            let mut view = self.view(&a, now);
+            if view.job_id.is_none() {
+                view.job_id.clone_from(&a.last_job);
+            }
             // The single release of this agent's capacity.
             drop(a.reservation.take());
             if let Some(job) = a.job.take() {

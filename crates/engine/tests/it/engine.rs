@@ -1230,3 +1230,105 @@ fn registration_tells_the_agent_its_platform_taints_too() {
     assert_eq!(told, ["arm64", "macos", "trusted"]);
     assert_eq!(&reg.mandatory_labels, e.router().gate(0, 0));
 }
+
+/// The job a gone agent is listed with (`GET /v1/agents?all=true`).
+fn gone_job(e: &Engine, a: AgentId, now: std::time::Instant) -> Option<String> {
+    let view = e
+        .agents(true, now)
+        .into_iter()
+        .find(|v| v.agent_id == a)
+        .expect("the agent is listed");
+    assert_eq!(view.state, AgentState::Gone, "{view:?}");
+    view.job_id.map(|j| j.to_string())
+}
+
+/// An ended agent is listed with the job it served, whichever way it went:
+/// its job completed (standalone, orchestrator, taken from the warm pool),
+/// it waited past the pending-dispatch timeout, its request was cancelled,
+/// it failed before registering (its job went back to the queue), an
+/// operator destroyed it while busy.
+#[test]
+fn an_ended_agent_keeps_the_job_it_served_on_every_way_to_gone() {
+    let mut clock = Clock::new();
+    let mut e = engine(BASIC);
+    let now = clock.now();
+
+    // Standalone, completed.
+    let a = spawned(&e.request_scale(request("s1", &["docker"]), now).unwrap());
+    bring_up(&mut e, a, now);
+    e.job_completed(a, &job("s1"), Some(0), now).unwrap();
+    finish_destroy(&mut e, now);
+    assert_eq!(gone_job(&e, a, now).as_deref(), Some("s1"), "standalone");
+
+    // Orchestrator, completed, then its connection closed while idle.
+    let a = spawned(
+        &e.request_scale(orchestrator_request("o1", &["docker"]), now)
+            .unwrap(),
+    );
+    bring_up(&mut e, a, now);
+    e.job_completed(a, &job("o1"), Some(0), now).unwrap();
+    assert_eq!(state(&e, a, now), AgentState::Idle);
+    assert_eq!(e.agent(a, now).unwrap().job_id, None, "idle: no job now");
+    e.agent_disconnected(a, now).unwrap();
+    finish_destroy(&mut e, now);
+    assert_eq!(gone_job(&e, a, now).as_deref(), Some("o1"), "orchestrator");
+
+    // Orchestrator, registered, nobody dispatched it.
+    let a = spawned(
+        &e.request_scale(orchestrator_request("o2", &["docker"]), now)
+            .unwrap(),
+    );
+    register(&mut e, a, now);
+    let now = clock.advance(60);
+    e.tick(now);
+    assert_eq!(
+        e.agent(a, now).unwrap().failure_reason,
+        Some(FailureReason::PendingDispatchTimeout)
+    );
+    finish_destroy(&mut e, now);
+    assert_eq!(
+        gone_job(&e, a, now).as_deref(),
+        Some("o2"),
+        "pending-dispatch timeout"
+    );
+
+    // Cancelled while registered and unstarted.
+    let a = spawned(
+        &e.request_scale(orchestrator_request("o3", &["docker"]), now)
+            .unwrap(),
+    );
+    register(&mut e, a, now);
+    assert!(e.cancel_scale(&job("o3"), now));
+    finish_destroy(&mut e, now);
+    assert_eq!(gone_job(&e, a, now).as_deref(), Some("o3"), "cancelled");
+
+    // Destroyed by an operator while busy.
+    let a = spawned(&e.request_scale(request("s2", &["docker"]), now).unwrap());
+    bring_up(&mut e, a, now);
+    e.destroy_agent(a, now).unwrap();
+    finish_destroy(&mut e, now);
+    assert_eq!(gone_job(&e, a, now).as_deref(), Some("s2"), "operator");
+
+    // Failed before it registered: its job goes back to the queue.
+    let a = spawned(
+        &e.request_scale(orchestrator_request("o4", &["docker"]), now)
+            .unwrap(),
+    );
+    e.take_effects();
+    e.spawn_failed(a, "no image".into(), now);
+    finish_destroy(&mut e, now);
+    assert_eq!(e.pending_len(), 1, "given back");
+    assert_eq!(gone_job(&e, a, now).as_deref(), Some("o4"), "spawn failed");
+
+    // Taken from the warm pool, its job completed.
+    let mut e = engine(WARM);
+    e.tick(now);
+    let warm = spawn_orders(&mut e);
+    for a in &warm {
+        bring_up(&mut e, *a, now);
+    }
+    let a = spawned(&e.request_scale(request("w1", &["warm"]), now).unwrap());
+    e.job_completed(a, &job("w1"), Some(0), now).unwrap();
+    finish_destroy(&mut e, now);
+    assert_eq!(gone_job(&e, a, now).as_deref(), Some("w1"), "warm");
+}

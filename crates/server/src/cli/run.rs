@@ -421,6 +421,7 @@ async fn local(args: &RunArgs, input: JobInput) -> Result<u8, Failed> {
             gateway_limits: crate::daemon::serving::ConnectionLimits::gateway()
                 .within_descriptors(crate::daemon::serving::raise_open_file_limit(), 4),
             job_output: None,
+            in_fleet: false,
         },
         // `run` lives in a temporary state dir with a fresh identity:
         // nothing of it is left to recover, so nothing is recorded.

@@ -428,6 +428,7 @@ async fn run(
             gateway: GatewaySettings::default(),
             gateway_limits,
             job_output: Some(settings.state_dir.join(crate::jobs::OUTPUT_DIR)),
+            in_fleet: settings.fleet.is_some(),
         },
         Some(Arc::clone(&store)),
     )

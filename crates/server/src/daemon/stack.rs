@@ -129,6 +129,9 @@ pub struct StackOptions {
     /// Where standalone jobs' output is kept on disk (with a state store:
     /// readable again after a crash); `None`: in memory only.
     pub job_output: Option<PathBuf>,
+    /// A fleet's host: a job that ran when the daemon died ends as lost
+    /// with its host (see [`JobBook::set_in_fleet`]).
+    pub in_fleet: bool,
 }
 
 /// Why a stack did not start.
@@ -269,6 +272,9 @@ impl Stack {
             Some((p, _)) => JobBook::durable(p.job_recorder(), options.job_output.as_deref()),
             None => JobBook::new(),
         });
+        if options.in_fleet {
+            jobs.set_in_fleet();
+        }
         // Subscribed before anything yields: the runtime's first tick runs
         // only then.
         let gateway = Gateway::new(

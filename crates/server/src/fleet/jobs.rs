@@ -11,7 +11,11 @@
 //!
 //! When the job ends, its final view (JSON) is the request's outcome, so
 //! any host can show it after its host left. A job whose host is lost
-//! while it ran ends `aborted` ("host lost"); one whose agent had not
+//! while it ran ends `aborted` with one reason wherever it is read
+//! ([`jobs::HOST_LOST_WHILE_RUNNING`]; the queue's outcome says `host
+//! lost`): whether the leader gave it up after the host's lease expired,
+//! the host itself found it aborted by its own restart, or the host, cut
+//! off, found it given up when it came back. One whose agent had not
 //! registered yet is served again (its command never started).
 
 use super::FleetHost;
@@ -94,7 +98,7 @@ fn ended_view(job_id: &str, body: &JobBody, outcome: Option<&str>, host: Option<
         Some(kici_fleet::HOST_LOST) => (
             JobState::Failed,
             EndKind::Aborted,
-            "host lost: the host running the job stopped renewing its fleet lease".to_owned(),
+            jobs::HOST_LOST_WHILE_RUNNING.to_owned(),
         ),
         Some(other) => (JobState::Failed, EndKind::Aborted, other.to_owned()),
         None => (JobState::Failed, EndKind::Aborted, "ended".to_owned()),
@@ -318,7 +322,7 @@ mod tests {
             (lost.state, lost.end),
             (JobState::Failed, Some(EndKind::Aborted))
         );
-        assert!(lost.reason.unwrap().starts_with("host lost"));
+        assert_eq!(lost.reason.as_deref(), Some(jobs::HOST_LOST_WHILE_RUNNING));
         assert_eq!(lost.command, ["true"]);
 
         let cancelled = ended_view("job-1", &body(), Some("cancelled"), None);

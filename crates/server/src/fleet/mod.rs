@@ -899,11 +899,9 @@ impl FleetHost {
                         "fleet: an agent's request is no longer this host's; destroying it");
                     inner.bound.lock().remove(&a.agent_id);
                     if a.mode == kici_engine::Mode::Standalone {
-                        inner.jobs.abort(
-                            &job,
-                            "host lost: this host was cut off from the fleet and the job was given up"
-                                .to_owned(),
-                        );
+                        inner
+                            .jobs
+                            .abort(&job, crate::jobs::HOST_LOST_WHILE_RUNNING.to_owned());
                     }
                     let _ = inner.runtime.destroy_agent(a.agent_id);
                 }

@@ -70,6 +70,13 @@ pub const OUTPUT_DIR: &str = "job-output";
 /// Why a job that ran when the daemon died ended (its agent is destroyed
 /// by the recovery; running it again is not ours to decide).
 pub const RESTARTED_WHILE_RUNNING: &str = "kici-scaler restarted while the job ran";
+/// Why a fleet's job ended whose host was lost while it ran: the host died
+/// (back or not), or was cut off from the fleet past its lease. One
+/// reason wherever the job is shown: its host's own book after a restart,
+/// any other host reading the fleet's queue (whose outcome is `host
+/// lost`), the host cut off once it is back.
+pub const HOST_LOST_WHILE_RUNNING: &str =
+    "host lost while the job ran: the host running it died or was cut off from the fleet, and the fleet gave the job up";
 /// Why a job whose agent was being provisioned when the daemon died ended.
 pub const RESTARTED_BEFORE_START: &str =
     "kici-scaler restarted before the job's agent reported it started; the agent was destroyed";
@@ -245,7 +252,8 @@ struct Durable {
 pub struct JobsRestored {
     /// Had ended: shown as they ended.
     pub finished: usize,
-    /// Were running: ended aborted ([`RESTARTED_WHILE_RUNNING`]).
+    /// Were running: ended aborted ([`RESTARTED_WHILE_RUNNING`], in a
+    /// fleet [`HOST_LOST_WHILE_RUNNING`]).
     pub aborted_running: Vec<JobId>,
     /// Had not started: ended aborted.
     pub aborted_unstarted: Vec<JobId>,
@@ -273,6 +281,9 @@ pub struct JobBook {
     durable: Option<Durable>,
     /// In a fleet: this host's instance id, named in every view.
     host: std::sync::OnceLock<String>,
+    /// Why a job that ran when the daemon died ended: set in a fleet
+    /// ([`HOST_LOST_WHILE_RUNNING`]), else [`RESTARTED_WHILE_RUNNING`].
+    died_running: std::sync::OnceLock<&'static str>,
 }
 
 impl Default for JobBook {
@@ -293,6 +304,7 @@ impl JobBook {
             finished_kept: finished_kept.max(1),
             durable: None,
             host: std::sync::OnceLock::new(),
+            died_running: std::sync::OnceLock::new(),
         }
     }
 
@@ -342,6 +354,13 @@ impl JobBook {
 
     fn spool(&self) -> Option<&Spool> {
         self.durable.as_ref().and_then(|d| d.spool.as_ref())
+    }
+
+    /// A fleet's host: a job that ran when this daemon died was lost with
+    /// its host, and [`JobBook::restore`] ends it with the fleet's reason
+    /// ([`HOST_LOST_WHILE_RUNNING`]). Set before the restore.
+    pub fn set_in_fleet(&self) {
+        let _ = self.died_running.set(HOST_LOST_WHILE_RUNNING);
     }
 
     /// Names this host (its instance id) in every job's view: in a fleet,
@@ -754,7 +773,10 @@ impl JobBook {
             } else {
                 let reason = if ran {
                     done.aborted_running.push(id.clone());
-                    RESTARTED_WHILE_RUNNING
+                    self.died_running
+                        .get()
+                        .copied()
+                        .unwrap_or(RESTARTED_WHILE_RUNNING)
                 } else {
                     done.aborted_unstarted.push(id.clone());
                     match state {

@@ -355,8 +355,9 @@ async fn an_orchestrator_drives_an_agent_through_its_life() {
     assert_eq!(all.json()["agents"][0]["agentId"], agent.to_string());
     assert_eq!(all.json()["agents"][0]["state"], "gone");
     // A gone agent is listed with what it had (its job ended before it
-    // went): its resources and its age, not zeros.
+    // went): the job it served, its resources and its age, not zeros.
     let gone = &all.json()["agents"][0];
+    assert_eq!(gone["jobId"], "job-1", "{gone}");
     assert!(gone["ageSeconds"].as_f64().unwrap() > 0.0, "{gone}");
     assert_eq!(gone["resources"], while_live["resources"], "{gone}");
     // The token died with the agent.

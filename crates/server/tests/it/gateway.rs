@@ -97,6 +97,7 @@ impl Setup {
                 gateway: settings,
                 gateway_limits: kici_scaler::daemon::serving::ConnectionLimits::gateway(),
                 job_output: None,
+                in_fleet: false,
             },
             None,
         )
