@@ -742,6 +742,10 @@ pub struct ScalerExtension {
     /// this host when it starts and on reload.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_user: Option<AgentUser>,
+    /// `warmPool`: a schedule of warm pool sizes and/or a forecast; outside
+    /// every period and without a forecast, upstream's `warmPool` applies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warm_pool: Option<crate::WarmPolicy>,
 }
 
 /// `x-kici-scaler.user` / `.group` of a bare-metal scaler: who its agents
@@ -764,6 +768,7 @@ impl ScalerExtension {
             fleet_max_agents: None,
             fleet_resource_cap: None,
             agent_user: None,
+            warm_pool: None,
         }
     }
 }
