@@ -111,6 +111,15 @@ impl ScalerEntry {
             .filter(|w| w.enabled)
             .map_or(0, |w| w.size)
     }
+
+    /// How long a warm agent stays idle before it leaves: upstream's
+    /// `warmPool.idleTimeoutSeconds`, or its default when only a schedule
+    /// or a forecast (`x-kici-scaler.warmPool`) fills the pool.
+    pub fn warm_idle_timeout(&self) -> Duration {
+        self.warm_pool
+            .as_ref()
+            .map_or(WarmPoolConfig::DEFAULT_IDLE_TIMEOUT, |w| w.idle_timeout)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
