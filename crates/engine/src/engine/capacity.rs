@@ -183,11 +183,11 @@ impl Engine {
     /// Records an arrival routed to `scaler`'s label set `label_set`.
     pub(super) fn record_arrival(&mut self, scaler_index: usize, label_set: usize, at: Instant) {
         let scaler = &self.config.scalers[scaler_index];
-        if !scaler
+        if scaler
             .ext
             .warm_pool
             .as_ref()
-            .is_some_and(|p| p.forecast.is_some())
+            .is_none_or(|p| p.forecast.is_none())
         {
             return;
         }
