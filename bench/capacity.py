@@ -19,22 +19,25 @@ SPAWN = "container=30"
 
 TRACES = {
     # trace: (maxAgents, schedule periods, forecast bounds)
+    # The schedules are written knowing each trace's hours (the generator's
+    # rates): the pool of the busiest hours by day, a small one at night.
     "diurnal": (40, [
-        ("[mon, tue, wed, thu, fri]", "08:00", "12:00", 10),
-        ("[mon, tue, wed, thu, fri]", "12:00", "13:00", 5),
-        ("[mon, tue, wed, thu, fri]", "13:00", "17:00", 10),
-        ("[mon, tue, wed, thu, fri]", "07:00", "08:00", 4),
-        ("[mon, tue, wed, thu, fri]", "17:00", "19:00", 4),
+        ("[mon, tue, wed, thu, fri]", "08:00", "12:00", 5),
+        ("[mon, tue, wed, thu, fri]", "12:00", "13:00", 3),
+        ("[mon, tue, wed, thu, fri]", "13:00", "17:00", 5),
+        ("[mon, tue, wed, thu, fri]", "07:00", "08:00", 3),
+        ("[mon, tue, wed, thu, fri]", "17:00", "19:00", 3),
+        ("[mon, tue, wed, thu, fri, sat, sun]", "00:00", "24:00", 1),
     ], (0, 40)),
-    "fanout": (80, [
-        ("[mon, tue, wed, thu, fri]", "07:30", "18:00", 60),
-    ], (0, 80)),
+    "fanout": (120, [
+        ("[mon, tue, wed, thu, fri]", "07:00", "18:00", 120),
+    ], (0, 120)),
 }
 
 
 def config(max_agents, static=None, schedule=None, forecast=None):
-    text = ["version: 1", "scalers:", "  - name: ci", "    type: container",
-            f"    maxAgents: {max_agents}"]
+    text = ["version: 1", f"globalMaxAgents: {max_agents}", "scalers:", "  - name: ci", "    type: container",
+            f"    maxAgents: {max_agents}", "    maxConcurrentSpawns: 40"]
     if static is not None:
         text.append(f"    warmPool: {{enabled: true, size: {static}}}")
     if schedule or forecast:

@@ -120,20 +120,21 @@ fn parse_jsonl(file: &str, text: &str) -> Result<Vec<Raw>, TraceError> {
                 ));
             }
         }
-        let at =
-            match map.get("at") {
-                Some(Value::Number(x)) => at_seconds(file, n, x.as_f64())?,
-                Some(Value::String(s)) => at_text(file, n, s)?,
-                Some(other) => return Err(error(
+        let at = match map.get("at") {
+            Some(Value::Number(x)) => at_seconds(file, n, x.as_f64())?,
+            Some(Value::String(s)) => at_text(file, n, s)?,
+            Some(other) => {
+                return Err(error(
                     file,
                     n,
                     "at",
                     format!(
                         "expected seconds since the trace's start or an RFC 3339 time, got {other}"
                     ),
-                )),
-                None => return Err(error(file, n, "at", "missing required key `at`")),
-            };
+                ))
+            }
+            None => return Err(error(file, n, "at", "missing required key `at`")),
+        };
         let labels = match map.get("labels") {
             Some(Value::Array(items)) => {
                 let mut raw = Vec::new();

@@ -10,12 +10,13 @@
 //! - `lead` = the scaler's observed spawn time (spawn → registered, a
 //!   moving average of its agents; [`DEFAULT_LEAD`] before the first one);
 //! - `steady` = the arrivals expected during one `lead` at the rate of the
-//!   last [`RATE_WINDOW`], plus two standard deviations of a Poisson
-//!   arrival count (`m + 2√m`, rounded up): what keeps a steady stream of
-//!   jobs from waiting for a spawn;
-//! - `burst` = the most arrivals seen within any `lead`-long window of the
-//!   last [`BURST_WINDOW`]: a pipeline that fans out into many jobs at once
-//!   is likely to do so again soon;
+//!   last [`RATE_WINDOW`], plus one standard deviation of a Poisson
+//!   arrival count (`m + √m`, rounded up): what keeps most of a steady
+//!   stream of jobs from waiting for a spawn;
+//! - `burst` = the most arrivals seen within any [`BURST_SPAN`] of the last
+//!   [`BURST_WINDOW`], when that is a fan-out — more than the steady stream
+//!   puts in one span (`e + 3√e + 1` for `e` expected): a pipeline that
+//!   fans out into many jobs at once is likely to do so again soon;
 //! - the target is the largest `max(steady, burst)` of the plans of the last
 //!   [`HOLD`] (hysteresis: it rises at once, falls only after demand stayed
 //!   low that long), bounded by `minSize`, `maxSize` and `maxAgents`.
@@ -30,6 +31,8 @@ use kici_model::WarmPolicy;
 pub const PLAN_EVERY: Duration = Duration::from_secs(30);
 /// The window the arrival rate is measured over.
 pub const RATE_WINDOW: Duration = Duration::from_secs(15 * 60);
+/// Arrivals this close together count as one burst (a fan-out).
+pub const BURST_SPAN: Duration = Duration::from_secs(10);
 /// How far back the largest burst is looked for.
 pub const BURST_WINDOW: Duration = Duration::from_secs(30 * 60);
 /// How long a forecast target is held before it may fall.
@@ -111,9 +114,9 @@ fn has_policy(scaler: &ScalerEntry) -> bool {
     scaler.ext.warm_pool.is_some()
 }
 
-/// The most arrivals within any `lead`-long window of the last
+/// The most arrivals within any `span`-long window of the last
 /// [`BURST_WINDOW`] (arrivals sorted).
-fn largest_burst(arrivals: &VecDeque<Instant>, now: Instant, lead: Duration) -> u32 {
+fn largest_burst(arrivals: &VecDeque<Instant>, now: Instant, span: Duration) -> u32 {
     let mut best = 0usize;
     let mut start = 0usize;
     let times: Vec<Instant> = arrivals
@@ -122,7 +125,7 @@ fn largest_burst(arrivals: &VecDeque<Instant>, now: Instant, lead: Duration) -> 
         .filter(|t| now.saturating_duration_since(*t) < BURST_WINDOW)
         .collect();
     for end in 0..times.len() {
-        while times[end].saturating_duration_since(times[start]) >= lead {
+        while times[end].saturating_duration_since(times[start]) >= span {
             start += 1;
         }
         best = best.max(end + 1 - start);
@@ -289,7 +292,6 @@ impl Engine {
             };
         };
         let lead = self.capacity.lead(&scaler.name);
-        let lead_d = Duration::from_secs_f64(lead.max(1.0));
         let sizes = scaler
             .label_sets
             .iter()
@@ -302,13 +304,24 @@ impl Engine {
                             .rev()
                             .take_while(|t| now.saturating_duration_since(**t) < RATE_WINDOW)
                             .count();
-                        let mean = recent as f64 / RATE_WINDOW.as_secs_f64() * lead;
+                        let rate = recent as f64 / RATE_WINDOW.as_secs_f64();
+                        let mean = rate * lead;
                         let steady = if mean > 0.0 {
-                            (mean + 2.0 * mean.sqrt()).ceil() as u32
+                            (mean + mean.sqrt()).ceil() as u32
                         } else {
                             0
                         };
-                        steady.max(largest_burst(arrivals, now, lead_d))
+                        // A fan-out is more arrivals in one span than the
+                        // steady stream puts there (beyond three standard
+                        // deviations, and at least two).
+                        let in_span = rate * BURST_SPAN.as_secs_f64();
+                        let burst = largest_burst(arrivals, now, BURST_SPAN);
+                        let burst = if f64::from(burst) > in_span + 3.0 * in_span.sqrt() + 1.0 {
+                            burst
+                        } else {
+                            0
+                        };
+                        steady.max(burst)
                     }
                     None => 0,
                 };
