@@ -100,7 +100,9 @@ impl Acc {
             jobs: self.jobs,
             zero_wait: self.zero_wait,
             wait: WaitStats::of(&mut self.waits),
-            idle_agent_seconds: self.idle,
+            // Milliseconds are the clock's resolution; sums of f64 seconds
+            // carry noise below it.
+            idle_agent_seconds: (self.idle * 1000.0).round() / 1000.0,
             peak_agents: self.peak,
             refusals: self.refusals,
             lost: self.lost,
