@@ -89,5 +89,5 @@ pub use routes::{Route, ROUTES};
 pub use scale::{ResourceSpecBody, ResourcesBody, ScaleAnswer, ScaleBody};
 pub use status::{
     AgentCounts, FreeObject, Health, LabelSetStatusObject, Readiness, ReloadAnswer, ReloadDiff,
-    ScalerStatusObject, SpawnsObject, StatusObject, UsageObject,
+    ScalerStatusObject, SpawnsObject, StatusObject, UsageObject, WarmSourceObject,
 };

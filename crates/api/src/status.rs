@@ -75,6 +75,11 @@ pub struct ScalerStatusObject {
     pub usage: Option<UsageObject>,
     /// Idle warm agents the scaler keeps (pool size × label sets).
     pub warm_target: u32,
+    /// Where `warmTarget` comes from when the scaler has an
+    /// `x-kici-scaler.warmPool` schedule or forecast and it is not
+    /// upstream's size; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_source: Option<WarmSourceObject>,
     pub warm_idle: usize,
     /// Scale requests waiting for capacity.
     pub pending: usize,
@@ -83,6 +88,21 @@ pub struct ScalerStatusObject {
     pub cordoned: bool,
     pub draining: bool,
     pub label_sets: Vec<LabelSetStatusObject>,
+}
+
+/// The schedule period or forecast a warm pool target comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct WarmSourceObject {
+    /// `schedule` or `forecast`.
+    pub kind: String,
+    /// The active period's index in `schedule` (kind `schedule`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<usize>,
+    /// The active period: `mon,tue 08:00-18:00 Europe/Paris`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
 }
 
 /// A scaler's spawn throttle: admitted agents whose backend spawn runs,

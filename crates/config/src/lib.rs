@@ -58,6 +58,7 @@ mod label_set;
 mod node;
 mod resources;
 mod scaler;
+mod warm;
 mod yaml;
 
 pub use diagnostic::{ConfigErrors, Diagnostic};

@@ -81,7 +81,7 @@ const OWNED: [(&str, &[ScalerType]); 14] = [
     ("memSizeMib", FIRECRACKER),
 ];
 
-const EXT_KEYS: [&str; 14] = [
+const EXT_KEYS: [&str; 15] = [
     "provisionTimeoutSeconds",
     "registrationTimeoutSeconds",
     "pendingDispatchTimeoutSeconds",
@@ -96,6 +96,7 @@ const EXT_KEYS: [&str; 14] = [
     "provisioner",
     "user",
     "group",
+    "warmPool",
 ];
 
 const BACKOFF_KEYS: [&str; 4] = [
@@ -443,7 +444,12 @@ fn roles(cx: &mut Cx, v: &Val<'_>) -> Option<Roles> {
     Some(if all { Roles::All } else { Roles::Only(out) })
 }
 
-fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtension> {
+fn extension(
+    cx: &mut Cx,
+    v: &Val<'_>,
+    kind: ScalerType,
+    max_agents: Option<u32>,
+) -> Option<ScalerExtension> {
     let obj = cx.obj(v)?;
     let before = cx.error_count();
     cx.check_keys(&obj, &EXT_KEYS, Keys::Strict, |_| None);
@@ -495,6 +501,11 @@ fn extension(cx: &mut Cx, v: &Val<'_>, kind: ScalerType) -> Option<ScalerExtensi
         ext.fleet_resource_cap = Some(cap);
     }
     ext.agent_user = agent_user(cx, &obj, kind);
+    ext.warm_pool = cx
+        .opt(&obj, "warmPool", |cx, v| {
+            crate::warm::policy(cx, v, max_agents)
+        })
+        .value();
     (cx.error_count() == before).then_some(ext)
 }
 
@@ -888,7 +899,7 @@ pub(crate) fn parse(cx: &mut Cx, v: &Val<'_>, g: &Globals<'_>) -> ParsedScaler {
         .unwrap_or(DEFAULT_MEM_SIZE_MIB);
     let ext = cx
         .opt(&obj, "x-kici-scaler", |cx, v| {
-            extension(cx, v, kind.unwrap_or(ScalerType::Container))
+            extension(cx, v, kind.unwrap_or(ScalerType::Container), max_agents)
         })
         .value();
 

@@ -34,6 +34,7 @@ use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod capacity;
 mod recovery;
 mod reload;
 mod reports;
@@ -41,6 +42,7 @@ mod spawns;
 mod switches;
 mod timers;
 mod warm;
+pub use capacity::WarmSource;
 pub use recovery::{
     DurableAgent, DurablePending, JournalEntry, JournalKey, PendingRecovered, RecoverError,
     Recovered,
@@ -477,9 +479,10 @@ impl Agent {
 
     fn idle_ttl(&self, settings: &EngineSettings) -> Duration {
         let scaler = self.scaler();
-        let own = match (&scaler.warm_pool, self.warm) {
-            (Some(w), true) => w.idle_timeout,
-            _ => settings.agent_idle_default,
+        let own = if self.warm {
+            scaler.warm_idle_timeout()
+        } else {
+            settings.agent_idle_default
         };
         own + scaler.ext.deadlines.idle_grace
     }
@@ -570,6 +573,8 @@ pub struct Engine {
     journal: Vec<JournalEntry>,
     shutting_down: bool,
     next_seq: u64,
+    /// Warm pool targets from schedules and forecasts.
+    capacity: capacity::Capacity,
 }
 
 impl Engine {
@@ -599,6 +604,7 @@ impl Engine {
             journal: Vec::new(),
             shutting_down: false,
             next_seq: 0,
+            capacity: capacity::Capacity::default(),
         };
         engine.rebuild_breakers();
         engine
@@ -782,6 +788,7 @@ impl Engine {
                 detail: too_large.detail,
             });
         }
+        self.record_arrival(route.scaler, route.label_set, arrived);
         if let Some(agent) = self.take_warm(route, &request, resources, now) {
             return Ok(self.current_outcome(&request.job, Some(agent)));
         }
@@ -1013,10 +1020,8 @@ impl Engine {
         if let Some(b) = self.breakers.get_mut(&key) {
             b.on_attempt(now);
         }
-        let idle_timeout_ms = match (&scaler.warm_pool, warm) {
-            (Some(w), true) => Some(w.agent_idle_timeout_ms()),
-            _ => None,
-        };
+        // The contract reads milliseconds.
+        let idle_timeout_ms = warm.then(|| scaler.warm_idle_timeout().as_millis());
         let (job, run_id, mode) = match request {
             Some(r) => (Some(r.job), r.run_id, r.mode),
             None => (None, None, Mode::Orchestrator),
@@ -1433,6 +1438,7 @@ impl Engine {
                     .filter(|a| a.name() == &s.name && a.warm && a.state == AgentState::Idle)
                     .count();
                 let switches = self.switches.get(&s.name).copied().unwrap_or_default();
+                let (warm_target, warm_source) = self.warm_plan_of(s);
                 let (spawns_in_flight, spawns_waiting) = self.spawn_counts(&s.name);
                 let label_sets = s
                     .label_sets
@@ -1453,7 +1459,8 @@ impl Engine {
                     backend: s.kind,
                     agents: counts,
                     usage: usage.scalers.get(&s.name).cloned(),
-                    warm_target: s.warm_target() * s.label_sets.len() as u32,
+                    warm_target,
+                    warm_source,
                     warm_idle,
                     pending: self.pending.count_for(s.name.as_str()),
                     max_concurrent_spawns: s.max_concurrent_spawns,
@@ -1620,7 +1627,11 @@ pub struct ScalerStatus {
     pub agents: StateCounts,
     /// `None` until the admission layer knows the scaler.
     pub usage: Option<kici_admission::ScopeUsage>,
+    /// Over every label set.
     pub warm_target: u32,
+    /// Where the target comes from now (upstream's size, a period of the
+    /// schedule, the forecast).
+    pub warm_source: WarmSource,
     pub warm_idle: usize,
     pub pending: usize,
     /// `maxConcurrentSpawns`.

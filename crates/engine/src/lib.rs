@@ -121,7 +121,7 @@ pub use engine::{
     AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
     EngineSettings, JobEffect, JobLost, JournalEntry, JournalKey, PendingRecovered,
     ProvisionNotice, RecoverError, Recovered, Registration, ReloadReport, ScaleError, ScaleOutcome,
-    SpawnOrder, Status, TransitionCause,
+    SpawnOrder, Status, TransitionCause, WarmSource,
 };
 pub use journal::{Journal, JournalError, JournalErrorKind};
 pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};

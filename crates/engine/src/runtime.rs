@@ -175,6 +175,12 @@ fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
+/// A timer tick, with the wall clock read now (warm pool schedules).
+fn tick_now(engine: &mut Engine, now: Instant) {
+    engine.set_wall_clock(now, jiff::Timestamp::now());
+    engine.tick(now);
+}
+
 /// An error and its sources, `: `-separated (for a detail text).
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
@@ -329,7 +335,7 @@ impl Runtime {
         // The first tick (warm pools fill from the start) runs once the
         // caller of `start` yields, so a subscriber taken right after
         // `start` sees its events.
-        self.call_quiet(|e, now| e.tick(now));
+        self.call_quiet(tick_now);
         let mut stop = self.inner.stop.subscribe();
         loop {
             let next = self.inner.engine.lock().next_deadline(now());
@@ -348,7 +354,7 @@ impl Runtime {
                 _ = stop.wait_for(|s| *s) => break,
             }
             // Not `call`: that would wake this very loop again at once.
-            self.call_quiet(|e, now| e.tick(now));
+            self.call_quiet(tick_now);
         }
     }
 

@@ -111,6 +111,15 @@ impl ScalerEntry {
             .filter(|w| w.enabled)
             .map_or(0, |w| w.size)
     }
+
+    /// How long a warm agent stays idle before it leaves: upstream's
+    /// `warmPool.idleTimeoutSeconds`, or its default when only a schedule
+    /// or a forecast (`x-kici-scaler.warmPool`) fills the pool.
+    pub fn warm_idle_timeout(&self) -> Duration {
+        self.warm_pool
+            .as_ref()
+            .map_or(WarmPoolConfig::DEFAULT_IDLE_TIMEOUT, |w| w.idle_timeout)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -742,6 +751,10 @@ pub struct ScalerExtension {
     /// this host when it starts and on reload.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_user: Option<AgentUser>,
+    /// `warmPool`: a schedule of warm pool sizes and/or a forecast; outside
+    /// every period and without a forecast, upstream's `warmPool` applies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warm_pool: Option<crate::WarmPolicy>,
 }
 
 /// `x-kici-scaler.user` / `.group` of a bare-metal scaler: who its agents
@@ -764,6 +777,7 @@ impl ScalerExtension {
             fleet_max_agents: None,
             fleet_resource_cap: None,
             agent_user: None,
+            warm_pool: None,
         }
     }
 }

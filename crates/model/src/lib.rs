@@ -38,6 +38,7 @@ pub mod origin;
 pub mod resources;
 pub mod secret;
 pub mod time;
+pub mod warm;
 
 pub use config::{
     AgentUser, BackendSettings, BackoffPolicy, BackpressureMode, BareMetalSettings, Config,
@@ -57,3 +58,4 @@ pub use resources::{
 };
 pub use secret::Secret;
 pub use time::UnixMillis;
+pub use warm::{TimeOfDay, Timezone, WarmForecast, WarmPeriod, WarmPolicy, Weekday};

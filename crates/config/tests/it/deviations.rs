@@ -951,3 +951,100 @@ fn origins_point_at_entries() {
     assert_eq!(s.origin.to_string(), "scalers.yaml:9:5");
     assert_eq!(s.label_sets[0].origin.to_string(), "scalers.yaml:13:9");
 }
+
+/// `x-kici-scaler.warmPool`: a schedule of periods and a forecast's bounds,
+/// each size bounded by `maxAgents`, every mistake named where it is.
+#[test]
+fn warm_pool_schedule_and_forecast() {
+    use kici_model::{TimeOfDay, Weekday};
+    let with = |warm: &str| {
+        with_scalers(&container("c", "a").replace(
+            "    labelSets:",
+            &format!("    x-kici-scaler:\n      warmPool:\n{warm}    labelSets:"),
+        ))
+    };
+    let l = ok(&with(concat!(
+        "        schedule:\n",
+        "          - {days: [mon, tue, wed, thu, fri], from: \"08:00\", to: \"18:00\", timezone: Europe/Paris, size: 2}\n",
+        "          - {days: [sat], from: \"22:00\", to: \"02:00\", timezone: UTC, size: 0}\n",
+        "        forecast: {minSize: 1, maxSize: 2}\n",
+    )));
+    let policy = l.config.scalers[0].ext.warm_pool.clone().unwrap();
+    assert_eq!(policy.schedule.len(), 2);
+    let p = &policy.schedule[0];
+    assert_eq!(
+        p.days,
+        [
+            Weekday::Mon,
+            Weekday::Tue,
+            Weekday::Wed,
+            Weekday::Thu,
+            Weekday::Fri
+        ]
+    );
+    assert_eq!(
+        (p.from, p.to),
+        (
+            TimeOfDay::parse("08:00").unwrap(),
+            TimeOfDay::parse("18:00").unwrap()
+        )
+    );
+    assert_eq!(p.timezone.name(), "Europe/Paris");
+    assert_eq!(p.size, 2);
+    let f = policy.forecast.unwrap();
+    assert_eq!((f.min_size, f.max_size), (1, 2));
+    // Without `warmPool` under the extension: none.
+    assert!(ok(&with_scalers(&container("c", "a"))).config.scalers[0]
+        .ext
+        .warm_pool
+        .is_none());
+
+    // Every error at once, each at its line and column with its path.
+    let lines = err_lines(&with(concat!(
+        "        schedule:\n",
+        "          - {days: [mon, funday], from: \"8:00\", to: \"25:00\", timezone: Mars/Olympus, size: 3}\n",
+        "          - {days: [], from: \"10:00\", to: \"10:00\", timezone: UTC, size: 1, every: 2}\n",
+        "          - {from: \"10:00\", to: \"11:00\", timezone: UTC, size: 1}\n",
+        "        forecast: {minSize: 2, maxSize: 1}\n",
+        "        typo: 1\n",
+    )));
+    let expect = [
+        "scalers.yaml:9:26: scalers[0].x-kici-scaler.warmPool.schedule[0].days[1]: expected one of \"mon\", \"tue\", \"wed\", \"thu\", \"fri\", \"sat\", \"sun\", got \"funday\"",
+        "scalers.yaml:9:41: scalers[0].x-kici-scaler.warmPool.schedule[0].from: expected a time of day \"HH:MM\" from \"00:00\" to \"24:00\", got \"8:00\"",
+        "scalers.yaml:9:53: scalers[0].x-kici-scaler.warmPool.schedule[0].to: expected a time of day \"HH:MM\" from \"00:00\" to \"24:00\", got \"25:00\"",
+        "scalers.yaml:9:72: scalers[0].x-kici-scaler.warmPool.schedule[0].timezone: expected an IANA time zone name such as \"Europe/Paris\" or \"UTC\", got \"Mars/Olympus\" (not in this host's time zone database)",
+        "scalers.yaml:9:92: scalers[0].x-kici-scaler.warmPool.schedule[0].size: expected a size of at most maxAgents (2), got 3",
+        "scalers.yaml:10:20: scalers[0].x-kici-scaler.warmPool.schedule[1].days: expected at least one day, got an empty list",
+        "scalers.yaml:10:43: scalers[0].x-kici-scaler.warmPool.schedule[1].to: expected a `to` other than `from` (10:00); a whole day is from \"00:00\" to \"24:00\"",
+        "scalers.yaml:11:13: scalers[0].x-kici-scaler.warmPool.schedule[2].days: missing required key `days`",
+        "scalers.yaml:12:19: scalers[0].x-kici-scaler.warmPool.forecast: minSize (2) must not exceed maxSize (1)",
+    ];
+    for e in expect {
+        assert!(
+            lines.iter().any(|l| l == e),
+            "missing {e}; got:\n{}",
+            lines.join("\n")
+        );
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("warmPool.schedule[1].every") && l.contains("unrecognized key")),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("x-kici-scaler.warmPool.typo")
+                && l.contains("accepted keys: schedule, forecast")),
+        "{lines:?}"
+    );
+    assert_error(
+        &with("        forecast: {minSize: 1, maxSize: 3}\n"),
+        &["warmPool.forecast.maxSize: expected a size of at most maxAgents (2), got 3"],
+    );
+    assert_error(
+        &with("        forecast: {minSize: 1}\n"),
+        &["warmPool.forecast.maxSize: missing required key `maxSize`"],
+    );
+}

@@ -108,6 +108,8 @@ impl Engine {
             }
         }
         self.rebuild_breakers();
+        // Schedules and forecasts apply the new configuration at once.
+        self.plan_warm(now);
         self.shrink_warm(now);
         self.events.push(EngineEvent::Reloaded {
             added: report.added.clone(),
@@ -138,8 +140,8 @@ impl Engine {
     pub(super) fn shrink_warm(&mut self, now: Instant) {
         let config = Arc::clone(&self.config);
         for scaler in &config.scalers {
-            let target = scaler.warm_target() as usize;
             for li in 0..scaler.label_sets.len() {
+                let target = self.warm_target_of(scaler, li);
                 let mut warm: Vec<((Instant, u64), AgentId, AgentState)> = self
                     .warm_members(&scaler.name, li)
                     .map(|a| ((a.created, a.seq), a.id, a.state))

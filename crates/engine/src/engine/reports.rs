@@ -66,6 +66,7 @@ impl Engine {
     ) -> Result<Registration, AgentError> {
         let a = self.agents.get(&agent).ok_or_else(|| self.unknown(agent))?;
         let state = a.state;
+        let (scaler, took) = (a.name().clone(), now.saturating_duration_since(a.created));
         let registration = Registration {
             bound_job_id: a.job.clone(),
             mandatory_labels: a.gate.clone(),
@@ -82,6 +83,8 @@ impl Engine {
         }
         let key = self.breaker_key(agent);
         self.apply(agent, AgentEvent::Registered, now, None, None)?;
+        // The forecast's lead time: how long this scaler's agents take.
+        self.record_lead(&scaler, took);
         if let Some(b) = key.and_then(|k| self.breakers.get_mut(&k)) {
             let was = b.state(now);
             b.on_success();

@@ -12,14 +12,17 @@ impl Engine {
         let pending = self.pending.next_expiry();
         // Breakers matter only while they hold back a waiting request or a
         // warm-pool refill.
-        let someone_waits =
-            !self.pending.is_empty() || self.config.scalers.iter().any(|s| s.warm_target() > 0);
+        let someone_waits = !self.pending.is_empty() || self.any_warm_target();
         let breakers = self
             .breakers
             .values()
             .filter(|_| someone_waits)
             .filter_map(|b| b.next_change(now));
-        agents.chain(pending).chain(breakers).min()
+        agents
+            .chain(pending)
+            .chain(breakers)
+            .chain(self.next_plan(now))
+            .min()
     }
 
     /// Fires every deadline that has passed.
@@ -53,6 +56,11 @@ impl Engine {
                 AgentState::Idle => self.drain_idle(id, StopCause::IdleExpired, now),
                 AgentState::Busy | AgentState::Draining | AgentState::Gone => {}
             }
+        }
+        // Schedules and forecasts: new targets, and a smaller one drains
+        // the pool's newest idle agents (the refill below grows it).
+        if self.plan_if_due(now) {
+            self.shrink_warm(now);
         }
         let expired = self.pending.take_expired(now);
         for entry in expired {

@@ -81,15 +81,18 @@ impl Engine {
         }
         let config = Arc::clone(&self.config);
         for (si, scaler) in config.scalers.iter().enumerate() {
-            let target = scaler.warm_target() as usize;
             let switches = self.switches.get(&scaler.name).copied().unwrap_or_default();
-            if target == 0 || switches.cordoned || switches.draining {
+            if switches.cordoned || switches.draining {
                 continue;
             }
             if self.pending.count_for(scaler.name.as_str()) > 0 {
                 continue;
             }
             for (li, ls) in scaler.label_sets.iter().enumerate() {
+                let target = self.warm_target_of(scaler, li);
+                if target == 0 {
+                    continue;
+                }
                 let have = self.warm_members(&scaler.name, li).count();
                 let key = (scaler.name.clone(), ls.labels.clone());
                 for _ in have..target {

@@ -3,6 +3,7 @@
 //! dependencies again. Test names carry the module (`engine::…`); nextest
 //! runs each test in a process of its own either way.
 
+mod capacity;
 mod common;
 mod engine;
 mod model;

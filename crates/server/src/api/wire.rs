@@ -118,6 +118,24 @@ pub(crate) fn resource_request(
     Ok(Some(request))
 }
 
+/// The status's warm source; `None` for upstream's own size.
+fn warm_source(source: &kici_engine::WarmSource) -> Option<kici_api::WarmSourceObject> {
+    use kici_engine::WarmSource;
+    match source {
+        WarmSource::Static => None,
+        WarmSource::Period { index, description } => Some(kici_api::WarmSourceObject {
+            kind: source.as_str().to_owned(),
+            period: Some(*index),
+            description: Some(description.clone()),
+        }),
+        WarmSource::Forecast => Some(kici_api::WarmSourceObject {
+            kind: source.as_str().to_owned(),
+            period: None,
+            description: None,
+        }),
+    }
+}
+
 fn resource_spec(body: ResourceSpecBody, at: &str) -> Result<ResourceSpec, ApiError> {
     let cpus = body
         .cpus
@@ -355,6 +373,7 @@ pub fn status_object(instance: InstanceId, s: &Status) -> StatusObject {
                 },
                 usage: sc.usage.as_ref().map(IntoApi::into_api),
                 warm_target: sc.warm_target,
+                warm_source: warm_source(&sc.warm_source),
                 warm_idle: sc.warm_idle,
                 pending: sc.pending,
                 spawns: SpawnsObject {

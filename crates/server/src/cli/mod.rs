@@ -15,6 +15,7 @@ pub mod generate;
 pub mod log_format;
 pub mod remote;
 pub mod run;
+pub mod simulate;
 pub mod sweep;
 pub mod user_scope;
 
@@ -68,6 +69,9 @@ pub enum Command {
     /// Show where a job with these labels would go, and why every other
     /// label set was not chosen.
     Route(RouteArgs),
+    /// Replay a job history through the engine under a configuration:
+    /// waits, idle agent-seconds, peaks, refusals (no daemon, no backend).
+    Simulate(crate::cli::simulate::SimulateArgs),
     /// Run the daemon: the control API, the agent gateway, the engine, the
     /// backends.
     Serve(Box<ServeArgs>),
@@ -252,6 +256,8 @@ pub enum CliError {
     NotOneShot,
     #[error("sweep: {0}")]
     Sweep(String),
+    #[error("simulate: {0}")]
+    Simulate(String),
     #[error("{server}: {message}")]
     Fleet { server: String, message: String },
 }
@@ -386,6 +392,7 @@ pub fn execute(
     match command {
         Command::Validate(args) => validate(args, out, err),
         Command::Route(args) => route(args, out, err),
+        Command::Simulate(args) => crate::cli::simulate::run(args, out, err),
         Command::Serve(_) | Command::Run(_) => Err(CliError::NotOneShot),
         Command::Doctor(args) => crate::cli::doctor::doctor(args, out),
         Command::Sweep(args) => crate::cli::sweep::sweep(args, out),

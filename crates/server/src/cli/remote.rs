@@ -128,6 +128,7 @@ async fn run(
         }
         Command::Validate(_)
         | Command::Route(_)
+        | Command::Simulate(_)
         | Command::Serve(_)
         | Command::Run(_)
         | Command::Doctor(_)
@@ -259,7 +260,7 @@ fn write_status(doc: &StatusObject, out: &mut dyn Write) -> std::io::Result<()> 
         }
         writeln!(
             out,
-            "{} ({}): {} active ({} spawning, {} registered, {} idle, {} busy, {} draining, {} destroying); {}; warm {}/{}; {} pending; spawns {}/{} in flight, {} waiting{flags}",
+            "{} ({}): {} active ({} spawning, {} registered, {} idle, {} busy, {} draining, {} destroying); {}; warm {}/{}{}; {} pending; spawns {}/{} in flight, {} waiting{flags}",
             sc.name,
             sc.backend,
             a.active,
@@ -272,6 +273,10 @@ fn write_status(doc: &StatusObject, out: &mut dyn Write) -> std::io::Result<()> 
             sc.usage.as_ref().map_or_else(|| "usage unknown".to_owned(), usage_text),
             sc.warm_idle,
             sc.warm_target,
+            sc.warm_source.as_ref().map_or_else(String::new, |w| match &w.description {
+                Some(d) => format!(" ({}: {d})", w.kind),
+                None => format!(" ({})", w.kind),
+            }),
             sc.pending,
             sc.spawns.in_flight,
             sc.spawns.max_concurrent,

@@ -34,6 +34,7 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_spawn_failures_total",
     "kici_orch_scaler_agents",
     "kici_orch_scaler_warm_target",
+    "kici_orch_scaler_warm_period",
     "kici_orch_scaler_pending_requests",
     "kici_orch_scaler_pending_age_seconds",
     "kici_orch_scaler_spawns_in_flight",
@@ -267,6 +268,7 @@ pub struct Metrics {
     spawn_failures: Family<FailureLabels, Counter>,
     agents: Family<AgentLabels, Gauge>,
     warm_target: Family<ScalerLabels, Gauge>,
+    warm_period: Family<ScalerLabels, Gauge>,
     pending: Family<ScalerLabels, Gauge>,
     pending_age: Histogram,
     spawns_in_flight: Family<ScalerLabels, Gauge>,
@@ -309,6 +311,7 @@ impl Metrics {
             spawn_failures: Family::default(),
             agents: Family::default(),
             warm_target: Family::default(),
+            warm_period: Family::default(),
             pending: Family::default(),
             pending_age: seconds_histogram(),
             spawns_in_flight: Family::default(),
@@ -396,6 +399,11 @@ impl Metrics {
             "kici_orch_scaler_warm_target",
             "Idle warm agents each scaler keeps (pool size x label sets)",
             m.warm_target.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_warm_period",
+            "Index of the x-kici-scaler.warmPool.schedule period in force per scaler (-1: none)",
+            m.warm_period.clone(),
         );
         registry.register(
             "kici_orch_scaler_pending_requests",
@@ -590,6 +598,7 @@ impl Metrics {
                 }
             }
             let _ = self.warm_target.get_or_create(&scaler);
+            self.warm_period.get_or_create(&scaler).set(-1);
             let _ = self.pending.get_or_create(&scaler);
             let _ = self.spawns_in_flight.get_or_create(&scaler);
             let _ = self.spawns_waiting.get_or_create(&scaler);
@@ -840,6 +849,13 @@ impl Metrics {
             self.warm_target
                 .get_or_create(&scaler)
                 .set(i64::from(s.warm_target));
+            let period = match &s.warm_source {
+                kici_engine::WarmSource::Period { index, .. } => {
+                    i64::try_from(*index).unwrap_or(i64::MAX)
+                }
+                _ => -1,
+            };
+            self.warm_period.get_or_create(&scaler).set(period);
             self.pending
                 .get_or_create(&scaler)
                 .set(i64::try_from(s.pending).unwrap_or(i64::MAX));

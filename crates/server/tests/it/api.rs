@@ -1731,3 +1731,51 @@ async fn the_fleet_view_is_refused_by_name_outside_a_fleet() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.error().0, "not-a-fleet");
 }
+
+/// A schedule period in force shows in `GET /v1/status` (where the target
+/// comes from) and in the metrics (its index and the target).
+#[tokio::test]
+async fn status_and_metrics_show_the_warm_pool_period_in_force() {
+    let yaml = CONFIG.replace(
+        "    maxAgents: 4\n",
+        "    maxAgents: 4\n    x-kici-scaler:\n      warmPool:\n        schedule:\n          - {days: [sat, sun], from: \"00:00\", to: \"24:00\", timezone: UTC, size: 1}\n          - {days: [mon, tue, wed, thu, fri, sat, sun], from: \"00:00\", to: \"24:00\", timezone: Europe/Paris, size: 2}\n",
+    );
+    let h = Harness::with(&yaml, 10_000, None).await;
+    h.settle_until("the first plan", || {
+        h.rt.status().scalers[1].warm_target == 2 || h.rt.status().scalers[1].warm_target == 1
+    })
+    .await;
+    let status = h.call("GET", "/v1/status", None).await.json();
+    let docker = &status["scalers"][1];
+    assert_eq!(docker["name"], "docker");
+    let weekend = docker["warmSource"]["period"] == 0;
+    let (period, target, description) = if weekend {
+        (0, 1, "sat,sun 00:00-24:00 UTC")
+    } else {
+        (1, 2, "mon,tue,wed,thu,fri,sat,sun 00:00-24:00 Europe/Paris")
+    };
+    assert_eq!(
+        docker["warmSource"],
+        json!({"kind": "schedule", "period": period, "description": description})
+    );
+    assert_eq!(docker["warmTarget"], target);
+    // A scaler without the extension has no source.
+    assert!(status["scalers"][0].get("warmSource").is_none());
+    let text = String::from_utf8(h.call("GET", "/metrics", None).await.body).unwrap();
+    assert!(
+        text.contains(&format!(
+            "kici_orch_scaler_warm_period{{scaler=\"docker\"}} {period}"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("kici_orch_scaler_warm_period{scaler=\"local\"} -1"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "kici_orch_scaler_warm_target{{scaler=\"docker\"}} {target}"
+        )),
+        "{text}"
+    );
+}

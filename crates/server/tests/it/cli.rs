@@ -590,3 +590,65 @@ fn scopeguard_bridge(name: &str) -> impl Drop {
     }
     Guard(name.to_owned())
 }
+
+/// `simulate` replays a trace file under the configuration: one JSON
+/// document with the hand-checked numbers of a two-job trace, a per-backend
+/// spawn time from the command line, and a bad trace line named with its
+/// file, line and field.
+#[test]
+fn simulate_replays_a_trace_and_names_a_bad_line() {
+    let cfg = ConfigDir::new(MAIN_OK, &[]);
+    let trace = cfg.root.path().join("trace.csv");
+    // Two jobs of 60 s at 0 and 10 s; containers register 12 s after their
+    // spawn: waits 12 and 12, no warm pool, both agents alive at once.
+    fs::write(
+        &trace,
+        "at,labels,durationSeconds\n0,linux x64,60\n10,linux,60\n",
+    )
+    .unwrap();
+    let trace_arg = trace.to_str().unwrap();
+    let out = cfg.run(
+        "simulate",
+        &[
+            "--trace",
+            trace_arg,
+            "--spawn-seconds",
+            "container=12",
+            "--json",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", stderr(&out));
+    let doc = one_json_document(&out);
+    let overall = &doc["overall"];
+    assert_eq!(overall["jobs"], 2);
+    assert_eq!(overall["zeroWait"], 0);
+    assert_eq!(overall["wait"]["p90"], 12.0);
+    assert_eq!(overall["wait"]["max"], 12.0);
+    assert_eq!(overall["idleAgentSeconds"], 0.0);
+    assert_eq!(overall["peakAgents"], 2);
+    assert_eq!(doc["scalers"]["linux"]["jobs"], 2);
+
+    fs::write(
+        &trace,
+        "at,labels,durationSeconds\n0,linux,60\n5,linux,soon\n",
+    )
+    .unwrap();
+    let out = cfg.run("simulate", &["--trace", trace_arg]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        stderr(&out),
+        format!(
+            "error: simulate: {trace_arg}:3: durationSeconds: expected a number of seconds >= 0\n"
+        )
+    );
+    let out = cfg.run(
+        "simulate",
+        &["--trace", trace_arg, "--spawn-seconds", "vm=3"],
+    );
+    assert_eq!(out.status.code(), Some(64), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("expected a backend type"),
+        "{}",
+        stderr(&out)
+    );
+}
