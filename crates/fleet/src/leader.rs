@@ -132,7 +132,9 @@ impl Leader {
     /// any candidate. Becoming leader is recorded in `fleet_fleets.leader`
     /// (for status).
     pub async fn try_lead(&mut self) -> Result<bool, FleetError> {
-        if self.is_leader() {
+        // A round trip, not only the session's own bookkeeping: a session
+        // the server ended a moment ago is found gone here (and reset).
+        if self.is_leader() && self.fleet.session().ping().await.is_ok() && self.is_leader() {
             return Ok(true);
         }
         if self.locked.take().is_some() {

@@ -107,6 +107,7 @@ enum Command {
     Unlock(AdvisoryKey, oneshot::Sender<Result<(), StoreError>>),
     Pid(oneshot::Sender<Option<i32>>),
     Listen(String, oneshot::Sender<Result<(), StoreError>>),
+    Ping(oneshot::Sender<Result<(), StoreError>>),
 }
 
 /// The handle on a host's session (cheap to clone). The session ends when
@@ -196,6 +197,13 @@ impl PgSession {
     pub async fn listen(&self, channel: &str) -> Result<(), StoreError> {
         self.call(|tx| Command::Listen(channel.to_owned(), tx))
             .await?
+    }
+
+    /// One round trip on the session: `Ok` if it answered. A session that
+    /// does not is reset (so [`PgSession::holds`] tells the truth after
+    /// this returns, not only once the task noticed on its own).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.call(Command::Ping).await?
     }
 
     /// The backend process id of the session's connection, for operators
@@ -330,12 +338,8 @@ impl Task {
                         sqlx::query("SELECT 1").execute(&mut *listener),
                     )
                     .await;
-                    match alive {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) if !is_connection_error(&e) => {
-                            tracing::debug!(error = %e, "database session keepalive failed");
-                        }
-                        _ => self.reset(),
+                    if !matches!(alive, Ok(Ok(_))) {
+                        self.reset();
                     }
                 }
                 received = listener.try_recv() => match received {
@@ -366,8 +370,11 @@ impl Task {
         tracing::warn!("the database session was lost; its locks are gone, reconnecting");
     }
 
-    /// Runs one statement on the session's connection, bounded; a
-    /// connection error or a timeout resets the session.
+    /// Runs one statement on the session's connection, bounded. Any error
+    /// or a timeout resets the session: its statements (a lock, `SELECT 1`,
+    /// `LISTEN`) fail only when the connection is gone or unusable — a
+    /// terminated backend answers with an error before the socket closes —
+    /// and a reset is cheap next to acting on a session that is not there.
     async fn run_query<T, F>(&mut self, f: F) -> Result<T, StoreError>
     where
         F: for<'a> FnOnce(&'a mut PgListener) -> QueryFuture<'a, T>,
@@ -380,9 +387,7 @@ impl Task {
         match tokio::time::timeout(self.options.call_timeout, f(listener)).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
-                if is_connection_error(&e) {
-                    self.reset();
-                }
+                self.reset();
                 Err(classify(e))
             }
             Err(_) => {
@@ -459,6 +464,16 @@ impl Task {
                     .await;
                 let _ = reply.send(r);
             }
+            Command::Ping(reply) => {
+                let r = self
+                    .run_query(|l| {
+                        Box::pin(
+                            async move { sqlx::query("SELECT 1").execute(l).await.map(|_| ()) },
+                        )
+                    })
+                    .await;
+                let _ = reply.send(r);
+            }
             Command::Pid(reply) => {
                 let pid = self
                     .run_query(|l| {
@@ -489,6 +504,9 @@ fn refuse(command: Command, why: &StoreError) {
             let _ = reply.send(None);
         }
         Command::Listen(_, reply) => {
+            let _ = reply.send(Err(e()));
+        }
+        Command::Ping(reply) => {
             let _ = reply.send(Err(e()));
         }
     }
