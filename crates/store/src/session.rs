@@ -312,12 +312,22 @@ impl Task {
                             return;
                         }
                         tracing::debug!(error = %e, "database session not connected; retrying");
-                        // Commands meanwhile fail at once rather than wait.
+                        // A command meanwhile tries the connection at once (the
+                        // server may be back before the backoff ends) and is
+                        // refused only if that fails too.
                         let until = tokio::time::Instant::now() + backoff;
                         backoff = (backoff * 2).min(MAX_BACKOFF);
                         loop {
                             match tokio::time::timeout_at(until, self.commands.recv()).await {
-                                Ok(Some(c)) => refuse(c, &e),
+                                Ok(Some(c)) => match connect(&self.pool, &self.options).await {
+                                    Ok(l) => {
+                                        self.listener = Some(l);
+                                        backoff = Duration::from_millis(50);
+                                        self.execute(c).await;
+                                        break;
+                                    }
+                                    Err(again) => refuse(c, &again),
+                                },
                                 Ok(None) => return,
                                 Err(_) => break,
                             }
