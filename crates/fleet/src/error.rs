@@ -48,6 +48,11 @@ pub enum FleetError {
     /// lost, pool acquire timed out). The failed call changed nothing; retry.
     #[error("fleet database unavailable: {0}")]
     Unavailable(String),
+    /// A row stayed locked by others past the statement's `lock_timeout`
+    /// (a busy pool's claim gives up rather than wait). Nothing changed;
+    /// retry.
+    #[error("a fleet row is busy (lock timeout); retry")]
+    LockTimeout,
     /// The database was migrated by a newer kici-fleet than this binary:
     /// running would ignore columns and rules it does not know.
     #[error("the fleet schema in the database is version {database}, newer than this binary's {binary}: upgrade this binary (a binary older than the database's schema must not run)")]
@@ -142,6 +147,9 @@ impl FleetError {
 
 impl From<sqlx::Error> for FleetError {
     fn from(e: sqlx::Error) -> Self {
+        if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03") {
+            return Self::LockTimeout;
+        }
         if is_unavailable(&e) {
             Self::Unavailable(e.to_string())
         } else {
@@ -151,6 +159,11 @@ impl From<sqlx::Error> for FleetError {
 }
 
 impl FleetError {
+    /// A `lock_timeout` ran out (SQLSTATE 55P03): the row was busy.
+    pub(crate) fn is_lock_timeout(&self) -> bool {
+        matches!(self, Self::LockTimeout)
+    }
+
     /// The host's session (kici-store) failed: unavailable stays
     /// unavailable, anything else is a database error.
     pub(crate) fn from_store(e: kici_store::StoreError) -> Self {

@@ -307,7 +307,12 @@ enum PoolAttempt {
     Claimed(Claim),
     Empty,
     AtCap,
+    /// Its row stayed locked past [`CLAIM_LOCK_TIMEOUT`].
+    Busy,
 }
+
+/// How long a claim waits for its pool's (and the fleet's) row.
+const CLAIM_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '200ms'";
 
 impl Queue {
     pub(crate) fn new(fleet: Fleet) -> Self {
@@ -489,7 +494,7 @@ impl Queue {
                 PoolAttempt::AtCap => {
                     tracing::debug!(pool = %pool, "fleet cap reached; not claiming in this pool")
                 }
-                PoolAttempt::Empty => {}
+                PoolAttempt::Empty | PoolAttempt::Busy => {}
             }
         }
         Ok(None)
@@ -505,7 +510,17 @@ impl Queue {
     ) -> Result<PoolAttempt, FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
-        let (global, Some(pool_row)) = lock_caps(&mut tx, name, pool).await? else {
+        // A claim that cannot have the pool's row soon gives up and is
+        // tried again at the next wake-up, rather than hold one of the
+        // host's few connections while every host of the pool queues on
+        // that row (its lease renewals need the connection).
+        sqlx::query(CLAIM_LOCK_TIMEOUT).execute(&mut *tx).await?;
+        let locked = lock_caps(&mut tx, name, pool).await;
+        if locked.as_ref().is_err_and(FleetError::is_lock_timeout) {
+            tracing::debug!(pool, "fleet: the pool's row is busy; claiming later");
+            return Ok(PoolAttempt::Busy);
+        }
+        let (global, Some(pool_row)) = locked? else {
             // No host ever defined the pool: nobody may claim in it.
             return Ok(PoolAttempt::Empty);
         };

@@ -1074,3 +1074,43 @@ async fn enqueue_started_starts_only_the_head_under_the_caps() {
     db.assert_counters_exact().await;
     db.drop_db().await;
 }
+
+/// A claim whose pool row is held by someone else for long gives up within
+/// its lock timeout (nothing claimed, nothing changed) instead of holding
+/// one of the host's few connections while it waits; once the row is free
+/// the request is claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_on_a_busy_pool_row_gives_up_quickly() {
+    use sqlx::Connection;
+    let db = TestDb::new().await;
+    let fleet = db.fleet("busy").await;
+    let host = join(&fleet, 1, vec![pool("p", Caps::default())], LONG).await;
+    let q = fleet.queue();
+    let pools = vec!["p".to_owned()];
+    q.enqueue(&request("j0", "p", 100)).await.unwrap();
+
+    let mut other = db.conn().await;
+    let mut tx = other.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM fleet_pools WHERE fleet = 'busy' AND pool = 'p' FOR UPDATE")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let claimed = q.claim(host.guard(), &pools).await.unwrap();
+    let waited = t.elapsed();
+    assert!(claimed.is_none(), "claimed through a locked pool row");
+    assert!(
+        waited < Duration::from_secs(2),
+        "the claim waited {waited:?} for the busy row"
+    );
+    assert_eq!(
+        q.state("j0").await.unwrap(),
+        Some((RequestState::Queued, None))
+    );
+    tx.rollback().await.unwrap();
+    let claim = q.claim(host.guard(), &pools).await.unwrap().unwrap();
+    assert_eq!(claim.job_id, "j0");
+    fleet.close().await;
+    db.assert_counters_exact().await;
+    db.drop_db().await;
+}
