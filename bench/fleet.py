@@ -313,9 +313,15 @@ def fleet_view(h: Daemon) -> dict:
     return json.loads(body)
 
 
-def pool_usage(h: Daemon) -> tuple[int, int]:
-    """(agents + claimed requests, queue depth) of the `bench` pool."""
-    for p in fleet_view(h)["pools"]:
+def pool_usage(h: Daemon) -> tuple[int, int] | None:
+    """(agents + claimed requests, queue depth) of the `bench` pool; None
+    when the host answers 503 (it could not reach the database in time)."""
+    status, body = get(h, "/v1/fleet")
+    if status == 503:
+        return None
+    if status != 200:
+        raise RuntimeError(f"GET /v1/fleet: {status} {body[:300]!r}")
+    for p in json.loads(body)["pools"]:
         if p["name"] == "bench":
             return int(p["agents"]), int(p["queueDepth"])
     return 0, 0
@@ -458,7 +464,13 @@ def scale_row(args: argparse.Namespace, admin: str, size: int) -> dict:
             wait_for(f"all {n} requests started", args.limit, all_started, every=0.05)
         except RuntimeError:
             # Measured as it is: how far the fleet got, and no more steps.
-            agents, depth = pool_usage(probe)
+            usage = None
+            for _ in range(50):
+                usage = pool_usage(probe)
+                if usage is not None:
+                    break
+                time.sleep(0.2)
+            agents, depth = usage if usage is not None else (-1, -1)
             row["stalled"] = (agents, depth, time.monotonic() - t0)
             row["p50"], row["p90"] = percentile(lat, 50), percentile(lat, 90)
             row["conns_peak"] = sampler.peak

@@ -399,7 +399,7 @@ fn sample(fleet: &Fleet, excused: &[bool], seen: &mut Seen) {
         }
     }
     seen.samples += 1;
-    if seen.samples % 3 != 0 {
+    if !seen.samples.is_multiple_of(3) {
         return;
     }
     // The database may be down (its restart): no rows then.
@@ -567,7 +567,7 @@ fn serial_fleet_chaos_kill_restart_database_restart_and_partition_keep_the_invar
                         let _g = fleet_lock.lock().unwrap();
                         let ex = excused.lock().unwrap().clone();
                         sample(&fleet, &ex, &mut seen.lock().unwrap());
-                        if k % 3 == 0 {
+                        if k.is_multiple_of(3) {
                             fleet.finish_booted();
                         }
                     }
@@ -713,6 +713,18 @@ fn serial_fleet_chaos_kill_restart_database_restart_and_partition_keep_the_invar
     });
 
     // Every job: ran at most once; its end matches whether it ran.
+    //
+    // KNOWN DEFECT this check catches (as of this test's writing, in about
+    // half the runs of one round): a standalone job claimed by a host just
+    // before that host is cut off from the database registers, is
+    // dispatched and runs there, but the host cannot record the
+    // registration; when its lease lapses the leader finds the agent
+    // "never registered", puts the request back in the queue, and another
+    // host runs the job a second time. The host dispatches a job without
+    // the fleet knowing that the agent registered; the fix is to record
+    // the registration durably (fenced by the host's epoch and lease)
+    // before the job is dispatched, so that an agent the fleet believes
+    // unregistered cannot have been given its job.
     let runs = fleet.job_runs();
     let jobs = jobs.into_inner().unwrap();
     let twice: Vec<(&String, &usize)> = runs.iter().filter(|(_, n)| **n > 1).collect();
