@@ -60,6 +60,38 @@ def vm_field(pid: int, field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/{pid}/status")
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def backends(database: str) -> list[int]:
+    """Pids of the server's backends connected to `database`, from their
+    process titles (`postgres: USER DATABASE ADDR STATE`): no connection
+    needed, so it works when the fleet holds every slot."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        words = title.split()
+        if title.startswith("postgres: ") and len(words) > 2 and words[2] == database:
+            pids.append(int(d))
+    return pids
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of a process (all its threads), in clock ticks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
 # The API token of every daemon a bench run starts.
 API_TOKEN = os.urandom(24).hex()
 

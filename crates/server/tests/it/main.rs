@@ -24,6 +24,7 @@ mod firecracker_rootfs_cli;
 mod firecracker_testkit_e2e;
 mod fleet;
 mod fleet_auth;
+mod fleet_chaos;
 mod fleet_scale;
 mod gateway;
 mod postgres;
