@@ -714,17 +714,12 @@ fn serial_fleet_chaos_kill_restart_database_restart_and_partition_keep_the_invar
 
     // Every job: ran at most once; its end matches whether it ran.
     //
-    // KNOWN DEFECT this check catches (as of this test's writing, in about
-    // half the runs of one round): a standalone job claimed by a host just
-    // before that host is cut off from the database registers, is
-    // dispatched and runs there, but the host cannot record the
-    // registration; when its lease lapses the leader finds the agent
-    // "never registered", puts the request back in the queue, and another
-    // host runs the job a second time. The host dispatches a job without
-    // the fleet knowing that the agent registered; the fix is to record
-    // the registration durably (fenced by the host's epoch and lease)
-    // before the job is dispatched, so that an agent the fleet believes
-    // unregistered cannot have been given its job.
+    // What this caught before a host recorded an agent's registration
+    // before its engine accepted it: a host cut off from the database just
+    // after its agent registered let the job run without the fleet knowing;
+    // when its lease lapsed the leader found the agent "never registered",
+    // put the request back in the queue, and another host ran the job a
+    // second time.
     let runs = fleet.job_runs();
     let jobs = jobs.into_inner().unwrap();
     let twice: Vec<(&String, &usize)> = runs.iter().filter(|(_, n)| **n > 1).collect();
