@@ -144,6 +144,7 @@ struct Stats {
     claimed: AtomicU64,
     completed: AtomicU64,
     claim_errors: AtomicU64,
+    enqueue_errors: AtomicU64,
     renew_failed: AtomicU64,
     leases_lost: AtomicU64,
     declared_lost: AtomicU64,
@@ -243,8 +244,19 @@ async fn produce(fleet: Fleet, depth: u64, stats: Arc<Stats>, worker: u32) {
             memory: MemoryBytes::from_bytes(1 << 20),
             entry_host: "00000001".to_owned(),
         };
-        if queue.enqueue(&req).await.is_ok() {
-            stats.enqueued.fetch_add(1, Ordering::Relaxed);
+        match queue.enqueue(&req).await {
+            Ok(_) => {
+                stats.enqueued.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                // A failed enqueue returns at once: without a pause the
+                // producer would spin and starve every other task of the
+                // runtime (one holding a transaction open among them).
+                if stats.enqueue_errors.fetch_add(1, Ordering::Relaxed) == 0 {
+                    eprintln!("enqueue failed (first of possibly many): {e}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
     }
 }
@@ -361,11 +373,12 @@ async fn run(a: Args, admin: String) {
         stats.declared_lost.load(Ordering::Relaxed),
     );
     println!(
-        "commits/s {:.0} | commits per claimed request {:.1} (renewals {:.0}/s and idle polls included) | claim errors {}",
+        "commits/s {:.0} | commits per claimed request {:.1} (renewals {:.0}/s and idle polls included) | claim errors {} | enqueue errors {}",
         commits as f64 / secs,
         commits as f64 / claimed.max(1) as f64,
         renewals_per_s,
         stats.claim_errors.load(Ordering::Relaxed),
+        stats.enqueue_errors.load(Ordering::Relaxed),
     );
     fleet.close().await;
     let mut c = sqlx::PgConnection::connect(&admin).await.unwrap();
