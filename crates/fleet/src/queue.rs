@@ -329,6 +329,17 @@ impl Queue {
     pub async fn enqueue(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
+        // The pool's row, shared until commit: an arrival's place (`seq`)
+        // is taken at its insert, so a request entered and started at once
+        // elsewhere ([`Queue::enqueue_started`], which locks the row for
+        // update) or a claim must wait until this one is visible — else a
+        // later arrival could start while this earlier one is not yet seen
+        // queued. Arrivals do not wait for each other.
+        sqlx::query("SELECT 1 FROM fleet_pools WHERE fleet = $1 AND pool = $2 FOR SHARE")
+            .bind(name)
+            .bind(&req.pool)
+            .execute(&mut *tx)
+            .await?;
         if let Some(seq) = insert_request(&mut tx, name, req).await? {
             notify(&mut tx, name, &req.pool).await?;
             tx.commit().await?;
