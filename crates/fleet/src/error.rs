@@ -53,6 +53,10 @@ pub enum FleetError {
     /// retry.
     #[error("a fleet row is busy (lock timeout); retry")]
     LockTimeout,
+    /// PostgreSQL broke a deadlock by rolling this transaction back
+    /// (SQLSTATE 40P01). Nothing changed; retry.
+    #[error("the fleet database rolled back a deadlocked transaction; retry")]
+    Deadlock,
     /// The database was migrated by a newer kici-fleet than this binary:
     /// running would ignore columns and rules it does not know.
     #[error("the fleet schema in the database is version {database}, newer than this binary's {binary}: upgrade this binary (a binary older than the database's schema must not run)")]
@@ -147,8 +151,10 @@ impl FleetError {
 
 impl From<sqlx::Error> for FleetError {
     fn from(e: sqlx::Error) -> Self {
-        if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03") {
-            return Self::LockTimeout;
+        match e.as_database_error().and_then(|d| d.code()).as_deref() {
+            Some("55P03") => return Self::LockTimeout,
+            Some("40P01") => return Self::Deadlock,
+            _ => {}
         }
         if is_unavailable(&e) {
             Self::Unavailable(e.to_string())

@@ -311,6 +311,9 @@ enum PoolAttempt {
     Busy,
 }
 
+/// Attempts of an enqueue rolled back to break a deadlock.
+const ENQUEUE_ATTEMPTS: u32 = 3;
+
 /// How long a claim waits for its pool's (and the fleet's) row.
 const CLAIM_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '200ms'";
 
@@ -327,6 +330,21 @@ impl Queue {
     /// finished is a new request (queued anew, at the back). The pool's
     /// listeners are notified at commit.
     pub async fn enqueue(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
+        // The pool row's share lock below is taken before the request's row,
+        // while a completion (or a requeue) of the same job id locks the
+        // request's row before its usage trigger updates the pool row: a
+        // repeat of a job arriving as it completes can deadlock with it.
+        // PostgreSQL rolls one back; an enqueue rolled back is tried again.
+        let mut attempt = 1;
+        loop {
+            match self.enqueue_once(req).await {
+                Err(FleetError::Deadlock) if attempt < ENQUEUE_ATTEMPTS => attempt += 1,
+                other => return other,
+            }
+        }
+    }
+
+    async fn enqueue_once(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
         // The pool's row, shared until commit: an arrival's place (`seq`)
