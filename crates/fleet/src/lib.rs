@@ -81,7 +81,7 @@
 //! let membership = fleet.join(spec).await?;
 //! let queue = fleet.queue();
 //! let pools = vec!["fc-small".to_owned()];
-//! let mut waker = fleet.waker(&pools).await?;
+//! let mut waker = fleet.waker(&pools);
 //! loop {
 //!     let loads = queue.pool_loads("fc-small").await?;
 //!     if kici_fleet::should_claim(Placement::Spread, me, &loads) {
