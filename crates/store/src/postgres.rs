@@ -111,19 +111,29 @@ impl PgStore {
                 return Err(e);
             }
         };
-        // sqlx serialises concurrent migrators with its own advisory lock.
-        crate::migrations::POSTGRES
-            .run(&pool)
-            .await
-            .map_err(|e| StoreError::Migrate(e.to_string()))?;
         let owner_text = owner.to_string();
-        sqlx::query(crate::sql::PUT_INSTANCE)
-            .bind(&owner_text)
-            .bind(crate::sql::hostname())
-            .bind(crate::UnixMillis::now().0)
-            .execute(&pool)
-            .await
-            .map_err(classify)?;
+        let prepared = async {
+            // sqlx serialises concurrent migrators with its own advisory lock.
+            crate::migrations::POSTGRES
+                .run(&pool)
+                .await
+                .map_err(|e| StoreError::Migrate(e.to_string()))?;
+            sqlx::query(crate::sql::PUT_INSTANCE)
+                .bind(&owner_text)
+                .bind(crate::sql::hostname())
+                .bind(crate::UnixMillis::now().0)
+                .execute(&pool)
+                .await
+                .map_err(classify)
+        }
+        .await;
+        if let Err(e) = prepared {
+            // The session's task would otherwise keep its connection (and
+            // the identity lock) for as long as the process lives.
+            session.close().await;
+            pool.close().await;
+            return Err(e);
+        }
         Ok(Self {
             owner,
             owner_text,

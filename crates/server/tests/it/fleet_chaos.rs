@@ -35,6 +35,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crate::common;
+use common::firecracker::free_port;
 
 use common::daemon::{http, pg, pg_with, psql, Daemon, Dir, CGROUP_V2, PATIENCE};
 use serde_json::Value;
@@ -132,14 +133,6 @@ fn pump(mut from: TcpStream, mut to: TcpStream, gate: &(Mutex<bool>, Condvar)) {
     }
     let _ = from.shutdown(std::net::Shutdown::Both);
     let _ = to.shutdown(std::net::Shutdown::Both);
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn call(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {

@@ -14,6 +14,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use crate::common;
+use common::firecracker::free_port;
 
 use common::daemon::{http, pg, pg_with, Daemon, Dir, PATIENCE};
 use serde_json::Value;
@@ -52,14 +53,6 @@ fn backends_of(database: &str) -> usize {
         }
     }
     n
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn call(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
