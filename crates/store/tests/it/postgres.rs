@@ -171,11 +171,12 @@ async fn a_store_holds_no_more_connections_than_its_pool_session_included() {
     assert!(peak <= 2, "a store of 2 connections had {peak} open");
     assert_eq!(store.events_after(0, 1000).await.unwrap().len(), 400);
     store.close().await;
-    assert_eq!(
-        connections_of(&mut admin, owner).await,
-        0,
-        "closed means closed"
-    );
+    // A backend leaves pg_stat_activity a moment after its client hung up.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while connections_of(&mut admin, owner).await > 0 {
+        assert!(std::time::Instant::now() < deadline, "closed means closed");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     db.drop_db().await;
 }
 
