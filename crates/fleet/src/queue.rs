@@ -311,8 +311,25 @@ enum PoolAttempt {
     Busy,
 }
 
-/// Attempts of an enqueue rolled back to break a deadlock.
-const ENQUEUE_ATTEMPTS: u32 = 3;
+/// Attempts of a transaction rolled back to break a deadlock.
+const DEADLOCK_ATTEMPTS: u32 = 3;
+
+/// Runs `transaction` again (up to [`DEADLOCK_ATTEMPTS`] in all) when
+/// PostgreSQL rolled it back to break a deadlock: nothing of it was
+/// written, and the other side has gone on by the time it is retried.
+async fn retry_on_deadlock<T, F, Fut>(mut transaction: F) -> Result<T, FleetError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, FleetError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match transaction().await {
+            Err(FleetError::Deadlock) if attempt < DEADLOCK_ATTEMPTS => attempt += 1,
+            other => return other,
+        }
+    }
+}
 
 /// How long a claim waits for its pool's (and the fleet's) row.
 const CLAIM_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '200ms'";
@@ -330,18 +347,21 @@ impl Queue {
     /// finished is a new request (queued anew, at the back). The pool's
     /// listeners are notified at commit.
     pub async fn enqueue(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
-        // The pool row's share lock below is taken before the request's row,
-        // while a completion (or a requeue) of the same job id locks the
-        // request's row before its usage trigger updates the pool row: a
-        // repeat of a job arriving as it completes can deadlock with it.
-        // PostgreSQL rolls one back; an enqueue rolled back is tried again.
-        let mut attempt = 1;
-        loop {
-            match self.enqueue_once(req).await {
-                Err(FleetError::Deadlock) if attempt < ENQUEUE_ATTEMPTS => attempt += 1,
-                other => return other,
+        // A repeat of a request still in the fleet (a client's retry, the
+        // same job sent through a second host) is answered from a plain
+        // read, taking no lock: the insert below would lock the pool's row
+        // and then wait on the request's row, the reverse of the order in
+        // which starting or completing that request locks them (its row,
+        // then the pool's through the usage trigger).
+        if let Some((answer, state)) = self.recorded(req).await? {
+            if state != RequestState::Finished {
+                return Ok(Enqueued::Existing { answer, state });
             }
         }
+        // A deadlock is still possible when the request's row is re-queued
+        // or changes between the read and the insert; PostgreSQL then rolls
+        // one back, and an enqueue rolled back is tried again.
+        retry_on_deadlock(|| self.enqueue_once(req)).await
     }
 
     async fn enqueue_once(&self, req: &NewRequest) -> Result<Enqueued, FleetError> {
@@ -373,6 +393,21 @@ impl Queue {
     async fn existing(&self, req: &NewRequest) -> Result<(String, RequestState), FleetError> {
         // The insert's ON CONFLICT waited for any concurrent insert of the
         // same id to commit, so the existing row is visible now.
+        self.recorded(req).await?.ok_or_else(|| {
+            // Purged in between: rare; the caller retries.
+            FleetError::Unavailable(format!(
+                "request {} changed while being enqueued; retry",
+                req.job_id
+            ))
+        })
+    }
+
+    /// The request recorded under `req`'s job id, if any: its answer and
+    /// state if its body is `req`'s, else [`FleetError::Conflict`].
+    async fn recorded(
+        &self,
+        req: &NewRequest,
+    ) -> Result<Option<(String, RequestState)>, FleetError> {
         let row = sqlx::query(
             "SELECT body, answer, state FROM fleet_requests WHERE fleet = $1 AND job_id = $2",
         )
@@ -381,11 +416,7 @@ impl Queue {
         .fetch_optional(self.fleet.pool())
         .await?;
         let Some(row) = row else {
-            // Purged in between: rare; the caller retries.
-            return Err(FleetError::Unavailable(format!(
-                "request {} changed while being enqueued; retry",
-                req.job_id
-            )));
+            return Ok(None);
         };
         let body: String = row.try_get("body")?;
         if body != req.body {
@@ -393,10 +424,10 @@ impl Queue {
                 job_id: req.job_id.clone(),
             });
         }
-        Ok((
+        Ok(Some((
             row.try_get("answer")?,
             RequestState::parse(&row.try_get::<String, _>("state")?)?,
-        ))
+        )))
     }
 
     /// [`Queue::enqueue`] by a host that serves the request's pool and has
@@ -410,6 +441,21 @@ impl Queue {
     /// undo it too). One commit instead of the three of enqueue, claim and
     /// start.
     pub async fn enqueue_started(
+        &self,
+        guard: &LeaseGuard,
+        req: &NewRequest,
+        agent_id: &str,
+    ) -> Result<Entered, FleetError> {
+        // A repeat is answered before any lock (see [`Queue::enqueue`]).
+        if let Some((answer, state)) = self.recorded(req).await? {
+            if state != RequestState::Finished {
+                return Ok(Entered::Existing { answer, state });
+            }
+        }
+        retry_on_deadlock(|| self.enqueue_started_once(guard, req, agent_id)).await
+    }
+
+    async fn enqueue_started_once(
         &self,
         guard: &LeaseGuard,
         req: &NewRequest,
@@ -626,6 +672,14 @@ impl Queue {
                 current: Some(epoch),
             });
         }
+        // Its request's row, then the pool's (usage trigger): the order a
+        // completion or a requeue of the same job takes them in too, but a
+        // repeat entering through a host may still lock them the other way
+        // round; whichever PostgreSQL rolls back is tried again.
+        retry_on_deadlock(|| self.start_once(claim, agent_id)).await
+    }
+
+    async fn start_once(&self, claim: &Claim, agent_id: &str) -> Result<(), FleetError> {
         let name = self.fleet.name();
         let mut tx = self.fleet.pool().begin().await?;
         fence(&mut tx, name, &claim.instance, claim.epoch).await?;

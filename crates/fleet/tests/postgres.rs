@@ -1114,3 +1114,83 @@ async fn a_claim_on_a_busy_pool_row_gives_up_quickly() {
     db.assert_counters_exact().await;
     db.drop_db().await;
 }
+
+/// A repeat of a request that is being started elsewhere (its row locked
+/// by the start's transaction, which then takes the pool's row through the
+/// usage trigger) is answered at once, without waiting on that row: a
+/// repeat that took the pool's row first and then waited on the request's
+/// deadlocked with the start, and PostgreSQL rolled one of them back —
+/// in the three-host test, the start, so its claim went back to the queue
+/// and a later request was started ahead of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_does_not_wait_on_a_request_being_started() {
+    use sqlx::Connection;
+    let db = TestDb::new().await;
+    let fleet = db.fleet("repeat").await;
+    let host = join(&fleet, 1, vec![pool("p", Caps::default())], LONG).await;
+    let q = fleet.queue();
+    let req = request("r1", "p", 100);
+    q.enqueue(&req).await.unwrap();
+    let claim = q
+        .claim(host.guard(), &["p".to_owned()])
+        .await
+        .unwrap()
+        .unwrap();
+
+    // What the start does, in its order: the request's row first…
+    let mut starter = db.conn().await;
+    let mut tx = starter.begin().await.unwrap();
+    sqlx::query("UPDATE fleet_requests SET state = 'started', agent_id = 'a1' WHERE job_id = 'r1'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // …while the same request arrives again, through both entry paths.
+    let t = Instant::now();
+    let repeat = tokio::time::timeout(Duration::from_secs(5), q.enqueue(&req)).await;
+    let entered = tokio::time::timeout(
+        Duration::from_secs(5),
+        q.enqueue_started(host.guard(), &req, "a2"),
+    )
+    .await;
+    let waited = t.elapsed();
+    // …then the pool's row (the trigger's update); it commits.
+    sqlx::query(
+        "UPDATE fleet_pools SET used_agents = used_agents WHERE fleet = 'repeat' AND pool = 'p'",
+    )
+    .execute(&mut *tx)
+    .await
+    .expect("the start was not rolled back");
+    tx.commit().await.unwrap();
+    assert!(
+        matches!(
+            repeat,
+            Ok(Ok(Enqueued::Existing {
+                state: RequestState::Claimed,
+                ..
+            }))
+        ),
+        "{repeat:?}"
+    );
+    assert!(
+        matches!(
+            entered,
+            Ok(Ok(Entered::Existing {
+                state: RequestState::Claimed,
+                ..
+            }))
+        ),
+        "{entered:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(1),
+        "the repeats waited {waited:?} on the request's row"
+    );
+    assert_eq!(
+        q.state("r1").await.unwrap().map(|(s, _)| s),
+        Some(RequestState::Started)
+    );
+    drop(claim);
+    fleet.close().await;
+    db.assert_counters_exact().await;
+    db.drop_db().await;
+}
