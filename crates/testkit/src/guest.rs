@@ -324,7 +324,7 @@ fn serial(line: &str) {
 }
 
 /// Copy a guest process's output to the serial console.
-fn pump(mut from: impl std::io::Read + Send + 'static) {
+fn pump(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut buf = [0u8; 4096];
         while let Ok(n) = from.read(&mut buf) {
@@ -333,7 +333,24 @@ fn pump(mut from: impl std::io::Read + Send + 'static) {
             }
             serial_bytes(&buf[..n]);
         }
-    });
+    })
+}
+
+/// How long an exited agent's last output may take to reach the console.
+const OUTPUT_DRAIN_GRACE: Duration = Duration::from_secs(2);
+
+/// Waits (up to [`OUTPUT_DRAIN_GRACE`]) until the agent's output has been
+/// copied to the console: a real guest's console writes are synchronous, so
+/// what the agent printed comes before the kernel's power-down line. A
+/// process the agent left behind may keep its pipe open; it is not awaited
+/// past the grace.
+fn drain(pumps: &[std::thread::JoinHandle<()>]) {
+    let deadline = std::time::Instant::now() + OUTPUT_DRAIN_GRACE;
+    while !pumps.iter().all(std::thread::JoinHandle::is_finished)
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// How long an exiting VMM lets in-flight API responses go out.
@@ -526,12 +543,10 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
             vmm_exit(shared, "panicked");
         }
     };
-    if let Some(out) = child.stdout.take() {
-        pump(out);
-    }
-    if let Some(err) = child.stderr.take() {
-        pump(err);
-    }
+    let pumps: Vec<_> = [child.stdout.take().map(pump), child.stderr.take().map(pump)]
+        .into_iter()
+        .flatten()
+        .collect();
     let pid = child.id();
     {
         let mut st = shared.lock();
@@ -550,6 +565,7 @@ fn init(shared: &Arc<Shared>, mode: GuestMode, agent: Option<PathBuf>) {
     loop {
         if let Some(code) = st.guest.agent_exit_code {
             drop(st);
+            drain(&pumps);
             serial(&format!(
                 "kici-init: agent exited with {code}; powering off"
             ));
