@@ -35,6 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod capacity;
+mod hold;
 mod recovery;
 mod reload;
 mod reports;
@@ -43,6 +44,7 @@ mod switches;
 mod timers;
 mod warm;
 pub use capacity::WarmSource;
+pub use hold::{AdmissionHold, HoldLapsed, HoldRefused};
 pub use recovery::{
     DurableAgent, DurablePending, JournalEntry, JournalKey, PendingRecovered, RecoverError,
     Recovered,
@@ -575,6 +577,8 @@ pub struct Engine {
     next_seq: u64,
     /// Warm pool targets from schedules and forecasts.
     capacity: capacity::Capacity,
+    /// Warm agents set aside by live [`AdmissionHold`]s.
+    warm_holds: hold::WarmHolds,
 }
 
 impl Engine {
@@ -605,6 +609,7 @@ impl Engine {
             shutting_down: false,
             next_seq: 0,
             capacity: capacity::Capacity::default(),
+            warm_holds: hold::WarmHolds::new(),
         };
         engine.rebuild_breakers();
         engine
@@ -681,6 +686,15 @@ impl Engine {
         &self,
         request: &ScaleRequest,
     ) -> Result<(ScalerName, EffectiveResources), ScaleOutcome> {
+        let (route, resources) = self.route_request(request)?;
+        Ok((self.config.scalers[route.scaler].name.clone(), resources))
+    }
+
+    /// [`Engine::classify`] with the route itself.
+    fn route_request(
+        &self,
+        request: &ScaleRequest,
+    ) -> Result<(Route, EffectiveResources), ScaleOutcome> {
         let Some(route) = self
             .router
             .route(&request.labels, &request.exclude, &self.cordons)
@@ -701,7 +715,7 @@ impl Engine {
                 detail: too_large.detail,
             });
         }
-        Ok((scaler.name.clone(), resources))
+        Ok((route, resources))
     }
 
     /// Whether an agent of `scaler` fits under the count caps now (the

@@ -142,8 +142,10 @@ impl Engine {
         for scaler in &config.scalers {
             for li in 0..scaler.label_sets.len() {
                 let target = self.warm_target_of(scaler, li);
+                // A held agent is about to take a job: not shrunk away.
                 let mut warm: Vec<((Instant, u64), AgentId, AgentState)> = self
                     .warm_members(&scaler.name, li)
+                    .filter(|a| !self.warm_held(a.id))
                     .map(|a| ((a.created, a.seq), a.id, a.state))
                     .collect();
                 if warm.len() <= target {

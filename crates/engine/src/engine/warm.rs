@@ -13,9 +13,20 @@ impl Engine {
         resources: EffectiveResources,
         now: Instant,
     ) -> Option<AgentId> {
+        let id = self.idle_warm_agent(route, resources)?;
+        self.bind_warm(id, request, now);
+        Some(id)
+    }
+
+    /// The longest-idle warm agent of `route`'s label set whose reservation
+    /// is exactly `resources`' requests, not set aside by a hold.
+    pub(super) fn idle_warm_agent(
+        &self,
+        route: Route,
+        resources: EffectiveResources,
+    ) -> Option<AgentId> {
         let name = &self.config.scalers[route.scaler].name;
-        let id = self
-            .agents
+        self.agents
             .values()
             .filter(|a| {
                 a.warm
@@ -24,9 +35,15 @@ impl Engine {
                     && a.name() == name
                     && a.label_set == route.label_set
                     && a.requests() == resources.requests
+                    && !self.warm_held(a.id)
             })
             .min_by_key(|a| (a.since, a.seq))
-            .map(|a| a.id)?;
+            .map(|a| a.id)
+    }
+
+    /// Gives `request`'s job to the idle warm agent `id`; one replacement
+    /// follows.
+    pub(super) fn bind_warm(&mut self, id: AgentId, request: &ScaleRequest, now: Instant) {
         self.jobs.insert(
             request.job.clone(),
             JobRecord {
@@ -51,7 +68,6 @@ impl Engine {
             }));
         }
         self.refill_warm(now);
-        Some(id)
     }
 
     /// The agents that count toward a label set's warm pool: spawned warm,

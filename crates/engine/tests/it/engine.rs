@@ -8,8 +8,8 @@ use common::*;
 use kici_admission::Cap;
 use kici_engine::{
     AgentError, AgentState, BreakerState, Effect, Engine, EngineEvent, EngineSettings,
-    FailureReason, JobEffect, JobLost, Mode, PendingEnd, ResourceHandle, ScaleError, ScaleOutcome,
-    StopCause,
+    FailureReason, HoldLapsed, HoldRefused, JobEffect, JobLost, Mode, PendingEnd, ResourceHandle,
+    ScaleError, ScaleOutcome, StopCause,
 };
 use kici_model::{AgentId, MemoryBytes, MilliCpu, ResourceRequest, ResourceSpec};
 use std::time::Duration;
@@ -1331,4 +1331,110 @@ fn an_ended_agent_keeps_the_job_it_served_on_every_way_to_gone() {
     e.job_completed(a, &job("w1"), Some(0), now).unwrap();
     finish_destroy(&mut e, now);
     assert_eq!(gone_job(&e, a, now).as_deref(), Some("w1"), "warm");
+}
+
+/// A hold sets capacity aside and records nothing else: no job, no agent,
+/// no event, no spawn. Dropped, the capacity is free again; admitted, the
+/// agent it named is created for the job.
+#[test]
+fn a_hold_records_nothing_until_admitted_and_frees_its_capacity_when_dropped() {
+    let clock = Clock::new();
+    let now = clock.now();
+    let mut e = engine(BASIC);
+    e.take_events();
+    let r1 = orchestrator_request("h1", &["linux", "local"]);
+    let h1 = e.hold(&r1, now).unwrap();
+    assert!(!h1.warm());
+    assert_eq!(usage_of(&e, "local").agents, 1, "the hold reserves");
+    assert!(e.job_outcome(&job("h1")).is_none(), "no job recorded");
+    assert!(e.agents(true, now).is_empty(), "no agent recorded");
+    assert!(e.take_events().is_empty(), "no event");
+    assert!(spawn_orders(&mut e).is_empty(), "no spawn");
+    // maxAgents 2: a second hold fits, a third is refused (not now).
+    let h2 = e
+        .hold(&orchestrator_request("h2", &["linux", "local"]), now)
+        .unwrap();
+    assert_eq!(
+        e.hold(&orchestrator_request("h3", &["linux", "local"]), now)
+            .unwrap_err(),
+        HoldRefused::NotNow
+    );
+    drop(h2);
+    assert_eq!(usage_of(&e, "local").agents, 1, "dropped: released");
+    // Admitted: the agent named by the hold serves the job.
+    let agent = h1.agent();
+    let out = e.admit_held(h1, now).unwrap();
+    assert_eq!(spawned(&out), agent);
+    assert_eq!(spawn_orders(&mut e), vec![agent]);
+    assert_eq!(
+        usage_of(&e, "local").agents,
+        1,
+        "the reservation moved to the agent"
+    );
+    // Known now: no second hold for the job.
+    assert_eq!(e.hold(&r1, now).unwrap_err(), HoldRefused::Known);
+    // Final answers stay final.
+    assert!(matches!(
+        e.hold(&orchestrator_request("w", &["windows"]), now),
+        Err(HoldRefused::Final(ScaleOutcome::NoBackend { .. }))
+    ));
+    // A cordoned scaler holds nothing: routing skips it, as for any request.
+    e.cordon("local").unwrap();
+    assert!(matches!(
+        e.hold(&orchestrator_request("h4", &["linux", "local"]), now),
+        Err(HoldRefused::Final(ScaleOutcome::NoBackend { .. }))
+    ));
+}
+
+/// A hold on an idle warm agent keeps it from other jobs while it lives;
+/// admitted, the warm agent takes the job; dropped, the agent is free again.
+#[test]
+fn a_hold_sets_a_warm_agent_aside_until_admitted_or_dropped() {
+    let clock = Clock::new();
+    let now = clock.now();
+    let mut e = engine(WARM);
+    e.tick(now);
+    let warm = spawn_orders(&mut e);
+    for a in &warm {
+        bring_up(&mut e, *a, now);
+    }
+    let h1 = e.hold(&request("j1", &["warm"]), now).unwrap();
+    assert!(h1.warm());
+    assert_eq!(h1.agent(), warm[0], "oldest idle agent first");
+    // Another job gets the other warm agent, not the held one.
+    let h2 = e.hold(&request("j2", &["warm"]), now).unwrap();
+    assert_eq!(h2.agent(), warm[1]);
+    // Nothing bound while held.
+    assert_eq!(state(&e, warm[0], now), AgentState::Idle);
+    drop(h2);
+    let h3 = e.hold(&request("j3", &["warm"]), now).unwrap();
+    assert_eq!(h3.agent(), warm[1], "a dropped hold frees its agent");
+    let out = e.admit_held(h1, now).unwrap();
+    assert!(
+        matches!(out, ScaleOutcome::Spawning { agent_id, warm: true, .. } if agent_id == warm[0])
+    );
+    assert_eq!(state(&e, warm[0], now), AgentState::Busy);
+    // The held agent went away meanwhile: the hold lapses, nothing recorded.
+    e.destroy_agent(warm[1], now).unwrap();
+    assert_eq!(
+        e.admit_held(h3, now).unwrap_err(),
+        HoldLapsed::WarmAgentGone(warm[1])
+    );
+    assert!(e.job_outcome(&job("j3")).is_none());
+}
+
+/// A reload between the hold and its admission lapses the hold (its route
+/// was computed under the old configuration); nothing is recorded.
+#[test]
+fn a_hold_lapses_across_a_reload() {
+    let clock = Clock::new();
+    let now = clock.now();
+    let mut e = engine(BASIC);
+    let h = e
+        .hold(&orchestrator_request("r1", &["linux", "local"]), now)
+        .unwrap();
+    e.reload(config(BASIC), now).unwrap();
+    assert_eq!(e.admit_held(h, now).unwrap_err(), HoldLapsed::Reloaded);
+    assert!(e.job_outcome(&job("r1")).is_none());
+    assert_eq!(usage_of(&e, "local").agents, 0);
 }
