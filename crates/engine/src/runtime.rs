@@ -8,9 +8,10 @@
 
 use crate::backend::{Adoption, Backend, BackendReport, ResourceHandle, SpawnSpec};
 use crate::engine::{
-    AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect, Engine, EngineEvent,
-    JobEffect, JournalEntry, JournalKey, PendingRecovered, RecoverError, Recovered, Registration,
-    ReloadError, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status,
+    AdmissionHold, AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect,
+    Engine, EngineEvent, HoldLapsed, HoldRefused, JobEffect, JournalEntry, JournalKey,
+    PendingRecovered, RecoverError, Recovered, Registration, ReloadError, ReloadReport, ScaleError,
+    ScaleOutcome, SpawnOrder, Status,
 };
 use crate::journal::{Journal, JournalError, JournalOp, JournalWriter};
 use crate::pending::ScaleRequest;
@@ -764,6 +765,17 @@ impl Runtime {
     /// `Pending { position: 0 }`, leaving nothing behind.
     pub fn request_scale_now(&self, request: ScaleRequest) -> Result<ScaleOutcome, ScaleError> {
         self.call(|e, now| e.request_scale_now(request, now))
+    }
+
+    /// Sets aside what `request` needs here, recording nothing (see
+    /// [`Engine::hold`]).
+    pub fn hold(&self, request: &ScaleRequest) -> Result<AdmissionHold, HoldRefused> {
+        self.call_quiet(|e, now| e.hold(request, now))
+    }
+
+    /// Admits the request `hold` was taken for (see [`Engine::admit_held`]).
+    pub fn admit_held(&self, hold: AdmissionHold) -> Result<ScaleOutcome, HoldLapsed> {
+        self.call(|e, now| e.admit_held(hold, now))
     }
 
     /// Installs the coordinator every spawn and registration is checked

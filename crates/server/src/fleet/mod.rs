@@ -5,8 +5,8 @@
 //! lapse with reconciliation of its agents), leadership and the leader's
 //! chores (lost hosts, the pending TTL), the claim loop that pulls the
 //! fleet's queued scale requests and standalone jobs ([`jobs`]) into the
-//! local engine, the settling of what a restarted host held, the spawn gate that binds an agent to its claim before
-//! any backend creates it, the follow-up of those agents until their
+//! local engine, the settling of what a restarted host held, the binding of a claim to
+//! its agent before any backend creates it, the follow-up of those agents until their
 //! requests finish, the handover on shutdown, and the fleet's view for
 //! `GET /v1/fleet`; fleet-wide reads and calls carried to an owner are
 //! [`peer`]'s. The coordination itself (tables, locks, caps) is
@@ -15,10 +15,12 @@
 //! A scale request's path: any host routes it and writes it to the queue
 //! before answering ([`FleetHost::enter_scale`]); the hosts serving its
 //! pool are notified and one claims it (placement, then the fleet caps in
-//! the claim transaction), admits it locally ([`Runtime::request_scale_now`]:
-//! served now or released back to the queue, never queued twice), and the
-//! spawn gate records the agent against the claim under the host's lease
-//! epoch before the backend is called.
+//! the claim transaction). The engine is asked before it admits: it holds
+//! what the request needs ([`Runtime::hold`], recording nothing), the claim
+//! is bound to the held agent under the host's lease epoch, and only then
+//! is the request admitted ([`Runtime::admit_held`]) and its backend
+//! called. The entry host serves a request it may take the same way, in one
+//! transaction. Standalone jobs pass the spawn gate instead.
 
 pub mod auth;
 pub mod jobs;
@@ -29,7 +31,7 @@ pub mod view;
 use crate::events::metrics::Metrics;
 use crate::jobs::JobBook;
 use kici_engine::runtime::{Coordinator, Runtime};
-use kici_engine::{AgentState, EngineEvent, ScaleOutcome, ScaleRequest};
+use kici_engine::{AgentState, EngineEvent, HoldRefused, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
     Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, HostSpec, Leader, LeaseGuard,
     Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
@@ -41,7 +43,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{broadcast, oneshot, watch, Notify};
+use tokio::sync::{broadcast, watch, Notify};
 use tokio::task::JoinHandle;
 
 /// Finished requests, gone agents and departed hosts are purged after this.
@@ -84,9 +86,6 @@ struct Inner {
     /// Claims whose agent is not bound yet, by job (the spawn gate takes
     /// them out).
     claimed: Mutex<HashMap<JobId, Claim>>,
-    /// Requests admitted here at entry whose spawn waits for the entry's
-    /// transaction: `true` once it started them.
-    entering: Mutex<HashMap<JobId, oneshot::Receiver<bool>>>,
     /// Agents started for this host's claims, and their jobs.
     bound: Mutex<HashMap<AgentId, JobId>>,
     /// Pools whose last claim the engine could not admit, and since when.
@@ -220,7 +219,6 @@ impl FleetHost {
             pools,
             refused,
             claimed: Mutex::new(HashMap::new()),
-            entering: Mutex::new(HashMap::new()),
             bound: Mutex::new(HashMap::new()),
             busy: Mutex::new(HashMap::new()),
             serving: Mutex::new(HashMap::new()),
@@ -344,11 +342,13 @@ impl FleetHost {
     }
 
     /// The entry host serves the request itself when placement picks it and
-    /// it has room: local admission first (the agent's spawn waits at the
-    /// gate), then one transaction writes the request already started with
-    /// that agent — if it is its pool's head and the fleet caps admit it.
-    /// Otherwise the local admission is undone and the request stays queued
-    /// (or was known already). `None`: not tried here (enqueue it).
+    /// it has room. The engine first holds what the request needs (an idle
+    /// warm agent or capacity for a new one), recording nothing; one
+    /// transaction then writes the request already started with the held
+    /// agent — if it is its pool's head and the fleet caps admit it — and
+    /// only then does the engine admit it. Otherwise the hold is let go and
+    /// the request stays queued (or was known already): nothing was
+    /// admitted, so nothing is undone. `None`: not tried here (enqueue it).
     async fn enter_here(
         &self,
         new: &NewRequest,
@@ -359,47 +359,44 @@ impl FleetHost {
         let Some(_one) = self.may_take(&new.pool).await else {
             return Ok(None);
         };
-        // Known here already — also when the claim loop served it while
-        // this call waited for the claim guard: the queue has it too, and
-        // the admission below would be the engine's answer for that claim's
-        // agent, which this call must not undo. Answered from the queue.
-        if inner.runtime.call(|e, _| e.job_outcome(&job)).is_some() {
+        // Refused when the engine knows the job already — also when the
+        // claim loop served it while this call waited for the claim guard:
+        // the queue has it too, and answers.
+        let Ok(hold) = inner.runtime.hold(&request) else {
             return Ok(None);
-        }
-        let (decide, decision) = oneshot::channel();
-        inner.entering.lock().insert(job.clone(), decision);
-        let outcome = inner.runtime.request_scale_now(request);
-        let (agent_id, warm) = match &outcome {
-            Ok(ScaleOutcome::Spawning { agent_id, warm, .. }) => (*agent_id, *warm),
-            _ => {
-                inner.entering.lock().remove(&job);
-                return Ok(None);
-            }
         };
+        let agent_id = hold.agent();
         let entered = inner
             .queue
             .enqueue_started(&inner.guard, new, &agent_id.to_string())
             .await;
-        if let Ok(Entered::Started { .. }) = entered {
-            inner.bound.lock().insert(agent_id, job.clone());
-            // A gate that has not looked yet finds no entry: ungated.
-            let _ = decide.send(true);
-            inner.entering.lock().remove(&job);
-            inner.metrics.fleet_claim("started");
-            return outcome
-                .map(Some)
-                .map_err(|e| EntryError::Unavailable(e.to_string()));
-        }
-        // Not ours to serve: undone before the gate hears it.
-        self.undo_admission(&job, agent_id, warm);
-        let _ = decide.send(false);
-        inner.entering.lock().remove(&job);
         match entered {
-            Ok(_) => self.answer(&job).await.map(Some),
-            Err(FleetError::Conflict { .. }) => Err(EntryError::Conflict(job)),
+            Ok(Entered::Started { .. }) => {}
+            // Not this host's to serve: the hold is let go.
+            Ok(Entered::Queued { .. } | Entered::Existing { .. }) => {
+                drop(hold);
+                return self.answer(&job).await.map(Some);
+            }
+            Err(FleetError::Conflict { .. }) => return Err(EntryError::Conflict(job)),
             // The fence is closed or moved: queued the ordinary way.
-            Err(FleetError::LeaseLapsed { .. } | FleetError::StaleEpoch { .. }) => Ok(None),
-            Err(e) => Err(EntryError::Unavailable(e.to_string())),
+            Err(FleetError::LeaseLapsed { .. } | FleetError::StaleEpoch { .. }) => return Ok(None),
+            Err(e) => return Err(EntryError::Unavailable(e.to_string())),
+        }
+        inner.bound.lock().insert(agent_id, job.clone());
+        match inner.runtime.admit_held(hold) {
+            Ok(outcome) => {
+                inner.metrics.fleet_claim("started");
+                Ok(Some(outcome))
+            }
+            Err(lapsed) => {
+                // Recorded started with an agent that will never exist: as
+                // for an agent that ended before it registered, the request
+                // goes back to its place in the queue.
+                tracing::warn!(job_id = %job, agent_id = %agent_id, reason = %lapsed,
+                    "fleet: the held capacity lapsed before the request was admitted; queued again");
+                self.finish(agent_id, "hold-lapsed", true).await;
+                self.answer(&job).await.map(Some)
+            }
         }
     }
 
@@ -506,20 +503,6 @@ impl FleetHost {
         }
     }
 
-    /// Takes back a local admission for a request this host does not serve
-    /// after all: an agent still to be created never is (cancelling cuts
-    /// its spawn short wherever it waits); a warm agent taken for it is
-    /// given up — it was bound to the job, and a registered agent is not
-    /// unbound by a cancel.
-    fn undo_admission(&self, job: &JobId, agent: AgentId, warm: bool) {
-        self.0.bound.lock().remove(&agent);
-        if warm {
-            let _ = self.0.runtime.destroy_agent(agent);
-        } else {
-            self.0.runtime.cancel_scale(job);
-        }
-    }
-
     /// Admits a claimed request here, or gives it back.
     async fn serve(&self, claim: Claim) {
         if claim.kind == RequestKind::Job {
@@ -541,29 +524,18 @@ impl FleetHost {
                 return;
             }
         };
+        // Asked before admitted: the engine holds what the request needs,
+        // the claim is bound to the held agent, and only then is the
+        // request admitted here.
         let job = request.job.clone();
-        // Before the engine spawns: the gate looks the claim up by job.
-        inner.claimed.lock().insert(job.clone(), claim.clone());
-        match inner.runtime.request_scale_now(request) {
-            Ok(ScaleOutcome::Spawning { agent_id, warm, .. }) => {
-                inner.bound.lock().insert(agent_id, job.clone());
-                inner.metrics.fleet_claim("started");
-                if warm {
-                    self.bind_warm(&job, agent_id).await;
-                }
-            }
-            Ok(ScaleOutcome::Pending { .. }) | Err(kici_engine::ScaleError::QueueFull(_)) => {
-                inner.claimed.lock().remove(&job);
-                inner.busy.lock().insert(claim.pool.clone(), Instant::now());
-                self.give_back(&claim, "released").await;
-            }
-            Ok(outcome @ (ScaleOutcome::TooLarge { .. } | ScaleOutcome::NoBackend { .. })) => {
-                inner.claimed.lock().remove(&job);
+        let hold = match inner.runtime.hold(&request) {
+            Ok(hold) => hold,
+            Err(HoldRefused::Final(outcome)) => {
                 inner.metrics.fleet_claim("refused");
                 let text = match outcome {
                     ScaleOutcome::TooLarge { detail, .. } => format!("too-large: {detail}"),
                     ScaleOutcome::NoBackend { explanation } => format!("no-backend: {explanation}"),
-                    _ => String::new(),
+                    other => format!("{other:?}"),
                 };
                 if let Err(e) = inner
                     .queue
@@ -572,11 +544,38 @@ impl FleetHost {
                 {
                     tracing::warn!(job_id = %job, error = %e, "fleet: finishing a refused request failed");
                 }
+                return;
             }
-            Err(e) => {
-                inner.claimed.lock().remove(&job);
-                tracing::warn!(job_id = %job, error = %e, "fleet: the engine refused a claimed request; given back");
-                self.give_back(&claim, "error").await;
+            Err(refused) => {
+                // No room here now (or the job is known here, or the engine
+                // stops): another host, or this one later, serves it.
+                tracing::debug!(job_id = %job, refused = ?refused, "fleet: no room for a claimed request here; given back");
+                inner.busy.lock().insert(claim.pool.clone(), Instant::now());
+                self.give_back(&claim, "released").await;
+                return;
+            }
+        };
+        let agent_id = hold.agent();
+        if let Err(e) = inner
+            .queue
+            .start(&inner.guard, &claim, &agent_id.to_string())
+            .await
+        {
+            drop(hold);
+            tracing::warn!(job_id = %job, agent_id = %agent_id, error = %e,
+                "fleet: the claim could not be bound; nothing is admitted");
+            // Still ours under a lapsed lease: given back at once (always
+            // safe) rather than when the leader finds it.
+            self.give_back(&claim, "error").await;
+            return;
+        }
+        inner.bound.lock().insert(agent_id, job.clone());
+        match inner.runtime.admit_held(hold) {
+            Ok(_) => inner.metrics.fleet_claim("started"),
+            Err(lapsed) => {
+                tracing::warn!(job_id = %job, agent_id = %agent_id, reason = %lapsed,
+                    "fleet: the held capacity lapsed before the request was admitted; queued again");
+                self.finish(agent_id, "hold-lapsed", true).await;
             }
         }
     }
@@ -594,7 +593,10 @@ impl FleetHost {
             {
                 tracing::warn!(job_id = %job, agent_id = %agent_id, error = %e,
                     "fleet: the warm agent could not be bound to its claim; giving it up");
-                self.undo_admission(job, agent_id, true);
+                // Bound to the job already: a registered agent is not
+                // unbound by a cancel, so it is given up.
+                inner.bound.lock().remove(&agent_id);
+                let _ = inner.runtime.destroy_agent(agent_id);
             }
         }
     }
@@ -1165,14 +1167,6 @@ impl Coordinator for FleetCoordinator {
         let (Some(inner), Some(job)) = (self.0.upgrade(), job) else {
             return Ok(());
         };
-        // Admitted at entry: wait for the entry's transaction.
-        let entering = inner.entering.lock().remove(job);
-        if let Some(decision) = entering {
-            return match decision.await {
-                Ok(true) => Ok(()),
-                _ => Err("the request was queued for the fleet instead".to_owned()),
-            };
-        }
         // Not a fleet claim (a standalone job, or a warm spawn): ungated.
         let Some(claim) = inner.claimed.lock().remove(job) else {
             return Ok(());
