@@ -83,6 +83,10 @@ pub struct ScalerStatusObject {
     pub warm_idle: usize,
     /// Scale requests waiting for capacity.
     pub pending: usize,
+    /// How long the oldest of `pending` has waited, in seconds; absent when
+    /// nothing waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_seconds: Option<f64>,
     /// The spawn throttle (`maxConcurrentSpawns`).
     pub spawns: SpawnsObject,
     pub cordoned: bool,
@@ -129,7 +133,12 @@ pub struct StatusObject {
     pub instance_id: String,
     pub global: UsageObject,
     pub global_max_agents: u32,
+    /// Scale requests waiting for capacity, over every scaler.
     pub pending: usize,
+    /// How long the oldest of `pending` has waited, in seconds; absent when
+    /// nothing waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_seconds: Option<f64>,
     pub scalers: Vec<ScalerStatusObject>,
     /// In a fleet: every other live host's status, each as this object
     /// (without hosts of its own). Empty with `?local=true`.

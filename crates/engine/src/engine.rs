@@ -1436,6 +1436,8 @@ impl Engine {
     /// Per-scaler status (`GET /v1/status`).
     pub fn status(&self, now: Instant) -> Status {
         let usage = self.admission.usage();
+        let oldest = self.pending.oldest_per_scaler();
+        let age = |at: Instant| now.saturating_duration_since(at);
         let scalers = self
             .config
             .scalers
@@ -1477,6 +1479,7 @@ impl Engine {
                     warm_source,
                     warm_idle,
                     pending: self.pending.count_for(s.name.as_str()),
+                    oldest_pending: oldest.get(&s.name).copied().map(age),
                     max_concurrent_spawns: s.max_concurrent_spawns,
                     spawns_in_flight,
                     spawns_waiting,
@@ -1490,6 +1493,8 @@ impl Engine {
             global: usage.global,
             global_max_agents: self.config.global_max_agents,
             pending: self.pending.len(),
+            // Over every waiting request, as `pending` counts them.
+            oldest_pending: oldest.values().min().copied().map(age),
             scalers,
         }
     }
@@ -1648,6 +1653,9 @@ pub struct ScalerStatus {
     pub warm_source: WarmSource,
     pub warm_idle: usize,
     pub pending: usize,
+    /// How long the oldest of `pending` has waited, at the status's `now`;
+    /// `None` when nothing waits.
+    pub oldest_pending: Option<Duration>,
     /// `maxConcurrentSpawns`.
     pub max_concurrent_spawns: u32,
     /// Backend spawns running now (agents in `provisioning`).
@@ -1664,5 +1672,8 @@ pub struct Status {
     pub global: kici_admission::ScopeUsage,
     pub global_max_agents: u32,
     pub pending: usize,
+    /// How long the oldest pending request (of any scaler) has waited;
+    /// `None` when nothing waits.
+    pub oldest_pending: Option<Duration>,
     pub scalers: Vec<ScalerStatus>,
 }

@@ -310,6 +310,26 @@ impl PendingQueue {
         jobs.iter().filter_map(|job| self.remove(job)).collect()
     }
 
+    /// When the oldest waiting request of each scaler arrived. Reads the
+    /// front of each shape's arrival order, so it costs one step per shape,
+    /// not per request.
+    pub fn oldest_per_scaler(&self) -> HashMap<&ScalerName, Instant> {
+        let mut oldest: HashMap<&ScalerName, Instant> = HashMap::new();
+        for members in self.shapes.values() {
+            let Some((arrival, job)) = members.order.front() else {
+                continue;
+            };
+            let Some(slot) = self.slots.get(job) else {
+                continue;
+            };
+            oldest
+                .entry(&slot.entry.scaler)
+                .and_modify(|at| *at = (*at).min(arrival.at))
+                .or_insert(arrival.at);
+        }
+        oldest
+    }
+
     pub fn count_for(&self, scaler: &str) -> usize {
         self.per_scaler.get(scaler).copied().unwrap_or(0)
     }

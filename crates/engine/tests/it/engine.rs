@@ -199,6 +199,75 @@ fn count_cap_keeps_request_pending_until_a_release_wakes_it() {
     );
 }
 
+/// `(scaler's oldest pending, global oldest pending)` at `now`.
+fn oldest_pending(
+    e: &Engine,
+    scaler: &str,
+    now: std::time::Instant,
+) -> (Option<Duration>, Option<Duration>) {
+    let status = e.status(now);
+    let s = status
+        .scalers
+        .iter()
+        .find(|s| s.name.as_str() == scaler)
+        .unwrap();
+    (s.oldest_pending, status.oldest_pending)
+}
+
+#[test]
+fn status_tells_how_long_the_oldest_pending_request_has_waited() {
+    let mut clock = Clock::new();
+    let mut e = engine(BASIC);
+    let secs = |s: u64| Some(Duration::from_secs(s));
+    // `local` takes two agents: both admitted, nothing waits.
+    let a1 = spawned(
+        &e.request_scale(request("j1", &["local"]), clock.now())
+            .unwrap(),
+    );
+    spawned(
+        &e.request_scale(request("j2", &["local"]), clock.now())
+            .unwrap(),
+    );
+    assert_eq!(oldest_pending(&e, "local", clock.now()), (None, None));
+
+    e.request_scale(request("j3", &["local"]), clock.now())
+        .unwrap();
+    clock.advance(10);
+    // Of another shape (its own queue inside the pending queue).
+    let mut smaller = request("j4", &["local"]);
+    smaller.resources = Some(ResourceRequest::flat(ResourceSpec {
+        cpus: Some(MilliCpu::from_millis(500)),
+        memory: None,
+    }));
+    e.request_scale(smaller, clock.now()).unwrap();
+    assert_eq!(e.pending_len(), 2);
+    // The age is the oldest request's, and grows with the clock.
+    let now = clock.advance(5);
+    assert_eq!(oldest_pending(&e, "local", now), (secs(15), secs(15)));
+    let now = clock.advance(30);
+    assert_eq!(oldest_pending(&e, "local", now), (secs(45), secs(45)));
+    // Another scaler's younger request: its own age; the global one stays
+    // the oldest of all.
+    for j in ["d1", "d2"] {
+        spawned(&e.request_scale(request(j, &["docker"]), now).unwrap());
+    }
+    e.request_scale(request("d3", &["docker"]), now).unwrap();
+    let now = clock.advance(2);
+    assert_eq!(oldest_pending(&e, "docker", now), (secs(2), secs(47)));
+
+    // Cancelling the oldest: the next one's age.
+    assert!(e.cancel_scale(&job("j3"), now));
+    assert_eq!(oldest_pending(&e, "local", now), (secs(37), secs(37)));
+    // A release admits the last one: nothing of `local` waits any more.
+    bring_up(&mut e, a1, now);
+    e.agent_disconnected(a1, now).unwrap();
+    finish_destroy(&mut e, now);
+    assert_eq!(e.pending_len(), 1, "only docker's request waits");
+    assert_eq!(oldest_pending(&e, "local", now), (None, secs(2)));
+    assert!(e.cancel_scale(&job("d3"), now));
+    assert_eq!(oldest_pending(&e, "docker", now), (None, None));
+}
+
 #[test]
 fn global_cap_counts_admitted_agents_across_scalers() {
     let yaml = BASIC.replace("globalMaxAgents: 10", "globalMaxAgents: 2");

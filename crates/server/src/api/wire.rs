@@ -356,6 +356,7 @@ pub fn status_object(instance: InstanceId, s: &Status) -> StatusObject {
         global: (&s.global).into_api(),
         global_max_agents: s.global_max_agents,
         pending: s.pending,
+        oldest_pending_seconds: s.oldest_pending.map(|d| d.as_secs_f64()),
         scalers: s
             .scalers
             .iter()
@@ -376,6 +377,7 @@ pub fn status_object(instance: InstanceId, s: &Status) -> StatusObject {
                 warm_source: warm_source(&sc.warm_source),
                 warm_idle: sc.warm_idle,
                 pending: sc.pending,
+                oldest_pending_seconds: sc.oldest_pending.map(|d| d.as_secs_f64()),
                 spawns: SpawnsObject {
                     max_concurrent: sc.max_concurrent_spawns,
                     in_flight: sc.spawns_in_flight,

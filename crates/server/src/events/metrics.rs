@@ -1101,6 +1101,7 @@ mod tests {
             },
             global_max_agents: 10,
             pending: 0,
+            oldest_pending: None,
             scalers: Vec::new(),
         };
         let text = m.scrape(&config, &status, &agents);

@@ -245,11 +245,16 @@ impl Browser {
 /// One bare-metal scaler `local` of at most 4 agents running the real
 /// agent, on a TCP listener (so with the token).
 fn daemon() -> (Dir, Daemon) {
+    daemon_of(4)
+}
+
+/// [`daemon`] with `local` capped at `max_agents`.
+fn daemon_of(max_agents: u32) -> (Dir, Daemon) {
     let dir = Dir::with_config("");
     std::fs::write(
         dir.path("scalers.yaml"),
         format!(
-            "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: 4\n    resourceCap: {{ maxCpu: 8 }}\n    labelSets:\n      - labels: [local]\n        binaryPath: {}\n",
+            "version: 1\nscalers:\n  - name: local\n    type: bare-metal\n    maxAgents: {max_agents}\n    resourceCap: {{ maxCpu: 8 }}\n    labelSets:\n      - labels: [local]\n        binaryPath: {}\n",
             agent_lite_dir().join("kici-agent-lite").display()
         ),
     )
@@ -467,4 +472,124 @@ async fn a_wrong_token_is_refused_with_the_apis_words() {
         b.eval("sessionStorage.getItem('kici-scaler-token')").await,
         json!(TEST_API_TOKEN)
     );
+}
+
+/// `GET /v1/status` as JSON: (the global `oldestPendingSeconds`, scaler
+/// `local`'s).
+fn oldest_pending_of(d: &Daemon) -> (Value, Value) {
+    let (code, body) = d.http("GET", "/v1/status", None);
+    assert_eq!(code, 200, "{body}");
+    let status: Value = serde_json::from_str(&body).unwrap();
+    let local = status["scalers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "local")
+        .unwrap()
+        .clone();
+    (
+        status["oldestPendingSeconds"].clone(),
+        local["oldestPendingSeconds"].clone(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_shows_how_long_the_oldest_pending_request_has_waited() {
+    let (dir, d) = daemon_of(1);
+    let link = ui_link(&dir, &d);
+    let mut b = Browser::start().await;
+    b.navigate(&link).await;
+    b.wait_for(
+        "the live stream",
+        "window.kiciConsole.state.ready && window.kiciConsole.state.connected",
+    )
+    .await;
+    // Nothing waits: no age, in the API or on the page.
+    assert_eq!(oldest_pending_of(&d), (Value::Null, Value::Null));
+    assert_eq!(
+        b.eval("document.querySelector('[data-scaler=local] .pending').textContent")
+            .await,
+        json!("0")
+    );
+
+    // The one agent `local` may have takes the first request; the second
+    // waits.
+    let (code, answer) = d.scale("ui-first", &["local"]);
+    assert_eq!(code, 202, "{answer}");
+    let (code, answer) = d.scale("ui-waits", &["local"]);
+    assert_eq!((code, answer["result"].as_str()), (200, Some("pending")));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (global, local) = oldest_pending_of(&d);
+    let (global, local) = (global.as_f64().unwrap(), local.as_f64().unwrap());
+    assert!(local >= 0.3, "local's oldest pending: {local} s");
+    assert!(global >= local, "global {global} s, local {local} s");
+
+    // The page shows the count and the age, and the age moves on between
+    // two reads of the status (the same status object, an older age).
+    let age = "document.querySelector('[data-scaler=local] .pending .age')";
+    b.wait_for("the pending age", age).await;
+    let text = b
+        .eval("document.querySelector('[data-scaler=local] .pending').textContent")
+        .await;
+    let text = text.as_str().unwrap().to_owned();
+    assert!(
+        text.starts_with("1, oldest ") && text.ends_with('s'),
+        "{text}"
+    );
+    let mut ticked = None;
+    for _ in 0..5 {
+        let before = b
+            .eval(&format!(
+                "(() => {{ window.seen = window.kiciConsole.state.status; return [Number({age}.dataset.age), {age}.textContent]; }})()"
+            ))
+            .await;
+        tokio::time::sleep(Duration::from_millis(2100)).await;
+        let after = b
+            .eval(&format!(
+                "[Number({age}.dataset.age), {age}.textContent, window.seen === window.kiciConsole.state.status]"
+            ))
+            .await;
+        if after[2] == json!(true) {
+            ticked = Some((before, after));
+            break;
+        }
+    }
+    let (before, after) = ticked.expect("the status was re-read within every 2 s window");
+    let (a0, a1) = (before[0].as_f64().unwrap(), after[0].as_f64().unwrap());
+    assert!(a0 > 0.0, "age shown {a0} s");
+    assert!(
+        a1 >= a0 + 1.0,
+        "the age did not move on without a refresh: {before} then {after}"
+    );
+    assert_ne!(before[1], after[1], "the age shown did not change");
+    // The global pending line shows it too.
+    b.wait_for(
+        "the global pending age",
+        "document.querySelector('#global .pending .age')",
+    )
+    .await;
+
+    // Not highlighted while young; highlighted past the threshold (lowered
+    // here: the default is a minute).
+    assert_eq!(
+        b.eval(&format!("{age}.classList.contains('warn')")).await,
+        json!(false)
+    );
+    b.eval("window.kiciConsole.state.pendingWarnS = 1").await;
+    b.wait_for(
+        "the old pending request highlighted",
+        "document.querySelector('[data-scaler=local] .pending .age.warn')",
+    )
+    .await;
+    b.screenshot("pending-age").await;
+
+    // Cancelled: nothing waits, no age.
+    let (code, body) = d.http("DELETE", "/v1/scale/ui-waits", None);
+    assert_eq!(code, 204, "{body}");
+    assert_eq!(oldest_pending_of(&d), (Value::Null, Value::Null));
+    b.wait_for(
+        "the age gone",
+        "document.querySelector('[data-scaler=local] .pending').textContent === '0'",
+    )
+    .await;
 }

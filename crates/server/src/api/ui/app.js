@@ -8,10 +8,15 @@ const TOKEN_KEY = 'kici-scaler-token';
 const HOUR_MS = 3600 * 1000;
 const SAMPLE_MS = 10 * 1000;
 const TRANSITIONS_KEPT = 20;
+// A pending request older than this is shown highlighted: the status does
+// not carry the pending TTL, and by then an operator should look anyway.
+const PENDING_WARN_S = 60;
 
 const S = {
   token: sessionStorage.getItem(TOKEN_KEY) || '',
   status: null,
+  statusAt: 0,            // Date.now() when `status` was read
+  pendingWarnS: PENDING_WARN_S,
   fleet: null,
   agents: new Map(),      // agentId -> agent (GET /v1/agents shape, plus `since` in ms)
   transitions: new Map(), // agentId -> [{at, from, to, cause, detail, failureReason}]
@@ -136,6 +141,7 @@ async function loadAgents() {
 
 async function loadStatus() {
   S.status = await api('GET', '/v1/status');
+  S.statusAt = Date.now();
   $('instance').textContent = S.status.instanceId;
   sample();
   render();
@@ -270,6 +276,15 @@ function dur(s) {
   return `${Math.floor(s / 3600)}h${String(Math.floor(s / 60) % 60).padStart(2, '0')}m`;
 }
 
+// A pending count and, when some wait, the oldest one's age: the age read
+// with the status plus the time since, so it moves between refreshes.
+function pending(n, oldest) {
+  if (!n || oldest == null) return String(n);
+  const age = oldest + (Date.now() - S.statusAt) / 1000;
+  const warn = age > S.pendingWarnS ? ' warn' : '';
+  return `${n}, oldest <span class="age${warn}" data-age="${age.toFixed(1)}">${dur(age)}</span>`;
+}
+
 function bytes(n) {
   if (n == null) return '';
   const u = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
@@ -295,7 +310,7 @@ function usage(u) {
 function renderGlobal() {
   const st = S.status;
   if (!st) return;
-  $('global').innerHTML = `<dl class="kv">${usage(st.global)}<dt>global max agents</dt><dd>${st.globalMaxAgents || 'none'}</dd><dt>pending</dt><dd>${st.pending}</dd></dl>`;
+  $('global').innerHTML = `<dl class="kv">${usage(st.global)}<dt>global max agents</dt><dd>${st.globalMaxAgents || 'none'}</dd><dt>pending</dt><dd class="pending">${pending(st.pending, st.oldestPendingSeconds)}</dd></dl>`;
 }
 
 function renderScalers() {
@@ -311,7 +326,7 @@ function renderScalers() {
 <dl class="kv">
 <dt>agents</dt><dd class="counts">${c.active} active: ${c.spawning} spawning, ${c.registered} registered, ${c.idle} idle, ${c.busy} busy, ${c.draining} draining, ${c.destroying} destroying</dd>
 <dt>warm</dt><dd class="warm">${s.warmIdle} ready / ${s.warmTarget} target</dd>
-<dt>pending</dt><dd class="pending">${s.pending}</dd>
+<dt>pending</dt><dd class="pending">${pending(s.pending, s.oldestPendingSeconds)}</dd>
 <dt>spawns</dt><dd>${s.spawns.inFlight} in flight / ${s.spawns.maxConcurrent} max, ${s.spawns.waiting} waiting</dd>
 </dl>
 <dl class="kv caps">${usage(s.usage)}</dl>
@@ -561,8 +576,9 @@ async function start() {
 
 takeFragmentToken();
 wire();
-// Times in state move on; the chart gets a point every SAMPLE_MS; the
-// fleet and the status are polled too (lease ages are not events).
+// Times in state and pending ages move on; the chart gets a point every
+// SAMPLE_MS; the fleet and the status are polled too (lease ages are not
+// events).
 setInterval(() => { if (S.ready) { sample(); render(); } }, 1000);
 setInterval(() => { if (S.ready) Promise.all([loadFleet(), loadStatus()]).catch(showError); }, 5000);
 start();
