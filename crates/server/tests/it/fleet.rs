@@ -1856,3 +1856,71 @@ fn serial_fleet_a_request_whose_agent_never_registered_goes_back_to_the_fleets_q
         vec!["4".to_owned()]
     );
 }
+
+/// The engine is asked before it admits: a request that arrives while its
+/// pool is at the fleet cap is only queued, and the idle warm agent the
+/// entry host could have given it stays in the pool. Before, the entry
+/// admitted first — the warm agent was bound to the request — then undid
+/// that when the queue said "not now", destroying the warm agent: every
+/// arrival at the cap cost a warm agent and a spawn.
+#[test]
+fn serial_fleet_an_arrival_at_the_fleet_cap_leaves_the_warm_pool_alone() {
+    let warm = format!(
+        "  - name: warm\n    type: bare-metal\n    maxAgents: 3\n    warmPool: {{ enabled: true, size: 1, idleTimeoutSeconds: 600 }}\n    x-kici-scaler:\n      fleetMaxAgents: 1\n    labelSets:\n      - labels: [warm]\n        binaryPath: {}\n",
+        common::daemon::agent_lite_dir()
+            .join("kici-agent-lite")
+            .display()
+    );
+    let fleet = Fleet::start_with(1, 2, 2, &[], &warm, &[]);
+    let host = &fleet.hosts[0];
+    let idle_warm = || -> Vec<String> {
+        let (_, v) = host.call("GET", "/v1/agents?local=true", None);
+        v["agents"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|a| a["scaler"] == "warm" && a["state"] == "idle" && a["warm"] == true)
+                    .map(|a| a["agentId"].as_str().unwrap().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let send = |job: &str| {
+        let body = serde_json::json!({"jobId": job, "labels": ["warm"]}).to_string();
+        host.call("POST", "/v1/scale", Some(&body))
+    };
+    wait_until("the warm pool fills", || idle_warm().len() == 1);
+    // The first request takes the warm agent; the pool is at its fleet cap.
+    let (status, v) = send("w-1");
+    assert!(status == 202 || status == 200, "{v}");
+    assert_eq!(v["result"], "spawning", "{v}");
+    assert_eq!(v["warm"], true, "{v}");
+    let mut replacement = Vec::new();
+    wait_until("the warm pool is refilled", || {
+        replacement = idle_warm();
+        replacement.len() == 1
+    });
+    // Arrivals at the cap: queued, and the warm agent is not touched.
+    for n in 2..=6 {
+        let (status, v) = send(&format!("w-{n}"));
+        assert!(status == 202 || status == 200, "{v}");
+        assert_eq!(v["result"], "pending", "{v}");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(idle_warm(), replacement, "the same warm agent, still idle");
+    let (_, all) = host.call("GET", "/v1/agents?local=true&all=true", None);
+    let ever: Vec<&Value> = all["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["scaler"] == "warm")
+        .collect();
+    assert_eq!(
+        ever.len(),
+        2,
+        "one warm agent served w-1, one replaced it; none was made and destroyed: {ever:?}"
+    );
+    let queued =
+        fleet.sql("SELECT count(*) FROM fleet_requests WHERE pool = 'warm' AND state = 'queued'");
+    assert_eq!(queued, ["5"]);
+}
