@@ -37,6 +37,7 @@ pub const SERIES: &[&str] = &[
     "kici_orch_scaler_warm_period",
     "kici_orch_scaler_pending_requests",
     "kici_orch_scaler_pending_age_seconds",
+    "kici_orch_scaler_pending_oldest_seconds",
     "kici_orch_scaler_spawns_in_flight",
     "kici_orch_scaler_spawns_waiting",
     "kici_orch_scaler_provision_seconds",
@@ -271,6 +272,7 @@ pub struct Metrics {
     warm_period: Family<ScalerLabels, Gauge>,
     pending: Family<ScalerLabels, Gauge>,
     pending_age: Histogram,
+    pending_oldest: Family<ScalerLabels, FloatGauge>,
     spawns_in_flight: Family<ScalerLabels, Gauge>,
     spawns_waiting: Family<ScalerLabels, Gauge>,
     provision: HistogramFamily<PhaseLabels>,
@@ -314,6 +316,7 @@ impl Metrics {
             warm_period: Family::default(),
             pending: Family::default(),
             pending_age: seconds_histogram(),
+            pending_oldest: Family::default(),
             spawns_in_flight: Family::default(),
             spawns_waiting: Family::default(),
             provision: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
@@ -414,6 +417,11 @@ impl Metrics {
             "kici_orch_scaler_pending_age_seconds",
             "How long scale requests waited in the pending queue before leaving it",
             m.pending_age.clone(),
+        );
+        registry.register(
+            "kici_orch_scaler_pending_oldest_seconds",
+            "How long the oldest scale request still waiting has waited, per scaler (0: none waits)",
+            m.pending_oldest.clone(),
         );
         registry.register(
             "kici_orch_scaler_spawns_in_flight",
@@ -600,6 +608,7 @@ impl Metrics {
             let _ = self.warm_target.get_or_create(&scaler);
             self.warm_period.get_or_create(&scaler).set(-1);
             let _ = self.pending.get_or_create(&scaler);
+            let _ = self.pending_oldest.get_or_create(&scaler);
             let _ = self.spawns_in_flight.get_or_create(&scaler);
             let _ = self.spawns_waiting.get_or_create(&scaler);
             for state in LIVE_STATES {
@@ -810,6 +819,7 @@ impl Metrics {
     /// Recomputes every gauge from a snapshot. Scalers a reload removed
     /// disappear once they have no agent left.
     fn refresh(&self, config: &Config, status: &Status, agents: &[AgentView]) {
+        self.pending_oldest.clear();
         for family in [
             &self.warm_target,
             &self.pending,
@@ -859,6 +869,9 @@ impl Metrics {
             self.pending
                 .get_or_create(&scaler)
                 .set(i64::try_from(s.pending).unwrap_or(i64::MAX));
+            self.pending_oldest
+                .get_or_create(&scaler)
+                .set(s.oldest_pending.map_or(0.0, |d| d.as_secs_f64()));
             self.spawns_in_flight
                 .get_or_create(&scaler)
                 .set(i64::try_from(s.spawns_in_flight).unwrap_or(i64::MAX));

@@ -523,6 +523,16 @@ async fn the_console_shows_how_long_the_oldest_pending_request_has_waited() {
     let (global, local) = (global.as_f64().unwrap(), local.as_f64().unwrap());
     assert!(local >= 0.3, "local's oldest pending: {local} s");
     assert!(global >= local, "global {global} s, local {local} s");
+    // The same age as a gauge, for dashboards and alerts.
+    let (code, metrics) = d.http("GET", "/metrics", None);
+    assert_eq!(code, 200);
+    let gauge: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kici_orch_scaler_pending_oldest_seconds{scaler=\"local\"} "))
+        .unwrap_or_else(|| panic!("no pending_oldest gauge for local:\n{metrics}"))
+        .parse()
+        .unwrap();
+    assert!(gauge >= 0.3, "the gauge says {gauge} s");
 
     // The page shows the count and the age, and the age moves on between
     // two reads of the status (the same status object, an older age).
