@@ -204,10 +204,31 @@ pub enum Effect {
     Destroy(DestroyOrder),
     /// The agent is gone: revoke what was minted for it (its token).
     Revoke(AgentId),
+    /// The agent is gone: a coordinator that handed it a job must learn
+    /// how it ended (see `runtime::Coordinator::agent_ended`).
+    Ended(EndedAgent),
     /// Something happened to a standalone job that its dispatcher must act
     /// on. Orchestrator-mode jobs never produce one: their dispatcher is
     /// the orchestrator.
     Job(JobEffect),
+}
+
+/// An agent that is gone, as a coordinator needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndedAgent {
+    pub agent: AgentId,
+    /// The job it served or was bound to, if any.
+    pub job: Option<JobId>,
+    /// Why it failed, if it did.
+    pub failure: Option<FailureReason>,
+}
+
+impl EndedAgent {
+    /// Whether it ended before anybody could have given it its job (it
+    /// never came up, or never registered): the job may be served again.
+    pub fn before_dispatch(&self) -> bool {
+        self.failure.is_some_and(FailureReason::before_dispatch)
+    }
 }
 
 /// What a standalone job's dispatcher (the daemon's job book and agent

@@ -119,9 +119,10 @@ pub use backend::{
 pub use breaker::{Breaker, BreakerState};
 pub use engine::{
     AdmissionHold, AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect,
-    Engine, EngineEvent, EngineSettings, HoldLapsed, HoldRefused, JobEffect, JobLost, JournalEntry,
-    JournalKey, PendingRecovered, ProvisionNotice, RecoverError, Recovered, Registration,
-    ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status, TransitionCause, WarmSource,
+    EndedAgent, Engine, EngineEvent, EngineSettings, HoldLapsed, HoldRefused, JobEffect, JobLost,
+    JournalEntry, JournalKey, PendingRecovered, ProvisionNotice, RecoverError, Recovered,
+    Registration, ReloadReport, ScaleError, ScaleOutcome, SpawnOrder, Status, TransitionCause,
+    WarmSource,
 };
 pub use journal::{Journal, JournalError, JournalErrorKind};
 pub use lifecycle::{transition, AgentEvent, AgentState, FailureReason, Mode, StopCause};

@@ -9,7 +9,7 @@
 use crate::backend::{Adoption, Backend, BackendReport, ResourceHandle, SpawnSpec};
 use crate::engine::{
     AdmissionHold, AgentError, AgentView, DestroyOrder, DurableAgent, DurablePending, Effect,
-    Engine, EngineEvent, HoldLapsed, HoldRefused, JobEffect, JournalEntry, JournalKey,
+    EndedAgent, Engine, EngineEvent, HoldLapsed, HoldRefused, JobEffect, JournalEntry, JournalKey,
     PendingRecovered, RecoverError, Recovered, Registration, ReloadError, ReloadReport, ScaleError,
     ScaleOutcome, SpawnOrder, Status,
 };
@@ -132,6 +132,12 @@ pub trait Coordinator: Send + Sync {
     /// again. `Err(reason)`: not recorded — the registration is refused
     /// (the agent may try again), and the job has not run.
     async fn record_registration(&self, agent: AgentId) -> Result<(), String>;
+
+    /// An agent is gone (destroyed, its capacity released). Called once per
+    /// agent, from the engine's effect — never from the event stream, which
+    /// may drop events for a slow reader. The coordinator records it
+    /// itself, retrying as it must.
+    async fn agent_ended(&self, ended: EndedAgent);
 }
 
 /// An event with its stream position (the SSE `id`) and wall-clock time.
@@ -471,6 +477,13 @@ impl Runtime {
             Effect::Spawn(order) => self.launch_spawn(order, recorded),
             Effect::Destroy(order) => self.launch_destroy(order),
             Effect::Revoke(agent) => self.inner.bootstrap.revoke(agent),
+            // Told, not broadcast: the coordinator hears every end (it
+            // retries what it could not record itself).
+            Effect::Ended(ended) => {
+                if let Some(coordinator) = self.inner.gate.get().cloned() {
+                    tokio::spawn(async move { coordinator.agent_ended(ended).await });
+                }
+            }
             // The receiver lives as long as the runtime (taken or not).
             Effect::Job(job) => {
                 let _ = self.inner.job_effects.send(job);

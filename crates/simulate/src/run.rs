@@ -200,7 +200,7 @@ impl Sim {
                     Effect::Destroy(order) => {
                         self.at(Duration::ZERO, Step::DestroyDone(order.agent))
                     }
-                    Effect::Revoke(_) => {}
+                    Effect::Revoke(_) | Effect::Ended(_) => {}
                     // Its agent's registration names the job.
                     Effect::Job(JobEffect::Bound { .. }) => {}
                     Effect::Job(JobEffect::Dispatch { job, agent }) => self.ready(agent, job),

@@ -223,6 +223,11 @@ impl Engine {
             if view.job_id.is_none() {
                 view.job_id.clone_from(&a.last_job);
             }
+            self.effects.push(Effect::Ended(EndedAgent {
+                agent,
+                job: view.job_id.clone(),
+                failure: a.failure,
+            }));
             // The single release of this agent's capacity.
             drop(a.reservation.take());
             if let Some(job) = a.job.take() {

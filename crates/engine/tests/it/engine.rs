@@ -30,7 +30,7 @@ fn split_effects(e: &mut Engine) -> (Vec<AgentId>, Vec<AgentId>) {
         match f {
             Effect::Spawn(o) => spawns.push(o.agent),
             Effect::Destroy(o) => destroys.push(o.agent),
-            Effect::Revoke(_) | Effect::Job(_) => {}
+            Effect::Revoke(_) | Effect::Ended(_) | Effect::Job(_) => {}
         }
     }
     (spawns, destroys)

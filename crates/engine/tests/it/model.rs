@@ -120,6 +120,8 @@ struct World {
     standalone: HashMap<JobId, Vec<AgentId>>,
     /// Agents whose token was revoked.
     revoked: BTreeSet<AgentId>,
+    /// Agents whose end a coordinator was told of.
+    ended: BTreeSet<AgentId>,
 }
 
 impl World {
@@ -169,6 +171,19 @@ impl World {
                         e.agent(agent, now)
                             .is_some_and(|v| v.state == AgentState::Gone),
                         "{agent} revoked before it is gone"
+                    );
+                }
+                Effect::Ended(ended) => {
+                    assert!(
+                        self.ended.insert(ended.agent),
+                        "{} ended twice",
+                        ended.agent
+                    );
+                    assert!(
+                        e.agent(ended.agent, now)
+                            .is_some_and(|v| v.state == AgentState::Gone),
+                        "{} ended before it is gone",
+                        ended.agent
                     );
                 }
                 Effect::Job(JobEffect::Bound { job, agent }) => {
@@ -444,6 +459,7 @@ fn run(ops: Vec<Op>) {
     );
     // Every agent that existed is gone and its token revoked.
     assert_eq!(world.revoked, world.spawned_ever);
+    assert_eq!(world.ended, world.spawned_ever, "every end told once");
 }
 
 proptest! {

@@ -217,3 +217,94 @@ async fn config_ack_reaches_the_agents_backend_and_its_failure_is_reported() {
     let stranger = kici_model::AgentId::new(ScalerType::Container, [9, 9, 9, 9]);
     assert!(s.rt.agent_configured(stranger).await.is_err());
 }
+
+/// A coordinator that records what it is told.
+#[derive(Default)]
+struct Recorder {
+    ended: parking_lot::Mutex<Vec<kici_engine::EndedAgent>>,
+}
+
+#[async_trait::async_trait]
+impl kici_engine::runtime::Coordinator for Recorder {
+    async fn may_spawn(
+        &self,
+        _agent: kici_model::AgentId,
+        _job: Option<&kici_model::JobId>,
+    ) -> Result<(), String> {
+        Ok(())
+    }
+
+    async fn record_registration(&self, _agent: kici_model::AgentId) -> Result<(), String> {
+        Ok(())
+    }
+
+    async fn agent_ended(&self, ended: kici_engine::EndedAgent) {
+        self.ended.lock().push(ended);
+    }
+}
+
+/// Every agent's end reaches the coordinator, once, with its job and how
+/// it ended — also when the event stream overflows: the stream is for
+/// observers and drops what a slow reader did not take (here a one-event
+/// buffer that nobody reads), and a coordinator that followed it missed
+/// ends, finishing them later from a sweep that no longer knew the agent
+/// failed before its job could run (so the job was never served again).
+#[tokio::test(start_paused = true)]
+async fn every_end_reaches_the_coordinator_even_when_the_event_stream_overflows() {
+    let docker = Arc::new(MemoryBackend::new(ScalerType::Container));
+    let local = Arc::new(MemoryBackend::new(ScalerType::BareMetal));
+    let backends: Vec<Arc<dyn Backend>> = vec![docker.clone(), local.clone()];
+    let settings = kici_engine::EngineSettings {
+        event_buffer: 1,
+        ..Default::default()
+    };
+    let rt = Runtime::start(
+        engine_with(BASIC, settings),
+        backends,
+        Arc::new(DefaultBootstrap),
+    );
+    let recorder = Arc::new(Recorder::default());
+    assert!(rt.set_coordinator(recorder.clone()));
+    let mut observer = rt.subscribe();
+    // Two spawns fail (before dispatch); one agent serves its job.
+    docker.fail_next_spawns(2);
+    let failed: Vec<_> = ["f1", "f2"]
+        .iter()
+        .map(|j| spawned(&rt.request_scale_now(request(j, &["docker"])).unwrap()))
+        .collect();
+    let served = spawned(&rt.request_scale_now(request("ok", &["local"])).unwrap());
+    settle().await;
+    let reg = rt.agent_registered(served).unwrap();
+    rt.job_started(served, reg.bound_job_id.unwrap()).unwrap();
+    rt.job_completed(served, &job("ok"), Some(0)).unwrap();
+    for _ in 0..50 {
+        settle().await;
+        tokio::time::advance(Duration::from_millis(100)).await;
+    }
+    assert!(
+        matches!(
+            observer.try_recv(),
+            Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_))
+        ),
+        "the observer's stream overflowed"
+    );
+    let ended = recorder.ended.lock().clone();
+    let mut agents: Vec<_> = ended.iter().map(|e| e.agent).collect();
+    agents.sort();
+    let mut expected = failed.clone();
+    expected.push(served);
+    expected.sort();
+    assert_eq!(agents, expected, "each end told once: {ended:?}");
+    for e in &ended {
+        if e.agent == served {
+            assert_eq!(e.job, Some(job("ok")));
+            assert!(!e.before_dispatch(), "{e:?}");
+        } else {
+            assert!(
+                e.before_dispatch(),
+                "a failed spawn ends before dispatch: {e:?}"
+            );
+            assert!(e.job.is_some(), "{e:?}");
+        }
+    }
+}

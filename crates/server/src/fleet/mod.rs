@@ -31,7 +31,7 @@ pub mod view;
 use crate::events::metrics::Metrics;
 use crate::jobs::JobBook;
 use kici_engine::runtime::{Coordinator, Runtime};
-use kici_engine::{AgentState, EngineEvent, HoldRefused, ScaleOutcome, ScaleRequest};
+use kici_engine::{EndedAgent, HoldRefused, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
     Adopted, Caps, Claim, Enqueued, Entered, Fleet, FleetError, HostSpec, Leader, LeaseGuard,
     Membership, NewRequest, PoolDefinition, Queue, RequestKind, RequestState,
@@ -43,7 +43,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{broadcast, watch, Notify};
+use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
 /// Finished requests, gone agents and departed hosts are purged after this.
@@ -237,7 +237,6 @@ impl FleetHost {
         let tasks = vec![
             tokio::spawn(host.clone().lease_loop()),
             tokio::spawn(host.clone().claim_loop()),
-            tokio::spawn(host.clone().follow_agents(host.0.runtime.subscribe())),
         ];
         *host.0.tasks.lock() = tasks;
         tracing::info!(
@@ -640,66 +639,31 @@ impl FleetHost {
 
     // -------------------------------------------------------- follow-up
 
-    /// Follows the ends of this host's agents, to finish their requests at
-    /// once and wake the claim loop (local capacity freed). The stream only
-    /// makes this prompt: every lease/3 the requests of agents the engine no
-    /// longer has are finished from its state ([`FleetHost::finish_vanished`]),
-    /// so a missed event or a failed completion is caught up, and nothing
-    /// that must be recorded before a job runs depends on it.
-    async fn follow_agents(
-        self,
-        mut events: broadcast::Receiver<Arc<kici_engine::runtime::SequencedEvent>>,
-    ) {
-        let mut stop = self.0.stop.subscribe();
-        loop {
-            let event = tokio::select! {
-                e = events.recv() => e,
-                _ = stop.wait_for(|s| *s) => return,
-            };
-            match event {
-                Ok(ev) => self.on_event(&ev.event).await,
-                Err(broadcast::error::RecvError::Lagged(_)) => self.finish_vanished().await,
-                Err(broadcast::error::RecvError::Closed) => return,
-            }
-        }
-    }
-
-    async fn on_event(&self, event: &EngineEvent) {
-        let EngineEvent::AgentTransition {
-            agent_id,
-            to,
-            detail,
-            failure_reason,
-            ..
-        } = event
-        else {
-            return;
-        };
-        // A registration was recorded before the engine accepted it (the
-        // coordinator's `record_registration`); only ends are followed here.
-        if *to != AgentState::Gone {
+    /// An agent of this host is gone (told by the engine through the
+    /// coordinator port, once per agent): its request is finished — or, if
+    /// the agent ended before anybody could give it its job, queued again —
+    /// and the claim loop woken (local capacity freed). Every lease/3 the
+    /// requests of agents the engine no longer has are finished from its
+    /// state too ([`FleetHost::finish_vanished`]): an end that came before
+    /// the coordinator was installed, or whose recording failed, is caught
+    /// up there.
+    async fn on_ended(&self, ended: &EndedAgent) {
+        // Shutting down: [`FleetHost::leave`] finishes what its agents held,
+        // as "host shut down", once they are destroyed.
+        if *self.0.stop.borrow() {
             return;
         }
-        // The failure is on the transition that failed the agent, not on
-        // its last one: the engine keeps it in the view.
-        let failure_reason = failure_reason.or_else(|| {
-            self.0
-                .runtime
-                .call(|e, now| e.agent(*agent_id, now))
-                .and_then(|view| view.failure_reason)
-        });
-        let outcome = match (failure_reason, detail) {
-            (Some(r), _) => format!("agent ended: {r}"),
-            (None, Some(d)) => format!("agent ended: {d}"),
-            (None, None) => "agent ended".to_owned(),
+        let outcome = match ended.failure {
+            Some(r) => format!("agent ended: {r}"),
+            None => "agent ended".to_owned(),
         };
         // These failures only happen before an agent registers (the engine
         // fails a registered agent only for the pending-dispatch timeout or
         // its lifetime): nobody could have given it the job, so a scale
         // request goes back to the fleet's queue at its place — never to the
         // engine's own, which would admit it outside the fleet's caps.
-        let unstarted = failure_reason.is_some_and(|r| r.before_dispatch());
-        self.finish(*agent_id, &outcome, unstarted).await;
+        self.finish(ended.agent, &outcome, ended.before_dispatch())
+            .await;
         self.0.busy.lock().clear();
         self.0.wake.notify_one();
     }
@@ -783,7 +747,18 @@ impl FleetHost {
             .copied()
             .collect();
         for agent in gone {
-            self.finish(agent, "agent ended", false).await;
+            // Its last view says how it ended, while the engine keeps it.
+            let failure = self
+                .0
+                .runtime
+                .call(|e, now| e.agent(agent, now))
+                .and_then(|view| view.failure_reason);
+            let ended = EndedAgent {
+                agent,
+                job: None,
+                failure,
+            };
+            self.on_ended(&ended).await;
         }
     }
 
@@ -1127,6 +1102,12 @@ fn registration_fails_here() -> bool {
 
 #[async_trait::async_trait]
 impl Coordinator for FleetCoordinator {
+    async fn agent_ended(&self, ended: EndedAgent) {
+        if let Some(inner) = self.0.upgrade() {
+            FleetHost(inner).on_ended(&ended).await;
+        }
+    }
+
     async fn record_registration(&self, agent: AgentId) -> Result<(), String> {
         let Some(inner) = self.0.upgrade() else {
             return Ok(());
