@@ -332,7 +332,7 @@ where
 }
 
 /// How long a claim waits for its pool's (and the fleet's) row.
-const CLAIM_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '200ms'";
+const CLAIM_LOCK_TIMEOUT: &str = "200ms";
 
 impl Queue {
     pub(crate) fn new(fleet: Fleet) -> Self {
@@ -463,78 +463,48 @@ impl Queue {
     ) -> Result<Entered, FleetError> {
         let epoch = guard.check()?;
         let name = self.fleet.name();
-        let mut tx = self.fleet.pool().begin().await?;
-        // The claim's lock order: fleet row, pool row, host row, request.
-        let (global, pool_caps) = lock_caps(&mut tx, name, &req.pool).await?;
-        let seq = insert_request(&mut tx, name, req).await?;
-        let Some(seq) = seq else {
-            tx.commit().await?;
-            return self
+        // One statement (`fleet_enter`, migration 5): the pool's row, which
+        // every entry and claim of the pool waits for, is held while the
+        // function runs rather than across a round trip per statement.
+        let row = sqlx::query(
+            "SELECT outcome, seq FROM fleet_enter($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+        )
+        .bind(name)
+        .bind(&req.job_id)
+        .bind(req.kind.as_str())
+        .bind(&req.pool)
+        .bind(&req.body)
+        .bind(&req.answer)
+        .bind(to_db(req.cpu.millis()))
+        .bind(to_db(req.memory.bytes()))
+        .bind(&req.entry_host)
+        .bind(&req.secret)
+        .bind(guard.instance())
+        .bind(epoch)
+        .bind(agent_id)
+        .bind(crate::CHANNEL)
+        .fetch_one(self.fleet.pool())
+        .await;
+        let row = match row {
+            Ok(row) => row,
+            Err(e) => {
+                return Err(stale_epoch(&e, guard.instance(), epoch).unwrap_or_else(|| e.into()))
+            }
+        };
+        let outcome: String = row.try_get("outcome")?;
+        let seq: Option<i64> = row.try_get("seq")?;
+        match (outcome.as_str(), seq) {
+            ("started", Some(seq)) => Ok(Entered::Started { seq }),
+            ("queued", Some(seq)) => Ok(Entered::Queued { seq }),
+            ("existing", _) => self
                 .existing(req)
                 .await
-                .map(|(answer, state)| Entered::Existing { answer, state });
-        };
-        let mut start = false;
-        if let Some(pool_row) = pool_caps {
-            fence(&mut tx, name, guard.instance(), epoch).await?;
-            let older: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM fleet_requests WHERE fleet = $1 AND pool = $2 \
-                     AND state = 'queued' AND seq < $3)",
-            )
-            .bind(name)
-            .bind(&req.pool)
-            .bind(seq)
-            .fetch_one(&mut *tx)
-            .await?;
-            start = !older
-                && caps_admit(
-                    &mut tx,
-                    name,
-                    &pool_row,
-                    &global,
-                    req.cpu.millis(),
-                    req.memory.bytes(),
-                )
-                .await?;
+                .map(|(answer, state)| Entered::Existing { answer, state }),
+            (other, _) => Err(FleetError::Corrupt {
+                table: "fleet_requests",
+                reason: format!("fleet_enter answered `{other}`"),
+            }),
         }
-        if start {
-            sqlx::query(
-                "UPDATE fleet_requests SET state = 'started', claimed_by = $3, claim_epoch = $4, \
-                     claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1, \
-                     agent_id = $5, started_at = fleet_now_ms() \
-                 WHERE fleet = $1 AND job_id = $2",
-            )
-            .bind(name)
-            .bind(&req.job_id)
-            .bind(guard.instance())
-            .bind(epoch)
-            .bind(agent_id)
-            .execute(&mut *tx)
-            .await?;
-            insert_live_agent(
-                &mut tx,
-                name,
-                &LiveAgent {
-                    agent_id,
-                    instance: guard.instance(),
-                    epoch,
-                    pool: &req.pool,
-                    job_id: &req.job_id,
-                    cpu: req.cpu.millis(),
-                    memory: req.memory.bytes(),
-                },
-            )
-            .await?;
-            notify_if_waiting(&mut tx, name, &req.pool).await?;
-        } else {
-            notify(&mut tx, name, &req.pool).await?;
-        }
-        tx.commit().await?;
-        Ok(if start {
-            Entered::Started { seq }
-        } else {
-            Entered::Queued { seq }
-        })
     }
 
     /// Claims the oldest queued request, among `pools`, that the fleet caps
@@ -583,71 +553,68 @@ impl Queue {
         epoch: i64,
         pool: &str,
     ) -> Result<PoolAttempt, FleetError> {
-        let name = self.fleet.name();
-        let mut tx = self.fleet.pool().begin().await?;
-        // A claim that cannot have the pool's row soon gives up and is
-        // tried again at the next wake-up, rather than hold one of the
-        // host's few connections while every host of the pool queues on
-        // that row (its lease renewals need the connection).
-        sqlx::query(CLAIM_LOCK_TIMEOUT).execute(&mut *tx).await?;
-        let locked = lock_caps(&mut tx, name, pool).await;
-        if locked.as_ref().is_err_and(FleetError::is_lock_timeout) {
-            tracing::debug!(pool, "fleet: the pool's row is busy; claiming later");
-            return Ok(PoolAttempt::Busy);
-        }
-        let (global, Some(pool_row)) = locked? else {
-            // No host ever defined the pool: nobody may claim in it.
-            return Ok(PoolAttempt::Empty);
-        };
-        fence(&mut tx, name, instance, epoch).await?;
-        let Some(head) = sqlx::query(
-            "SELECT job_id, seq, kind, body, secret, milli_cpu, memory_bytes, arrived_at FROM fleet_requests \
-             WHERE fleet = $1 AND pool = $2 AND state = 'queued' ORDER BY seq LIMIT 1 \
-             FOR UPDATE SKIP LOCKED",
+        // One statement (`fleet_claim`, migration 5), for the pool's row's
+        // sake as on the entry path. A claim that cannot have that row soon
+        // gives up and is tried again at the next wake-up, rather than hold
+        // one of the host's few connections while every host of the pool
+        // queues on it (its lease renewals need the connection).
+        let row = sqlx::query(
+            "SELECT outcome, job_id, seq, kind, body, secret, milli_cpu, memory_bytes, arrived_at, claim_seq \
+             FROM fleet_claim($1, $2, $3, $4, $5, $6)",
         )
-        .bind(name)
+        .bind(self.fleet.name())
         .bind(pool)
-        .fetch_optional(&mut *tx)
-        .await?
-        else {
-            return Ok(PoolAttempt::Empty);
+        .bind(instance)
+        .bind(epoch)
+        .bind(crate::CHANNEL)
+        .bind(CLAIM_LOCK_TIMEOUT)
+        .fetch_one(self.fleet.pool())
+        .await;
+        let row = match row {
+            Ok(row) => row,
+            Err(e) => {
+                if let Some(stale) = stale_epoch(&e, instance, epoch) {
+                    return Err(stale);
+                }
+                let e = FleetError::from(e);
+                if e.is_lock_timeout() {
+                    tracing::debug!(pool, "fleet: the pool's row is busy; claiming later");
+                    return Ok(PoolAttempt::Busy);
+                }
+                return Err(e);
+            }
         };
-        let cpu = non_negative("fleet_requests", "milli_cpu", head.try_get("milli_cpu")?)?;
+        let outcome: String = row.try_get("outcome")?;
+        match outcome.as_str() {
+            "claimed" => {}
+            "empty" => return Ok(PoolAttempt::Empty),
+            "at-cap" => return Ok(PoolAttempt::AtCap),
+            other => {
+                return Err(FleetError::Corrupt {
+                    table: "fleet_requests",
+                    reason: format!("fleet_claim answered `{other}`"),
+                })
+            }
+        }
+        let cpu = non_negative("fleet_requests", "milli_cpu", row.try_get("milli_cpu")?)?;
         let memory = non_negative(
             "fleet_requests",
             "memory_bytes",
-            head.try_get("memory_bytes")?,
+            row.try_get("memory_bytes")?,
         )?;
-        if !caps_admit(&mut tx, name, &pool_row, &global, cpu, memory).await? {
-            return Ok(PoolAttempt::AtCap);
-        }
-        let job_id: String = head.try_get("job_id")?;
-        let claim_seq: i64 = sqlx::query_scalar(
-            "UPDATE fleet_requests SET state = 'claimed', claimed_by = $3, claim_epoch = $4, \
-                 claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1 \
-             WHERE fleet = $1 AND job_id = $2 RETURNING claim_seq",
-        )
-        .bind(name)
-        .bind(&job_id)
-        .bind(instance)
-        .bind(epoch)
-        .fetch_one(&mut *tx)
-        .await?;
-        notify_if_waiting(&mut tx, name, pool).await?;
-        tx.commit().await?;
         Ok(PoolAttempt::Claimed(Claim {
-            job_id,
+            job_id: row.try_get("job_id")?,
             pool: pool.to_owned(),
-            kind: RequestKind::parse(&head.try_get::<String, _>("kind")?)?,
-            body: head.try_get("body")?,
-            secret: head.try_get("secret")?,
-            seq: head.try_get("seq")?,
-            claim_seq,
+            kind: RequestKind::parse(&row.try_get::<String, _>("kind")?)?,
+            body: row.try_get("body")?,
+            secret: row.try_get("secret")?,
+            seq: row.try_get("seq")?,
+            claim_seq: row.try_get("claim_seq")?,
             instance: instance.to_owned(),
             epoch,
             cpu: MilliCpu::from_millis(cpu),
             memory: MemoryBytes::from_bytes(memory),
-            arrived_at: head.try_get("arrived_at")?,
+            arrived_at: row.try_get("arrived_at")?,
         }))
     }
 
@@ -1271,28 +1238,6 @@ async fn insert_request(
     .await?)
 }
 
-/// Notifies `pool`'s hosts when requests still wait there after a claim:
-/// the claim changed this host's load, so a host that placement passed
-/// over a moment ago may be the one to claim now, and nothing else would
-/// wake it before its fallback poll.
-async fn notify_if_waiting(
-    conn: &mut PgConnection,
-    fleet: &str,
-    pool: &str,
-) -> Result<(), FleetError> {
-    let waiting: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM fleet_requests WHERE fleet = $1 AND pool = $2 AND state = 'queued')",
-    )
-    .bind(fleet)
-    .bind(pool)
-    .fetch_one(&mut *conn)
-    .await?;
-    if waiting {
-        notify(conn, fleet, pool).await?;
-    }
-    Ok(())
-}
-
 /// Whether the pool's and the fleet's usage leave room for `cpu`/`memory`
 /// more (the callers hold the rows the counts depend on, locked: the pool's
 /// row, and the fleet's row when a global cap is set — only claims, which
@@ -1321,6 +1266,29 @@ async fn caps_admit(
     }
     Ok(true)
 }
+
+/// The fence's refusal raised inside a database function (SQLSTATE
+/// `KF001`, the host's current epoch as its DETAIL when its lease is
+/// valid), as [`FleetError::StaleEpoch`].
+fn stale_epoch(e: &sqlx::Error, instance: &str, epoch: i64) -> Option<FleetError> {
+    let db = e.as_database_error()?;
+    if db.code().as_deref() != Some(FENCE_REFUSED) {
+        return None;
+    }
+    let current = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .and_then(|pg| pg.detail())
+        .and_then(|d| d.parse().ok());
+    Some(FleetError::StaleEpoch {
+        instance: instance.to_owned(),
+        held: epoch,
+        current,
+    })
+}
+
+/// The SQLSTATE the fleet's functions raise for a host not `up` under its
+/// epoch.
+const FENCE_REFUSED: &str = "KF001";
 
 /// The database-side fence: the host row, share-locked for the rest of the
 /// transaction (the leader's "declare lost" waits for it), must be `up`

@@ -43,10 +43,15 @@ const MIGRATIONS: &[Migration] = &[
         description: "usage counters",
         sql: include_str!("../migrations/0004_usage_counters.sql"),
     },
+    Migration {
+        version: 5,
+        description: "the entry path in one call",
+        sql: include_str!("../migrations/0005_entry_in_one_call.sql"),
+    },
 ];
 
 /// The newest schema version this binary knows.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// Key of the transaction-level advisory lock migrations run under
 /// ("kflt-mig" in ASCII; single-key locks live apart from kici-store's

@@ -386,6 +386,18 @@ async fn stale_epoch_claim_is_refused() {
         q.start(old.guard(), &claim, "agent-x").await,
         Err(FleetError::StaleEpoch { .. })
     ));
+    // An entry under the old epoch is refused too, and writes nothing.
+    match q
+        .enqueue_started(old.guard(), &request("j9", "p", 100), "agent-z")
+        .await
+    {
+        Err(FleetError::StaleEpoch { held, current, .. }) => {
+            assert_eq!(held, old.epoch());
+            assert_eq!(current, Some(new.epoch()));
+        }
+        other => panic!("expected StaleEpoch, got {other:?}"),
+    }
+    assert_eq!(q.state("j9").await.unwrap(), None, "nothing written");
     assert!(matches!(
         old.renew().await,
         Err(FleetError::LeaseLost { .. })

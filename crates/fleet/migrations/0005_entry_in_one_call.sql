@@ -1,0 +1,187 @@
+-- The entry path in one call. A request entering through a host that
+-- serves its pool is written and — if it is its pool's head and the fleet
+-- caps admit it — started with the entry host's agent, in one statement:
+-- the pool's row (which every entry and claim of the pool serialises on)
+-- is held for the function's run instead of one client round trip per
+-- statement. The same steps, in the same lock order, as the transaction it
+-- replaces: the fleet's row (only when a global cap is set), the pool's
+-- row, the request, the host's row (shared: the fence).
+--
+-- Returns ('existing', NULL) when a request with the job id is in the fleet
+-- and not finished (the caller reads it), ('started', seq) or
+-- ('queued', seq). A host that is not `up` under `ep` with an unexpired
+-- lease raises SQLSTATE KF001 (the statement, its insert included, rolls
+-- back), its current epoch as the DETAIL when its lease is valid.
+CREATE FUNCTION fleet_enter(
+    f TEXT, j TEXT, k TEXT, p TEXT, b TEXT, ans TEXT, c BIGINT, m BIGINT,
+    entry TEXT, sec TEXT, inst TEXT, ep BIGINT, ag TEXT, channel TEXT)
+RETURNS TABLE (outcome TEXT, seq BIGINT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    g_agents BIGINT; g_cpu BIGINT; g_memory BIGINT;
+    global_cap BOOLEAN;
+    p_agents BIGINT; p_cpu BIGINT; p_memory BIGINT;
+    u_agents BIGINT; u_cpu BIGINT; u_memory BIGINT;
+    pool_known BOOLEAN;
+    s BIGINT;
+    h_epoch BIGINT; h_valid BOOLEAN;
+    start BOOLEAN := false;
+BEGIN
+    SELECT max_agents, max_cpu, max_memory INTO g_agents, g_cpu, g_memory
+      FROM fleet_fleets WHERE fleet = f;
+    global_cap := g_agents IS NOT NULL OR g_cpu IS NOT NULL OR g_memory IS NOT NULL;
+    IF global_cap THEN
+        SELECT max_agents, max_cpu, max_memory INTO g_agents, g_cpu, g_memory
+          FROM fleet_fleets WHERE fleet = f FOR UPDATE;
+    END IF;
+    SELECT max_agents, max_cpu, max_memory, used_agents, used_cpu, used_memory
+      INTO p_agents, p_cpu, p_memory, u_agents, u_cpu, u_memory
+      FROM fleet_pools WHERE fleet = f AND pool = p FOR UPDATE;
+    pool_known := FOUND;
+
+    INSERT INTO fleet_requests AS r (fleet, job_id, kind, pool, body, answer, milli_cpu, memory_bytes,
+                                     entry_host, secret, state, arrived_at)
+    VALUES (f, j, k, p, b, ans, c, m, entry, sec, 'queued', fleet_now_ms())
+    ON CONFLICT (fleet, job_id) DO UPDATE SET seq = nextval('fleet_request_seq'),
+        pool = EXCLUDED.pool, secret = EXCLUDED.secret, answer = EXCLUDED.answer,
+        milli_cpu = EXCLUDED.milli_cpu, memory_bytes = EXCLUDED.memory_bytes,
+        entry_host = EXCLUDED.entry_host, state = 'queued', arrived_at = fleet_now_ms(),
+        claimed_by = NULL, claim_epoch = NULL, claim_seq = NULL, claimed_at = NULL,
+        agent_id = NULL, started_at = NULL, finished_at = NULL, outcome = NULL
+      WHERE r.state = 'finished' AND r.body = EXCLUDED.body
+    RETURNING r.seq INTO s;
+    IF s IS NULL THEN
+        RETURN QUERY SELECT 'existing'::TEXT, NULL::BIGINT;
+        RETURN;
+    END IF;
+
+    IF pool_known THEN
+        SELECT h.epoch, h.state = 'up' AND h.lease_expires_at > fleet_now_ms()
+          INTO h_epoch, h_valid
+          FROM fleet_hosts h WHERE h.fleet = f AND h.instance_id = inst FOR SHARE;
+        IF NOT FOUND OR NOT h_valid OR h_epoch <> ep THEN
+            RAISE EXCEPTION 'host % is not up under epoch %', inst, ep
+                USING ERRCODE = 'KF001',
+                      DETAIL = CASE WHEN h_valid THEN h_epoch::TEXT ELSE '' END;
+        END IF;
+        start := NOT EXISTS (SELECT 1 FROM fleet_requests q
+                              WHERE q.fleet = f AND q.pool = p AND q.state = 'queued' AND q.seq < s)
+             AND (p_agents IS NULL OR u_agents + 1 <= p_agents)
+             AND (p_cpu IS NULL OR u_cpu + c <= p_cpu)
+             AND (p_memory IS NULL OR u_memory + m <= p_memory);
+        IF start AND global_cap THEN
+            SELECT COALESCE(sum(used_agents), 0), COALESCE(sum(used_cpu), 0), COALESCE(sum(used_memory), 0)
+              INTO u_agents, u_cpu, u_memory
+              FROM fleet_pools WHERE fleet = f;
+            start := (g_agents IS NULL OR u_agents + 1 <= g_agents)
+                 AND (g_cpu IS NULL OR u_cpu + c <= g_cpu)
+                 AND (g_memory IS NULL OR u_memory + m <= g_memory);
+        END IF;
+    END IF;
+
+    IF start THEN
+        UPDATE fleet_requests SET state = 'started', claimed_by = inst, claim_epoch = ep,
+               claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1,
+               agent_id = ag, started_at = fleet_now_ms()
+         WHERE fleet = f AND job_id = j;
+        INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes,
+                                  state, created_at, updated_at)
+        VALUES (f, ag, inst, ep, p, j, c, m, 'live', fleet_now_ms(), fleet_now_ms());
+        IF EXISTS (SELECT 1 FROM fleet_requests q WHERE q.fleet = f AND q.pool = p AND q.state = 'queued') THEN
+            PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
+        END IF;
+        RETURN QUERY SELECT 'started'::TEXT, s;
+    ELSE
+        PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
+        RETURN QUERY SELECT 'queued'::TEXT, s;
+    END IF;
+END
+$$;
+
+-- A claim in one call, for the same reason: the oldest queued request of
+-- pool `p`, claimed by `inst` under `ep` if the fleet caps admit it. Lock
+-- order as above; the pool's row is waited for at most `wait` (a host's
+-- claim gives up rather than hold one of its few connections while every
+-- host of the pool queues on that row: SQLSTATE 55P03, nothing changed).
+-- Returns one row: ('claimed', the request's columns), or ('empty') /
+-- ('at-cap') with NULLs. The fence raises KF001 as in fleet_enter. When
+-- requests still wait after a claim (or a start at entry), the pool's hosts
+-- are notified: the claim changed this host's load, so a host placement
+-- passed over a moment ago may be the one to claim now, and nothing else
+-- would wake it before its fallback poll.
+CREATE FUNCTION fleet_claim(f TEXT, p TEXT, inst TEXT, ep BIGINT, channel TEXT, wait TEXT)
+RETURNS TABLE (outcome TEXT, job_id TEXT, seq BIGINT, kind TEXT, body TEXT, secret TEXT,
+               milli_cpu BIGINT, memory_bytes BIGINT, arrived_at BIGINT, claim_seq BIGINT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    g_agents BIGINT; g_cpu BIGINT; g_memory BIGINT;
+    global_cap BOOLEAN;
+    p_agents BIGINT; p_cpu BIGINT; p_memory BIGINT;
+    u_agents BIGINT; u_cpu BIGINT; u_memory BIGINT;
+    h_epoch BIGINT; h_valid BOOLEAN;
+    head fleet_requests%ROWTYPE;
+    cs BIGINT;
+BEGIN
+    PERFORM set_config('lock_timeout', wait, true);
+    SELECT max_agents, max_cpu, max_memory INTO g_agents, g_cpu, g_memory
+      FROM fleet_fleets WHERE fleet = f;
+    global_cap := g_agents IS NOT NULL OR g_cpu IS NOT NULL OR g_memory IS NOT NULL;
+    IF global_cap THEN
+        SELECT max_agents, max_cpu, max_memory INTO g_agents, g_cpu, g_memory
+          FROM fleet_fleets WHERE fleet = f FOR UPDATE;
+    END IF;
+    SELECT max_agents, max_cpu, max_memory, used_agents, used_cpu, used_memory
+      INTO p_agents, p_cpu, p_memory, u_agents, u_cpu, u_memory
+      FROM fleet_pools WHERE fleet = f AND pool = p FOR UPDATE;
+    IF NOT FOUND THEN
+        -- No host ever defined the pool: nobody may claim in it.
+        RETURN QUERY SELECT 'empty'::TEXT, NULL::TEXT, NULL::BIGINT, NULL::TEXT, NULL::TEXT,
+            NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
+        RETURN;
+    END IF;
+    SELECT h.epoch, h.state = 'up' AND h.lease_expires_at > fleet_now_ms()
+      INTO h_epoch, h_valid
+      FROM fleet_hosts h WHERE h.fleet = f AND h.instance_id = inst FOR SHARE;
+    IF NOT FOUND OR NOT h_valid OR h_epoch <> ep THEN
+        RAISE EXCEPTION 'host % is not up under epoch %', inst, ep
+            USING ERRCODE = 'KF001',
+                  DETAIL = CASE WHEN h_valid THEN h_epoch::TEXT ELSE '' END;
+    END IF;
+    SELECT * INTO head FROM fleet_requests q
+     WHERE q.fleet = f AND q.pool = p AND q.state = 'queued'
+     ORDER BY q.seq LIMIT 1 FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 'empty'::TEXT, NULL::TEXT, NULL::BIGINT, NULL::TEXT, NULL::TEXT,
+            NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
+        RETURN;
+    END IF;
+    IF NOT ((p_agents IS NULL OR u_agents + 1 <= p_agents)
+            AND (p_cpu IS NULL OR u_cpu + head.milli_cpu <= p_cpu)
+            AND (p_memory IS NULL OR u_memory + head.memory_bytes <= p_memory)) THEN
+        RETURN QUERY SELECT 'at-cap'::TEXT, NULL::TEXT, NULL::BIGINT, NULL::TEXT, NULL::TEXT,
+            NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
+        RETURN;
+    END IF;
+    IF global_cap THEN
+        SELECT COALESCE(sum(used_agents), 0), COALESCE(sum(used_cpu), 0), COALESCE(sum(used_memory), 0)
+          INTO u_agents, u_cpu, u_memory
+          FROM fleet_pools WHERE fleet = f;
+        IF NOT ((g_agents IS NULL OR u_agents + 1 <= g_agents)
+                AND (g_cpu IS NULL OR u_cpu + head.milli_cpu <= g_cpu)
+                AND (g_memory IS NULL OR u_memory + head.memory_bytes <= g_memory)) THEN
+            RETURN QUERY SELECT 'at-cap'::TEXT, NULL::TEXT, NULL::BIGINT, NULL::TEXT, NULL::TEXT,
+                NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
+            RETURN;
+        END IF;
+    END IF;
+    UPDATE fleet_requests r SET state = 'claimed', claimed_by = inst, claim_epoch = ep,
+           claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = r.claims + 1
+     WHERE r.fleet = f AND r.job_id = head.job_id
+    RETURNING r.claim_seq INTO cs;
+    IF EXISTS (SELECT 1 FROM fleet_requests q WHERE q.fleet = f AND q.pool = p AND q.state = 'queued') THEN
+        PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
+    END IF;
+    RETURN QUERY SELECT 'claimed'::TEXT, head.job_id, head.seq, head.kind, head.body, head.secret,
+        head.milli_cpu, head.memory_bytes, head.arrived_at, cs;
+END
+$$;
