@@ -407,7 +407,8 @@ impl Client {
     /// `GET /v1/status?local=true`: in a fleet, the answering host's status
     /// only (what a host gathers under `hosts`).
     pub async fn local_status(&self) -> Result<StatusObject, ApiError> {
-        self.call(Method::GET, "/v1/status?local=true", None::<&()>).await
+        self.call(Method::GET, "/v1/status?local=true", None::<&()>)
+            .await
     }
 
     /// `GET /v1/fleet` (a host of a fleet only).

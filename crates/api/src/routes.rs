@@ -249,7 +249,10 @@ mod tests {
         );
         assert_eq!(owned("GET", "/v1/agents/{id}"), Some((Owned::Agent, "id")));
         assert_eq!(owned("GET", "/v1/agents"), None);
-        assert_eq!(owned("DELETE", "/v1/scale/{jobId}"), Some((Owned::Job, "jobId")));
+        assert_eq!(
+            owned("DELETE", "/v1/scale/{jobId}"),
+            Some((Owned::Job, "jobId"))
+        );
         assert_eq!(owned("POST", "/v1/scale"), None);
         assert_eq!(owned("GET", "/v1/jobs/{id}"), Some((Owned::Job, "id")));
         assert_eq!(owned("DELETE", "/v1/jobs/{id}"), Some((Owned::Job, "id")));
