@@ -508,6 +508,41 @@ mod tests {
         h
     }
 
+    /// The guard reads what a peer may call from the route the router
+    /// matched ([`kici_api::Route::find`]): every route the router serves
+    /// must be in the table, and every route of the table served.
+    #[test]
+    fn the_router_serves_exactly_the_route_table() {
+        let doc = super::api_routes()
+            .merge(super::jobs::routes())
+            .into_openapi();
+        let mut served = Vec::new();
+        for (path, item) in &doc.paths.paths {
+            for (method, op) in [
+                ("GET", &item.get),
+                ("POST", &item.post),
+                ("PUT", &item.put),
+                ("DELETE", &item.delete),
+                ("PATCH", &item.patch),
+            ] {
+                if op.is_some() {
+                    assert!(
+                        kici_api::Route::find(method, path).is_some(),
+                        "{method} {path} is served but not in kici_api::ROUTES"
+                    );
+                    served.push((method, path.as_str()));
+                }
+            }
+        }
+        served.sort();
+        let mut table: Vec<(&str, &str)> = kici_api::ROUTES
+            .iter()
+            .map(|r| (r.method, r.path))
+            .collect();
+        table.sort();
+        assert_eq!(served, table);
+    }
+
     #[test]
     fn the_console_is_its_own_origin() {
         for (origin, host) in [
