@@ -15,6 +15,12 @@
 //! - [`relay`]: SSE streams a task feeds (what a fleet host relays);
 //! - [`ui`]: the web console at `/ui/` (static; outside the guard).
 //!
+//! Handlers parse the request and call the daemon's [`Service`] (alone, or
+//! as a host of a fleet: chosen once, when the state is built), so none of
+//! them asks whether the daemon is in a fleet. The guard accepts a fleet
+//! peer's signature on the calls `kici_api::ROUTES` flags as peer calls,
+//! looked up by the route the router matched.
+//!
 //! The agent gateway (`/ws`) has its own listener (see [`crate::gateway`]).
 
 pub mod agents;
