@@ -317,6 +317,18 @@ impl Client {
         self.call(Method::GET, path, None::<&()>).await
     }
 
+    /// `GET /v1/agents?local=true` (`all`: also the recently gone ones): in
+    /// a fleet, the answering host's agents only (what a host gathers into
+    /// its fleet-wide list).
+    pub async fn local_agents(&self, all: bool) -> Result<AgentList, ApiError> {
+        let path = if all {
+            "/v1/agents?all=true&local=true"
+        } else {
+            "/v1/agents?local=true"
+        };
+        self.call(Method::GET, path, None::<&()>).await
+    }
+
     /// `GET /v1/agents/{id}`.
     pub async fn agent(&self, id: &str) -> Result<AgentObject, ApiError> {
         let path = format!("/v1/agents/{}", path_segment(id));
@@ -390,6 +402,13 @@ impl Client {
     /// `GET /v1/status`.
     pub async fn status(&self) -> Result<StatusObject, ApiError> {
         self.call(Method::GET, "/v1/status", None::<&()>).await
+    }
+
+    /// `GET /v1/status?local=true`: in a fleet, the answering host's status
+    /// only (what a host gathers under `hosts`).
+    pub async fn local_status(&self) -> Result<StatusObject, ApiError> {
+        self.call(Method::GET, "/v1/status?local=true", None::<&()>)
+            .await
     }
 
     /// `GET /v1/fleet` (a host of a fleet only).

@@ -85,7 +85,7 @@ pub use names::{
     AgentStateName, BackendName, BreakerName, CapName, EndKind, FailureReasonName, JobState,
     ModeName, PendingEndName, UnknownName,
 };
-pub use routes::{Route, ROUTES};
+pub use routes::{Owned, PeerCall, Route, ROUTES};
 pub use scale::{ResourceSpecBody, ResourcesBody, ScaleAnswer, ScaleBody};
 pub use status::{
     AgentCounts, FreeObject, Health, LabelSetStatusObject, Readiness, ReloadAnswer, ReloadDiff,

@@ -36,3 +36,4 @@ pub mod fleet;
 pub mod gateway;
 pub mod jobs;
 pub mod provisioning;
+pub mod service;

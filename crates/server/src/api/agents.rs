@@ -7,24 +7,13 @@
 
 use super::error::{agent_error, ApiError, ApiJson, ErrorBody, ErrorCode};
 use super::wire::{
-    parse_job, AgentList, AgentObject, IntoApi, JobCompleteBody, JobStartedBody, RegisteredBody,
-    RegistrationAnswer,
+    AgentList, AgentObject, JobCompleteBody, JobStartedBody, RegisteredBody, RegistrationAnswer,
 };
 use super::{parse_agent, AppState};
-use crate::gateway::enrolment::{Refusal, Via};
+use crate::gateway::enrolment::Refusal;
 use axum::extract::{Path, RawQuery, State};
 use axum::http::StatusCode;
 use axum::Json;
-use kici_engine::{AgentError, AgentState};
-use kici_model::AgentId;
-
-/// Whether the engine remembers `agent` as gone.
-fn is_gone(state: &AppState, agent: AgentId) -> bool {
-    state
-        .runtime
-        .agent(agent)
-        .is_some_and(|v| v.state == AgentState::Gone)
-}
 
 /// An agent registered: check its token.
 ///
@@ -55,22 +44,7 @@ pub async fn registered(
     ApiJson(body): ApiJson<RegisteredBody>,
 ) -> Result<Json<RegistrationAnswer>, ApiError> {
     let agent = parse_agent(&id)?;
-    let enrolment = state.enrolment();
-    enrolment
-        .verify(agent, &body.token)
-        .map_err(refusal_error)?;
-    let registration = enrolment
-        .register(agent, Via::Orchestrator)
-        .await
-        .map_err(refusal_error)?;
-    Ok(Json(RegistrationAnswer {
-        bound_job_id: registration.bound_job_id.map(|j| j.to_string()),
-        mandatory_labels: registration
-            .mandatory_labels
-            .iter()
-            .map(|l| l.to_string())
-            .collect(),
-    }))
+    Ok(Json(state.service().registered(agent, body).await?))
 }
 
 /// The agent acknowledged its configuration.
@@ -92,27 +66,12 @@ pub async fn config_ack(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    if state.runtime.agent(agent).is_none() {
-        return Err(ApiError::agent_not_found(agent));
-    }
-    // Firecracker clears (and verifies) the MMDS here: the orchestrator
-    // must not dispatch before this answers 204.
-    state
-        .enrolment()
-        .configured(agent, Via::Orchestrator)
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                ErrorCode::BootstrapNotCleared,
-                e.source.to_string(),
-            )
-        })?;
+    state.service().config_ack(agent).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// The control API's answer to a refused registration.
-fn refusal_error(refusal: Refusal) -> ApiError {
+pub(crate) fn refusal_error(refusal: Refusal) -> ApiError {
     match refusal {
         Refusal::NotOurs(agent) => ApiError::agent_not_found(agent),
         Refusal::Token(_) | Refusal::ForeignToken { .. } | Refusal::LabelsOutOfScope(_) => {
@@ -156,17 +115,8 @@ pub async fn job_started(
     ApiJson(body): ApiJson<JobStartedBody>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    let job = parse_job("jobId", &body.job_id)?;
-    match state.runtime.job_started(agent, job.clone()) {
-        Ok(()) => {
-            tracing::info!(agent_id = %agent, job_id = %job, "job started");
-            Ok(StatusCode::NO_CONTENT)
-        }
-        Err(AgentError::NotOurs(_)) if is_gone(&state, agent) => {
-            Err(agent_error(AgentError::Gone(agent)))
-        }
-        Err(e) => Err(agent_error(e)),
-    }
+    state.service().job_started(agent, body).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// The agent's job ended.
@@ -195,17 +145,8 @@ pub async fn job_complete(
     ApiJson(body): ApiJson<JobCompleteBody>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    let job = parse_job("jobId", &body.job_id)?;
-    match state.runtime.job_completed(agent, &job, body.exit_code) {
-        Ok(()) => {
-            tracing::info!(agent_id = %agent, job_id = %job, exit_code = body.exit_code, "job complete");
-            Ok(StatusCode::NO_CONTENT)
-        }
-        Err(AgentError::NotOurs(_) | AgentError::Gone(_)) if is_gone(&state, agent) => {
-            Ok(StatusCode::NO_CONTENT)
-        }
-        Err(e) => Err(agent_error(e)),
-    }
+    state.service().job_complete(agent, body).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// The agent's connection closed: it is destroyed.
@@ -226,10 +167,7 @@ pub async fn disconnected(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    state
-        .enrolment()
-        .disconnected(agent, Via::Orchestrator)
-        .map_err(agent_error)?;
+    state.service().disconnected(agent).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -255,38 +193,7 @@ pub async fn list_agents(
     RawQuery(query): RawQuery,
 ) -> Result<Json<AgentList>, ApiError> {
     let query = AgentsQuery::parse(query.as_deref())?;
-    let mut agents: Vec<AgentObject> = state
-        .runtime
-        .agents(query.all)
-        .into_iter()
-        .map(IntoApi::into_api)
-        .collect();
-    let mut unreachable_hosts = Vec::new();
-    if let Some(fleet) = state.fleet() {
-        let me = state.instance.to_string();
-        for a in &mut agents {
-            a.host = Some(me.clone());
-        }
-        if !query.local {
-            let path = if query.all {
-                "/v1/agents?all=true&local=true"
-            } else {
-                "/v1/agents?local=true"
-            };
-            let (lists, unreachable) = fleet.gather_reachable::<AgentList>(path).await;
-            agents.extend(lists.into_iter().flat_map(|l| l.agents));
-            unreachable_hosts = unreachable;
-            agents.sort_by(|a, b| {
-                b.age_seconds
-                    .total_cmp(&a.age_seconds)
-                    .then_with(|| a.agent_id.cmp(&b.agent_id))
-            });
-        }
-    }
-    Ok(Json(AgentList {
-        agents,
-        unreachable_hosts,
-    }))
+    Ok(Json(state.service().agents(query.all, query.local).await))
 }
 
 /// The query of `GET /v1/agents`.
@@ -326,11 +233,7 @@ pub async fn get_agent(
     Path(id): Path<String>,
 ) -> Result<Json<AgentObject>, ApiError> {
     let agent = parse_agent(&id)?;
-    let view = state
-        .runtime
-        .agent(agent)
-        .ok_or_else(|| ApiError::agent_not_found(agent))?;
-    Ok(Json(view.into_api()))
+    Ok(Json(state.service().agent(agent).await?))
 }
 
 /// Destroy an agent now (operator action), whatever it is doing.
@@ -351,13 +254,8 @@ pub async fn delete_agent(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let agent = parse_agent(&id)?;
-    match state.runtime.destroy_agent(agent) {
-        Ok(()) | Err(AgentError::Gone(_)) => {
-            tracing::info!(agent_id = %agent, "agent destroy requested by the operator");
-            Ok(StatusCode::ACCEPTED)
-        }
-        Err(e) => Err(agent_error(e)),
-    }
+    state.service().destroy_agent(agent).await?;
+    Ok(StatusCode::ACCEPTED)
 }
 
 #[cfg(test)]

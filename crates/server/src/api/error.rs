@@ -110,6 +110,13 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A body value that is not acceptable: 422, naming the field.
+impl From<crate::service::requests::Invalid> for ApiError {
+    fn from(e: crate::service::requests::Invalid) -> Self {
+        Self::invalid(e.field, e.message)
+    }
+}
+
 /// The engine's agent errors, for the calls that act on one agent.
 pub fn agent_error(e: AgentError) -> ApiError {
     match e {

@@ -7,18 +7,16 @@
 //! These routes join the control API through [`super::router_with`].
 
 use super::error::{scale_error, ApiError, ApiJson, ErrorBody};
-use super::relay::{relay, Relay};
-use super::wire::{parse_job, parse_labels, IntoResourceRequest};
+use super::wire::parse_job;
 use super::AppState;
-use crate::jobs::{self, JobBook, JobRequest, JobView, Read, SubmitError};
+use crate::jobs::{self, JobBook, JobView, Read, SubmitError};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
 use axum::Json;
-use futures_util::stream::{self, BoxStream, Stream, StreamExt};
+use futures_util::stream::{self, BoxStream, Stream};
 use kici_api::{OutputData, Truncated};
 use kici_model::JobId;
-use kici_protocol::{JobSpec, JobSpecError};
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -50,47 +48,7 @@ pub async fn list_jobs(State(state): State<AppState>) -> Json<JobList> {
     Json(JobList { jobs })
 }
 
-/// A job body parsed into the book's request; every problem names its
-/// field.
-pub(crate) trait IntoJobRequest {
-    fn into_request(self, job: JobId) -> Result<JobRequest, ApiError>;
-}
-
-impl IntoJobRequest for JobBody {
-    fn into_request(self, job: JobId) -> Result<JobRequest, ApiError> {
-        // As for `POST /v1/scale`: no labels routes like upstream does.
-        let labels = parse_labels("labels", &self.labels)?;
-        let resources = match self.resources {
-            Some(r) => r.into_request("resources")?,
-            None => None,
-        };
-        let spec = JobSpec::new(
-            job,
-            self.command,
-            self.env.unwrap_or_default(),
-            self.timeout_seconds,
-        )
-        .map_err(|e| {
-            let field = match &e {
-                JobSpecError::EmptyArgv | JobSpecError::TooLarge { .. } => "command".to_owned(),
-                JobSpecError::NulByte(at) => match at.strip_prefix("argv") {
-                    Some(index) => format!("command{index}"),
-                    None => at.replacen("env ", "env.", 1),
-                },
-                JobSpecError::BadEnvName(name) => format!("env.{name}"),
-                JobSpecError::ZeroTimeout => "timeoutSeconds".to_owned(),
-            };
-            ApiError::invalid(field, e.to_string())
-        })?;
-        Ok(JobRequest {
-            labels,
-            resources,
-            spec,
-        })
-    }
-}
-
-fn submit_error(e: SubmitError) -> ApiError {
+pub(crate) fn submit_error(e: SubmitError) -> ApiError {
     match e {
         SubmitError::NoBackend(explanation) => {
             ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "no-backend", explanation)
@@ -109,7 +67,7 @@ fn submit_error(e: SubmitError) -> ApiError {
     }
 }
 
-fn job_not_found(id: &JobId) -> ApiError {
+pub(crate) fn job_not_found(id: &JobId) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "job-not-found",
@@ -144,36 +102,9 @@ pub async fn submit_job(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<JobBody>,
 ) -> Result<(StatusCode, Json<JobAccepted>), ApiError> {
-    let request = body.clone().into_request(JobBook::mint_id())?;
-    if let Some(fleet) = state.fleet() {
-        // In a fleet the shared queue records the job (committed before
-        // the answer); a host serving its pool claims and runs it.
-        let view = fleet
-            .enter_job(&body, &request)
-            .await
-            .map_err(submit_error)?;
-        return Ok((
-            StatusCode::ACCEPTED,
-            Json(JobAccepted {
-                job_id: view.job_id,
-                state: view.state,
-            }),
-        ));
-    }
-    // A durable book commits the job's record before anything starts: that
-    // write is the store's check.
-    if !state.jobs.is_durable() {
-        state.store_reachable().await?;
-    }
-    let view = jobs::submit_recorded(&state.runtime, &state.jobs, request)
-        .await
-        .map_err(submit_error)?;
     Ok((
         StatusCode::ACCEPTED,
-        Json(JobAccepted {
-            job_id: view.job_id,
-            state: view.state,
-        }),
+        Json(state.service().submit_job(body).await?),
     ))
 }
 
@@ -199,28 +130,7 @@ pub async fn get_job(
     Path(id): Path<String>,
 ) -> Result<Json<JobView>, ApiError> {
     let id = parse_job("id", &id)?;
-    if let Some(view) = state.jobs.view(&id) {
-        return Ok(Json(view));
-    }
-    // In a fleet, a job another live host runs was carried there before
-    // this handler; what is left is answered from the queue.
-    match state.fleet() {
-        Some(fleet) => fleet
-            .job_whereabouts(&id)
-            .await
-            .map_err(fleet_unavailable)?
-            .map(|w| Json(w.view))
-            .ok_or_else(|| job_not_found(&id)),
-        None => Err(job_not_found(&id)),
-    }
-}
-
-fn fleet_unavailable(e: kici_fleet::FleetError) -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "store-unavailable",
-        format!("the fleet's database: {e}"),
-    )
+    Ok(Json(state.service().job(&id).await?))
 }
 
 /// Cancel a job.
@@ -244,90 +154,10 @@ pub async fn cancel_job(
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<JobAccepted>), ApiError> {
     let id = parse_job("id", &id)?;
-    let view = match state.fleet() {
-        Some(fleet) => cancel_in_fleet(&state, &fleet, &id).await?,
-        None => jobs::cancel(&state.runtime, &state.jobs, &id, CANCELLED),
-    }
-    .ok_or_else(|| job_not_found(&id))?;
     Ok((
         StatusCode::ACCEPTED,
-        Json(JobAccepted {
-            job_id: view.job_id,
-            state: view.state,
-        }),
+        Json(state.service().cancel_job(&id).await?),
     ))
-}
-
-const CANCELLED: &str = "cancelled through the API";
-
-/// How long a cancel waits for a job that is between the queue and a host
-/// (claimed, not yet taken in) to land somewhere it can be cancelled.
-const CANCEL_SETTLE: Duration = Duration::from_secs(5);
-
-/// Cancels a job wherever it is in the fleet: here, in the queue, or on
-/// the live host that holds it (carried there). A job moving from the
-/// queue to a host is followed until it lands.
-async fn cancel_in_fleet(
-    state: &AppState,
-    fleet: &crate::fleet::FleetHost,
-    id: &JobId,
-) -> Result<Option<JobView>, ApiError> {
-    use crate::fleet::peer::OwnedBy;
-    let deadline = tokio::time::Instant::now() + CANCEL_SETTLE;
-    loop {
-        if state.jobs.view(id).is_some() {
-            return Ok(jobs::cancel(&state.runtime, &state.jobs, id, CANCELLED));
-        }
-        if let Some(view) = fleet
-            .cancel_queued_job(id)
-            .await
-            .map_err(fleet_unavailable)?
-        {
-            return Ok(Some(view));
-        }
-        let Some(place) = fleet.job_whereabouts(id).await.map_err(fleet_unavailable)? else {
-            return Ok(None);
-        };
-        if place.view.state.is_terminal() {
-            return Ok(Some(place.view));
-        }
-        if place.owner.is_some() {
-            let path = format!("/v1/jobs/{id}");
-            let answer = fleet
-                .forward(
-                    &OwnedBy::Job(id.to_string()),
-                    &axum::http::Method::DELETE,
-                    &path,
-                    bytes::Bytes::new(),
-                )
-                .await
-                .map_err(|e| {
-                    ApiError::new(StatusCode::BAD_GATEWAY, "peer-unavailable", e.to_string())
-                })?;
-            if let Some((status, body)) = answer {
-                if status != 404 {
-                    let accepted: JobAccepted = serde_json::from_slice(&body).map_err(|e| {
-                        ApiError::new(
-                            StatusCode::BAD_GATEWAY,
-                            "peer-unavailable",
-                            format!("the job's host answered {status} unreadably: {e}"),
-                        )
-                    })?;
-                    let mut view = place.view;
-                    view.state = accepted.state;
-                    return Ok(Some(view));
-                }
-            }
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "job-moving",
-                format!("job {id} is being taken in by a host of the fleet; retry the cancel"),
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// The job's output, streamed as Server-Sent Events.
@@ -379,129 +209,17 @@ pub async fn job_logs(
             })?,
     };
     let keep_alive = KeepAlive::new().interval(Duration::from_secs(15));
-    if state.jobs.view(&id).is_some() {
-        return Ok(
-            Sse::new(follow(Arc::clone(&state.jobs), id, next).boxed()).keep_alive(keep_alive)
-        );
-    }
-    let Some(fleet) = state.fleet() else {
-        return Err(job_not_found(&id));
-    };
-    if fleet
-        .job_whereabouts(&id)
-        .await
-        .map_err(fleet_unavailable)?
-        .is_none()
-    {
-        return Err(job_not_found(&id));
-    }
-    Ok(Sse::new(follow_in_fleet(state, fleet, id, next).boxed()).keep_alive(keep_alive))
+    Ok(Sse::new(state.service().job_logs(id, next).await?).keep_alive(keep_alive))
 }
 
-/// A fleet job's output, wherever it runs: waits while it is queued,
-/// relays its host's stream (resuming after the last chunk relayed if
-/// that host goes away), or follows it here once this host took it in;
-/// its end from the queue when its host can no longer tell.
-fn follow_in_fleet(
-    state: AppState,
-    fleet: crate::fleet::FleetHost,
-    id: JobId,
-    mut next: u64,
-) -> impl Stream<Item = Result<Event, Infallible>> + Send {
-    let (relay, events) = relay(64);
-    tokio::spawn(async move {
-        loop {
-            if state.jobs.view(&id).is_some() {
-                relay
-                    .pipe(follow(Arc::clone(&state.jobs), id.clone(), next))
-                    .await;
-                return;
-            }
-            match relay.unless_left(fleet.job_whereabouts(&id)).await {
-                None | Some(Ok(None)) => return,
-                Some(Ok(Some(place))) => {
-                    if let Some(owner) = &place.owner {
-                        let relayed = relay_job_logs(&fleet, owner, &id, &mut next, &relay).await;
-                        if relayed == Relayed::Ended {
-                            return;
-                        }
-                    }
-                    // Its host cannot tell any more: the end the queue has.
-                    if place.view.state.is_terminal() {
-                        relay.send(end_event(&place.view)).await;
-                        return;
-                    }
-                }
-                Some(Err(e)) => {
-                    tracing::debug!(job_id = %id, error = %e, "job logs: reading the fleet failed; retrying")
-                }
-            }
-            if !relay.pause(Duration::from_millis(200)).await {
-                return;
-            }
-        }
-    });
-    events
-}
-
-/// How a relay of a job's log stream from its host stopped.
-#[derive(Debug, PartialEq, Eq)]
-enum Relayed {
-    /// The job's end was relayed (or the reader left): done.
-    Ended,
-    /// The host did not answer, or its stream broke before the end.
-    Broke,
-}
-
-/// Relays job `id`'s output from chunk `next` on from `owner`, advancing
-/// `next` past every chunk relayed.
-async fn relay_job_logs(
-    fleet: &crate::fleet::FleetHost,
-    owner: &kici_fleet::Owner,
-    id: &JobId,
-    next: &mut u64,
-    relay: &Relay,
-) -> Relayed {
-    let opened = fleet.job_logs_at(owner, id, next.checked_sub(1));
-    let mut logs = match relay.unless_left(opened).await {
-        None => return Relayed::Ended,
-        Some(Err(_)) => return Relayed::Broke,
-        Some(Ok(logs)) => logs,
-    };
-    loop {
-        let event = match relay.unless_left(logs.next()).await {
-            None => return Relayed::Ended,
-            Some(Some(Ok(event))) => event,
-            Some(_) => return Relayed::Broke,
-        };
-        let relayed = match event {
-            kici_api::JobLogEvent::Output { index, output } => {
-                *next = index + 1;
-                chunk_event(index, &output)
-            }
-            kici_api::JobLogEvent::Truncated(t) => {
-                *next = t.missed_to + 1;
-                truncated_event(&t)
-            }
-            kici_api::JobLogEvent::End(view) => {
-                relay.send(end_event(&view)).await;
-                return Relayed::Ended;
-            }
-        };
-        if !relay.send(relayed).await {
-            return Relayed::Ended;
-        }
-    }
-}
-
-fn end_event(view: &JobView) -> Event {
+pub(crate) fn end_event(view: &JobView) -> Event {
     Event::default()
         .event("end")
         .json_data(view)
         .unwrap_or_else(|_| Event::default().event("end"))
 }
 
-fn truncated_event(t: &Truncated) -> Event {
+pub(crate) fn truncated_event(t: &Truncated) -> Event {
     Event::default()
         .event("truncated")
         .json_data(t)
@@ -518,7 +236,7 @@ fn output_event(chunk: &jobs::Chunk) -> Event {
     )
 }
 
-fn chunk_event(index: u64, data: &OutputData) -> Event {
+pub(crate) fn chunk_event(index: u64, data: &OutputData) -> Event {
     Event::default()
         .id(index.to_string())
         .event("output")
@@ -527,7 +245,7 @@ fn chunk_event(index: u64, data: &OutputData) -> Event {
 }
 
 /// The job's output from chunk `next` on, then its end.
-fn follow(
+pub(crate) fn follow(
     jobs: Arc<JobBook>,
     id: JobId,
     next: u64,

@@ -15,6 +15,12 @@
 //! - [`relay`]: SSE streams a task feeds (what a fleet host relays);
 //! - [`ui`]: the web console at `/ui/` (static; outside the guard).
 //!
+//! Handlers parse the request and call the daemon's [`Service`] (alone, or
+//! as a host of a fleet: chosen once, when the state is built), so none of
+//! them asks whether the daemon is in a fleet. The guard accepts a fleet
+//! peer's signature on the calls `kici_api::ROUTES` flags as peer calls,
+//! looked up by the route the router matched.
+//!
 //! The agent gateway (`/ws`) has its own listener (see [`crate::gateway`]).
 
 pub mod agents;
@@ -33,7 +39,8 @@ use crate::events::metrics::Metrics;
 use crate::events::EventLog;
 use crate::gateway::token::{Secret, TokenStore};
 use crate::jobs::JobBook;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use crate::service::{Local, Service};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{header, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -65,11 +72,9 @@ pub struct Shared {
     pub reloader: Arc<dyn Reload>,
     /// `KICI_SCALER_API_TOKEN`; when set, every request must carry it.
     pub api_token: Option<Secret>,
-    /// The durable state store (`None` in `run` and in tests without one).
-    /// New scale requests need it reachable.
-    store: parking_lot::RwLock<Option<Arc<dyn StateStore>>>,
-    /// This host's fleet, when it is in one (PostgreSQL state).
-    fleet: parking_lot::RwLock<Option<crate::fleet::FleetHost>>,
+    /// How this daemon serves: alone or as a host of a fleet, chosen when
+    /// the state is built.
+    service: Service,
     /// Start-up finished and not shutting down.
     ready: AtomicBool,
     /// The OpenAPI document, serialised once.
@@ -82,6 +87,7 @@ impl AppState {
         crate::gateway::enrolment::Enrolment::new(self.runtime.clone(), Arc::clone(&self.tokens))
     }
 
+    /// The state of a daemon on its own.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         runtime: Runtime,
@@ -93,17 +99,29 @@ impl AppState {
         reloader: Arc<dyn Reload>,
         api_token: Option<Secret>,
     ) -> Self {
+        let local = Local::new(runtime, instance, tokens, events, jobs);
+        Self::serving(Service::Local(local), metrics, reloader, api_token)
+    }
+
+    /// The state of a daemon that serves as `service` says (alone, or as a
+    /// host of a fleet): the one place where that is chosen.
+    pub fn serving(
+        service: Service,
+        metrics: Arc<Metrics>,
+        reloader: Arc<dyn Reload>,
+        api_token: Option<Secret>,
+    ) -> Self {
+        let local = service.local().clone();
         Self(Arc::new(Shared {
-            runtime,
-            instance,
-            tokens,
-            events,
-            jobs,
+            runtime: local.runtime,
+            instance: local.instance,
+            tokens: local.tokens,
+            events: local.events,
+            jobs: local.jobs,
             metrics,
             reloader,
             api_token,
-            store: parking_lot::RwLock::new(None),
-            fleet: parking_lot::RwLock::new(None),
+            service,
             ready: AtomicBool::new(false),
             openapi_json: parking_lot::RwLock::new(Arc::from("{}")),
         }))
@@ -111,34 +129,19 @@ impl AppState {
 
     /// The state store every new scale request must be able to reach.
     pub fn set_store(&self, store: Arc<dyn StateStore>) {
-        *self.0.store.write() = Some(store);
+        self.0.service.local().set_store(store);
     }
 
     /// Checks that the state store answers (bounded by its pool's acquire
     /// timeout, 1 s by default; a read, nothing is written): a request it
     /// could not record must not start anything.
     pub async fn store_reachable(&self) -> Result<(), ApiError> {
-        let store = self.0.store.read().clone();
-        match store {
-            None => Ok(()),
-            Some(store) => store.reachable().await.map_err(|e| {
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    ErrorCode::StoreUnavailable,
-                    e.to_string(),
-                )
-            }),
-        }
+        self.0.service.store_reachable().await
     }
 
-    /// Makes this daemon answer as a host of `fleet`.
-    pub fn set_fleet(&self, fleet: crate::fleet::FleetHost) {
-        *self.0.fleet.write() = Some(fleet);
-    }
-
-    /// This host's fleet, if it is in one.
-    pub fn fleet(&self) -> Option<crate::fleet::FleetHost> {
-        self.0.fleet.read().clone()
+    /// What the handlers ask of this daemon.
+    pub fn service(&self) -> &Service {
+        &self.0.service
     }
 
     pub fn set_ready(&self, ready: bool) {
@@ -291,7 +294,6 @@ pub fn router_with(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(middleware::from_fn_with_state(state.clone(), to_owner))
         .layer(middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
         // The console's page and assets hold no data: no token (a browser
@@ -407,13 +409,18 @@ async fn peer_signed(state: &AppState, request: Request) -> Result<Request, Resp
         tracing::warn!(reason = %why, "fleet: a peer call refused");
         ApiError::unauthorized(why).into_response()
     };
-    let Some(fleet) = state.fleet() else {
-        return Err(refuse(
-            "a fleet signature, but this host is in no fleet".to_owned(),
-        ));
-    };
+    let auth = state
+        .service()
+        .peer_auth()
+        .map_err(|why| refuse(why.to_owned()))?;
     let uri = request.uri();
-    if !crate::fleet::peer::peer_route(request.method(), uri.path(), uri.query()) {
+    // The route the router matched (none for a path it does not serve),
+    // and what the route table says of it.
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .and_then(|m| kici_api::Route::find(request.method().as_str(), m.as_str()));
+    if !route.is_some_and(|r| r.peer_callable(uri.query())) {
         return Err(refuse(format!(
             "the fleet signature is accepted only on the calls hosts make on each other, not on {} {}",
             request.method(),
@@ -438,81 +445,12 @@ async fn peer_signed(state: &AppState, request: Request) -> Result<Request, Resp
         )
         .into_response());
     };
-    match fleet
-        .auth()
-        .check(&header, parts.method.as_str(), &path, &body, unix_now())
-    {
+    match auth.check(&header, parts.method.as_str(), &path, &body, unix_now()) {
         Ok(from) => {
             tracing::debug!(from = %from, method = %parts.method, path, "fleet: a peer call");
             Ok(Request::from_parts(parts, axum::body::Body::from(body)))
         }
         Err(refusal) => Err(refuse(refusal.to_string())),
-    }
-}
-
-/// In a fleet, a call about one agent or one request that another host
-/// owns is carried to that host and answered as it answered (see
-/// [`crate::fleet::peer`]); everything else is served here.
-async fn to_owner(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    use crate::fleet::peer::{owner_only, OwnedBy};
-    let Some(fleet) = state.fleet() else {
-        return next.run(request).await;
-    };
-    let Some(what) = owner_only(request.method(), request.uri().path()) else {
-        return next.run(request).await;
-    };
-    let known_here = match &what {
-        OwnedBy::Agent(id) => id
-            .parse::<kici_model::AgentId>()
-            .is_ok_and(|a| state.runtime.agent(a).is_some()),
-        OwnedBy::Job(id) => id.parse::<kici_model::JobId>().is_ok_and(|j| {
-            state.jobs.view(&j).is_some() || state.runtime.call(|e, _| e.job_outcome(&j)).is_some()
-        }),
-    };
-    if known_here {
-        return next.run(request).await;
-    }
-    let path = request.uri().path_and_query().map_or_else(
-        || request.uri().path().to_owned(),
-        |p| p.as_str().to_owned(),
-    );
-    let method = request.method().clone();
-    let (parts, body) = request.into_parts();
-    let body = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
-        Ok(b) => b,
-        Err(_) => {
-            return ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                ErrorCode::PayloadTooLarge,
-                format!("the body is larger than {MAX_BODY_BYTES} bytes"),
-            )
-            .into_response()
-        }
-    };
-    match fleet.forward(&what, &method, &path, body.clone()).await {
-        // The owner does not know it (yet, or any more): answered here.
-        Ok(Some((404, _))) | Ok(None) => {
-            next.run(Request::from_parts(parts, axum::body::Body::from(body)))
-                .await
-        }
-        Ok(Some((status, answer))) => {
-            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-            let mut response = Response::new(axum::body::Body::from(answer));
-            *response.status_mut() = status;
-            if !status.is_informational() && status != StatusCode::NO_CONTENT {
-                response.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    header::HeaderValue::from_static("application/json"),
-                );
-            }
-            response
-        }
-        Err(e) => ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            ErrorCode::PeerUnavailable,
-            e.to_string(),
-        )
-        .into_response(),
     }
 }
 
@@ -574,6 +512,41 @@ mod tests {
         h.insert(header::ORIGIN, HeaderValue::from_static(origin));
         h.insert(header::HOST, HeaderValue::from_static(host));
         h
+    }
+
+    /// The guard reads what a peer may call from the route the router
+    /// matched ([`kici_api::Route::find`]): every route the router serves
+    /// must be in the table, and every route of the table served.
+    #[test]
+    fn the_router_serves_exactly_the_route_table() {
+        let doc = super::api_routes()
+            .merge(super::jobs::routes())
+            .into_openapi();
+        let mut served = Vec::new();
+        for (path, item) in &doc.paths.paths {
+            for (method, op) in [
+                ("GET", &item.get),
+                ("POST", &item.post),
+                ("PUT", &item.put),
+                ("DELETE", &item.delete),
+                ("PATCH", &item.patch),
+            ] {
+                if op.is_some() {
+                    assert!(
+                        kici_api::Route::find(method, path).is_some(),
+                        "{method} {path} is served but not in kici_api::ROUTES"
+                    );
+                    served.push((method, path.as_str()));
+                }
+            }
+        }
+        served.sort();
+        let mut table: Vec<(&str, &str)> = kici_api::ROUTES
+            .iter()
+            .map(|r| (r.method, r.path))
+            .collect();
+        table.sort();
+        assert_eq!(served, table);
     }
 
     #[test]

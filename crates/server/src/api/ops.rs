@@ -2,7 +2,7 @@
 //! document.
 
 use super::error::{ApiError, ErrorBody, ErrorCode, ReloadErrorBody};
-use super::wire::{status_object, Health, IntoApi, Readiness, ReloadAnswer, StatusObject};
+use super::wire::{Health, IntoApi, Readiness, ReloadAnswer, StatusObject};
 use super::AppState;
 use axum::extract::{RawQuery, State};
 use axum::http::{header, StatusCode};
@@ -32,18 +32,7 @@ pub async fn status(
     RawQuery(query): RawQuery,
 ) -> Result<Json<StatusObject>, ApiError> {
     let local = super::query_flags(query.as_deref(), &["local"])?.contains(&"local");
-    let mut status = status_object(state.instance, &state.runtime.status());
-    if let (Some(fleet), false) = (state.fleet(), local) {
-        let (hosts, unreachable) = fleet
-            .gather_reachable::<StatusObject>("/v1/status?local=true")
-            .await;
-        status.hosts = hosts;
-        status
-            .hosts
-            .sort_by(|a, b| a.instance_id.cmp(&b.instance_id));
-        status.unreachable_hosts = unreachable;
-    }
-    Ok(Json(status))
+    Ok(Json(state.service().status(local).await))
 }
 
 /// The fleet this daemon belongs to: its hosts (state, epoch, lease age,
@@ -61,20 +50,7 @@ pub async fn status(
     )
 )]
 pub async fn fleet(State(state): State<AppState>) -> Result<Json<kici_api::FleetObject>, ApiError> {
-    let Some(fleet) = state.fleet() else {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            ErrorCode::NotAFleet,
-            "this daemon is not in a fleet: a fleet is the daemons sharing one PostgreSQL state store (--state postgres://…)",
-        ));
-    };
-    fleet.view().await.map(Json).map_err(|e| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::StoreUnavailable,
-            format!("reading the fleet: {e}"),
-        )
-    })
+    state.service().fleet_view().await.map(Json)
 }
 
 /// Re-read the configuration files and apply them, all or nothing.

@@ -1,14 +1,12 @@
 //! Scale requests: `POST /v1/scale` and `DELETE /v1/scale/{jobId}`
 //! (orchestrator mode; the request's agent is destroyed on disconnect).
 
-use super::error::{scale_error, ApiError, ApiJson, ErrorBody, ErrorCode};
-use super::wire::{parse_job, IntoApi, IntoRequest, ScaleAnswer, ScaleBody};
+use super::error::{ApiError, ApiJson, ErrorBody};
+use super::wire::{parse_job, ScaleAnswer, ScaleBody};
 use super::AppState;
-use crate::durable::persist::pending_committed;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use kici_engine::ScaleOutcome;
 
 /// Ask for an agent for one job.
 ///
@@ -38,78 +36,12 @@ pub async fn request_scale(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<ScaleBody>,
 ) -> Result<(StatusCode, Json<ScaleAnswer>), ApiError> {
-    let request = body.clone().into_request()?;
-    let job = request.job.clone();
-    // A read: nothing starts while the store cannot record it.
-    state.store_reachable().await?;
-    if let Some(fleet) = state.fleet() {
-        // In a fleet the shared queue records the request (committed before
-        // this answer) and whichever host serves its pool takes it.
-        let (outcome, serving) = fleet
-            .enter_scale(&body, request)
-            .await
-            .map_err(fleet_error)?;
-        let status = match outcome {
-            ScaleOutcome::Spawning { .. } => StatusCode::ACCEPTED,
-            _ => StatusCode::OK,
-        };
-        tracing::info!(job_id = %job, result = ?outcome, "scale request (fleet)");
-        let mut answer = outcome.into_api();
-        if let ScaleAnswer::Spawning { hosts, .. } | ScaleAnswer::Pending { hosts, .. } =
-            &mut answer
-        {
-            *hosts = serving;
-        }
-        return Ok((status, Json(answer)));
-    }
-    let (outcome, recorded) = state.runtime.request_scale_recorded(request);
-    // A request that waits is answered once its record (the engine's
-    // journal) is committed: a crash must not forget what was acknowledged.
-    pending_committed(&state.runtime, &job, recorded)
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                error_text(&e),
-            )
-        })?;
-    let outcome = outcome.map_err(scale_error)?;
-    let status = match outcome {
-        ScaleOutcome::Spawning { .. } => StatusCode::ACCEPTED,
+    let answer = state.service().scale(body).await?;
+    let status = match answer {
+        ScaleAnswer::Spawning { .. } => StatusCode::ACCEPTED,
         _ => StatusCode::OK,
     };
-    tracing::info!(job_id = %job, result = ?outcome, "scale request");
-    Ok((status, Json(outcome.into_api())))
-}
-
-fn fleet_error(e: crate::fleet::EntryError) -> ApiError {
-    use crate::fleet::EntryError;
-    match e {
-        EntryError::Conflict(job) => ApiError::new(
-            StatusCode::CONFLICT,
-            ErrorCode::JobConflict,
-            format!("job {job} was already requested with a different body"),
-        )
-        .field("jobId"),
-        EntryError::Unavailable(m) | EntryError::Body(m) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ErrorCode::StoreUnavailable,
-            m,
-        ),
-    }
-}
-
-/// An error and its sources, `: `-separated.
-fn error_text(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
+    Ok((status, Json(answer)))
 }
 
 /// Cancel a scale request.
@@ -132,10 +64,6 @@ pub async fn cancel_scale(
     Path(job_id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let job = parse_job("jobId", &job_id)?;
-    let cancelled = match state.fleet() {
-        Some(fleet) => fleet.cancel_scale(&job).await.map_err(fleet_error)?,
-        None => state.runtime.cancel_scale(&job),
-    };
-    tracing::info!(job_id = %job, cancelled, "scale request cancelled");
+    state.service().cancel_scale(&job).await?;
     Ok(StatusCode::NO_CONTENT)
 }

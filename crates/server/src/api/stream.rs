@@ -18,7 +18,6 @@
 //! SSE ids (ids are per host; resuming is per host).
 
 use super::error::{ApiError, ErrorBody, ErrorCode};
-use super::relay::{relay, Relay};
 use super::wire::IntoApi;
 use super::AppState;
 use crate::events::{EventLog, Gap, Next};
@@ -26,7 +25,7 @@ use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, KeepAliveStream, Sse};
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
-use kici_api::{Reset, StampedEvent, StreamEvent, RESET_EVENT};
+use kici_api::{Reset, StampedEvent, RESET_EVENT};
 use kici_engine::runtime::SequencedEvent;
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -102,8 +101,9 @@ pub async fn events(
 ) -> Result<Sse<KeepAliveStream<BoxStream<'static, Result<Event, Infallible>>>>, ApiError> {
     let local = super::query_flags(query.as_deref(), &["local"])?.contains(&"local");
     let keep_alive = KeepAlive::new().interval(Duration::from_secs(15));
-    if let (Some(fleet), false, None) = (state.fleet(), local, headers.get("last-event-id")) {
-        return Ok(Sse::new(follow_fleet(&state, fleet).boxed()).keep_alive(keep_alive));
+    if !local && !headers.contains_key("last-event-id") {
+        // From now on: in a fleet, every live host's events.
+        return Ok(Sse::new(state.service().events_from_now()).keep_alive(keep_alive));
     }
     let after = match headers.get("last-event-id") {
         None => state.events.newest_id(),
@@ -123,76 +123,9 @@ pub async fn events(
     Ok(Sse::new(follow(Arc::clone(&state.events), after, None).boxed()).keep_alive(keep_alive))
 }
 
-/// How often the fleet-wide stream looks for hosts it does not follow yet
-/// (joined since, or whose stream broke).
-const FLEET_STREAM_REFRESH: Duration = Duration::from_secs(2);
-
-/// The fleet's events from now on: this host's and every other live
-/// host's (`?local=true` streams relayed), each with its `host`. Without
-/// SSE ids: ids are per host, so a reader that resumes does so on one host
-/// (`Last-Event-ID` gives that host's own stream).
-fn follow_fleet(
-    state: &AppState,
-    fleet: crate::fleet::FleetHost,
-) -> impl Stream<Item = Result<Event, Infallible>> + Send {
-    let (relay, events) = relay(256);
-    let me = state.instance.to_string();
-    let own = follow(
-        Arc::clone(&state.events),
-        state.events.newest_id(),
-        Some(me.clone()),
-    );
-    let local = relay.clone();
-    tokio::spawn(async move { local.pipe(own).await });
-    tokio::spawn(async move {
-        let following = Arc::new(parking_lot::Mutex::new(std::collections::HashSet::new()));
-        loop {
-            if let Some(Ok(peers)) = relay.unless_left(fleet.live_peers()).await {
-                for peer in peers {
-                    let Some(url) = peer.url else { continue };
-                    if !following.lock().insert(peer.instance_id.clone()) {
-                        continue;
-                    }
-                    let (relay, fleet, following) =
-                        (relay.clone(), fleet.clone(), Arc::clone(&following));
-                    tokio::spawn(async move {
-                        relay_peer(&fleet, &url, &peer.instance_id, &relay).await;
-                        following.lock().remove(&peer.instance_id);
-                    });
-                }
-            }
-            if !relay.pause(FLEET_STREAM_REFRESH).await {
-                return;
-            }
-        }
-    });
-    events
-}
-
-/// Relays one peer's own events, each with its `host`, until its stream
-/// ends or the reader leaves.
-async fn relay_peer(fleet: &crate::fleet::FleetHost, url: &str, instance: &str, relay: &Relay) {
-    let Some(Ok(mut events)) = relay.unless_left(fleet.events_at(url, instance)).await else {
-        return;
-    };
-    loop {
-        let (name, json) = match relay.unless_left(events.next()).await {
-            Some(Some(Ok(StreamEvent::Event(e)))) => (e.event.name(), serde_json::to_string(&e)),
-            Some(Some(Ok(StreamEvent::Reset { reset, .. }))) => {
-                (RESET_EVENT, serde_json::to_string(&reset))
-            }
-            _ => return,
-        };
-        let Ok(json) = json else { continue };
-        if !relay.send(hosted_event(name, &json, instance)).await {
-            return;
-        }
-    }
-}
-
 /// An event of host `host` in the fleet-wide stream: its data with `host`,
 /// no id.
-fn hosted_event(name: &str, json: &str, host: &str) -> Event {
+pub(crate) fn hosted_event(name: &str, json: &str, host: &str) -> Event {
     let data = match serde_json::from_str::<serde_json::Value>(json) {
         Ok(serde_json::Value::Object(mut o)) => {
             o.insert("host".to_owned(), serde_json::Value::from(host));

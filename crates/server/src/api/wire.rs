@@ -9,15 +9,13 @@
 //! wire, so the published contract changes only when `kici-api` does.
 
 use super::error::ApiError;
+use crate::service::requests;
 use kici_admission::{Cap, ScopeUsage};
 use kici_engine::{
     AgentState, AgentView, BreakerState, EngineEvent, FailureReason, Mode, PendingEnd,
     ReloadReport, ScaleOutcome, ScaleRequest, Status,
 };
-use kici_model::{
-    InstanceId, JobId, LabelSet, MemoryBytes, MilliCpu, ResourceRequest, ResourceSpec, Resources,
-    ScalerType,
-};
+use kici_model::{InstanceId, JobId, MemoryBytes, MilliCpu, Resources, ScalerType};
 
 pub use kici_api::{
     AgentCounts, AgentList, AgentObject, AgentStateName, BackendName, BreakerName, CapName, Event,
@@ -39,83 +37,11 @@ pub trait IntoRequest {
 impl IntoRequest for ScaleBody {
     type Request = ScaleRequest;
 
-    /// The engine's request; every problem names its field.
+    /// The engine's request ([`requests::scale_request`]); every problem
+    /// names its field.
     fn into_request(self) -> Result<ScaleRequest, ApiError> {
-        let job: JobId = self
-            .job_id
-            .parse()
-            .map_err(|e: kici_model::IdError| ApiError::invalid("jobId", e.to_string()))?;
-        let run_id = match self.run_id {
-            Some(run) => {
-                run.parse::<JobId>().map_err(|_| {
-                    ApiError::invalid(
-                        "runId",
-                        format!(
-                            "run id must be 1 to {} printable characters without whitespace",
-                            JobId::MAX_LEN
-                        ),
-                    )
-                })?;
-                Some(run)
-            }
-            None => None,
-        };
-        // No labels at all is a job upstream routes too (to the first label
-        // set without a gate); the router decides, not the parser.
-        let labels = parse_labels("labels", &self.labels)?;
-        let exclude = parse_labels(
-            "excludeLabels",
-            self.exclude_labels.as_deref().unwrap_or(&[]),
-        )?;
-        let resources = match self.resources {
-            Some(r) => resource_request(r, "resources")?,
-            None => None,
-        };
-        Ok(ScaleRequest {
-            job,
-            run_id,
-            labels,
-            exclude,
-            resources,
-            mode: Mode::Orchestrator,
-        })
+        Ok(requests::scale_request(self)?)
     }
-}
-
-pub(crate) fn parse_labels(field: &str, raw: &[String]) -> Result<LabelSet, ApiError> {
-    // Trimmed and lower-cased as upstream does on every request (`" Linux"`
-    // is `linux`), each refusal naming the element.
-    for (i, label) in raw.iter().enumerate() {
-        kici_model::Label::canonical(label)
-            .map_err(|e| ApiError::invalid(format!("{field}[{i}]"), e.to_string()))?;
-    }
-    kici_routing::request_labels(raw).map_err(|e| ApiError::invalid(field, e.to_string()))
-}
-
-/// The resources of a request body at JSON path `at`; `None` when nothing
-/// is set.
-pub(crate) fn resource_request(
-    body: ResourcesBody,
-    at: &str,
-) -> Result<Option<ResourceRequest>, ApiError> {
-    let requests = body
-        .requests
-        .map(|s| resource_spec(s, &format!("{at}.requests")))
-        .transpose()?
-        .filter(|s| !s.is_empty());
-    let limits = body
-        .limits
-        .map(|s| resource_spec(s, &format!("{at}.limits")))
-        .transpose()?
-        .filter(|s| !s.is_empty());
-    if requests.is_none() && limits.is_none() {
-        return Ok(None);
-    }
-    let request = ResourceRequest { requests, limits };
-    request
-        .check_requests_within_limits()
-        .map_err(|e| ApiError::invalid(format!("{at}.requests"), e))?;
-    Ok(Some(request))
 }
 
 /// The status's warm source; `None` for upstream's own size.
@@ -136,41 +62,9 @@ fn warm_source(source: &kici_engine::WarmSource) -> Option<kici_api::WarmSourceO
     }
 }
 
-fn resource_spec(body: ResourceSpecBody, at: &str) -> Result<ResourceSpec, ApiError> {
-    let cpus = body
-        .cpus
-        .map(MilliCpu::from_cores)
-        .transpose()
-        .map_err(|e| ApiError::invalid(format!("{at}.cpus"), e.to_string()))?;
-    let memory = body
-        .memory
-        .map(|m| MemoryBytes::parse_request(&m))
-        .transpose()
-        .map_err(|e| ApiError::invalid(format!("{at}.memory"), e.to_string()))?;
-    if memory == Some(MemoryBytes::ZERO) {
-        return Err(ApiError::invalid(
-            format!("{at}.memory"),
-            "memory must be more than 0",
-        ));
-    }
-    Ok(ResourceSpec { cpus, memory })
-}
-
 pub fn parse_job(field: &str, raw: &str) -> Result<JobId, ApiError> {
     raw.parse()
         .map_err(|e: kici_model::IdError| ApiError::invalid(field, e.to_string()))
-}
-
-/// A request body's resources at JSON path `at`, parsed; `None` when
-/// nothing is set.
-pub trait IntoResourceRequest {
-    fn into_request(self, at: &str) -> Result<Option<ResourceRequest>, ApiError>;
-}
-
-impl IntoResourceRequest for ResourcesBody {
-    fn into_request(self, at: &str) -> Result<Option<ResourceRequest>, ApiError> {
-        resource_request(self, at)
-    }
 }
 
 // ------------------------------------------------------------------- answers

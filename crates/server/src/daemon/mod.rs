@@ -502,17 +502,14 @@ async fn run(
         runtime.clone(),
         Arc::clone(&stack.metrics),
     ));
-    let state = AppState::new(
+    let local = crate::service::Local::new(
         runtime.clone(),
         instance,
         Arc::clone(&stack.tokens),
         Arc::clone(&stack.events),
         Arc::clone(&stack.jobs),
-        Arc::clone(&stack.metrics),
-        Arc::clone(&reloader),
-        api_token,
     );
-    state.set_store(Arc::clone(&store));
+    local.set_store(Arc::clone(&store));
     // Joined last: the engine holds its recovered agents, so the fleet rows
     // of those agents are taken back (or the agents destroyed) before this
     // host claims anything.
@@ -531,10 +528,7 @@ async fn run(
             )
             .await;
             match host {
-                Ok(host) => {
-                    state.set_fleet(host.clone());
-                    Some(host)
-                }
+                Ok(host) => Some(host),
                 Err(e) => {
                     stack.shutdown(settings.shutdown_grace).await;
                     return Err(e.into());
@@ -543,6 +537,20 @@ async fn run(
         }
         _ => None,
     };
+    // How the control API serves — alone, or as this host of the fleet —
+    // is decided here, once.
+    let service = match &fleet {
+        Some(host) => {
+            crate::service::Service::Fleet(crate::service::Fleet::new(local, host.clone()))
+        }
+        None => crate::service::Service::Local(local),
+    };
+    let state = AppState::serving(
+        service,
+        Arc::clone(&stack.metrics),
+        Arc::clone(&reloader),
+        api_token,
+    );
     let heartbeat_task = spawn_heartbeat(Arc::clone(&store));
     let router = api::router_with(state.clone(), api::jobs::routes());
 

@@ -283,7 +283,6 @@ impl FleetHost {
 /// The job a claim carries: its queued body, its environment from the
 /// claim's secret, its id from the claim.
 fn job_request(claim: &Claim) -> Result<JobRequest, String> {
-    use crate::api::jobs::IntoJobRequest;
     let mut body: JobBody = serde_json::from_str(&claim.body).map_err(|e| e.to_string())?;
     if let Some(secret) = &claim.secret {
         let env: BTreeMap<String, String> =
@@ -291,7 +290,7 @@ fn job_request(claim: &Claim) -> Result<JobRequest, String> {
         body.env = Some(env);
     }
     let id: JobId = claim.job_id.parse().map_err(|e| format!("job id: {e}"))?;
-    body.into_request(id).map_err(|e| e.message)
+    crate::service::requests::job_request(body, id).map_err(|e| e.message)
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@ pub mod view;
 
 use crate::events::metrics::Metrics;
 use crate::jobs::JobBook;
+use crate::service::requests::StoredScale;
 use kici_engine::runtime::{Coordinator, Runtime};
 use kici_engine::{EndedAgent, HoldRefused, ScaleOutcome, ScaleRequest};
 use kici_fleet::{
@@ -279,11 +280,11 @@ impl FleetHost {
     /// A scale request arriving at this host: routed by the local engine,
     /// written to the fleet's queue (committed before the answer), tried at
     /// once here when this host serves its pool, and answered from where
-    /// it is now. `body` is the request as the caller sent it (its
-    /// canonical JSON is the dedupe key).
+    /// it is now. `body` is the request as the caller sent it (its stored
+    /// text is the dedupe key).
     pub async fn enter_scale(
         &self,
-        body: &kici_api::ScaleBody,
+        body: &StoredScale,
         request: ScaleRequest,
     ) -> Result<(ScaleOutcome, Vec<String>), EntryError> {
         let rt = &self.0.runtime;
@@ -306,13 +307,13 @@ impl FleetHost {
     /// [`FleetHost::enter_scale`] once routed to `pool`.
     async fn enter_routed(
         &self,
-        body: &kici_api::ScaleBody,
+        body: &StoredScale,
         request: ScaleRequest,
         pool: &str,
         resources: kici_model::EffectiveResources,
     ) -> Result<ScaleOutcome, EntryError> {
         let job = request.job.clone();
-        let body_json = serde_json::to_string(body).map_err(|e| EntryError::Body(e.to_string()))?;
+        let body_json = body.text().map_err(|e| EntryError::Body(e.to_string()))?;
         let new = NewRequest {
             job_id: job.to_string(),
             kind: RequestKind::Scale,
@@ -508,12 +509,11 @@ impl FleetHost {
             return self.serve_job(claim).await;
         }
         let inner = &self.0;
-        let request = match serde_json::from_str::<kici_api::ScaleBody>(&claim.body)
+        // The stored body, typed, read back and converted as at the entry.
+        let request = match StoredScale::parse(&claim.body)
             .map_err(|e| e.to_string())
-            .and_then(|body| {
-                use crate::api::wire::IntoRequest;
-                body.into_request().map_err(|e| e.message)
-            }) {
+            .and_then(|stored| stored.into_request().map_err(|e| e.message))
+        {
             Ok(r) => r,
             Err(e) => {
                 // Written by a host of this fleet: unreadable means a newer

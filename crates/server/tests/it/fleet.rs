@@ -1924,3 +1924,48 @@ fn serial_fleet_an_arrival_at_the_fleet_cap_leaves_the_warm_pool_alone() {
         fleet.sql("SELECT count(*) FROM fleet_requests WHERE pool = 'warm' AND state = 'queued'");
     assert_eq!(queued, ["5"]);
 }
+
+/// A scale request a host of the previous version queued — its body
+/// stored as that version wrote it, the `POST /v1/scale` body's JSON — is
+/// read back as the typed body, claimed and served; the same request sent
+/// again through the API is that request (the stored text is the dedupe
+/// key: answered where it is, no second agent), another body for its job
+/// id is a conflict.
+#[test]
+fn serial_fleet_a_scale_request_stored_by_the_previous_version_is_claimed_and_served() {
+    let fleet = Fleet::start(1, 2, 4, &[]);
+    wait_until("the host is up", || {
+        let (status, v) = fleet.hosts[0].call("GET", "/v1/fleet", None);
+        status == 200 && v["hosts"].as_array().unwrap().len() == 1
+    });
+    let stored = r#"{"jobId":"old-1","labels":["local"]}"#;
+    fleet.sql(&format!(
+        "INSERT INTO fleet_requests (fleet, job_id, kind, pool, body, answer, milli_cpu, \
+         memory_bytes, entry_host, secret, state, arrived_at) VALUES ('default', 'old-1', \
+         'scale', 'local', '{stored}', '', 0, 0, 'a-host-of-the-previous-version', NULL, \
+         'queued', fleet_now_ms())"
+    ));
+    let agent_of = || {
+        fleet.hosts[0]
+            .agents_with_jobs()
+            .into_iter()
+            .find(|(_, (_, job))| job == "old-1")
+            .map(|(agent, _)| agent)
+    };
+    wait_long(
+        "the queued request is served",
+        Duration::from_secs(30),
+        || agent_of().is_some(),
+    );
+    let agent = agent_of().unwrap();
+    let (status, answer) = fleet.hosts[0].scale("old-1");
+    assert_eq!(status, 202, "{answer}");
+    assert_eq!(answer["agentId"], agent.as_str(), "{answer}");
+    let other = r#"{"jobId":"old-1","labels":["local"],"runId":"another"}"#;
+    let (status, answer) = fleet.hosts[0].call("POST", "/v1/scale", Some(other));
+    assert_eq!(status, 409, "{answer}");
+    assert_eq!(
+        fleet.sql("SELECT count(*) FROM fleet_agents WHERE job_id = 'old-1'"),
+        vec!["1".to_owned()]
+    );
+}
