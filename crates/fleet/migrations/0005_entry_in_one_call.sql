@@ -122,6 +122,14 @@ DECLARE
     head fleet_requests%ROWTYPE;
     cs BIGINT;
 BEGIN
+    -- Woken with every host of the pool, most find the queue already empty:
+    -- they leave without waiting for the pool's row (a request that arrives
+    -- right after this read notifies them again at its commit).
+    IF NOT EXISTS (SELECT 1 FROM fleet_requests q WHERE q.fleet = f AND q.pool = p AND q.state = 'queued') THEN
+        RETURN QUERY SELECT 'empty'::TEXT, NULL::TEXT, NULL::BIGINT, NULL::TEXT, NULL::TEXT,
+            NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
+        RETURN;
+    END IF;
     PERFORM set_config('lock_timeout', wait, true);
     SELECT max_agents, max_cpu, max_memory INTO g_agents, g_cpu, g_memory
       FROM fleet_fleets WHERE fleet = f;

@@ -109,7 +109,7 @@ pub mod schema;
 pub use error::{FleetError, PoolMismatch};
 pub use leader::{ChoreReport, Leader, LostAgent, LostHost};
 pub use membership::{Caps, HostSpec, HostStatus, LeaseGuard, Membership, PoolDefinition};
-pub use placement::{should_claim, HostLoad, Placement};
+pub use placement::{should_claim, should_enter, HostLoad, Placement, ENTRY_SLACK};
 pub use queue::{
     Adopted, Claim, Enqueued, Entered, Held, NewRequest, Owner, Queue, RequestKind, RequestState,
     RequestView, Waker,

@@ -11,6 +11,10 @@
 //!   its capacity before the next gets anything (the cheap-cloud case:
 //!   fewer machines awake).
 //!
+//! A request entering through a host that serves its pool is served there
+//! under a looser rule ([`should_enter`]): the entry saves a queue write,
+//! a wake-up of every host of the pool and a claim.
+//!
 //! Both leave at least one eligible host while any host
 //! has room, so the queue never stalls on placement alone. Loads are read
 //! before the claim, not inside it, so two hosts claiming at the same
@@ -89,6 +93,36 @@ pub fn should_claim(policy: Placement, me: InstanceId, hosts: &[HostLoad]) -> bo
     }
 }
 
+/// How many agents more than the least loaded host an entry host may hold
+/// and still serve a request itself under `spread`.
+pub const ENTRY_SLACK: u32 = 1;
+
+/// Whether the host a request entered through should serve it itself
+/// rather than queue it for the placement's pick. Serving at entry costs one
+/// transaction; queueing costs the queue's write, a wake-up of every host
+/// of the pool and a claim. So under `spread` the entry host serves while
+/// it holds at most [`ENTRY_SLACK`] agents more than the least loaded host
+/// with room (hosts stay within `ENTRY_SLACK + 1` of each other); `pack`
+/// keeps its rule.
+pub fn should_enter(policy: Placement, me: InstanceId, hosts: &[HostLoad]) -> bool {
+    match policy {
+        Placement::Pack => should_claim(policy, me, hosts),
+        Placement::Spread => {
+            let mine = hosts.iter().find(|h| h.host == me).copied();
+            if mine.is_some_and(|m| !m.has_room()) {
+                return false;
+            }
+            let mine = mine.map_or(0, |m| m.agents);
+            hosts
+                .iter()
+                .filter(|h| h.has_room() && h.host != me)
+                .map(|h| h.agents)
+                .min()
+                .is_none_or(|least| mine <= least.saturating_add(ENTRY_SLACK))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +160,48 @@ mod tests {
         hs[1].agents = 3;
         assert!(eligible(Placement::Spread, &hs).is_empty());
         assert!(eligible(Placement::Pack, &hs).is_empty());
+    }
+
+    proptest! {
+        /// Entries through hosts drawn at random, each served at its entry
+        /// host when `should_enter` says so and by a claiming host
+        /// otherwise: hosts of equal capacity stay within `ENTRY_SLACK + 1`
+        /// of each other, and an entry host with room and at the minimum
+        /// always serves.
+        #[test]
+        fn entry_slack_keeps_hosts_within_its_bound(
+            n in 1usize..6,
+            entries in proptest::collection::vec(any::<prop::sample::Index>(), 1..300),
+        ) {
+            let mut hs = hosts(&vec![None; n]);
+            for entry in entries {
+                let e = entry.index(n);
+                let least = hs.iter().map(|h| h.agents).min().unwrap();
+                let served_here = should_enter(Placement::Spread, hs[e].host, &hs);
+                if hs[e].agents == least {
+                    prop_assert!(served_here);
+                }
+                let i = if served_here { e } else { eligible(Placement::Spread, &hs)[0] };
+                hs[i].agents += 1;
+                let gap = hs.iter().map(|h| h.agents).max().unwrap()
+                    - hs.iter().map(|h| h.agents).min().unwrap();
+                prop_assert!(gap <= ENTRY_SLACK + 1, "{:?}", hs);
+            }
+        }
+    }
+
+    #[test]
+    fn entry_under_pack_follows_the_claim_rule() {
+        let mut hs = hosts(&[Some(3), Some(3)]);
+        hs[0].agents = 1;
+        assert!(should_enter(Placement::Pack, hs[0].host, &hs));
+        assert!(!should_enter(Placement::Pack, hs[1].host, &hs));
+        // Spread: one more than the least still serves at entry; two not.
+        assert!(should_enter(Placement::Spread, hs[0].host, &hs));
+        hs[0].agents = 2;
+        assert!(!should_enter(Placement::Spread, hs[0].host, &hs));
+        hs[0].agents = 3; // full
+        assert!(!should_enter(Placement::Spread, hs[0].host, &hs));
     }
 
     #[test]

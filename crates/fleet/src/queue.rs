@@ -523,6 +523,19 @@ impl Queue {
         if pools.is_empty() {
             return Ok(None);
         }
+        // One pool (a host's claim loop asks per pool): no need to order
+        // pools by their heads first.
+        if let [pool] = pools {
+            guard.check()?;
+            return match self.claim_in(guard.instance(), epoch, pool).await? {
+                PoolAttempt::Claimed(c) => Ok(Some(c)),
+                PoolAttempt::AtCap => {
+                    tracing::debug!(pool = %pool, "fleet cap reached; not claiming in this pool");
+                    Ok(None)
+                }
+                PoolAttempt::Empty | PoolAttempt::Busy => Ok(None),
+            };
+        }
         let heads: Vec<String> = sqlx::query_scalar(
             "SELECT pool FROM fleet_requests WHERE fleet = $1 AND state = 'queued' AND pool = ANY($2) \
              GROUP BY pool ORDER BY min(seq)",

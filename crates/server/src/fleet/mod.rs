@@ -356,7 +356,7 @@ impl FleetHost {
     ) -> Result<Option<ScaleOutcome>, EntryError> {
         let inner = &self.0;
         let job = request.job.clone();
-        let Some(_one) = self.may_take(&new.pool).await else {
+        let Some(_one) = self.may_take(&new.pool, Take::Entry).await else {
             return Ok(None);
         };
         // Refused when the engine knows the job already — also when the
@@ -465,7 +465,7 @@ impl FleetHost {
                 return false;
             }
         }
-        let Some(_one) = self.may_take(pool).await else {
+        let Some(_one) = self.may_take(pool, Take::Claim).await else {
             return false;
         };
         let claim = match inner.queue.claim(&inner.guard, &[pool.to_owned()]).await {
@@ -484,7 +484,7 @@ impl FleetHost {
     /// Whether this host may take a request of `pool` now — its fence is
     /// open, the engine has a slot in the pool's scaler, and placement picks
     /// it — holding the one claim this host makes at a time (the guard).
-    async fn may_take(&self, pool: &str) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+    async fn may_take(&self, pool: &str, take: Take) -> Option<tokio::sync::MutexGuard<'_, ()>> {
         let inner = &self.0;
         if !inner.guard.is_valid() || *inner.stop.borrow() {
             return None;
@@ -494,8 +494,13 @@ impl FleetHost {
             return None;
         }
         match inner.queue.pool_loads(pool).await {
-            Ok(loads) => kici_fleet::should_claim(inner.settings.placement, inner.instance, &loads)
-                .then_some(one),
+            Ok(loads) => {
+                let pick = match take {
+                    Take::Entry => kici_fleet::should_enter,
+                    Take::Claim => kici_fleet::should_claim,
+                };
+                pick(inner.settings.placement, inner.instance, &loads).then_some(one)
+            }
             Err(e) => {
                 tracing::debug!(error = %e, pool, "fleet: reading the pool's loads failed");
                 None
@@ -1062,6 +1067,15 @@ impl FleetHost {
         // also releases leadership if this host held it.
         tracing::info!("left the fleet");
     }
+}
+
+/// What [`FleetHost::may_take`] is asked for: a request entering through
+/// this host, or a claim from the queue (placement differs; see
+/// [`kici_fleet::should_enter`]).
+#[derive(Debug, Clone, Copy)]
+enum Take {
+    Entry,
+    Claim,
 }
 
 /// Why a request could not be entered into the fleet's queue.
