@@ -8,24 +8,30 @@
 -- row, the request, the host's row (shared: the fence).
 --
 -- Returns ('existing', NULL) when a request with the job id is in the fleet
--- and not finished (the caller reads it), ('started', seq) or
--- ('queued', seq). A host that is not `up` under `ep` with an unexpired
+-- and not finished (the caller reads it), ('started', seq), ('queued', seq),
+-- or ('claimed-head', seq, the head's columns) when older requests wait and
+-- this host claimed the oldest of them instead (the caller serves it). A host that is not `up` under `ep` with an unexpired
 -- lease raises SQLSTATE KF001 (the statement, its insert included, rolls
 -- back), its current epoch as the DETAIL when its lease is valid.
 CREATE FUNCTION fleet_enter(
     f TEXT, j TEXT, k TEXT, p TEXT, b TEXT, ans TEXT, c BIGINT, m BIGINT,
     entry TEXT, sec TEXT, inst TEXT, ep BIGINT, ag TEXT, channel TEXT)
-RETURNS TABLE (outcome TEXT, seq BIGINT)
+RETURNS TABLE (outcome TEXT, seq BIGINT, head_job_id TEXT, head_seq BIGINT, head_kind TEXT,
+               head_body TEXT, head_secret TEXT, head_milli_cpu BIGINT, head_memory_bytes BIGINT,
+               head_arrived_at BIGINT, head_claim_seq BIGINT)
 LANGUAGE plpgsql AS $$
 DECLARE
     g_agents BIGINT; g_cpu BIGINT; g_memory BIGINT;
     global_cap BOOLEAN;
     p_agents BIGINT; p_cpu BIGINT; p_memory BIGINT;
     u_agents BIGINT; u_cpu BIGINT; u_memory BIGINT;
+    f_agents BIGINT := 0; f_cpu BIGINT := 0; f_memory BIGINT := 0;
     pool_known BOOLEAN;
     s BIGINT;
     h_epoch BIGINT; h_valid BOOLEAN;
-    start BOOLEAN := false;
+    older BOOLEAN;
+    head fleet_requests%ROWTYPE;
+    cs BIGINT;
 BEGIN
     SELECT max_agents, max_cpu, max_memory INTO g_agents, g_cpu, g_memory
       FROM fleet_fleets WHERE fleet = f;
@@ -51,7 +57,8 @@ BEGIN
       WHERE r.state = 'finished' AND r.body = EXCLUDED.body
     RETURNING r.seq INTO s;
     IF s IS NULL THEN
-        RETURN QUERY SELECT 'existing'::TEXT, NULL::BIGINT;
+        RETURN QUERY SELECT 'existing'::TEXT, NULL::BIGINT, NULL::TEXT, NULL::BIGINT, NULL::TEXT,
+            NULL::TEXT, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
         RETURN;
     END IF;
 
@@ -64,37 +71,64 @@ BEGIN
                 USING ERRCODE = 'KF001',
                       DETAIL = CASE WHEN h_valid THEN h_epoch::TEXT ELSE '' END;
         END IF;
-        start := NOT EXISTS (SELECT 1 FROM fleet_requests q
-                              WHERE q.fleet = f AND q.pool = p AND q.state = 'queued' AND q.seq < s)
-             AND (p_agents IS NULL OR u_agents + 1 <= p_agents)
-             AND (p_cpu IS NULL OR u_cpu + c <= p_cpu)
-             AND (p_memory IS NULL OR u_memory + m <= p_memory);
-        IF start AND global_cap THEN
+        IF global_cap THEN
             SELECT COALESCE(sum(used_agents), 0), COALESCE(sum(used_cpu), 0), COALESCE(sum(used_memory), 0)
-              INTO u_agents, u_cpu, u_memory
+              INTO f_agents, f_cpu, f_memory
               FROM fleet_pools WHERE fleet = f;
-            start := (g_agents IS NULL OR u_agents + 1 <= g_agents)
-                 AND (g_cpu IS NULL OR u_cpu + c <= g_cpu)
-                 AND (g_memory IS NULL OR u_memory + m <= g_memory);
+        END IF;
+        older := EXISTS (SELECT 1 FROM fleet_requests q
+                          WHERE q.fleet = f AND q.pool = p AND q.state = 'queued' AND q.seq < s);
+        IF NOT older THEN
+            IF (p_agents IS NULL OR u_agents + 1 <= p_agents)
+               AND (p_cpu IS NULL OR u_cpu + c <= p_cpu)
+               AND (p_memory IS NULL OR u_memory + m <= p_memory)
+               AND (g_agents IS NULL OR f_agents + 1 <= g_agents)
+               AND (g_cpu IS NULL OR f_cpu + c <= g_cpu)
+               AND (g_memory IS NULL OR f_memory + m <= g_memory) THEN
+                UPDATE fleet_requests SET state = 'started', claimed_by = inst, claim_epoch = ep,
+                       claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1,
+                       agent_id = ag, started_at = fleet_now_ms()
+                 WHERE fleet = f AND job_id = j;
+                INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes,
+                                          state, created_at, updated_at)
+                VALUES (f, ag, inst, ep, p, j, c, m, 'live', fleet_now_ms(), fleet_now_ms());
+                IF EXISTS (SELECT 1 FROM fleet_requests q WHERE q.fleet = f AND q.pool = p AND q.state = 'queued') THEN
+                    PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
+                END IF;
+                RETURN QUERY SELECT 'started'::TEXT, s, NULL::TEXT, NULL::BIGINT, NULL::TEXT,
+                    NULL::TEXT, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
+                RETURN;
+            END IF;
+        ELSE
+            -- Older requests wait: this one queues behind them (FIFO), and
+            -- this host, which has room, claims the pool's head instead —
+            -- while arrivals keep coming, the queue drains at the entries'
+            -- pace rather than only at the claim loops' wake-ups.
+            SELECT * INTO head FROM fleet_requests q
+             WHERE q.fleet = f AND q.pool = p AND q.state = 'queued'
+             ORDER BY q.seq LIMIT 1 FOR UPDATE SKIP LOCKED;
+            IF FOUND
+               AND (p_agents IS NULL OR u_agents + 1 <= p_agents)
+               AND (p_cpu IS NULL OR u_cpu + head.milli_cpu <= p_cpu)
+               AND (p_memory IS NULL OR u_memory + head.memory_bytes <= p_memory)
+               AND (g_agents IS NULL OR f_agents + 1 <= g_agents)
+               AND (g_cpu IS NULL OR f_cpu + head.milli_cpu <= g_cpu)
+               AND (g_memory IS NULL OR f_memory + head.memory_bytes <= g_memory) THEN
+                UPDATE fleet_requests r SET state = 'claimed', claimed_by = inst, claim_epoch = ep,
+                       claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = r.claims + 1
+                 WHERE r.fleet = f AND r.job_id = head.job_id
+                RETURNING r.claim_seq INTO cs;
+                PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
+                RETURN QUERY SELECT 'claimed-head'::TEXT, s, head.job_id, head.seq, head.kind,
+                    head.body, head.secret, head.milli_cpu, head.memory_bytes, head.arrived_at, cs;
+                RETURN;
+            END IF;
         END IF;
     END IF;
 
-    IF start THEN
-        UPDATE fleet_requests SET state = 'started', claimed_by = inst, claim_epoch = ep,
-               claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1,
-               agent_id = ag, started_at = fleet_now_ms()
-         WHERE fleet = f AND job_id = j;
-        INSERT INTO fleet_agents (fleet, agent_id, instance_id, epoch, pool, job_id, milli_cpu, memory_bytes,
-                                  state, created_at, updated_at)
-        VALUES (f, ag, inst, ep, p, j, c, m, 'live', fleet_now_ms(), fleet_now_ms());
-        IF EXISTS (SELECT 1 FROM fleet_requests q WHERE q.fleet = f AND q.pool = p AND q.state = 'queued') THEN
-            PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
-        END IF;
-        RETURN QUERY SELECT 'started'::TEXT, s;
-    ELSE
-        PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
-        RETURN QUERY SELECT 'queued'::TEXT, s;
-    END IF;
+    PERFORM pg_notify(channel, json_build_array(f, p)::TEXT);
+    RETURN QUERY SELECT 'queued'::TEXT, s, NULL::TEXT, NULL::BIGINT, NULL::TEXT,
+        NULL::TEXT, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
 END
 $$;
 

@@ -206,6 +206,15 @@ pub enum Entered {
         /// Arrival order.
         seq: i64,
     },
+    /// Written and queued behind older requests; the caller's host, which
+    /// has room, claimed the pool's head instead (FIFO): its agent for this
+    /// request must not be created, and it serves `head` as any claim.
+    ClaimedHead {
+        /// Arrival order.
+        seq: i64,
+        /// The pool's oldest request, claimed by the caller.
+        head: Claim,
+    },
     /// The same request was in the fleet already (see
     /// [`Enqueued::Existing`]): the caller's agent must not be created.
     Existing {
@@ -467,7 +476,10 @@ impl Queue {
         // every entry and claim of the pool waits for, is held while the
         // function runs rather than across a round trip per statement.
         let row = sqlx::query(
-            "SELECT outcome, seq FROM fleet_enter($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+            "SELECT outcome, seq, head_job_id AS job_id, head_seq, head_kind AS kind, head_body AS body, \
+                 head_secret AS secret, head_milli_cpu AS milli_cpu, head_memory_bytes AS memory_bytes, \
+                 head_arrived_at AS arrived_at, head_claim_seq AS claim_seq \
+             FROM fleet_enter($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
         )
         .bind(name)
         .bind(&req.job_id)
@@ -496,6 +508,10 @@ impl Queue {
         match (outcome.as_str(), seq) {
             ("started", Some(seq)) => Ok(Entered::Started { seq }),
             ("queued", Some(seq)) => Ok(Entered::Queued { seq }),
+            ("claimed-head", Some(seq)) => Ok(Entered::ClaimedHead {
+                seq,
+                head: claimed(&row, "head_seq", &req.pool, guard.instance(), epoch)?,
+            }),
             ("existing", _) => self
                 .existing(req)
                 .await
@@ -609,26 +625,9 @@ impl Queue {
                 })
             }
         }
-        let cpu = non_negative("fleet_requests", "milli_cpu", row.try_get("milli_cpu")?)?;
-        let memory = non_negative(
-            "fleet_requests",
-            "memory_bytes",
-            row.try_get("memory_bytes")?,
-        )?;
-        Ok(PoolAttempt::Claimed(Claim {
-            job_id: row.try_get("job_id")?,
-            pool: pool.to_owned(),
-            kind: RequestKind::parse(&row.try_get::<String, _>("kind")?)?,
-            body: row.try_get("body")?,
-            secret: row.try_get("secret")?,
-            seq: row.try_get("seq")?,
-            claim_seq: row.try_get("claim_seq")?,
-            instance: instance.to_owned(),
-            epoch,
-            cpu: MilliCpu::from_millis(cpu),
-            memory: MemoryBytes::from_bytes(memory),
-            arrived_at: row.try_get("arrived_at")?,
-        }))
+        Ok(PoolAttempt::Claimed(claimed(
+            &row, "seq", pool, instance, epoch,
+        )?))
     }
 
     /// Binds the agent started for `claim` (records it `live` under the
@@ -1278,6 +1277,37 @@ async fn caps_admit(
         }
     }
     Ok(true)
+}
+
+/// A request a database function claimed for `instance` under `epoch`,
+/// from its row (`seq_column` names its arrival order's column).
+fn claimed(
+    row: &PgRow,
+    seq_column: &str,
+    pool: &str,
+    instance: &str,
+    epoch: i64,
+) -> Result<Claim, FleetError> {
+    let cpu = non_negative("fleet_requests", "milli_cpu", row.try_get("milli_cpu")?)?;
+    let memory = non_negative(
+        "fleet_requests",
+        "memory_bytes",
+        row.try_get("memory_bytes")?,
+    )?;
+    Ok(Claim {
+        job_id: row.try_get("job_id")?,
+        pool: pool.to_owned(),
+        kind: RequestKind::parse(&row.try_get::<String, _>("kind")?)?,
+        body: row.try_get("body")?,
+        secret: row.try_get("secret")?,
+        seq: row.try_get(seq_column)?,
+        claim_seq: row.try_get("claim_seq")?,
+        instance: instance.to_owned(),
+        epoch,
+        cpu: MilliCpu::from_millis(cpu),
+        memory: MemoryBytes::from_bytes(memory),
+        arrived_at: row.try_get("arrived_at")?,
+    })
 }
 
 /// The fence's refusal raised inside a database function (SQLSTATE

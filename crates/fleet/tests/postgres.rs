@@ -1055,26 +1055,27 @@ async fn enqueue_started_starts_only_the_head_under_the_caps() {
             ..
         }
     ));
-    // An older request waits: the new one queues behind it (FIFO).
+    // An older request waits: the new one queues behind it (FIFO), and the
+    // entry host, which has room, claims the older one instead.
     assert!(matches!(
         q.enqueue(&request("e2", "p", 100)).await.unwrap(),
         Enqueued::New { .. }
     ));
-    assert!(matches!(
-        q.enqueue_started(a.guard(), &request("e3", "p", 100), "agent-3")
-            .await
-            .unwrap(),
-        Entered::Queued { .. }
-    ));
-    // The head starts; then the cap (2) holds the next one back.
-    let claim = q
-        .claim(a.guard(), &["p".to_owned()])
+    let Entered::ClaimedHead { head, .. } = q
+        .enqueue_started(a.guard(), &request("e3", "p", 100), "agent-3")
         .await
         .unwrap()
-        .unwrap();
-    assert_eq!(claim.job_id, "e2");
-    q.start(a.guard(), &claim, "agent-2").await.unwrap();
-    q.cancel_queued("e3").await.unwrap();
+    else {
+        panic!("the head was not claimed");
+    };
+    assert_eq!(head.job_id, "e2");
+    assert_eq!(
+        q.state("e3").await.unwrap(),
+        Some((RequestState::Queued, None))
+    );
+    q.start(a.guard(), &head, "agent-2").await.unwrap();
+    // The cap (2) is reached: e3 waits, a later arrival queues behind it
+    // and claims nothing.
     assert!(matches!(
         q.enqueue_started(a.guard(), &request("e4", "p", 100), "agent-4")
             .await

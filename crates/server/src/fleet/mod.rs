@@ -377,6 +377,13 @@ impl FleetHost {
                 drop(hold);
                 return self.answer(&job).await.map(Some);
             }
+            // Queued behind older requests; this host serves the oldest
+            // instead, as any claim (still holding the claim guard).
+            Ok(Entered::ClaimedHead { head, .. }) => {
+                drop(hold);
+                self.serve(head).await;
+                return self.answer(&job).await.map(Some);
+            }
             Err(FleetError::Conflict { .. }) => return Err(EntryError::Conflict(job)),
             // The fence is closed or moved: queued the ordinary way.
             Err(FleetError::LeaseLapsed { .. } | FleetError::StaleEpoch { .. }) => return Ok(None),
