@@ -1520,14 +1520,6 @@ impl Engine {
         }
     }
 
-    /// Scalers named in pending requests, for metrics.
-    pub fn pending_ages(&self, now: Instant) -> Vec<(ScalerName, Duration)> {
-        self.pending
-            .iter()
-            .map(|e| (e.scaler.clone(), now.saturating_duration_since(e.enqueued)))
-            .collect()
-    }
-
     /// Names of every scaler with at least one live agent (for reconcile).
     pub fn live_agent_ids(&self) -> BTreeSet<AgentId> {
         self.agents.keys().copied().collect()
