@@ -9,17 +9,33 @@
 //!
 //! - `lead` = the scaler's observed spawn time (spawn → registered, a
 //!   moving average of its agents; [`DEFAULT_LEAD`] before the first one);
-//! - `steady` = the arrivals expected during one `lead` at the rate of the
-//!   last [`RATE_WINDOW`], plus one standard deviation of a Poisson
-//!   arrival count (`m + √m`, rounded up): what keeps most of a steady
-//!   stream of jobs from waiting for a spawn;
+//! - `steady` = the pool a Poisson stream at the rate of the last
+//!   [`RATE_WINDOW`] is worth (`m` arrivals expected per `lead`): with `k`
+//!   agents warm and each taken one replaced, an arrival waits when `k` or
+//!   more replacements are still spawning, so one more agent saves the
+//!   arrivals that find exactly `k` spawning and idles whenever at most `k`
+//!   are. Agents are added while that costs at most [`WAITS_WORTH`] spawn
+//!   times of idle per wait saved. One exchange rate for every rate
+//!   spends idle time where it saves the most waits: a busy stream gets a
+//!   pool a few agents above its mean, a trickle of a job every few
+//!   minutes gets none (a warm agent would idle minutes per wait saved) —
+//!   a fixed "mean plus a deviation" overpays at both ends;
 //! - `burst` = the most arrivals seen within any [`BURST_SPAN`] of the last
-//!   [`BURST_WINDOW`], when that is a fan-out — more than the steady stream
-//!   puts in one span (`e + 3√e + 1` for `e` expected): a pipeline that
-//!   fans out into many jobs at once is likely to do so again soon;
-//! - the target is the largest `max(steady, burst)` of the plans of the last
-//!   [`HOLD`] (hysteresis: it rises at once, falls only after demand stayed
-//!   low that long), bounded by `minSize`, `maxSize` and `maxAgents`.
+//!   [`BURST_WINDOW`], when that is a fan-out: a steady stream at the
+//!   measured rate would put that many into some span of the window with
+//!   less than a 1% chance. The test counts every span scanned (one per
+//!   arrival): judged one span at a time, a busy stream's chance clumps
+//!   (five jobs in ten seconds at five a minute, a few times an hour) pass
+//!   for fan-outs and keep a pool sized for them warm for the whole window
+//!   and hold. A pipeline that fans out into many jobs at once is likely to
+//!   do so again soon;
+//! - the target is `max(steady, burst)` where each is the largest of its
+//!   plans over its hold (hysteresis: it rises at once and falls only after
+//!   demand stayed low that long): [`HOLD`] for a fan-out, which comes back
+//!   minutes later, and only [`STEADY_HOLD`] for the steady stream, whose
+//!   plans move with the noise of the rate estimate — holding their maximum
+//!   for long keeps the pool sized for the noise's peaks. Bounded by
+//!   `minSize`, `maxSize` and `maxAgents`.
 //!
 //! Everything is a function of the arrivals, the registrations and the
 //! instants passed in: the same history and clock give the same targets.
@@ -35,8 +51,16 @@ pub const RATE_WINDOW: Duration = Duration::from_secs(15 * 60);
 pub const BURST_SPAN: Duration = Duration::from_secs(10);
 /// How far back the largest burst is looked for.
 pub const BURST_WINDOW: Duration = Duration::from_secs(30 * 60);
-/// How long a forecast target is held before it may fall.
+/// How long a fan-out's target is held before it may fall.
 pub const HOLD: Duration = Duration::from_secs(10 * 60);
+/// How long the steady stream's target is held before it may fall.
+pub const STEADY_HOLD: Duration = Duration::from_secs(60);
+/// How many spawn times of idle agent time one spawn wait saved is worth
+/// (the steady stream's pool keeps an agent while it costs at most that).
+pub const WAITS_WORTH: f64 = 8.0;
+/// The chance below which a span's arrivals are a fan-out rather than a
+/// steady stream's clump.
+const BURST_CHANCE: f64 = 0.01;
 /// The spawn time assumed before the scaler's first registration.
 pub const DEFAULT_LEAD: Duration = Duration::from_secs(30);
 /// Weight of the newest observation in the spawn time's moving average.
@@ -85,7 +109,7 @@ pub(super) struct Capacity {
     /// Arrivals per label set (scalers with a forecast only), oldest first.
     arrivals: HashMap<Key, VecDeque<Instant>>,
     /// Raw forecasts of the last [`HOLD`], oldest first.
-    held: HashMap<Key, VecDeque<(Instant, u32)>>,
+    held: HashMap<Key, VecDeque<(Instant, u32, u32)>>,
     /// Spawn time per scaler, seconds.
     lead: HashMap<ScalerName, f64>,
     targets: HashMap<ScalerName, Planned>,
@@ -131,6 +155,43 @@ fn largest_burst(arrivals: &VecDeque<Instant>, now: Instant, span: Duration) -> 
         best = best.max(end + 1 - start);
     }
     u32::try_from(best).unwrap_or(u32::MAX)
+}
+
+/// The chance that a Poisson count of mean `mean` is at least `k`.
+fn poisson_tail(mean: f64, k: u32) -> f64 {
+    let mut term = (-mean).exp();
+    let mut below = 0.0;
+    for i in 0..k {
+        below += term;
+        term *= mean / f64::from(i + 1);
+    }
+    (1.0 - below).max(0.0)
+}
+
+/// The most agents worth keeping warm for a Poisson stream of `mean`
+/// arrivals per spawn time: the (k+1)-th is kept while the idle time it
+/// adds, per spawn wait it saves, is at most `c` spawn times. With `k` warm
+/// and every taken agent replaced, an arrival finds the pool empty when `k`
+/// or more replacements are still spawning (N ~ Poisson(mean)); one more
+/// agent sits idle while N <= k and saves the waits of arrivals that find
+/// exactly `k` spawning.
+fn marginal_size(mean: f64, c: f64) -> u32 {
+    if mean <= 0.0 {
+        return 0;
+    }
+    let mut k = 0u32;
+    let mut pk = (-mean).exp(); // P(N = k)
+    let mut below = pk; // P(N <= k)
+    while k < 10_000 {
+        // Adding agent k+1: idle with P(N <= k), saves a wait at rate m P(N = k).
+        if pk <= 0.0 || below / (mean * pk) > c {
+            break;
+        }
+        k += 1;
+        pk *= mean / f64::from(k);
+        below += pk;
+    }
+    k
 }
 
 impl Engine {
@@ -297,7 +358,7 @@ impl Engine {
             .iter()
             .map(|ls| {
                 let key = (scaler.name.clone(), ls.labels.clone());
-                let raw = match self.capacity.arrivals.get(&key) {
+                let (steady, burst) = match self.capacity.arrivals.get(&key) {
                     Some(arrivals) => {
                         let recent = arrivals
                             .iter()
@@ -305,35 +366,43 @@ impl Engine {
                             .take_while(|t| now.saturating_duration_since(**t) < RATE_WINDOW)
                             .count();
                         let rate = recent as f64 / RATE_WINDOW.as_secs_f64();
-                        let mean = rate * lead;
-                        let steady = if mean > 0.0 {
-                            (mean + mean.sqrt()).ceil() as u32
-                        } else {
-                            0
-                        };
-                        // A fan-out is more arrivals in one span than the
-                        // steady stream puts there (beyond three standard
-                        // deviations, and at least two).
-                        let in_span = rate * BURST_SPAN.as_secs_f64();
+                        let steady = marginal_size(rate * lead, WAITS_WORTH);
+                        // A fan-out is a span holding more arrivals than a
+                        // steady stream at this rate would put into any span
+                        // of the window but for a 1% chance.
+                        let in_window = arrivals
+                            .iter()
+                            .filter(|t| now.saturating_duration_since(**t) < BURST_WINDOW)
+                            .count() as f64;
                         let burst = largest_burst(arrivals, now, BURST_SPAN);
-                        let burst = if f64::from(burst) > in_span + 3.0 * in_span.sqrt() + 1.0 {
-                            burst
-                        } else {
-                            0
-                        };
-                        steady.max(burst)
+                        // The stream's rate over the same window the burst
+                        // was looked for in: measured over a shorter one, an
+                        // old pair of jobs would pass for a fan-out once the
+                        // rate window has emptied.
+                        let in_span =
+                            in_window / BURST_WINDOW.as_secs_f64() * BURST_SPAN.as_secs_f64();
+                        let fan_out = burst >= 2
+                            && in_window * poisson_tail(in_span, burst - 1) < BURST_CHANCE;
+                        (steady, if fan_out { burst } else { 0 })
                     }
-                    None => 0,
+                    None => (0, 0),
                 };
                 let held = self.capacity.held.entry(key).or_default();
-                held.push_back((now, raw));
+                held.push_back((now, steady, burst));
                 while held
                     .front()
-                    .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= HOLD)
+                    .is_some_and(|(t, _, _)| now.saturating_duration_since(*t) >= HOLD)
                 {
                     held.pop_front();
                 }
-                let target = held.iter().map(|(_, v)| *v).max().unwrap_or(0);
+                let steady = held
+                    .iter()
+                    .filter(|(t, _, _)| now.saturating_duration_since(*t) < STEADY_HOLD)
+                    .map(|(_, v, _)| *v)
+                    .max()
+                    .unwrap_or(0);
+                let burst = held.iter().map(|(_, _, v)| *v).max().unwrap_or(0);
+                let target = steady.max(burst);
                 target
                     .clamp(forecast.min_size, forecast.max_size.max(forecast.min_size))
                     .min(cap)
