@@ -256,7 +256,20 @@ fn agent_output_in_upstreams_shape_keeps_its_fields_and_never_its_forged_attribu
     assert_eq!(status, 202, "{body}");
     let agent = body["agentId"].as_str().unwrap().to_owned();
 
-    let json = d.expect_line("the agent's JSON line", |v| v["msg"] == "from the agent");
+    // stdout and stderr are two pipes, read apart: either line may come
+    // first.
+    let (mut json, mut plain) = (None, None);
+    while json.is_none() || plain.is_none() {
+        let v = d.expect_line("the agent's JSON and plain lines", |v| {
+            v["msg"] == "from the agent" || v["message"] == "plain words"
+        });
+        if v["msg"] == "from the agent" {
+            json = Some(v);
+        } else {
+            plain = Some(v);
+        }
+    }
+    let (json, plain) = (json.unwrap(), plain.unwrap());
     assert_eq!(json["level"], "warn");
     assert_eq!(json["step"], 2);
     assert_eq!(json["agentId"], agent.as_str());
@@ -266,7 +279,6 @@ fn agent_output_in_upstreams_shape_keeps_its_fields_and_never_its_forged_attribu
     assert_eq!(json["service"], "agent");
     assert_eq!(json["stream"], "stdout");
     assert!(json.get("runId").is_none(), "{json}");
-    let plain = d.expect_line("the agent's plain line", |v| v["message"] == "plain words");
     assert_eq!(plain["level"], "info");
     assert_eq!(plain["agentId"], agent.as_str());
     assert_eq!(plain["stream"], "stderr");
