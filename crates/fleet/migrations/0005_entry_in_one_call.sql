@@ -13,6 +13,17 @@
 -- this host claimed the oldest of them instead (the caller serves it). A host that is not `up` under `ep` with an unexpired
 -- lease raises SQLSTATE KF001 (the statement, its insert included, rolls
 -- back), its current epoch as the DETAIL when its lease is valid.
+-- Whether one more request of `c` milli-CPU and `m` bytes fits under caps
+-- (NULL: none) given what is used.
+CREATE FUNCTION fleet_fits(max_agents BIGINT, max_cpu BIGINT, max_memory BIGINT,
+                           used_agents BIGINT, used_cpu BIGINT, used_memory BIGINT,
+                           c BIGINT, m BIGINT) RETURNS BOOLEAN
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT (max_agents IS NULL OR used_agents + 1 <= max_agents)
+       AND (max_cpu IS NULL OR used_cpu + c <= max_cpu)
+       AND (max_memory IS NULL OR used_memory + m <= max_memory)
+$$;
+
 CREATE FUNCTION fleet_enter(
     f TEXT, j TEXT, k TEXT, p TEXT, b TEXT, ans TEXT, c BIGINT, m BIGINT,
     entry TEXT, sec TEXT, inst TEXT, ep BIGINT, ag TEXT, channel TEXT)
@@ -33,6 +44,16 @@ DECLARE
     head fleet_requests%ROWTYPE;
     cs BIGINT;
 BEGIN
+    -- A repeat of a request still in the fleet (a client's retry, the same
+    -- job through a second host) is answered before any lock: the insert
+    -- below, under the pool's row, would wait on the request's row, the
+    -- reverse of the order in which starting or completing that request
+    -- takes them (its row, then the pool's through the usage trigger).
+    IF EXISTS (SELECT 1 FROM fleet_requests q WHERE q.fleet = f AND q.job_id = j AND q.state <> 'finished') THEN
+        RETURN QUERY SELECT 'existing'::TEXT, NULL::BIGINT, NULL::TEXT, NULL::BIGINT, NULL::TEXT,
+            NULL::TEXT, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
+        RETURN;
+    END IF;
     SELECT max_agents, max_cpu, max_memory INTO g_agents, g_cpu, g_memory
       FROM fleet_fleets WHERE fleet = f;
     global_cap := g_agents IS NOT NULL OR g_cpu IS NOT NULL OR g_memory IS NOT NULL;
@@ -79,12 +100,8 @@ BEGIN
         older := EXISTS (SELECT 1 FROM fleet_requests q
                           WHERE q.fleet = f AND q.pool = p AND q.state = 'queued' AND q.seq < s);
         IF NOT older THEN
-            IF (p_agents IS NULL OR u_agents + 1 <= p_agents)
-               AND (p_cpu IS NULL OR u_cpu + c <= p_cpu)
-               AND (p_memory IS NULL OR u_memory + m <= p_memory)
-               AND (g_agents IS NULL OR f_agents + 1 <= g_agents)
-               AND (g_cpu IS NULL OR f_cpu + c <= g_cpu)
-               AND (g_memory IS NULL OR f_memory + m <= g_memory) THEN
+            IF fleet_fits(p_agents, p_cpu, p_memory, u_agents, u_cpu, u_memory, c, m)
+               AND fleet_fits(g_agents, g_cpu, g_memory, f_agents, f_cpu, f_memory, c, m) THEN
                 UPDATE fleet_requests SET state = 'started', claimed_by = inst, claim_epoch = ep,
                        claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = claims + 1,
                        agent_id = ag, started_at = fleet_now_ms()
@@ -108,12 +125,10 @@ BEGIN
              WHERE q.fleet = f AND q.pool = p AND q.state = 'queued'
              ORDER BY q.seq LIMIT 1 FOR UPDATE SKIP LOCKED;
             IF FOUND
-               AND (p_agents IS NULL OR u_agents + 1 <= p_agents)
-               AND (p_cpu IS NULL OR u_cpu + head.milli_cpu <= p_cpu)
-               AND (p_memory IS NULL OR u_memory + head.memory_bytes <= p_memory)
-               AND (g_agents IS NULL OR f_agents + 1 <= g_agents)
-               AND (g_cpu IS NULL OR f_cpu + head.milli_cpu <= g_cpu)
-               AND (g_memory IS NULL OR f_memory + head.memory_bytes <= g_memory) THEN
+               AND fleet_fits(p_agents, p_cpu, p_memory, u_agents, u_cpu, u_memory,
+                              head.milli_cpu, head.memory_bytes)
+               AND fleet_fits(g_agents, g_cpu, g_memory, f_agents, f_cpu, f_memory,
+                              head.milli_cpu, head.memory_bytes) THEN
                 UPDATE fleet_requests r SET state = 'claimed', claimed_by = inst, claim_epoch = ep,
                        claim_seq = nextval('fleet_claim_seq'), claimed_at = fleet_now_ms(), claims = r.claims + 1
                  WHERE r.fleet = f AND r.job_id = head.job_id
@@ -197,9 +212,8 @@ BEGIN
             NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
         RETURN;
     END IF;
-    IF NOT ((p_agents IS NULL OR u_agents + 1 <= p_agents)
-            AND (p_cpu IS NULL OR u_cpu + head.milli_cpu <= p_cpu)
-            AND (p_memory IS NULL OR u_memory + head.memory_bytes <= p_memory)) THEN
+    IF NOT fleet_fits(p_agents, p_cpu, p_memory, u_agents, u_cpu, u_memory,
+                      head.milli_cpu, head.memory_bytes) THEN
         RETURN QUERY SELECT 'at-cap'::TEXT, NULL::TEXT, NULL::BIGINT, NULL::TEXT, NULL::TEXT,
             NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
         RETURN;
@@ -208,9 +222,8 @@ BEGIN
         SELECT COALESCE(sum(used_agents), 0), COALESCE(sum(used_cpu), 0), COALESCE(sum(used_memory), 0)
           INTO u_agents, u_cpu, u_memory
           FROM fleet_pools WHERE fleet = f;
-        IF NOT ((g_agents IS NULL OR u_agents + 1 <= g_agents)
-                AND (g_cpu IS NULL OR u_cpu + head.milli_cpu <= g_cpu)
-                AND (g_memory IS NULL OR u_memory + head.memory_bytes <= g_memory)) THEN
+        IF NOT fleet_fits(g_agents, g_cpu, g_memory, u_agents, u_cpu, u_memory,
+                          head.milli_cpu, head.memory_bytes) THEN
             RETURN QUERY SELECT 'at-cap'::TEXT, NULL::TEXT, NULL::BIGINT, NULL::TEXT, NULL::TEXT,
                 NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT;
             RETURN;

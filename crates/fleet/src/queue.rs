@@ -455,12 +455,9 @@ impl Queue {
         req: &NewRequest,
         agent_id: &str,
     ) -> Result<Entered, FleetError> {
-        // A repeat is answered before any lock (see [`Queue::enqueue`]).
-        if let Some((answer, state)) = self.recorded(req).await? {
-            if state != RequestState::Finished {
-                return Ok(Entered::Existing { answer, state });
-            }
-        }
+        // `fleet_enter` answers a repeat before any lock (see
+        // [`Queue::enqueue`]); a deadlock remains possible when the request
+        // changes between that look and its insert.
         retry_on_deadlock(|| self.enqueue_started_once(guard, req, agent_id)).await
     }
 
